@@ -1,0 +1,1 @@
+"""The Execution Contract: what runs, with which constants, under which claims."""

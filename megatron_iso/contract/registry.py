@@ -1,0 +1,118 @@
+"""The op registry: every implementation of an op declares itself here.
+
+An implementation is identified by ``impl_id@version`` and carries the constants
+that can change a bit of its output (leaves, tiles, chunk size, accumulation
+dtype). The contract builder reads the registry to write the ``composition``
+section; the ops' dispatch points read it to pick the function to call. One
+registry, so what runs is what the contract says runs.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICE_CLASSES = ("cpu", "cuda")
+PROFILES = ("correctness", "performance")
+# The executions the contract covers; every implementation says which it serves.
+CASES = ("trainer_forward", "trainer_score", "prefill", "decode")
+
+
+def float_bits(value: float) -> str:
+    """A float as its IEEE-754 binary64 bit pattern, so canonical JSON never holds a decimal float."""
+    return "f64:0x" + struct.pack(">d", float(value)).hex()
+
+
+def bits_float(text: str) -> float:
+    """Inverse of :func:`float_bits`."""
+    if not text.startswith("f64:0x"):
+        raise ValueError(f"not a float bit pattern: {text!r} (expected 'f64:0x' + 16 hex digits)")
+    return struct.unpack(">d", bytes.fromhex(text[6:]))[0]
+
+
+def _canonical_constant(name: str, value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return float_bits(value)
+    if isinstance(value, (list, tuple)):
+        return [_canonical_constant(name, v) for v in value]
+    raise TypeError(f"constant '{name}' has unsupported type {type(value).__name__}; use int, str, bool, float or a list")
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """One registered implementation of an op."""
+
+    op: str  # op family and member, e.g. "gemm", "rmsnorm", "attention", "logprob"
+    impl_id: str  # e.g. "leaf_tree_gemm.reference"
+    version: str
+    device_class: str  # one of DEVICE_CLASSES
+    profile: str  # one of PROFILES: correctness (invariant) or performance (native)
+    fn: Callable[..., Any] = field(compare=False, repr=False)
+    constants: Mapping[str, Any] = field(default_factory=dict)
+    cases: tuple[str, ...] = CASES
+    # For an entry whose rollout and trainer sides run different code: why they are equal.
+    equivalence_note: str = ""
+    # Runs this implementation on fixed seeded inputs and returns {case_or_name: output tensor};
+    # the lockfile stores SHA-256 digests of those outputs (golden probes).
+    probe: Callable[[], Mapping[str, Any]] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.device_class not in DEVICE_CLASSES:
+            raise ValueError(f"OpImpl {self.impl_id}: device_class={self.device_class!r}, allowed {DEVICE_CLASSES}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"OpImpl {self.impl_id}: profile={self.profile!r}, allowed {PROFILES}")
+        bad = [c for c in self.cases if c not in CASES]
+        if bad:
+            raise ValueError(f"OpImpl {self.impl_id}: unknown cases {bad}, allowed {CASES}")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.impl_id}@{self.version}"
+
+    def canonical(self) -> dict[str, Any]:
+        """What the contract records: everything but the callable."""
+        return {
+            "impl": self.ref,
+            "device_class": self.device_class,
+            "constants": {k: _canonical_constant(k, v) for k, v in sorted(self.constants.items())},
+            "cases": sorted(self.cases),
+            "equivalence_note": self.equivalence_note,
+        }
+
+
+_REGISTRY: dict[tuple[str, str, str], OpImpl] = {}
+
+
+def register(impl: OpImpl) -> OpImpl:
+    """Add ``impl``; a second, different implementation for the same (op, device, profile) is an error."""
+    key = (impl.op, impl.device_class, impl.profile)
+    old = _REGISTRY.get(key)
+    if old is not None and old.ref != impl.ref:
+        raise ValueError(f"op '{impl.op}' ({impl.device_class}, {impl.profile}) already served by {old.ref}, not {impl.ref}")
+    _REGISTRY[key] = impl
+    return impl
+
+
+def lookup(op: str, device_class: str, profile: str) -> OpImpl:
+    """The implementation serving ``op`` for a device class and profile."""
+    try:
+        return _REGISTRY[(op, device_class, profile)]
+    except KeyError:
+        have = sorted({k[0] for k in _REGISTRY})
+        raise KeyError(
+            f"no implementation of op '{op}' for device_class={device_class!r}, profile={profile!r}; registered ops: {have}"
+        ) from None
+
+
+def registered(device_class: str | None = None, profile: str | None = None) -> list[OpImpl]:
+    """All registered implementations, filtered, in a stable order."""
+    out = [
+        impl
+        for (op, dev, prof), impl in _REGISTRY.items()
+        if (device_class is None or dev == device_class) and (profile is None or prof == profile)
+    ]
+    return sorted(out, key=lambda i: (i.op, i.device_class, i.profile))
