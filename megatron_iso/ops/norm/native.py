@@ -1,0 +1,75 @@
+"""RMSNorm native path: the formulas stock stacks (HF transformers Qwen3 / Qwen3-Next) use.
+
+``torch.mean`` and ``torch.rsqrt`` let ATen pick vectorisation and reduction order per shape, and
+intermediate results are rounded to the input dtype where HF rounds them. This is the baseline the
+reference path is measured against, and the performance profile's implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_iso.contract.registry import OpImpl, register
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered: bool = False) -> torch.Tensor:
+    """HF-style RMSNorm; ``zero_centered`` follows Qwen3-Next (scale in fp32, then cast)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return weight * y.to(x.dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered: bool = False
+) -> torch.Tensor:
+    """Qwen3-Next-style gated RMSNorm: normalise, scale in the input dtype, multiply by fp32 silu(gate)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = (1.0 + weight.float()).to(x.dtype) if zero_centered else weight
+    y = w * y.to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def _probe_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4001)
+    return torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g) * 0.1
+
+
+def _probe_rms_norm() -> dict[str, torch.Tensor]:
+    x, _, w = _probe_inputs()
+    return {"fp32": rms_norm(x, w), "bf16": rms_norm(x.bfloat16(), w.bfloat16())}
+
+
+def _probe_gated() -> dict[str, torch.Tensor]:
+    x, z, w = _probe_inputs()
+    return {"fp32": gated_rms_norm(x, z, w), "bf16": gated_rms_norm(x.bfloat16(), z.bfloat16(), w.bfloat16())}
+
+
+for _dev in ("cpu", "cuda"):
+    register(
+        OpImpl(
+            op="rmsnorm",
+            impl_id="rmsnorm.native",
+            version="1",
+            device_class=_dev,
+            profile="performance",
+            fn=rms_norm,
+            constants={"formula": "hf: x.float() * rsqrt(mean(x^2) + eps); weight * y.to(dtype)"},
+            probe=_probe_rms_norm,
+        )
+    )
+    register(
+        OpImpl(
+            op="rmsnorm_gated",
+            impl_id="rmsnorm_gated.native",
+            version="1",
+            device_class=_dev,
+            profile="performance",
+            fn=gated_rms_norm,
+            constants={"formula": "hf qwen3-next: weight * y.to(dtype) * silu(gate.float())"},
+            probe=_probe_gated,
+        )
+    )

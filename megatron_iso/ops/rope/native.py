@@ -1,0 +1,52 @@
+"""RoPE native path: HF transformers' formulas (fp32 inv_freq and angles, cos/sin cast to the
+input dtype, rotation evaluated in the input dtype). Baseline and performance-profile path."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_iso.contract.registry import OpImpl, register
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``RotaryEmbedding``: fp32 ``inv_freq``, fp32 angles, ``torch.cos``/``torch.sin``."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF ``apply_rotary_pos_emb`` with partial rotary, in the input dtype; ``x`` is ``[T, H, D]``."""
+    rot = cos.shape[-1]
+    cos = cos.to(x.dtype).unsqueeze(1)
+    sin = sin.to(x.dtype).unsqueeze(1)
+    xr, xp = x[..., :rot], x[..., rot:]
+    rotated = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], dim=-1)
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+for _dev in ("cpu", "cuda"):
+    register(
+        OpImpl(
+            op="rope_cos_sin",
+            impl_id="rope_cos_sin.native",
+            version="1",
+            device_class=_dev,
+            profile="performance",
+            fn=rope_cos_sin,
+            constants={"formula": "hf: fp32 inv_freq, fp32 angle, torch.cos/sin"},
+        )
+    )
+    register(
+        OpImpl(
+            op="rope",
+            impl_id="rope.native",
+            version="1",
+            device_class=_dev,
+            profile="performance",
+            fn=apply_rope,
+            constants={"formula": "hf apply_rotary_pos_emb in input dtype"},
+        )
+    )

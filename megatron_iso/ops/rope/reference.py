@@ -1,0 +1,151 @@
+"""RoPE reference path (CPU): one cos/sin function of absolute positions, shared by all cases.
+
+Training, prefill and decode call :func:`rope_cos_sin` with the token's absolute position, so a
+token gets the same angle bits whatever the number of tokens in the call. The angle
+``position * inv_freq`` is formed in float64 (positions are exact integers there), reduced modulo
+pi/2 with a two-part constant, and sin/cos come from Taylor polynomials: only correctly rounded
+operations, so no dependence on ATen's vector/scalar lanes (see ``ops.activation.pointwise``).
+Results are rounded to float32 once.
+
+Layout follows HF Qwen3 / Qwen3-Next: ``cos = cat(cos(f), cos(f))`` over ``rotary_dim`` and
+``x_rot * cos + rotate_half(x_rot) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` (non-interleaved
+halves); a partial rotary factor rotates the first ``rotary_dim`` channels and passes the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_iso.contract.registry import OpImpl, register
+
+# pi/2 = _PIO2_HI + _PIO2_LO, with _PIO2_HI's low 20 bits zero: k * _PIO2_HI is exact for k < 2^20
+# (angles up to ~1.6e6 rad, i.e. 1.6M positions at inv_freq 1). Same split as fdlibm's pio2_1.
+_PIO2_HI = 1.57079632673412561417e00
+_PIO2_LO = 6.07710050650619224932e-11
+_TWO_OVER_PI = 2.0 / math.pi
+# Taylor terms up to x^17 / x^16 on |r| <= pi/4: truncation error < 1e-16.
+_SIN_COEFFS = [(-1.0) ** n / math.factorial(2 * n + 1) for n in range(9)]
+_COS_COEFFS = [(-1.0) ** n / math.factorial(2 * n) for n in range(9)]
+MAX_ANGLE = float(2**20) * _PIO2_HI
+
+
+def inv_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
+    """``theta ** (-2i / rotary_dim)`` for i < rotary_dim/2, float64, computed with Python floats.
+
+    A function of the config only (never of a batch), so every case sees the same values.
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    return torch.tensor([1.0 / (theta ** (2 * i / rotary_dim)) for i in range(rotary_dim // 2)], dtype=torch.float64)
+
+
+def rotary_dim_for(head_dim: int, fraction: float = 1.0) -> int:
+    """Channels rotated for a partial rotary factor (HF: ``int(head_dim * partial_rotary_factor)``)."""
+    dim = int(head_dim * fraction)
+    if dim <= 0 or dim % 2 or dim > head_dim:
+        raise ValueError(
+            f"partial rotary fraction {fraction} of head_dim {head_dim} gives {dim}; need even, 0 < d <= head_dim"
+        )
+    return dim
+
+
+def _horner(coeffs: list[float], x: torch.Tensor) -> torch.Tensor:
+    p = torch.full_like(x, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        p = p * x + c
+    return p
+
+
+def _sincos64(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.round(angle * _TWO_OVER_PI)
+    r = (angle - k * _PIO2_HI) - k * _PIO2_LO
+    r2 = r * r
+    s = r * _horner(_SIN_COEFFS, r2)
+    c = _horner(_COS_COEFFS, r2)
+    quadrant = k.to(torch.int64).remainder(4)
+    # sin(a) over quadrants 0..3: s, c, -s, -c;  cos(a): c, -s, -c, s.
+    sin = torch.where(quadrant == 0, s, torch.where(quadrant == 1, c, torch.where(quadrant == 2, -s, -c)))
+    cos = torch.where(quadrant == 0, c, torch.where(quadrant == 1, -s, torch.where(quadrant == 2, -c, s)))
+    return sin, cos
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, float32, shape ``[*positions.shape, rotary_dim]``, for absolute integer positions."""
+    if positions.is_floating_point():
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    inv = inv_frequencies(rotary_dim, theta).to(positions.device)
+    angle = positions.to(torch.float64).unsqueeze(-1) * inv
+    if angle.numel() and float(angle.abs().max()) > MAX_ANGLE:
+        raise ValueError(f"rope angle {float(angle.abs().max()):.3g} beyond the exact reduction range {MAX_ANGLE:.3g}")
+    sin, cos = _sincos64(angle)
+    cos = torch.cat([cos, cos], dim=-1).float()
+    sin = torch.cat([sin, sin], dim=-1).float()
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of ``x`` ``[tokens, heads, head_dim]``; one rounding.
+
+    ``cos``/``sin``: ``[tokens, rotary_dim]`` float32 from :func:`rope_cos_sin`.
+    """
+    if x.dim() != 3 or cos.dim() != 2 or cos.shape[0] != x.shape[0]:
+        raise ValueError(f"apply_rope: x [T, H, D] and cos [T, rot] expected, got {tuple(x.shape)}, {tuple(cos.shape)}")
+    rot = cos.shape[-1]
+    if rot > x.shape[-1] or rot % 2:
+        raise ValueError(f"apply_rope: rotary_dim {rot} invalid for head_dim {x.shape[-1]}")
+    xr = x[..., :rot].float()
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = xr * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
+
+
+def _probe_apply() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4002)
+    x = torch.randn(6, 2, 32, generator=g)
+    pos = torch.tensor([0, 1, 63, 64, 4095, 131071])
+    out = {}
+    for frac, rd in (("full", 32), ("quarter", 8)):
+        cos, sin = rope_cos_sin(pos, rd, 10000.0)
+        out[f"{frac}_fp32"] = apply_rope(x, cos, sin)
+        out[f"{frac}_bf16"] = apply_rope(x.bfloat16(), cos, sin)
+    return out
+
+
+def _probe_cos_sin() -> dict[str, torch.Tensor]:
+    pos = torch.tensor([0, 1, 2, 63, 64, 65, 1000, 4095, 32767, 131071, 1000003])
+    cos, sin = rope_cos_sin(pos, 64, 1_000_000.0)
+    return {"cos": cos, "sin": sin}
+
+
+register(
+    OpImpl(
+        op="rope_cos_sin",
+        impl_id="rope_cos_sin.reference",
+        version="1",
+        device_class="cpu",
+        profile="correctness",
+        fn=rope_cos_sin,
+        constants={
+            "inv_freq": "fp64 python theta ** (-2i/rotary_dim)",
+            "angle": "fp64 position * inv_freq",
+            "sincos": "fp64 cody-waite pi/2 (2 parts) + taylor deg 17/16, rounded to fp32",
+            "layout": "hf rotate_half: cat(f, f)",
+        },
+        probe=_probe_cos_sin,
+    )
+)
+register(
+    OpImpl(
+        op="rope",
+        impl_id="rope.reference",
+        version="1",
+        device_class="cpu",
+        profile="correctness",
+        fn=apply_rope,
+        constants={"accumulate_dtype": "fp32", "layout": "hf rotate_half (non-interleaved)", "output_rounding": "once"},
+        probe=_probe_apply,
+    )
+)
