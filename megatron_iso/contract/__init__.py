@@ -1,1 +1,42 @@
-"""The Execution Contract: what runs, with which constants, under which claims."""
+"""The Execution Contract: what runs, with which constants, under which claims.
+
+Typical use at start-up of either side of the RL loop::
+
+    from megatron_iso.contract import build_contract, handshake, load_op_implementations
+
+    load_op_implementations()
+    contract = build_contract(cfg)
+    handshake(contract)  # or handshake(contract, path=rendezvous_dir, role="rollout", expect=("trainer",))
+"""
+
+from megatron_iso.contract.build import ContractValidationError, build_contract, resolve_device_class
+from megatron_iso.contract.canonical import CanonicalError, canonical_json, diff_paths, sha256_of
+from megatron_iso.contract.handshake import ContractMismatchError, HandshakeResult, check_compatible, handshake
+from megatron_iso.contract.loader import load_op_implementations
+from megatron_iso.contract.lockfile import LockfileError, VerifyReport, make_lock, read_lock, verify_lock, write_lock
+from megatron_iso.contract.schema import SCHEMA, Contract, ContractFormatError, Identities
+
+__all__ = [
+    "SCHEMA",
+    "CanonicalError",
+    "Contract",
+    "ContractFormatError",
+    "ContractMismatchError",
+    "ContractValidationError",
+    "HandshakeResult",
+    "Identities",
+    "LockfileError",
+    "VerifyReport",
+    "build_contract",
+    "canonical_json",
+    "check_compatible",
+    "diff_paths",
+    "handshake",
+    "load_op_implementations",
+    "make_lock",
+    "read_lock",
+    "resolve_device_class",
+    "sha256_of",
+    "verify_lock",
+    "write_lock",
+]

@@ -39,7 +39,9 @@ def _canonical_constant(name: str, value: Any) -> Any:
         return float_bits(value)
     if isinstance(value, (list, tuple)):
         return [_canonical_constant(name, v) for v in value]
-    raise TypeError(f"constant '{name}' has unsupported type {type(value).__name__}; use int, str, bool, float or a list")
+    raise TypeError(
+        f"constant '{name}' has unsupported type {type(value).__name__}; use int, str, bool, float or a list"
+    )
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class OpImpl:
     # Runs this implementation on fixed seeded inputs and returns {case_or_name: output tensor};
     # the lockfile stores SHA-256 digests of those outputs (golden probes).
     probe: Callable[[], Mapping[str, Any]] | None = field(default=None, compare=False, repr=False)
+    # Cases served by other code than ``fn`` (e.g. a decode kernel): case -> "impl_id@version". Such an
+    # asymmetric entry must carry an ``equivalence_note``; the contract builder enforces it.
+    case_impls: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device_class not in DEVICE_CLASSES:
@@ -68,10 +73,21 @@ class OpImpl:
         bad = [c for c in self.cases if c not in CASES]
         if bad:
             raise ValueError(f"OpImpl {self.impl_id}: unknown cases {bad}, allowed {CASES}")
+        for case, ref in self.case_impls.items():
+            if case not in self.cases:
+                raise ValueError(
+                    f"OpImpl {self.impl_id}: case_impls names case {case!r}, which is not in cases {self.cases}"
+                )
+            if ref.count("@") != 1 or ref.startswith("@") or ref.endswith("@"):
+                raise ValueError(f"OpImpl {self.impl_id}: case_impls[{case!r}]={ref!r}, expected 'impl_id@version'")
 
     @property
     def ref(self) -> str:
         return f"{self.impl_id}@{self.version}"
+
+    def impl_for(self, case: str) -> str:
+        """The ``impl_id@version`` that serves ``case`` (``ref`` unless ``case_impls`` overrides it)."""
+        return self.case_impls.get(case, self.ref)
 
     def canonical(self) -> dict[str, Any]:
         """What the contract records: everything but the callable."""
@@ -92,7 +108,9 @@ def register(impl: OpImpl) -> OpImpl:
     key = (impl.op, impl.device_class, impl.profile)
     old = _REGISTRY.get(key)
     if old is not None and old.ref != impl.ref:
-        raise ValueError(f"op '{impl.op}' ({impl.device_class}, {impl.profile}) already served by {old.ref}, not {impl.ref}")
+        raise ValueError(
+            f"op '{impl.op}' ({impl.device_class}, {impl.profile}) already served by {old.ref}, not {impl.ref}"
+        )
     _REGISTRY[key] = impl
     return impl
 

@@ -1,0 +1,161 @@
+"""``iso-contract``: show, digest, diff, lock and verify Execution Contracts.
+
+Every subcommand takes Hydra overrides (``model=... profile=... parallel.tp=...``) as trailing
+arguments. Exit codes: 0 ok; 1 contracts differ / probes diverged; 2 bad input (invalid config,
+unreadable or tampered file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _contract(args: argparse.Namespace) -> Any:
+    from megatron_iso.config import load_config
+    from megatron_iso.contract import build_contract, load_op_implementations
+
+    load_op_implementations(packages=args.ops)
+    return build_contract(load_config(args.overrides))
+
+
+def _load_contract_file(path: str) -> dict[str, Any]:
+    """A contract from a contract JSON, a lockfile (its ``contract``) or a handshake file."""
+    from megatron_iso.contract import Contract, read_lock
+
+    raw = json.loads(Path(path).read_text(encoding="ascii"))
+    if isinstance(raw, dict) and "self_digest" in raw:
+        raw = read_lock(path)["contract"]
+    return Contract.from_dict(raw, source=path).to_dict()
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print(json.dumps(_contract(args).to_dict(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def cmd_digest(args: argparse.Namespace) -> int:
+    print(json.dumps(_contract(args).identities.to_dict(), sort_keys=True))
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from megatron_iso.contract.handshake import contract_diffs
+
+    a, b = _load_contract_file(args.a), _load_contract_file(args.b)
+    keyed = contract_diffs(a, b)
+    neutral = contract_diffs(a, b, sections=("deployment",))
+    for path, x, y in keyed + neutral:
+        print(f"{path}: {json.dumps(x)} != {json.dumps(y)}")
+    if keyed:
+        policy = any(p.startswith("numerical_policy") for p, _, _ in keyed)
+        print(
+            f"{'numerical_policy' if policy else 'semantic'} differs: these contracts must not be paired",
+            file=sys.stderr,
+        )
+        return EXIT_DIFFERS
+    print("numerical_policy and semantic identical" + (" (deployment differs)" if neutral else ""), file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    from megatron_iso.contract import write_lock
+
+    contract = _contract(args)
+    lock = write_lock(args.out, contract, args.overrides)
+    n = sum(len(v) for v in lock["probes"].values())
+    print(f"wrote {args.out}: numerical_policy {contract.identities.numerical_policy}, {n} probe digests")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from megatron_iso.config import load_config
+    from megatron_iso.contract import load_op_implementations, read_lock, verify_lock
+
+    load_op_implementations(packages=args.ops)
+    # No overrides given: rebuild the contract the lock was written for.
+    overrides = args.overrides or read_lock(args.lock)["overrides"]
+    report = verify_lock(args.lock, load_config(overrides))
+    for line in report.lines():
+        print(line)
+    if report.ok:
+        print(f"{args.lock}: contract and {report.checked} probe digests match")
+        return EXIT_OK
+    print(f"{args.lock}: verification FAILED ({len(report.lines())} differences)", file=sys.stderr)
+    return EXIT_DIFFERS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iso-contract", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. profile=performance parallel.tp=2")
+        sp.add_argument(
+            "--ops",
+            action="append",
+            default=None,
+            metavar="PACKAGE",
+            help="package(s) to import op implementations from (default: megatron_iso.ops; plus $ISO_OP_MODULES)",
+        )
+
+    with_config(sub.add_parser("show", help="print the contract as JSON"))
+    with_config(sub.add_parser("digest", help="print the three identities as one JSON object"))
+    d = sub.add_parser("diff", help="differing field paths of two contract/lock files; exit 1 if the policy differs")
+    d.add_argument("a")
+    d.add_argument("b")
+    lk = sub.add_parser("lock", help="write the contract and golden probe digests")
+    lk.add_argument("--out", default="iso.lock.json")
+    with_config(lk)
+    v = sub.add_parser("verify", help="rerun the probes; exit 0 only if the contract and every digest match")
+    v.add_argument("--lock", default="iso.lock.json")
+    with_config(v)
+    return p
+
+
+COMMANDS = {"show": cmd_show, "digest": cmd_digest, "diff": cmd_diff, "lock": cmd_lock, "verify": cmd_verify}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``iso-contract``; returns the exit code."""
+    from megatron_iso.contract import (
+        CanonicalError,
+        ContractFormatError,
+        ContractValidationError,
+        LockfileError,
+    )
+
+    parser = _parser()
+    # parse_known_args + this merge lets overrides sit on either side of options (`lock a=b --out f c=d`);
+    # argparse alone stops filling a positional list once an option interrupts it.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if getattr(args, "ops", None) is None:
+        args.ops = ["megatron_iso.ops"]
+    try:
+        return COMMANDS[args.command](args)
+    except (ContractValidationError, ContractFormatError, LockfileError, CanonicalError) as exc:
+        print(f"iso-contract {args.command}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"iso-contract {args.command}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # Hydra override errors carry their own clear message
+        if type(exc).__module__.startswith(("hydra", "omegaconf")):
+            print(f"iso-contract {args.command}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

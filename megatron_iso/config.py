@@ -1,0 +1,50 @@
+"""The one place that knows where the Hydra configs live and how to compose them outside ``@hydra.main``.
+
+CLIs, tests and library code call :func:`load_config` with command-line style overrides
+(``model=tiny_dense profile=performance parallel.tp=2``) and get the same DictConfig a
+Hydra app would see, without Hydra taking over the process (no output dirs, no chdir).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+# Set to use a config tree other than the repository's (e.g. an installed wheel with configs elsewhere).
+CONF_ENV = "MEGATRON_ISO_CONF"
+ROOT_CONFIG = "config"
+
+
+def conf_dir() -> Path:
+    """Absolute path of the Hydra config directory (``$MEGATRON_ISO_CONF`` or the repo's ``conf/``)."""
+    override = os.environ.get(CONF_ENV)
+    path = Path(override) if override else Path(__file__).resolve().parent.parent / "conf"
+    path = path.resolve()
+    if not (path / f"{ROOT_CONFIG}.yaml").is_file():
+        raise FileNotFoundError(
+            f"Hydra config directory {path} has no {ROOT_CONFIG}.yaml; "
+            f"run from a source checkout or point ${CONF_ENV} at a copy of the repo's conf/ directory"
+        )
+    return path
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = ROOT_CONFIG) -> DictConfig:
+    """Compose the root config with Hydra ``overrides`` and return it (interpolations left lazy)."""
+    # Hydra keeps one process-global instance; a caller already inside @hydra.main owns it, so park
+    # it, compose with ours, and put it back rather than failing with "already initialized".
+    global_hydra = GlobalHydra.instance()
+    parked = global_hydra.hydra if global_hydra.is_initialized() else None
+    if parked is not None:
+        global_hydra.clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), job_name="megatron_iso", version_base=None):
+            return compose(config_name=config_name, overrides=list(overrides))
+    finally:
+        if parked is not None:
+            global_hydra.clear()
+            global_hydra.initialize(parked)

@@ -1,0 +1,295 @@
+"""Build a :class:`Contract` from the Hydra config and the op registry, validating it on the way.
+
+Every check here is one that, if skipped, lets a run start whose claims are false (e.g. a TP size
+outside the leaves' reach silently changes the reduction tree). Errors name the config field and
+the allowed values so the fix is obvious from the message.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_iso.contract import registry
+from megatron_iso.contract.canonical import to_canonical
+from megatron_iso.contract.registry import CASES, DEVICE_CLASSES, PROFILES, OpImpl
+from megatron_iso.contract.schema import (
+    CASE_SIDES,
+    AxisClaim,
+    CaseSpec,
+    Claims,
+    CompositionEntry,
+    Contract,
+    Deployment,
+    InvalidationRule,
+    NumericalPolicy,
+    Semantic,
+)
+
+DEVICES = (*DEVICE_CLASSES, "auto")
+# Axes whose value never enters a row's arithmetic: replicas see disjoint rows.
+NEUTRAL_AXES = ("dp",)
+# Model keys that identify the model rather than describe its arithmetic.
+MODEL_IDENTITY_KEYS = ("name", "family")
+DEFAULT_MAX_BATCH = 64
+# State that depends on the weights; keeping any of it across a weight sync would mix two policies' outputs.
+DEFAULT_INVALIDATION = (
+    InvalidationRule("prefix_cache", "weight_sync"),
+    InvalidationRule("kv_cache", "weight_sync"),
+    InvalidationRule("recurrent_state", "weight_sync"),
+)
+
+
+class ContractValidationError(ValueError):
+    """The config and registry do not form a valid contract; the message names the field."""
+
+
+def _plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in cfg.items()}
+
+
+def resolve_device_class(device: str) -> str:
+    """``cpu``/``cuda`` as given; ``auto`` = cuda when a GPU is visible. Anything else is an error."""
+    if device not in DEVICES:
+        raise ContractValidationError(f"device={device!r} is not allowed; allowed values: {list(DEVICES)}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device_name(device_class: str) -> str:
+    if device_class == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+        return "cuda (not visible to this process)"
+    return f"cpu:{platform.machine() or 'unknown'}"
+
+
+def _is_pow2(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
+
+
+def row_parallel_ks(model: Mapping[str, Any]) -> dict[str, int]:
+    """Contraction sizes that are cut into leaves (row-parallel GEMMs, SP reduce, vocab log-sum-exp)."""
+    ks: dict[str, int] = {}
+    for key in ("hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if isinstance(model.get(key), int):
+            ks[f"model.{key}"] = model[key]
+    if isinstance(model.get("num_attention_heads"), int) and isinstance(model.get("kv_channels"), int):
+        ks["model.num_attention_heads*model.kv_channels"] = model["num_attention_heads"] * model["kv_channels"]
+    # Gated DeltaNet output projection contracts over value heads x value head dim.
+    if isinstance(model.get("linear_num_value_heads"), int) and isinstance(model.get("linear_value_head_dim"), int):
+        ks["model.linear_num_value_heads*model.linear_value_head_dim"] = (
+            model["linear_num_value_heads"] * model["linear_value_head_dim"]
+        )
+    if isinstance(model.get("vocab_size"), int):
+        ks["model.vocab_size"] = model["vocab_size"]
+    return ks
+
+
+def _validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+    name = profile.get("name")
+    if name not in PROFILES:
+        raise ContractValidationError(f"profile.name={name!r} is not allowed; allowed values: {list(PROFILES)}")
+    leaves = profile.get("leaves")
+    if not _is_pow2(leaves):
+        raise ContractValidationError(f"profile.leaves={leaves!r} must be a power of two (1, 2, 4, 8, 16, ...)")
+    for tp in profile.get("tp_domain") or []:
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ContractValidationError(f"profile.tp_domain contains {tp!r}; TP degrees are positive integers")
+        if tp > leaves:
+            raise ContractValidationError(
+                f"profile.tp_domain contains {tp} > profile.leaves={leaves}: a rank must own at least one leaf; "
+                f"raise profile.leaves to >= {tp} or drop {tp} from tp_domain"
+            )
+        if leaves % tp:
+            raise ContractValidationError(
+                f"profile.tp_domain contains {tp}, which does not divide profile.leaves={leaves}; "
+                "each rank must own a whole subtree"
+            )
+    for field_name, k in row_parallel_ks(model).items():
+        if k % leaves:
+            raise ContractValidationError(
+                f"profile.leaves={leaves} does not divide {field_name}={k}; every row-parallel contraction is cut "
+                f"into equal leaves (allowed leaves for this model: {_pow2_divisors(row_parallel_ks(model))})"
+            )
+
+
+def _pow2_divisors(ks: Mapping[str, int]) -> list[int]:
+    out, g = [], 1
+    while all(k % g == 0 for k in ks.values()) and g <= 1024:
+        out.append(g)
+        g *= 2
+    return out
+
+
+def _axis_claims(profile: Mapping[str, Any], parallel: Mapping[str, Any], max_batch: int) -> list[AxisClaim]:
+    """Per-axis claims. Invariant and neutral axes keep their actual value out of the policy (deployment)."""
+    bitwise = profile["name"] == "correctness"
+    claims: list[AxisClaim] = []
+    for axis in sorted(parallel):
+        value = to_canonical(parallel[axis], f"parallel.{axis}")
+        domain = profile.get(f"{axis}_domain")
+        if axis in NEUTRAL_AXES:
+            claims.append(AxisClaim(axis, "neutral", tolerance=0))
+        elif domain:
+            domain = to_canonical(list(domain), f"profile.{axis}_domain")
+            if value not in domain:
+                raise ContractValidationError(
+                    f"parallel.{axis}={value!r} is outside profile.{axis}_domain={domain} of profile "
+                    f"'{profile['name']}'; allowed values: {domain}"
+                )
+            claims.append(AxisClaim(axis, "invariant", domain=domain, tolerance=0 if bitwise else None))
+        else:
+            # No invariance claimed (or none proven, e.g. pp): the layout is part of the policy.
+            claims.append(AxisClaim(axis, "pinned", value=value, tolerance=0 if bitwise else None))
+    if bitwise:
+        claims.append(AxisClaim("batch", "invariant", domain={"min": 1, "max": max_batch}, tolerance=0))
+    else:
+        claims.append(AxisClaim("batch", "unclaimed", tolerance=None))
+    return claims
+
+
+def _cases(cfg: Mapping[str, Any], model: Mapping[str, Any]) -> list[CaseSpec]:
+    limits = cfg.get("contract") or {}
+    max_batch = limits.get("max_batch", DEFAULT_MAX_BATCH)
+    max_seq_len = limits.get("max_seq_len", model.get("max_position_embeddings"))
+    for key, val in (("contract.max_batch", max_batch), ("contract.max_seq_len", max_seq_len)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ContractValidationError(f"{key}={val!r} must be a positive integer")
+    if isinstance(model.get("max_position_embeddings"), int) and max_seq_len > model["max_position_embeddings"]:
+        raise ContractValidationError(
+            f"contract.max_seq_len={max_seq_len} exceeds model.max_position_embeddings={model['max_position_embeddings']}"
+        )
+    return [CaseSpec(c, CASE_SIDES[c], max_batch, max_seq_len, 1 if c == "decode" else None) for c in sorted(CASES)]
+
+
+def _composition(impls: Iterable[OpImpl], profile: Mapping[str, Any], bitwise: bool) -> list[CompositionEntry]:
+    entries: list[CompositionEntry] = []
+    for impl in sorted(impls, key=lambda i: i.op):
+        constants = impl.canonical()["constants"]
+        # An impl that pins a constant the profile also pins must agree with it, else the profile's
+        # claim (e.g. leaves=16) describes arithmetic the impl does not do.
+        for key, val in constants.items():
+            if key in profile and key != "name" and to_canonical(profile[key]) != val:
+                raise ContractValidationError(
+                    f"composition.{impl.op}.constants.{key}={val!r} ({impl.ref}) disagrees with "
+                    f"profile.{key}={profile[key]!r}; register an implementation for this value or change the profile"
+                )
+        refs = {impl.impl_for(c) for c in impl.cases}
+        if len(refs) > 1 and bitwise and not impl.equivalence_note.strip():
+            per_case = {c: impl.impl_for(c) for c in sorted(impl.cases)}
+            raise ContractValidationError(
+                f"composition.{impl.op}.equivalence_note is empty, but its cases are served by different "
+                f"implementations {per_case}; an asymmetric entry must say why the results are bitwise equal"
+            )
+        for case in sorted(impl.cases):
+            entries.append(
+                CompositionEntry(
+                    op=impl.op,
+                    case=case,
+                    impl=impl.impl_for(case),
+                    device_class=impl.device_class,
+                    constants=constants,
+                    equivalence_note=impl.equivalence_note if len(refs) > 1 else "",
+                )
+            )
+    return entries
+
+
+def _runtime(device_class: str) -> dict[str, Any]:
+    """Library versions whose kernels are part of the arithmetic (a torch upgrade may change a CPU GEMM)."""
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__}
+    if device_class == "cuda":
+        try:
+            import triton
+
+            out["triton"] = triton.__version__
+        except ImportError:
+            out["triton"] = None
+        out["cuda"] = torch.version.cuda
+    return out
+
+
+def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] | None = None) -> Contract:
+    """The contract for ``cfg`` (keys model, profile, parallel, device; optional contract.max_batch/max_seq_len).
+
+    ``impls`` defaults to the registry's implementations for the resolved device class and profile;
+    call :func:`megatron_iso.contract.load_op_implementations` first so every op module has registered.
+    """
+    c = _plain(cfg)
+    for key in ("model", "profile", "parallel"):
+        if not isinstance(c.get(key), Mapping):
+            raise ContractValidationError(f"config has no '{key}' group; compose the root config (conf/config.yaml)")
+    model, profile, parallel = c["model"], c["profile"], c["parallel"]
+    device_class = resolve_device_class(c.get("device", "auto"))
+    _validate_profile(profile, model)
+    bitwise = profile["name"] == "correctness"
+
+    if impls is None:
+        impls = registry.registered(device_class=device_class, profile=profile["name"])
+    impls = list(impls)
+    wrong = [i.ref for i in impls if i.device_class != device_class or i.profile != profile["name"]]
+    if wrong:
+        raise ContractValidationError(
+            f"implementations {wrong} do not match device_class={device_class!r}, profile={profile['name']!r}"
+        )
+    if not impls:
+        raise ContractValidationError(
+            f"no op implementations registered for device_class={device_class!r}, profile={profile['name']!r}; "
+            "call megatron_iso.contract.load_op_implementations() before build_contract()"
+        )
+
+    cases = _cases(c, model)
+    max_batch = cases[0].max_batch
+    axes = _axis_claims(profile, parallel, max_batch)
+    rules = (c.get("contract") or {}).get("invalidation")
+    invalidation = (
+        tuple(InvalidationRule(r["state"], r["on"], r.get("action", "flush")) for r in rules)
+        if rules is not None
+        else DEFAULT_INVALIDATION
+    )
+    parity: dict[str, Any] = (
+        {"kind": "bitwise", "quantity": "logprob_full_vocab", "equal_cases": sorted(CASES), "tolerance": 0}
+        if bitwise
+        else {"kind": "unclaimed", "quantity": "logprob_full_vocab", "equal_cases": [], "tolerance": None}
+    )
+    composition = _composition(impls, profile, bitwise)
+
+    semantic = Semantic(
+        model={k: to_canonical(model[k]) for k in MODEL_IDENTITY_KEYS if k in model},
+        architecture={k: to_canonical(v, f"model.{k}") for k, v in model.items() if k not in MODEL_IDENTITY_KEYS},
+        op_vocabulary=tuple(sorted({e.op for e in composition})),
+        cases=tuple(cases),
+    )
+    policy = NumericalPolicy(
+        device_class=device_class,
+        profile=profile["name"],
+        # Domains live in the claims; everything else the profile sets is a pinned constant.
+        constants={
+            k: to_canonical(v, f"profile.{k}") for k, v in profile.items() if k != "name" and not k.endswith("_domain")
+        },
+        composition=tuple(composition),
+        claims=Claims(axes=tuple(axes), parity=parity, invalidation=invalidation),
+        runtime=_runtime(device_class),
+    )
+    from megatron_iso import __version__
+
+    deployment = Deployment(
+        parallel={k: to_canonical(v) for k, v in sorted(parallel.items())},
+        device_name=_device_name(device_class),
+        software={"megatron_iso": __version__, "python": ".".join(map(str, sys.version_info[:3]))},
+    )
+    return Contract(semantic, policy, deployment)
