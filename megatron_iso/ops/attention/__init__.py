@@ -1,0 +1,122 @@
+"""Causal attention with GQA and an optional sigmoid output gate, in three cases: packed training
+sequences (:func:`attention_varlen`), prefill into a KV cache and decode from it
+(:func:`attention_with_kv_cache`, :func:`attention_decode`). Per-head q/k RMSNorm and RoPE are
+applied by the model (``ops.norm``, ``ops.rope``) before these calls.
+
+Dispatch as in ``ops.norm``: CPU+correctness = ``reference`` (invariant: one reduction order over
+keys for a query position in every case), CUDA+correctness =
+``megatron_iso.ops.attention.attention_triton`` (lazy, same signatures), performance = ``native`` (SDPA).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_iso.contract.registry import lookup
+from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.attention.kv_cache import KVCache
+from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
+
+TRITON_MODULE = "megatron_iso.ops.attention.attention_triton"
+
+
+def _select(op: str, fn_name: str, t: torch.Tensor, profile: str) -> Callable[..., Any]:
+    device_class = "cuda" if t.device.type == "cuda" else "cpu"
+    if device_class == "cuda" and profile == "correctness":
+        try:
+            module = importlib.import_module(TRITON_MODULE)
+        except ModuleNotFoundError as exc:
+            if exc.name != TRITON_MODULE:
+                raise
+            raise NotImplementedError(
+                f"{op} on cuda/correctness needs {TRITON_MODULE}.{fn_name}, not written yet"
+            ) from exc
+        return getattr(module, fn_name)
+    return lookup(op, device_class, profile).fn
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    profile: str = "correctness",
+) -> torch.Tensor:
+    """Causal attention over packed sequences: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens [n+1]``."""
+    fn = _select("attention", "attention_varlen", q, profile)
+    return fn(q, k, v, cu_seqlens, softmax_scale=softmax_scale, gate=gate, kv_block=kv_block)
+
+
+def attention_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    profile: str = "correctness",
+) -> torch.Tensor:
+    """Prefill/decode: write new k/v at ``cache_seqlens[i]..`` of cache row ``slots[i]``, then attend."""
+    fn = _select("attention_kvcache", "attention_with_kv_cache", q, profile)
+    return fn(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        cu_seqlens_q,
+        slots=slots,
+        softmax_scale=softmax_scale,
+        gate=gate,
+        kv_block=kv_block,
+    )
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    profile: str = "correctness",
+) -> torch.Tensor:
+    """One new token per sequence: q ``[B, Hq, D]``, k/v ``[B, Hkv, D]`` (the same kernel as prefill)."""
+    cu = torch.arange(q.shape[0] + 1)
+    return attention_with_kv_cache(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        cu,
+        slots=slots,
+        softmax_scale=softmax_scale,
+        gate=gate,
+        kv_block=kv_block,
+        profile=profile,
+    )
+
+
+__all__ = ["DEFAULT_KV_BLOCK", "KVCache", "attention_decode", "attention_varlen", "attention_with_kv_cache"]
