@@ -1,0 +1,126 @@
+"""GEMM op family: one dispatch point over (device class, profile).
+
+| device | profile      | implementation                                              |
+|--------|--------------|-------------------------------------------------------------|
+| cpu    | correctness  | ``reference.leaf_tree_linear`` (elementwise tree, invariant) |
+| cuda   | correctness  | ``gemm_triton.leaf_tree_linear_triton`` (imported lazily)    |
+| any    | performance  | ``native.native_linear`` (library GEMM in the input dtype)   |
+
+Every path returns fp32 so that a row-parallel caller can hand partials to the tree collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.gemm.native import native_linear
+from megatron_iso.ops.gemm.reference import (
+    DEFAULT_LEAVES,
+    SUPPORTED_DTYPES,
+    apply_with_matmul_backward,
+    check_dtype,
+    leaf_tree_linear,
+    leaf_tree_linear_forward,
+    validate_leaves,
+)
+
+OP = "gemm"
+REFERENCE_ID, REFERENCE_VERSION = "leaf_tree_gemm.reference", "1"
+NATIVE_ID, NATIVE_VERSION = "gemm.native", "1"
+
+__all__ = [
+    "DEFAULT_LEAVES",
+    "OP",
+    "SUPPORTED_DTYPES",
+    "check_dtype",
+    "leaf_tree_linear",
+    "linear",
+    "native_linear",
+    "validate_leaves",
+]
+
+
+def _triton_forward(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
+    # Imported here: Triton exists only on GPU machines, and CPU runs must not need it.
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton
+
+    check_dtype(x, "x")
+    check_dtype(weight, "weight")
+    validate_leaves(leaves, k=weight.shape[1])
+    n, k = weight.shape
+    out = leaf_tree_linear_triton(x.reshape(-1, k), weight, leaves)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, *, leaves: int = DEFAULT_LEAVES, profile: str = "correctness"
+) -> torch.Tensor:
+    """fp32 ``x @ weight.T`` (weight in Megatron layout [N, K]) by the implementation serving
+    ``x``'s device class and ``profile``. Differentiable (deterministic matmul backward)."""
+    if profile == "performance":
+        return native_linear(x, weight)
+    if profile != "correctness":
+        raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
+    if x.device.type == "cpu":
+        return leaf_tree_linear(x, weight, leaves)
+    if x.device.type == "cuda":
+        return apply_with_matmul_backward(_triton_forward, x, weight, leaves)
+    raise ValueError(f"no correctness GEMM for device type {x.device.type!r}")
+
+
+def _probe_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(7, 64, generator=g)
+    w = torch.randn(24, 64, generator=g) / 8
+    return x.to(device), w.to(device)
+
+
+def _probe_reference() -> dict[str, torch.Tensor]:
+    x, w = _probe_inputs("cpu")
+    return {
+        "fp32": leaf_tree_linear_forward(x, w, DEFAULT_LEAVES),
+        "bf16": leaf_tree_linear_forward(x.bfloat16(), w.bfloat16(), DEFAULT_LEAVES),
+    }
+
+
+def _probe_native(device: str):
+    def probe() -> dict[str, torch.Tensor]:
+        x, w = _probe_inputs(device)
+        return {"fp32": native_linear(x, w), "bf16": native_linear(x.bfloat16(), w.bfloat16())}
+
+    return probe
+
+
+register(
+    OpImpl(
+        op=OP,
+        impl_id=REFERENCE_ID,
+        version=REFERENCE_VERSION,
+        device_class="cpu",
+        profile="correctness",
+        fn=leaf_tree_linear,
+        # The leaves count itself is a per-layer setting (config.iso_leaves), recorded by the contract.
+        constants={
+            "default_leaves": DEFAULT_LEAVES,
+            "accumulate": "fp32",
+            "product": "fp32_elementwise",
+            "intra_leaf": "balanced_tree",
+            "leaf_combine": "balanced_tree",
+        },
+        probe=_probe_reference,
+    )
+)
+for _device in ("cpu", "cuda"):
+    register(
+        OpImpl(
+            op=OP,
+            impl_id=NATIVE_ID,
+            version=NATIVE_VERSION,
+            device_class=_device,
+            profile="performance",
+            fn=native_linear,
+            constants={"algorithm": "library_matmul", "accumulate": "library"},
+            probe=_probe_native(_device),
+        )
+    )

@@ -1,0 +1,197 @@
+"""Vocab log-softmax family, torch reference path: invariant to batch and to vocab-parallel layout.
+
+For a row of temperature-scaled logits ``z = logits.float() / temperature`` over a vocab of V:
+  m   = max(z)                                   exact in any order
+  s   = sum_v exp(z_v - m)                       vocab cut into G leaves of V/G, leaf tree
+  lse = m + log(s)
+  logp(target) = z_target - lse
+  entropy      = -sum_v p_v * (z_v - lse)        same leaf tree, p_v = exp(z_v - lse)
+
+With the vocab split over C ranks (Megatron's contiguous vocab shards), rank i owns leaves
+[iG/C, (i+1)G/C) and computes the node of the tree over them; the nodes are combined exactly as
+the row-parallel GEMM's (``tree_sum`` in rank order). Only elementwise ops and the tree touch the
+numbers, so every row's result is independent of the batch and of C.
+
+The algorithm is written once over tensors with a leading *rank axis* R: in one process (ranks
+simulated, or no TP) R = number of shards and the cross-rank steps reduce that axis; in a
+distributed run R = 1 and a ``Comm`` performs the cross-rank steps with collectives. Both reduce
+with the same ``tree_sum`` (``tree_sum_dim`` over the rank axis is bit-identical to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES, check_dtype, validate_leaves
+from megatron_iso.ops.tree import tree_sum_dim
+
+
+def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """THE temperature scaling: fp32 upcast, then IEEE division by the fp32-rounded temperature.
+
+    A 0-dim tensor divisor on the logits' device is used on purpose: dividing by a Python scalar
+    lets some backends multiply by a reciprocal instead (a different rounding). A tensor
+    temperature (e.g. per sequence, shape [..., 1]) broadcasts.
+    """
+    check_dtype(logits, "logits")
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    if bool((t <= 0).any()) or not bool(torch.isfinite(t).all()):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return logits.float() / t
+
+
+class Comm(Protocol):
+    """Cross-rank steps of the algorithm over a leading rank axis (see module docstring)."""
+
+    world: int  # C, number of vocab shards in total
+    first_rank: int  # global shard index of rank-axis entry 0
+
+    def max(self, t: torch.Tensor) -> torch.Tensor: ...  # [R, ...] -> [...]
+    def tree(self, t: torch.Tensor) -> torch.Tensor: ...  # [R, ...] -> [...]
+    def pick(self, t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor: ...  # [R, ...] -> [...] at global owner
+    def gather_vocab(self, t: torch.Tensor) -> torch.Tensor: ...  # [R, ..., V/C] -> [..., V] (native path)
+
+
+class LocalShards:
+    """All shards in this process: the rank axis holds every shard."""
+
+    first_rank = 0
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return t.amax(dim=0)
+
+    def tree(self, t: torch.Tensor) -> torch.Tensor:
+        return tree_sum_dim(t, 0)
+
+    def pick(self, t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+        # Selection, no arithmetic: the owner's value bit for bit (even -0.0).
+        return t.gather(0, owner.unsqueeze(0)).squeeze(0)
+
+    def gather_vocab(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(list(t.unbind(0)), dim=-1)
+
+
+def mask_padding(z: torch.Tensor, first_rank: int, vocab: int, valid_vocab: int | None) -> torch.Tensor:
+    """Set global vocab ids >= ``valid_vocab`` (Megatron's vocab padding) to -inf: exp gives exactly 0.
+
+    ``z`` is [R, ..., V/C] holding global shards first_rank .. first_rank + R - 1 of a ``vocab``.
+    """
+    if valid_vocab is None:
+        return z
+    if not 0 < valid_vocab <= vocab:
+        raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
+    r, shard = z.shape[0], z.shape[-1]
+    start = (first_rank + torch.arange(r, device=z.device)) * shard
+    idx = start.view(r, *([1] * (z.dim() - 1))) + torch.arange(shard, device=z.device)
+    return z.masked_fill(idx >= valid_vocab, float("-inf"))
+
+
+def _leaf_partial(x: torch.Tensor, local_leaves: int) -> torch.Tensor:
+    """[R, ..., V_local] -> [R, ...]: tree within each leaf, then tree over this shard's leaves."""
+    leaves = x.unflatten(-1, (local_leaves, x.shape[-1] // local_leaves))
+    return tree_sum_dim(tree_sum_dim(leaves, -1), -1)
+
+
+class VocabScores:
+    """Scaled logits of all local shards and the row statistics, computed once and reused."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        comm: Comm,
+        *,
+        temperature: float | torch.Tensor = 1.0,
+        leaves: int = DEFAULT_LEAVES,
+        valid_vocab: int | None = None,
+    ) -> None:
+        """``logits``: [R, ..., V/C], the R local vocab shards (shard r is global shard first_rank + r)."""
+        shard = logits.shape[-1]
+        vocab = shard * comm.world
+        validate_leaves(leaves, k=vocab, tp=comm.world)
+        self.comm, self.shard, self.vocab = comm, shard, vocab
+        self.local_leaves = leaves // comm.world
+        if self.shard % self.local_leaves:
+            raise ValueError(f"vocab shard {shard} is not divisible by its {self.local_leaves} leaves")
+        # A tensor temperature ([..., 1]) broadcasts from the right over the rank axis too.
+        self.z = z = mask_padding(scale_logits(logits, temperature), comm.first_rank, vocab, valid_vocab)
+        with torch.no_grad():  # the max only shifts; d lse / d m = 0, so it carries no gradient
+            self.m = comm.max(z.amax(dim=-1))
+        self.lse = self.m + torch.log(comm.tree(_leaf_partial(torch.exp(z - self.m.unsqueeze(-1)), self.local_leaves)))
+
+    def log_softmax(self) -> torch.Tensor:
+        """[R, ..., V/C] fp32 log-probabilities of the local shards."""
+        return self.z - self.lse.unsqueeze(-1)
+
+    def token_logprobs(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """[...] fp32 log-probability of each row's target (global vocab ids)."""
+        if target_ids.shape != self.lse.shape:
+            raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(self.lse.shape)}")
+        target_ids = target_ids.to(self.z.device).long()
+        if bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
+            raise ValueError(f"target id outside [0, {self.vocab})")
+        owner = target_ids // self.shard  # global shard holding the target
+        local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
+        picked = self.z.gather(-1, local.unsqueeze(0).expand(self.z.shape[0], *local.shape).unsqueeze(-1))
+        z_target = self.comm.pick(picked.squeeze(-1), owner)
+        return z_target - self.lse
+
+    def entropy(self) -> torch.Tensor:
+        """[...] fp32 entropy ``-sum p log p`` of each row, with the leaf tree."""
+        logp = self.log_softmax()
+        # p*logp where p == 0 (masked or underflow) is 0, not nan.
+        plogp = torch.where(torch.isneginf(logp), torch.zeros_like(logp), torch.exp(logp) * logp)
+        return -self.comm.tree(_leaf_partial(plogp, self.local_leaves))
+
+
+def _stack(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(shards) == 0:
+        raise ValueError("need at least one vocab shard")
+    return torch.stack(list(shards), dim=0)
+
+
+def token_logprobs_shards(
+    shards: Sequence[torch.Tensor],
+    target_ids: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    leaves: int = DEFAULT_LEAVES,
+    valid_vocab: int | None = None,
+) -> torch.Tensor:
+    """Single-process form: ``shards`` are the C contiguous vocab shards [..., V/C] in rank order."""
+    scores = VocabScores(
+        _stack(shards), LocalShards(len(shards)), temperature=temperature, leaves=leaves, valid_vocab=valid_vocab
+    )
+    return scores.token_logprobs(target_ids)
+
+
+def entropy_shards(
+    shards: Sequence[torch.Tensor],
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    leaves: int = DEFAULT_LEAVES,
+    valid_vocab: int | None = None,
+) -> torch.Tensor:
+    """Single-process entropy over C vocab shards."""
+    return VocabScores(
+        _stack(shards), LocalShards(len(shards)), temperature=temperature, leaves=leaves, valid_vocab=valid_vocab
+    ).entropy()
+
+
+def log_softmax_shards(
+    shards: Sequence[torch.Tensor],
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    leaves: int = DEFAULT_LEAVES,
+    valid_vocab: int | None = None,
+) -> torch.Tensor:
+    """Single-process full log-softmax [..., V] over C vocab shards (concatenated in rank order)."""
+    scores = VocabScores(
+        _stack(shards), LocalShards(len(shards)), temperature=temperature, leaves=leaves, valid_vocab=valid_vocab
+    )
+    return torch.cat(list(scores.log_softmax().unbind(0)), dim=-1)

@@ -1,0 +1,126 @@
+"""Invariant Megatron parallel linears: drop-in ModuleSpec submodules.
+
+Config attributes read from the TransformerConfig (set by the model builder; defaults shown):
+- ``iso_leaves`` (int, 8): leaves G of row-parallel GEMMs. A power of two, >= the largest TP ever
+  used for this model, dividing the layer's input size. The contract records it.
+- ``iso_column_leaves`` (int, 1): leaves of column-parallel GEMMs. Their K is never split across
+  ranks, so batch invariance is all they need; 1 leaf is the cheapest on GPU.
+- ``iso_profile`` ("correctness" | "performance"): "performance" runs stock Megatron forward.
+
+Row-parallel at TP=C: rank i holds K columns [iK/C, (i+1)K/C) = leaves [iG/C, (i+1)G/C). It
+computes the fp32 node of the leaf tree over its leaves, the tree collective finishes the tree
+(all-reduce, or reduce-scatter of rows with sequence parallel), the bias is added once in fp32,
+and the result is rounded once to the input dtype. TP=1,2,4,8 and SP on/off give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from megatron_iso.ops.gemm import DEFAULT_LEAVES, linear, validate_leaves
+from megatron_iso.parallel.tree_collectives import (
+    copy_to_tp,
+    gather_along,
+    gather_rows,
+    split_along,
+    tree_all_reduce,
+    tree_reduce_scatter,
+)
+
+DEFAULT_COLUMN_LEAVES = 1
+PROFILES = ("correctness", "performance")
+
+
+def iso_settings(config) -> tuple[int, int, str]:
+    """(row leaves, column leaves, profile) from a Megatron config, with documented defaults."""
+    leaves = getattr(config, "iso_leaves", DEFAULT_LEAVES)
+    column_leaves = getattr(config, "iso_column_leaves", DEFAULT_COLUMN_LEAVES)
+    profile = getattr(config, "iso_profile", "correctness")
+    if profile not in PROFILES:
+        raise ValueError(f"config.iso_profile={profile!r}; expected one of {PROFILES}")
+    return leaves, column_leaves, profile
+
+
+def _finish(out_fp32: torch.Tensor, bias: torch.Tensor | None, skip_bias_add: bool, dtype: torch.dtype):
+    """Bias added once in fp32 after the tree, one rounding; Megatron's (output, bias) tuple."""
+    if bias is not None and not skip_bias_add:
+        return (out_fp32 + bias.float()).to(dtype), None
+    return out_fp32.to(dtype), bias
+
+
+def _check_supported(config, layer: str) -> None:
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError(f"{layer}: defer_embedding_wgrad_compute=True is not supported by the invariant linears")
+
+
+class LeafTreeColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear with a batch-invariant GEMM; the SP all-gather of rows only moves data."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs) -> None:
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        _, self.iso_leaves, self.iso_profile = iso_settings(config)
+        if self.iso_profile == "correctness":
+            _check_supported(config, type(self).__name__)
+            validate_leaves(self.iso_leaves, k=input_size)
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.iso_profile == "performance":
+            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("weight was not supplied and skip_weight_param_allocation is True")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise RuntimeError(
+                f"supplied weight's shape is {tuple(weight.shape)}, "
+                f"not {(self.output_size_per_partition, self.input_size)} as expected"
+            )
+        if self.sequence_parallel and not self.explicit_expert_comm:
+            x = gather_rows(input_, self.tp_group, dim=0)
+        elif self.explicit_expert_comm or self.disable_grad_reduce:
+            x = input_
+        else:
+            x = copy_to_tp(input_, self.tp_group)
+        out, out_bias = _finish(
+            linear(x, weight, leaves=self.iso_leaves, profile="correctness"), self.bias, self.skip_bias_add, x.dtype
+        )
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            out = gather_along(out, self.tp_group, dim=-1)
+        return out, out_bias
+
+
+class LeafTreeRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose TP reduction is the fixed leaf tree (fp32 partials, tree collectives)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs) -> None:
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        self.iso_leaves, _, self.iso_profile = iso_settings(config)
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        if self.iso_profile == "correctness":
+            _check_supported(config, type(self).__name__)
+            validate_leaves(self.iso_leaves, k=input_size, tp=tp)
+            if self.explicit_expert_comm and tp > 1:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: expert layer with expert-TP={tp} hands unreduced partials to the "
+                    "token dispatcher; use the invariant MoE experts"
+                )
+        self.iso_local_leaves = self.iso_leaves // tp
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.iso_profile == "performance":
+            return super().forward(input_)
+        x = input_ if self.input_is_parallel else split_along(input_, self.tp_group, dim=-1)
+        # fp32 node of the global tree over this rank's leaves; never rounded before the tree ends.
+        partial = linear(x, self.weight, leaves=self.iso_local_leaves, profile="correctness")
+        if self.sequence_parallel:
+            total = tree_reduce_scatter(partial, self.tp_group, dim=0)
+        else:
+            total = tree_all_reduce(partial, self.tp_group)
+        return _finish(total, self.bias, self.skip_bias_add, x.dtype)
