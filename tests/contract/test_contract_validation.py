@@ -1,0 +1,85 @@
+"""Build-time validation: each invalid contract is refused with the field and the allowed values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_iso.contract import ContractValidationError, build_contract, registry
+from megatron_iso.contract.registry import OpImpl
+
+pytestmark = pytest.mark.usefixtures("fake_registry")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["profile.leaves=6"], r"profile\.leaves=6 must be a power of two"),
+        (["profile.leaves=0"], r"profile\.leaves=0 must be a power of two"),
+        (["profile.leaves=4"], r"profile\.tp_domain contains 8 > profile\.leaves=4"),
+        (["profile.tp_domain=[1,3]"], r"tp_domain contains 3, which does not divide profile\.leaves=8"),
+        (["model.ffn_hidden_size=100"], r"profile\.leaves=8 does not divide model\.ffn_hidden_size=100"),
+        (["model.vocab_size=250"], r"does not divide model\.vocab_size=250"),
+        (["model.kv_channels=9"], r"model\.num_attention_heads\*model\.kv_channels=36"),
+        (["profile.leaves=128", "model.vocab_size=128"], r"does not divide model\.hidden_size=64.*\[1, 2, 4, 8, 16, 32, 64\]"),
+        (["parallel.tp=16"], r"parallel\.tp=16 is outside profile\.tp_domain=\[1, 2, 4, 8\].*allowed values"),
+        (["parallel.ep=3"], r"parallel\.ep=3 is outside profile\.ep_domain"),
+        (["device=tpu"], r"device='tpu' is not allowed; allowed values: \['cpu', 'cuda', 'auto'\]"),
+        (["profile.name=fast"], r"profile\.name='fast' is not allowed; allowed values: \['correctness', 'performance'\]"),
+        (["+contract.max_batch=0"], r"contract\.max_batch=0 must be a positive integer"),
+        (["+contract.max_seq_len=4096"], r"contract\.max_seq_len=4096 exceeds model\.max_position_embeddings=512"),
+    ],
+)
+def test_invalid_configs_are_refused(cfg_for, overrides, pattern):
+    with pytest.raises(ContractValidationError, match=pattern):
+        build_contract(cfg_for(*overrides))
+
+
+def test_performance_profile_accepts_any_tp_and_pins_it(cfg_for):
+    c = build_contract(cfg_for("profile=performance", "parallel.tp=3"))
+    assert c.numerical_policy.claims.axis("tp").value == 3
+    assert c.numerical_policy.to_dict()["claims"]["axes"]["tp"]["kind"] == "pinned"
+
+
+def test_asymmetric_entry_without_note_is_refused(cfg_for):
+    old = registry.lookup("fake_attention", "cpu", "correctness")
+    registry._REGISTRY[("fake_attention", "cpu", "correctness")] = dataclasses.replace(old, equivalence_note=" ")
+    with pytest.raises(ContractValidationError, match=r"composition\.fake_attention\.equivalence_note is empty.*decode"):
+        build_contract(cfg_for())
+    # the performance profile claims no parity, so it records the asymmetry without a note
+    perf = registry.lookup("fake_attention", "cpu", "performance")
+    registry._REGISTRY[("fake_attention", "cpu", "performance")] = dataclasses.replace(perf, equivalence_note="")
+    build_contract(cfg_for("profile=performance"))
+
+
+def test_impl_constant_must_agree_with_profile(cfg_for):
+    with pytest.raises(ContractValidationError, match=r"composition\.fake_gemm\.constants\.accumulate_dtype='fp32'"):
+        build_contract(cfg_for("profile.accumulate_dtype=fp64"))
+
+
+def test_empty_registry_is_refused(cfg_for):
+    registry._REGISTRY.clear()
+    with pytest.raises(ContractValidationError, match="no op implementations registered.*load_op_implementations"):
+        build_contract(cfg_for())
+
+
+def test_impls_for_another_device_are_refused(cfg_for):
+    cuda = registry.registered(device_class="cuda", profile="correctness")
+    with pytest.raises(ContractValidationError, match="do not match device_class='cpu'"):
+        build_contract(cfg_for(), impls=cuda)
+
+
+def test_case_impls_validated_by_registry():
+    with pytest.raises(ValueError, match="not in cases"):
+        OpImpl("x", "x.ref", "1", "cpu", "correctness", fn=abs, cases=("prefill",), case_impls={"decode": "y@1"})
+    with pytest.raises(ValueError, match="impl_id@version"):
+        OpImpl("x", "x.ref", "1", "cpu", "correctness", fn=abs, case_impls={"decode": "y"})
+
+
+def test_plain_dict_config_works_and_auto_device_resolves(cfg_for):
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg_for("device=auto"), resolve=True)
+    c = build_contract(plain)
+    assert c.numerical_policy.device_class in ("cpu", "cuda")
