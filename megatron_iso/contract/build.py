@@ -211,15 +211,15 @@ def _runtime(device_class: str) -> dict[str, Any]:
     """Library versions whose kernels are part of the arithmetic (a torch upgrade may change a CPU GEMM)."""
     import torch
 
-    out: dict[str, Any] = {"torch": torch.__version__}
+    out: dict[str, Any] = {"torch": str(torch.__version__)}
     if device_class == "cuda":
         try:
             import triton
 
-            out["triton"] = triton.__version__
+            out["triton"] = str(triton.__version__)
         except ImportError:
             out["triton"] = None
-        out["cuda"] = torch.version.cuda
+        out["cuda"] = str(torch.version.cuda)
     return out
 
 

@@ -94,7 +94,8 @@ def diff_paths(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             out.extend(diff_paths(x, y, f"{path}[{i}]"))
         return out
-    # Types are compared too: 1 == True in Python, but they are different canonical values.
-    if type(a) is not type(b) or a != b:
+    # 1 == True in Python, but they are different canonical values. (Not `type(a) is type(b)`: str
+    # subclasses such as torch's TorchVersion must compare equal to the plain str read from a file.)
+    if isinstance(a, bool) != isinstance(b, bool) or a != b:
         return [(path or "$", a, b)]
     return []
