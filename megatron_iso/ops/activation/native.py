@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +13,12 @@ from megatron_iso.contract.registry import OpImpl, register
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``, each op rounded to the input dtype."""
     return F.silu(gate) * up
+
+
+def _probe(device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4003)
+    a, b = (torch.randn(2, 7, 48, generator=g) * 4).to(device)
+    return {"fp32": swiglu(a, b), "bf16": swiglu(a.bfloat16(), b.bfloat16())}
 
 
 for _dev in ("cpu", "cuda"):
@@ -23,5 +31,6 @@ for _dev in ("cpu", "cuda"):
             profile="performance",
             fn=swiglu,
             constants={"formula": "F.silu(gate) * up in input dtype"},
+            probe=functools.partial(_probe, _dev),
         )
     )

@@ -8,6 +8,7 @@ for signature parity and ignored.
 
 from __future__ import annotations
 
+import functools
 from itertools import pairwise
 
 import torch
@@ -85,6 +86,18 @@ def attention_with_kv_cache(
     return _gate(out, gate)
 
 
+def _probe(device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4004)
+    q, k, v = (torch.randn(76, h, 16, generator=g).to(device) for h in (4, 2, 2))
+    kc, vc = (torch.zeros(1, 80, 2, 16, device=device) for _ in range(2))
+    cu = torch.tensor([0, 1, 6, 76])
+    return {
+        "varlen_fp32": attention_varlen(q, k, v, cu),
+        "varlen_bf16": attention_varlen(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu),
+        "kvcache_fp32": attention_with_kv_cache(q, k, v, kc, vc, torch.tensor([0]), torch.tensor([0, 76])),
+    }
+
+
 for _dev in ("cpu", "cuda"):
     register(
         OpImpl(
@@ -96,6 +109,7 @@ for _dev in ("cpu", "cuda"):
             fn=attention_varlen,
             constants={"kernel": "torch sdpa, is_causal per sequence (ATen chooses the backend)"},
             cases=("trainer_forward", "trainer_score"),
+            probe=functools.partial(_probe, _dev),
         )
     )
     register(

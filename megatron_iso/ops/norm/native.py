@@ -7,6 +7,8 @@ reference path is measured against, and the performance profile's implementation
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -33,18 +35,20 @@ def gated_rms_norm(
     return (y * F.silu(gate.float())).to(x.dtype)
 
 
-def _probe_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _probe_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Seeded on the CPU generator so the inputs are the same bits for every device class.
     g = torch.Generator().manual_seed(4001)
-    return torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g) * 0.1
+    x, z, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g) * 0.1
+    return x.to(device), z.to(device), w.to(device)
 
 
-def _probe_rms_norm() -> dict[str, torch.Tensor]:
-    x, _, w = _probe_inputs()
+def _probe_rms_norm(device: str = "cpu") -> dict[str, torch.Tensor]:
+    x, _, w = _probe_inputs(device)
     return {"fp32": rms_norm(x, w), "bf16": rms_norm(x.bfloat16(), w.bfloat16())}
 
 
-def _probe_gated() -> dict[str, torch.Tensor]:
-    x, z, w = _probe_inputs()
+def _probe_gated(device: str = "cpu") -> dict[str, torch.Tensor]:
+    x, z, w = _probe_inputs(device)
     return {"fp32": gated_rms_norm(x, z, w), "bf16": gated_rms_norm(x.bfloat16(), z.bfloat16(), w.bfloat16())}
 
 
@@ -58,7 +62,7 @@ for _dev in ("cpu", "cuda"):
             profile="performance",
             fn=rms_norm,
             constants={"formula": "hf: x.float() * rsqrt(mean(x^2) + eps); weight * y.to(dtype)"},
-            probe=_probe_rms_norm,
+            probe=functools.partial(_probe_rms_norm, _dev),
         )
     )
     register(
@@ -70,6 +74,6 @@ for _dev in ("cpu", "cuda"):
             profile="performance",
             fn=gated_rms_norm,
             constants={"formula": "hf qwen3-next: weight * y.to(dtype) * silu(gate.float())"},
-            probe=_probe_gated,
+            probe=functools.partial(_probe_gated, _dev),
         )
     )

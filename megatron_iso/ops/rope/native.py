@@ -3,6 +3,8 @@ input dtype, rotation evaluated in the input dtype). Baseline and performance-pr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
@@ -27,6 +29,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
+def _probe(device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4002)
+    x = torch.randn(6, 2, 32, generator=g).to(device)
+    pos = torch.tensor([0, 1, 63, 64, 4095, 131071], device=device)
+    cos, sin = rope_cos_sin(pos, 8, 10000.0)
+    return {
+        "cos": cos,
+        "sin": sin,
+        "quarter_fp32": apply_rope(x, cos, sin),
+        "quarter_bf16": apply_rope(x.bfloat16(), cos, sin),
+    }
+
+
 for _dev in ("cpu", "cuda"):
     register(
         OpImpl(
@@ -48,5 +63,6 @@ for _dev in ("cpu", "cuda"):
             profile="performance",
             fn=apply_rope,
             constants={"formula": "hf apply_rotary_pos_emb in input dtype"},
+            probe=functools.partial(_probe, _dev),
         )
     )
