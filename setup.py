@@ -1,12 +1,14 @@
 """Install megatron_iso. CPU installs pin torch first (see Makefile); GPU extras are optional."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="megatron_iso",
     version="0.1.0",
     description="Bitwise rollout/trainer logprob parity for Megatron-Core models (dense, MoE, Gated DeltaNet)",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",

@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` (main job on CPU) and `make test` (lint + tests).
+# Both build .venv with pinned dependencies first. torch is installed before anything else so
+# that pip takes the pinned CPU wheel and never resolves an unpinned (multi-GB CUDA) build.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CONSTRAINTS := requirements/constraints-cpu.txt
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint format clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py $(CONSTRAINTS)
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; megatron_iso's CPU environment needs Python 3.11 (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,hf]'
+	@touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m megatron_iso.demo
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# pytest exits 5 when no test ran: that is a failure here, as any non-zero exit.
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

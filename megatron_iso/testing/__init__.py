@@ -1,0 +1,1 @@
+"""Test utilities shipped with the package (multi-rank harness, bit-pattern comparisons)."""
