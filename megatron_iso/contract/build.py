@@ -174,6 +174,20 @@ def _cases(cfg: Mapping[str, Any], model: Mapping[str, Any]) -> list[CaseSpec]:
     return [CaseSpec(c, CASE_SIDES[c], max_batch, max_seq_len, 1 if c == "decode" else None) for c in sorted(CASES)]
 
 
+def _invalidation(rules: Any) -> tuple[InvalidationRule, ...]:
+    if rules is None:
+        return DEFAULT_INVALIDATION
+    out = []
+    for i, r in enumerate(rules):
+        if not isinstance(r, Mapping) or not {"state", "event"} <= set(r) or not set(r) <= {"state", "event", "action"}:
+            raise ContractValidationError(
+                f"contract.invalidation[{i}]={r!r}: expected {{state: ..., event: ..., action: flush}} "
+                "(keys state, event, optional action)"
+            )
+        out.append(InvalidationRule(str(r["state"]), str(r["event"]), str(r.get("action", "flush"))))
+    return tuple(out)
+
+
 def _composition(impls: Iterable[OpImpl], profile: Mapping[str, Any], bitwise: bool) -> list[CompositionEntry]:
     entries: list[CompositionEntry] = []
     for impl in sorted(impls, key=lambda i: i.op):
@@ -255,12 +269,7 @@ def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] 
     cases = _cases(c, model)
     max_batch = cases[0].max_batch
     axes = _axis_claims(profile, parallel, max_batch)
-    rules = (c.get("contract") or {}).get("invalidation")
-    invalidation = (
-        tuple(InvalidationRule(r["state"], r["on"], r.get("action", "flush")) for r in rules)
-        if rules is not None
-        else DEFAULT_INVALIDATION
-    )
+    invalidation = _invalidation((c.get("contract") or {}).get("invalidation"))
     parity: dict[str, Any] = (
         {"kind": "bitwise", "quantity": "logprob_full_vocab", "equal_cases": sorted(CASES), "tolerance": 0}
         if bitwise

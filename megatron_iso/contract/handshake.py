@@ -151,6 +151,9 @@ def handshake(
     group); every rank checks every other rank.
     """
     if path is not None:
+        # the role becomes a file name in a shared directory; keep it to a safe alphabet
+        if not role or not all(ch.isalnum() or ch in "-_." for ch in role) or role.startswith("."):
+            raise ValueError(f"handshake: role={role!r} must be letters, digits, '-', '_' or '.' (e.g. 'trainer')")
         if group is not None:
             raise ValueError("handshake: pass either group= or path=, not both")
         return _handshake_file(local, Path(path), role, expect, timeout_s, poll_s)

@@ -123,11 +123,11 @@ class InvalidationRule:
     """State that must be dropped when an event happens, e.g. prefix_cache flushed on weight_sync."""
 
     state: str
-    on: str
+    event: str  # not "on": YAML 1.1 reads a bare `on` key as the boolean true
     action: str = "flush"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"state": self.state, "on": self.on, "action": self.action}
+        return {"state": self.state, "event": self.event, "action": self.action}
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,9 @@ class Claims:
         return {
             "axes": {c.axis: c.to_dict() for c in self.axes},
             "parity": dict(self.parity),
-            "invalidation": [r.to_dict() for r in sorted(self.invalidation, key=lambda r: (r.state, r.on, r.action))],
+            "invalidation": [
+                r.to_dict() for r in sorted(self.invalidation, key=lambda r: (r.state, r.event, r.action))
+            ],
         }
 
     @classmethod
@@ -153,7 +155,8 @@ class Claims:
             axes=tuple(AxisClaim.from_dict(a, axes[a]) for a in sorted(axes)),
             parity=dict(_req(d, "parity", where)),
             invalidation=tuple(
-                InvalidationRule(_req(r, "state", where), _req(r, "on", where), _req(r, "action", where)) for r in rules
+                InvalidationRule(_req(r, "state", where), _req(r, "event", where), _req(r, "action", where))
+                for r in rules
             ),
         )
 

@@ -63,7 +63,7 @@ def test_file_handshake_rejects_tampered_peer(cfg_for, tmp_path):
     d = json.loads(f.read_text())
     d["numerical_policy"]["constants"]["leaves"] = 4  # forged to look compatible with someone
     f.write_text(json.dumps(d))
-    with pytest.raises(ContractFormatError, match="identities.numerical_policy"):
+    with pytest.raises(ContractFormatError, match=r"identities\.numerical_policy"):
         handshake(build_contract(cfg_for()), path=tmp_path, role="rollout")
 
 

@@ -68,7 +68,9 @@ def test_impl_version_changes_numerical_policy(cfg_for):
 def test_impl_constant_changes_numerical_policy(cfg_for):
     before = ids(cfg_for())
     old = registry.lookup("fake_gemm", "cpu", "correctness")
-    registry._REGISTRY[old.op, "cpu", "correctness"] = dataclasses.replace(old, constants={**old.constants, "tile_m": 32})
+    registry._REGISTRY[old.op, "cpu", "correctness"] = dataclasses.replace(
+        old, constants={**old.constants, "tile_m": 32}
+    )
     assert changed(before, ids(cfg_for())) == {"numerical_policy"}
 
 
@@ -88,14 +90,14 @@ def test_correctness_claims(cfg_for):
     assert claims.axis("sp").domain == [False, True]
     assert claims.axis("dp").kind == "neutral"
     assert claims.parity["tolerance"] == 0 and claims.parity["kind"] == "bitwise"
-    rules = {(r.state, r.on) for r in claims.invalidation}
-    assert ("prefix_cache", "weight_sync") in rules
+    rules = {(r.state, r.event, r.action) for r in claims.invalidation}
+    assert ("prefix_cache", "weight_sync", "flush") in rules
 
 
 def test_model_change_moves_semantic(cfg_for):
     diff = changed(ids(cfg_for()), ids(cfg_for("model.num_layers=3")))
     assert "semantic" in diff
-    diff = changed(ids(cfg_for()), ids(cfg_for("+contract.max_batch=8")))
+    diff = changed(ids(cfg_for()), ids(cfg_for("contract.max_batch=8")))
     assert "semantic" in diff
 
 
@@ -135,7 +137,7 @@ def test_roundtrip_and_tamper_detection(cfg_for):
     assert again.to_dict() == c.to_dict()
 
     d["numerical_policy"]["constants"]["leaves"] = 16  # edited without re-hashing
-    with pytest.raises(ContractFormatError, match="identities.numerical_policy"):
+    with pytest.raises(ContractFormatError, match=r"identities\.numerical_policy"):
         Contract.from_dict(d)
 
     d = json.loads(canonical_json(c.to_dict()))

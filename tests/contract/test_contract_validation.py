@@ -22,13 +22,20 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
         (["model.ffn_hidden_size=100"], r"profile\.leaves=8 does not divide model\.ffn_hidden_size=100"),
         (["model.vocab_size=250"], r"does not divide model\.vocab_size=250"),
         (["model.kv_channels=9"], r"model\.num_attention_heads\*model\.kv_channels=36"),
-        (["profile.leaves=128", "model.vocab_size=128"], r"does not divide model\.hidden_size=64.*\[1, 2, 4, 8, 16, 32, 64\]"),
+        (
+            ["profile.leaves=128", "model.vocab_size=128"],
+            r"does not divide model\.hidden_size=64.*\[1, 2, 4, 8, 16, 32, 64\]",
+        ),
         (["parallel.tp=16"], r"parallel\.tp=16 is outside profile\.tp_domain=\[1, 2, 4, 8\].*allowed values"),
         (["parallel.ep=3"], r"parallel\.ep=3 is outside profile\.ep_domain"),
         (["device=tpu"], r"device='tpu' is not allowed; allowed values: \['cpu', 'cuda', 'auto'\]"),
-        (["profile.name=fast"], r"profile\.name='fast' is not allowed; allowed values: \['correctness', 'performance'\]"),
-        (["+contract.max_batch=0"], r"contract\.max_batch=0 must be a positive integer"),
-        (["+contract.max_seq_len=4096"], r"contract\.max_seq_len=4096 exceeds model\.max_position_embeddings=512"),
+        (
+            ["profile.name=fast"],
+            r"profile\.name='fast' is not allowed; allowed values: \['correctness', 'performance'\]",
+        ),
+        (["contract.max_batch=0"], r"contract\.max_batch=0 must be a positive integer"),
+        (["contract.invalidation=[{state: kv_cache}]"], r"contract\.invalidation\[0\].*keys state, event"),
+        (["contract.max_seq_len=4096"], r"contract\.max_seq_len=4096 exceeds model\.max_position_embeddings=512"),
     ],
 )
 def test_invalid_configs_are_refused(cfg_for, overrides, pattern):
@@ -45,7 +52,9 @@ def test_performance_profile_accepts_any_tp_and_pins_it(cfg_for):
 def test_asymmetric_entry_without_note_is_refused(cfg_for):
     old = registry.lookup("fake_attention", "cpu", "correctness")
     registry._REGISTRY[("fake_attention", "cpu", "correctness")] = dataclasses.replace(old, equivalence_note=" ")
-    with pytest.raises(ContractValidationError, match=r"composition\.fake_attention\.equivalence_note is empty.*decode"):
+    with pytest.raises(
+        ContractValidationError, match=r"composition\.fake_attention\.equivalence_note is empty.*decode"
+    ):
         build_contract(cfg_for())
     # the performance profile claims no parity, so it records the asymmetry without a note
     perf = registry.lookup("fake_attention", "cpu", "performance")
@@ -60,7 +69,7 @@ def test_impl_constant_must_agree_with_profile(cfg_for):
 
 def test_empty_registry_is_refused(cfg_for):
     registry._REGISTRY.clear()
-    with pytest.raises(ContractValidationError, match="no op implementations registered.*load_op_implementations"):
+    with pytest.raises(ContractValidationError, match=r"no op implementations registered.*load_op_implementations"):
         build_contract(cfg_for())
 
 
