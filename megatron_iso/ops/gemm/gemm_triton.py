@@ -63,8 +63,8 @@ class GemmTileConfig:
 
 # The correctness profile's fixed configs, by input dtype only (see the module docstring).
 CONFIGS: dict[torch.dtype, GemmTileConfig] = {
-    torch.bfloat16: GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-    torch.float16: GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    torch.bfloat16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+    torch.float16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
     torch.float32: GemmTileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, loop="static"),
 }
 # Under TRITON_INTERPRET=1 (CPU tests) tiles are small so tiny shapes still cover several tiles and leaves.
@@ -209,10 +209,6 @@ def _leaf_tree_flat_kernel(
     bn = rn % N
     rk = tl.arange(0, BLOCK_K)
     k_base = sub * (LEAVES * LEAF_K)
-    omask = (rm[:, None] < M) & (rn[None, :] < N)
-    o_off = rm[:, None] * stride_om + rn[None, :]
-    park = park_ptr + sub * stride_ps + o_off
-    out = out_ptr + sub * stride_op + o_off
     a_ptrs = x_ptr + am[:, None] * stride_xm + (k_base + rk)[None, :] * stride_xk
     b_ptrs = w_ptr + bn[None, :] * stride_wn + (k_base + rk)[:, None] * stride_wk
     LEAF_TILES = LEAF_K // BLOCK_K
@@ -224,6 +220,14 @@ def _leaf_tree_flat_kernel(
         b_ptrs += BLOCK_K * stride_wk
         if (t + 1) % LEAF_TILES == 0:
             i = t // LEAF_TILES  # the leaf that just closed
+            # Tile-shaped pointers and masks are built here, not before the loop: held across the loop they
+            # cost 2 registers per element each and made the 8-leaf kernel spill.
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            omask = (rm[:, None] < M) & (rn[None, :] < N)
+            o_off = rm[:, None] * stride_om + rn[None, :]
+            park = park_ptr + sub * stride_ps + o_off
+            out = out_ptr + sub * stride_op + o_off
             v = acc
             if PARK_FROM >= 1:  # noqa: SIM102 - compile-time test outside, run-time test inside
                 if i % 2 == 1:

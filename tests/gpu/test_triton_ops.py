@@ -1,0 +1,146 @@
+"""Bitwise claims of the Triton (GPU correctness-profile) kernels, on a CUDA device.
+
+Compared as bit patterns, never with a tolerance, except the accuracy checks against fp64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+triton = pytest.importorskip("triton")
+
+DTYPES = (torch.bfloat16, torch.float32)
+MS = (1, 2, 3, 7, 8, 64)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _rand(shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, device="cuda", generator=g).to(dtype)
+
+
+# ------------------------------------------------------------------ GEMM
+@pytest.fixture(scope="module")
+def gemm():
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton
+
+    return leaf_tree_linear_triton
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("leaves", [1, 2, 8])
+def test_gemm_batch_invariance(gemm, dtype, leaves):
+    x, w = _rand((300, 1024), dtype, 1), _rand((640, 1024), dtype, 2)
+    full = gemm(x, w, leaves)
+    for m in MS:
+        assert _same(gemm(x[:m], w, leaves), full[:m]), f"M={m}"
+    perm = torch.randperm(300, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    assert _same(gemm(x[perm], w, leaves), full[perm])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_schedule_never_changes_bits(gemm, dtype):
+    x, w = _rand((200, 2048), dtype, 4), _rand((384, 2048), dtype, 5)
+    base = gemm(x, w, 8, parallel=1)
+    for p in (2, 4, 8):
+        assert _same(gemm(x, w, 8, parallel=p), base), f"parallel={p}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_gemm_tp_subtrees(gemm, dtype, tp):
+    from megatron_iso.ops.tree import tree_sum
+
+    K = 4096
+    x, w = _rand((33, K), dtype, 6), _rand((256, K), dtype, 7)
+    full = gemm(x, w, 8)
+    s = K // tp
+    nodes = [gemm(x[:, r * s : (r + 1) * s], w[:, r * s : (r + 1) * s], 8 // tp) for r in range(tp)]
+    assert _same(tree_sum(nodes), full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_accuracy_vs_fp64(gemm, dtype):
+    x, w = _rand((129, 4096), dtype, 8), _rand((520, 4096), dtype, 9)
+    ref = x.double() @ w.double().t()
+    out = gemm(x, w, 8)
+    assert out.dtype == torch.float32
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_gemm_bad_input(gemm):
+    x, w = _rand((4, 96), torch.bfloat16, 0), _rand((8, 96), torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="leaves=3"):
+        gemm(x, w, 3)
+    with pytest.raises(ValueError, match="not divisible"):
+        gemm(_rand((4, 100), torch.bfloat16, 0), _rand((8, 100), torch.bfloat16, 0), 8)
+    with pytest.raises(TypeError, match="int8|dtype"):
+        gemm(x.to(torch.int8), w.to(torch.int8), 1)
+
+
+# ------------------------------------------------------------------ RMSNorm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_rmsnorm_batch_invariance_and_accuracy(dtype, zero_centered, gated):
+    from megatron_iso.ops.norm.norm_triton import gated_rms_norm_triton, rms_norm_triton
+
+    H = 2048
+    x, z, w = _rand((100, H), dtype, 10), _rand((100, H), dtype, 11), _rand((H,), dtype, 12) * 0.1
+
+    def f(a, g):
+        if gated:
+            return gated_rms_norm_triton(a, g, w, 1e-6, zero_centered=zero_centered)
+        return rms_norm_triton(a, w, 1e-6, zero_centered=zero_centered)
+
+    full = f(x, z)
+    for m in MS:
+        assert _same(f(x[:m], z[:m]), full[:m]), f"M={m}"
+    perm = torch.randperm(100, device="cuda")
+    assert _same(f(x[perm], z[perm]), full[perm])
+    xd = x.double()
+    ref = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * ((1 + w.double()) if zero_centered else w.double())
+    if gated:
+        ref = ref * torch.nn.functional.silu(z.double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert float((full.double() - ref).norm() / ref.norm()) < tol
+
+
+# ------------------------------------------------------------------ logprob
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprob_invariance_and_accuracy(dtype):
+    from megatron_iso.ops.logprob.logprob_triton import token_logprobs_triton
+
+    V = 32768
+    logits = (_rand((70, V), torch.float32, 13) * 4).to(dtype)
+    ids = torch.randint(0, V, (70,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(14))
+    full = token_logprobs_triton([logits], ids, temperature=0.7, leaves=8)
+    for m in MS:
+        assert _same(token_logprobs_triton([logits[:m]], ids[:m], temperature=0.7, leaves=8), full[:m]), f"M={m}"
+    for tp in (2, 4, 8):
+        shards = list(logits.chunk(tp, dim=-1))
+        assert _same(token_logprobs_triton(shards, ids, temperature=0.7, leaves=8), full), f"TP={tp}"
+    ref = torch.log_softmax(logits.double() / 0.7, dim=-1).gather(-1, ids[:, None].long()).squeeze(-1)
+    assert float((full.double() - ref).abs().max()) < 1e-4
+
+
+def test_logprob_valid_vocab_masks_padding():
+    from megatron_iso.ops.logprob.logprob_triton import token_logprobs_triton
+
+    logits = _rand((5, 4096), torch.float32, 15)
+    ids = torch.tensor([0, 1, 2, 3, 4], device="cuda")
+    out = token_logprobs_triton([logits], ids, leaves=8, valid_vocab=4000)
+    ref = torch.log_softmax(logits[:, :4000].double(), dim=-1)[torch.arange(5), ids]
+    assert float((out.double() - ref).abs().max()) < 1e-5
