@@ -69,13 +69,14 @@ def _attend(
     n, hq, d = q.shape
     group = hq // k.shape[1]
     qf = q.float()
-    scale_t = torch.tensor(scale, dtype=torch.float32)
-    neg_inf = torch.tensor(float("-inf"), dtype=torch.float32)
-    zero = torch.tensor(0.0, dtype=torch.float32)
-    m = torch.full((n, hq), float("-inf"), dtype=torch.float32)
-    l_sum = torch.zeros(n, hq, dtype=torch.float32)
-    acc = torch.zeros(n, hq, d, dtype=torch.float32)
-    q_pos = torch.arange(q_start, q_start + n)
+    dev = q.device  # the reference is a CPU path, but nothing in it is CPU-only
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=dev)
+    neg_inf = torch.tensor(float("-inf"), dtype=torch.float32, device=dev)
+    zero = torch.tensor(0.0, dtype=torch.float32, device=dev)
+    m = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=dev)
+    l_sum = torch.zeros(n, hq, dtype=torch.float32, device=dev)
+    acc = torch.zeros(n, hq, d, dtype=torch.float32, device=dev)
+    q_pos = torch.arange(q_start, q_start + n, device=dev)
     n_blocks = (kv_len + kv_block - 1) // kv_block
     for b in range(n_blocks):
         lo = b * kv_block
@@ -86,13 +87,13 @@ def _attend(
             break
         rows = slice(r0, n)
         hi = min(lo + kv_block, kv_len)
-        kb = torch.zeros(kv_block, k.shape[1], d, dtype=torch.float32)
-        vb = torch.zeros(kv_block, k.shape[1], d, dtype=torch.float32)
+        kb = torch.zeros(kv_block, k.shape[1], d, dtype=torch.float32, device=dev)
+        vb = torch.zeros(kv_block, k.shape[1], d, dtype=torch.float32, device=dev)
         kb[: hi - lo] = k[lo:hi].float()
         vb[: hi - lo] = v[lo:hi].float()
         kb = kb.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, B, D]
         vb = vb.repeat_interleave(group, dim=1).transpose(0, 1)
-        key_pos = torch.arange(lo, lo + kv_block)
+        key_pos = torch.arange(lo, lo + kv_block, device=dev)
         valid = (key_pos.unsqueeze(0) <= q_pos[rows].unsqueeze(1)) & (key_pos < kv_len).unsqueeze(0)  # [r, B]
         valid_h = valid.unsqueeze(1)  # [r, 1, B]
         s = tree_sum_dim(qf[rows].unsqueeze(2) * kb.unsqueeze(0), -1) * scale_t  # [r, Hq, B]
@@ -149,7 +150,7 @@ def attention_varlen(
     if cu[-1] != q.shape[0]:
         raise ValueError(f"cu_seqlens ends at {cu[-1]} but q has {q.shape[0]} tokens")
     scale = _scale(softmax_scale, q.shape[-1])
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for a, b in pairwise(cu):
         if b > a:
             out[a:b] = _attend(q[a:b], k[a:b], v[a:b], 0, b - a, scale, kv_block)
@@ -193,7 +194,7 @@ def attention_with_kv_cache(
         raise ValueError(f"slots has {len(slot_ids)} entries for {len(starts)} sequences")
     scale = _scale(softmax_scale, q.shape[-1])
     max_len = k_cache.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for i, (a, b) in enumerate(pairwise(cu)):
         start, slot = starts[i], slot_ids[i]
         end = start + (b - a)
