@@ -56,6 +56,11 @@ def _check_block(kv_block: int) -> None:
         raise ValueError(f"attention: kv_block must be a positive int, got {kv_block}")
 
 
+# Rows (queries) are processed in chunks so the [D, B, rows, Hq] product stays a few MiB; rows never
+# interact, so chunking is only a memory bound and cannot change a bit.
+_MAX_PRODUCT_ELEMENTS = 1 << 22
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,15 +72,35 @@ def _attend(
 ) -> torch.Tensor:
     """One sequence. q ``[n, Hq, D]`` at positions ``q_start..``; k/v ``[>= kv_len, Hkv, D]``. Returns fp32."""
     n, hq, d = q.shape
-    group = hq // k.shape[1]
-    qf = q.float()
+    per_row = d * kv_block * hq
+    step = max(1, _MAX_PRODUCT_ELEMENTS // per_row)
+    parts = [_attend_rows(q[a : a + step], k, v, q_start + a, kv_len, scale, kv_block) for a in range(0, n, step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    kv_len: int,
+    scale: float,
+    kv_block: int,
+) -> torch.Tensor:
+    # Layout: the reduced dimension leads (head_dim for scores, keys for P.V), so tree_sum_dim's
+    # halving steps slice whole contiguous sub-blocks: same tree, same bits, much faster than
+    # reducing a strided last dimension. GQA without copies: heads viewed as [Hkv, group].
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
     dev = q.device  # the reference is a CPU path, but nothing in it is CPU-only
+    qt = q.float().view(n, hkv, group, d).permute(3, 0, 1, 2).unsqueeze(1)  # [D, 1, n, Hkv, G]
     scale_t = torch.tensor(scale, dtype=torch.float32, device=dev)
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float32, device=dev)
     zero = torch.tensor(0.0, dtype=torch.float32, device=dev)
-    m = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=dev)
-    l_sum = torch.zeros(n, hq, dtype=torch.float32, device=dev)
-    acc = torch.zeros(n, hq, d, dtype=torch.float32, device=dev)
+    m = torch.full((n, hkv, group), float("-inf"), dtype=torch.float32, device=dev)
+    l_sum = torch.zeros(n, hkv, group, dtype=torch.float32, device=dev)
+    acc = torch.zeros(n, hkv, group, d, dtype=torch.float32, device=dev)
     q_pos = torch.arange(q_start, q_start + n, device=dev)
     n_blocks = (kv_len + kv_block - 1) // kv_block
     for b in range(n_blocks):
@@ -87,29 +112,29 @@ def _attend(
             break
         rows = slice(r0, n)
         hi = min(lo + kv_block, kv_len)
-        kb = torch.zeros(kv_block, k.shape[1], d, dtype=torch.float32, device=dev)
-        vb = torch.zeros(kv_block, k.shape[1], d, dtype=torch.float32, device=dev)
+        kb = torch.zeros(kv_block, hkv, d, dtype=torch.float32, device=dev)
+        vb = torch.zeros(kv_block, hkv, d, dtype=torch.float32, device=dev)
         kb[: hi - lo] = k[lo:hi].float()
         vb[: hi - lo] = v[lo:hi].float()
-        kb = kb.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, B, D]
-        vb = vb.repeat_interleave(group, dim=1).transpose(0, 1)
         key_pos = torch.arange(lo, lo + kv_block, device=dev)
-        valid = (key_pos.unsqueeze(0) <= q_pos[rows].unsqueeze(1)) & (key_pos < kv_len).unsqueeze(0)  # [r, B]
-        valid_h = valid.unsqueeze(1)  # [r, 1, B]
-        s = tree_sum_dim(qf[rows].unsqueeze(2) * kb.unsqueeze(0), -1) * scale_t  # [r, Hq, B]
+        valid = (key_pos.unsqueeze(1) <= q_pos[rows].unsqueeze(0)) & (key_pos < kv_len).unsqueeze(1)  # [B, r]
+        valid_h = valid.view(kv_block, -1, 1, 1)  # [B, r, 1, 1]
+        kt = kb.permute(2, 0, 1).view(d, kv_block, 1, hkv, 1)  # [D, B, 1, Hkv, 1]
+        s = tree_sum_dim(qt[:, :, rows] * kt, 0) * scale_t  # [B, r, Hkv, G]
         s = torch.where(valid_h, s, neg_inf)
         m_old = m[rows]
-        m_new = torch.maximum(m_old, s.amax(-1))  # max is exact: order-free
+        m_new = torch.maximum(m_old, s.amax(0))  # max is exact: order-free
         alpha = torch.where(m_old == neg_inf, zero, iso_exp(m_old - m_new))
-        p = torch.where(valid_h, iso_exp(s - m_new.unsqueeze(-1)), zero)
-        pv = torch.where(valid_h.unsqueeze(-1), p.unsqueeze(-1) * vb.unsqueeze(0), zero)  # [r, Hq, B, D]
-        l_new = l_sum[rows] * alpha + tree_sum_dim(p, -1)
-        acc_new = acc[rows] * alpha.unsqueeze(-1) + tree_sum_dim(pv, 2)
-        seen = valid.any(-1).view(-1, 1)
+        p = torch.where(valid_h, iso_exp(s - m_new), zero)  # [B, r, Hkv, G]
+        vt = vb.view(kv_block, 1, hkv, 1, d)
+        pv = torch.where(valid_h.unsqueeze(-1), p.unsqueeze(-1) * vt, zero)  # [B, r, Hkv, G, D]
+        l_new = l_sum[rows] * alpha + tree_sum_dim(p, 0)
+        acc_new = acc[rows] * alpha.unsqueeze(-1) + tree_sum_dim(pv, 0)
+        seen = valid.any(0).view(-1, 1, 1)
         m[rows] = torch.where(seen, m_new, m_old)
         l_sum[rows] = torch.where(seen, l_new, l_sum[rows])
         acc[rows] = torch.where(seen.unsqueeze(-1), acc_new, acc[rows])
-    return acc / l_sum.unsqueeze(-1)
+    return (acc / l_sum.unsqueeze(-1)).view(n, hq, d)
 
 
 def _finish(o: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
