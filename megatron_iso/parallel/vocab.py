@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
+from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
 from megatron_iso.parallel.tree_collectives import (
@@ -165,6 +166,38 @@ class IsoVocabParallelEmbedding(VocabParallelEmbedding):
             out = split_along(out.transpose(0, 1).contiguous(), self.tp_group, dim=0)
         return out
 
+
+def _probe_embedding() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(32, 8, generator=g).bfloat16()
+    table[3, 1] = -0.0
+    return {"bf16": table[torch.tensor([[3, 0, 31], [7, 3, 3]])]}
+
+
+for _device in ("cpu", "cuda"):
+    register(
+        OpImpl(
+            op="embedding",
+            impl_id="vocab_embedding.select",
+            version="1",
+            device_class=_device,
+            profile="correctness",
+            fn=IsoVocabParallelEmbedding,
+            constants={"combine": "all_gather_select_owner"},
+            probe=_probe_embedding,
+        )
+    )
+    register(
+        OpImpl(
+            op="embedding",
+            impl_id="vocab_embedding.native",
+            version="1",
+            device_class=_device,
+            profile="performance",
+            fn=VocabParallelEmbedding,
+            constants={"combine": "backend_all_reduce_sum"},
+        )
+    )
 
 __all__ = [
     "GroupComm",

@@ -144,6 +144,24 @@ def _checks(dtype_names: tuple[str, ...], tp: int, group, rank: int) -> dict:
             native_row.bias.copy_(t["b_row"])
             r["row_native"] = native_row(t["x"].chunk(tp, -1)[rank])[0]
 
+        for leaves, k in ((2, K), (6, K), (8, 36)):  # build-time errors name the offending value
+            cfg = _config(tp, False, dtype)
+            cfg.iso_leaves = leaves
+            try:
+                LeafTreeRowParallelLinear(
+                    k,
+                    8,
+                    config=cfg,
+                    init_method=init,
+                    bias=False,
+                    input_is_parallel=True,
+                    skip_bias_add=False,
+                    tp_group=group,
+                )
+                r[f"build_error_{leaves}_{k}"] = ""
+            except ValueError as e:
+                r[f"build_error_{leaves}_{k}"] = str(e)
+
         shard = t["logits"].chunk(tp, -1)[rank].clone().requires_grad_()
         lp = token_logprobs(shard, t["targets"], temperature=0.8, group=group, leaves=8)
         lp.sum().backward()
@@ -238,6 +256,14 @@ def test_vocab_logprob_tp_invariant(tp: int, dtype: str) -> None:
     assert same_bits(torch.cat([r["log_softmax"] for r in res], -1), base["log_softmax"])
     grad = torch.cat([r["logp_grad"] for r in res], -1)
     torch.testing.assert_close(grad, base["logp_grad"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_layer_build_errors(tp: int) -> None:
+    r = _results(tp)[0]["float32"]
+    assert ("TP degree 4 exceeds leaves=2" in r[f"build_error_2_{K}"]) == (tp == 4)
+    assert "leaves=6" in r[f"build_error_6_{K}"]
+    assert "K=36 is not divisible by leaves=8" in r["build_error_8_36"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
