@@ -217,3 +217,36 @@ def test_native_differences_measured() -> None:
             )
             if profile == "correctness":
                 assert set(rows.values()) == {0}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_gate_chain_prefill_decode(dtype: torch.dtype) -> None:
+    """The Qwen3-Next attention chain as a model calls it (per-head q/k RMSNorm, partial RoPE at 0.25
+    with positions computed per call, gated attention): prefill 65 + decode == one training forward."""
+    from megatron_iso.ops.norm import rms_norm
+    from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
+
+    n, d = 80, 32
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(n, HQ, d, generator=g).to(dtype)
+    k = torch.randn(n, HKV, d, generator=g).to(dtype)
+    v = torch.randn(n, HKV, d, generator=g).to(dtype)
+    gate = torch.randn(n, HQ, d, generator=g).to(dtype)
+    wq, wk = ((torch.randn(d, generator=g) * 0.1).to(dtype) for _ in range(2))
+    rd = rotary_dim_for(d, 0.25)
+
+    def prep(sl: slice, positions: torch.Tensor):
+        cos, sin = rope_cos_sin(positions, rd, 10_000_000.0)
+        qn = apply_rope(rms_norm(q[sl], wq, 1e-6, zero_centered=True), cos, sin)
+        kn = apply_rope(rms_norm(k[sl], wk, 1e-6, zero_centered=True), cos, sin)
+        return qn, kn
+
+    qn, kn = prep(slice(0, n), torch.arange(n))
+    train = attention_varlen(qn, kn, v, _cu([n]), gate=gate)
+    kc, vc = (torch.zeros(1, n, HKV, d, dtype=dtype) for _ in range(2))
+    qp, kp = prep(slice(0, 65), torch.arange(65))
+    outs = [attention_with_kv_cache(qp, kp, v[:65], kc, vc, torch.tensor([0]), _cu([65]), gate=gate[:65])]
+    for p in range(65, n):
+        qd, kd = prep(slice(p, p + 1), torch.tensor([p]))
+        outs.append(attention_decode(qd, kd, v[p : p + 1], kc, vc, torch.tensor([p]), gate=gate[p : p + 1]))
+    assert same_bits(torch.cat(outs), train)
