@@ -111,3 +111,23 @@ def test_native_differences_measured() -> None:
     # Where a difference is certain: HF rounds x̂ to bf16 before the weight, the reference does not.
     x, z, w = _inputs(torch.bfloat16)
     assert not same_bits(rms_norm(x, w), rms_norm(x, w, profile="performance"))
+
+
+def test_cuda_correctness_dispatch_without_gpu() -> None:
+    """CUDA+correctness goes to the Triton module; without it (or without triton) the error names it."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from megatron_iso.ops import attention, rope
+    from megatron_iso.ops.norm import _select
+
+    fake = SimpleNamespace(device=torch.device("cuda"))
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(ModuleNotFoundError, match="triton"):
+            _select("rmsnorm", "rms_norm", fake, "correctness")
+    for mod, op, fn in ((rope, "rope", "apply_rope"), (attention, "attention", "attention_varlen")):
+        if importlib.util.find_spec(mod.TRITON_MODULE) is None:
+            with pytest.raises(NotImplementedError, match=mod.TRITON_MODULE):
+                mod._select(op, fn, fake, "correctness")
+    # performance on cuda resolves to the native entry without importing anything GPU-specific
+    assert _select("rmsnorm", "rms_norm", fake, "performance").__module__.endswith("norm.native")

@@ -20,8 +20,14 @@ from megatron_iso.ops.norm import native, reference  # noqa: F401  (imports regi
 TRITON_MODULE = "megatron_iso.ops.norm.norm_triton"
 
 
-def _select(op: str, fn_name: str, x: torch.Tensor, profile: str) -> Callable[..., Any]:
-    device_class = "cuda" if x.device.type == "cuda" else "cpu"
+def _select(op: str, fn_name: str, t: torch.Tensor, profile: str) -> Callable[..., Any]:
+    """The registered implementation for (op, device class of ``t``, profile).
+
+    The Triton module is imported only on demand (it needs triton and a GPU); importing it registers
+    its cuda/correctness entries. Fallback for a module that does not register: its function named
+    ``fn_name`` or ``fn_name + "_triton"``.
+    """
+    device_class = "cuda" if t.device.type == "cuda" else "cpu"
     if device_class == "cuda" and profile == "correctness":
         try:
             module = importlib.import_module(TRITON_MODULE)
@@ -29,9 +35,17 @@ def _select(op: str, fn_name: str, x: torch.Tensor, profile: str) -> Callable[..
             if exc.name != TRITON_MODULE:
                 raise
             raise NotImplementedError(
-                f"{op} on cuda/correctness needs {TRITON_MODULE}.{fn_name}, not written yet"
+                f"{op} on cuda/correctness needs {TRITON_MODULE} (function {fn_name}), not written yet"
             ) from exc
-        return getattr(module, fn_name)
+        try:
+            return lookup(op, device_class, profile).fn
+        except KeyError:
+            fn = getattr(module, fn_name, None) or getattr(module, f"{fn_name}_triton", None)
+            if fn is None:
+                raise NotImplementedError(
+                    f"{TRITON_MODULE} neither registers op {op!r} (cuda, correctness) nor defines {fn_name}"
+                ) from None
+            return fn
     return lookup(op, device_class, profile).fn
 
 
