@@ -1,0 +1,103 @@
+"""What one model call computes: packed token rows plus, for rollout, where their keys live.
+
+Every case runs the same module code on a packed ``[T]`` token row (Megatron's ``thd`` layout,
+batch dimension 1); only this object changes:
+
+- training forward / scoring: ``cu_seqlens`` delimit the sequences, ``positions`` restart at 0;
+- prefill: the same, plus ``kv_cache`` and ``slots`` (one cache row per sequence) and
+  ``cache_seqlens`` (tokens already cached, 0 for a fresh prompt, > 0 for a prefix-cache hit or
+  chunked prefill); keys are written before attention reads them;
+- decode: a prefill whose sequences are one token long.
+
+It travels through Megatron's ``GPTModel -> TransformerBlock -> TransformerLayer`` as the
+``packed_seq_params`` argument, which Megatron passes to the attention module untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_iso.ops.attention.kv_cache import KVCache
+
+CASES = ("trainer_forward", "prefill", "decode")
+
+
+@dataclass
+class IsoBatch(PackedSeqParams):
+    positions: torch.Tensor | None = None  # [T] absolute position of each packed token
+    case: str = "trainer_forward"
+    kv_cache: KVCache | None = None
+    slots: torch.Tensor | None = None  # [n] cache row of each sequence
+    cache_seqlens: torch.Tensor | None = None  # [n] tokens already in the cache per sequence
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens_q.numel()) - 1
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.kv_cache is not None
+
+
+def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
+    if any(n <= 0 for n in lengths):
+        raise ValueError(f"every sequence needs at least one token, got lengths {list(lengths)}")
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return cu
+
+
+def pack(
+    sequences: Sequence[Sequence[int]] | Sequence[torch.Tensor],
+    *,
+    start_positions: Sequence[int] | None = None,
+    case: str = "trainer_forward",
+    kv_cache: KVCache | None = None,
+    slots: Sequence[int] | None = None,
+    pad_to_multiple: int = 1,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, IsoBatch]:
+    """Pack token sequences into ``input_ids [1, T]`` and their :class:`IsoBatch`.
+
+    ``start_positions[i]`` is the absolute position of sequence i's first token (its cached length
+    for prefill continuation and decode; 0 otherwise). ``pad_to_multiple`` (training forward only)
+    appends a filler sequence of token 0 so that T divides it (sequence parallelism splits rows
+    evenly); sequences never attend to each other, so the filler changes no other row.
+    """
+    if case not in CASES:
+        raise ValueError(f"case={case!r} is not allowed; allowed values: {list(CASES)}")
+    if (kv_cache is None) != (case == "trainer_forward"):
+        raise ValueError(f"case={case!r}: a kv_cache is required for prefill/decode and forbidden for trainer_forward")
+    toks = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in sequences]
+    pad = -sum(t.numel() for t in toks) % pad_to_multiple
+    if pad:
+        if case != "trainer_forward":
+            raise ValueError(f"pad_to_multiple={pad_to_multiple} is only supported for case='trainer_forward'")
+        toks.append(torch.zeros(pad, dtype=torch.int64))
+    lengths = [int(t.numel()) for t in toks]
+    if case == "decode" and any(n != 1 for n in lengths):
+        raise ValueError(f"case='decode' takes one token per sequence, got lengths {lengths}")
+    starts = list(start_positions) if start_positions is not None else [0] * len(toks)
+    if len(starts) != len(toks):
+        raise ValueError(f"start_positions has {len(starts)} entries for {len(toks)} sequences")
+    positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, lengths, strict=True)])
+    cu = _cu_seqlens(lengths).to(device)
+    batch = IsoBatch(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+        positions=positions.to(device),
+        case=case,
+        kv_cache=kv_cache,
+        slots=None if slots is None else torch.as_tensor(list(slots), dtype=torch.int64, device=device),
+        cache_seqlens=None if kv_cache is None else torch.as_tensor(starts, dtype=torch.int64, device=device),
+    )
+    if kv_cache is not None and (batch.slots is None or batch.slots.numel() != len(toks)):
+        raise ValueError("prefill/decode need one cache slot per sequence (slots=...)")
+    return torch.cat(toks).unsqueeze(0).to(device), batch

@@ -1,0 +1,89 @@
+"""From the Hydra config (model, profile, parallel) to Megatron's TransformerConfig.
+
+:class:`IsoTransformerConfig` is Megatron's config plus the few fields megatron_iso's layers read;
+they are dataclass fields (not attributes patched on later) so a reader sees them in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PROFILES = ("correctness", "performance")
+
+
+@dataclass
+class IsoTransformerConfig(TransformerConfig):
+    iso_profile: str = "correctness"  # correctness = invariant ops; performance = stock ops
+    iso_leaves: int = 8  # leaves of row-parallel GEMMs and of the vocab log-sum-exp
+    iso_column_leaves: int = 1  # column-parallel GEMMs never split K across ranks
+    iso_kv_block: int = 64  # attention reduces keys in blocks of this many positions
+    rope_theta: float = 1_000_000.0
+    rotary_fraction: float = 1.0  # share of head_dim rotated (Qwen3-Next: 0.25)
+    vocab_size: int = 0
+    max_sequence_length: int = 0
+    tie_word_embeddings: bool = False
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def transformer_config(cfg: Any) -> IsoTransformerConfig:
+    """Build the Megatron config for ``cfg.model`` under ``cfg.profile`` and ``cfg.parallel``."""
+    model, profile, parallel = cfg.model, cfg.profile, cfg.parallel
+    name = str(profile.name)
+    if name not in PROFILES:
+        raise ValueError(f"profile.name={name!r} is not allowed; allowed values: {list(PROFILES)}")
+    dtype_name = str(_get(model, "params_dtype", "fp32"))
+    if dtype_name not in DTYPES:
+        raise ValueError(f"model.params_dtype={dtype_name!r} is not allowed; allowed values: {sorted(DTYPES)}")
+    dtype = DTYPES[dtype_name]
+    tp = int(_get(parallel, "tp", 1))
+    return IsoTransformerConfig(
+        num_layers=int(model.num_layers),
+        hidden_size=int(model.hidden_size),
+        ffn_hidden_size=int(model.ffn_hidden_size),
+        num_attention_heads=int(model.num_attention_heads),
+        num_query_groups=int(model.num_query_groups),
+        kv_channels=int(model.kv_channels),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(model.norm_epsilon),
+        layernorm_zero_centered_gamma=bool(_get(model, "zero_centered_norm", False)),
+        qk_layernorm=bool(_get(model, "qk_layernorm", True)),
+        attention_output_gate=bool(_get(model, "attention_output_gate", False)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=int(_get(parallel, "pp", 1)),
+        sequence_parallel=bool(_get(parallel, "sp", False)) and tp > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        init_method_std=float(_get(model, "init_std", 0.02)),
+        iso_profile=name,
+        iso_leaves=int(_get(profile, "leaves", 8)) if name == "correctness" else 1,
+        iso_kv_block=int(_get(profile, "attention_kv_block", 64)) or 64,
+        rope_theta=float(model.rope_theta),
+        rotary_fraction=float(_get(model, "rotary_fraction", 1.0)),
+        vocab_size=int(model.vocab_size),
+        max_sequence_length=int(model.max_position_embeddings),
+        tie_word_embeddings=bool(_get(model, "tie_word_embeddings", False)),
+    )

@@ -1,0 +1,77 @@
+"""The decoder-only model: Megatron-Core's GPTModel built from megatron_iso's block spec."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from megatron_iso.models.batch import IsoBatch
+from megatron_iso.models.config import IsoTransformerConfig
+from megatron_iso.models.specs import dense_block_spec
+from megatron_iso.models.weights import load_hf_state_dict
+from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
+from megatron_iso.parallel.vocab import IsoVocabParallelEmbedding
+
+
+class IsoGPTModel(GPTModel):
+    """GPTModel whose vocab-parallel ends are invariant in the correctness profile.
+
+    GPTModel hard-codes stock classes for the word embedding and the output layer; with the
+    correctness profile both are replaced by their invariant subclasses (same parameters, same
+    names), so checkpoints are interchangeable between profiles. RoPE is applied inside
+    :class:`~megatron_iso.models.modules.CachedSelfAttention` from absolute positions, hence
+    ``position_embedding_type='none'`` here.
+    """
+
+    def __init__(self, config: IsoTransformerConfig, *, pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__(
+            config=config,
+            transformer_layer_spec=dense_block_spec(config.iso_profile, config.num_layers),
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=config.tie_word_embeddings,
+            position_embedding_type="none",
+        )
+        if config.iso_profile != "correctness":
+            return
+        if pre_process:
+            stock = self.embedding.word_embeddings
+            self.embedding.word_embeddings = IsoVocabParallelEmbedding(
+                num_embeddings=config.vocab_size,
+                embedding_dim=config.hidden_size,
+                init_method=config.init_method,
+                config=config,
+                reduce_scatter_embeddings=stock.reduce_scatter_embeddings,
+            )
+        if post_process:
+            self.output_layer = LeafTreeColumnParallelLinear(
+                config.hidden_size,
+                self.vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=False,
+                skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+            )
+            if self.pre_process and self.share_embeddings_and_output_weights:
+                self.setup_embeddings_and_output_layer()
+
+    def forward_packed(self, input_ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
+        """Vocab-parallel logits ``[T, V/tp]`` for packed ``input_ids [1, T]``."""
+        logits = self.forward(input_ids, position_ids=None, attention_mask=None, packed_seq_params=batch)
+        return logits.squeeze(0)
+
+
+def build_model(config: IsoTransformerConfig, hf_weights: Mapping[str, torch.Tensor] | None = None) -> IsoGPTModel:
+    """Build this rank's model (after Megatron's parallel_state is initialised); load full HF-named
+    weights into it when given, sharded for this rank's TP position."""
+    model = IsoGPTModel(config)
+    if hf_weights is not None:
+        load_hf_state_dict(model, hf_weights, config)
+    return model

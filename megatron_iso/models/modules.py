@@ -1,0 +1,104 @@
+"""Layer modules that both spec providers share or swap in.
+
+- :class:`IsoRMSNorm`: RMSNorm through ``ops.norm`` (invariant in the correctness profile).
+- :class:`CachedSelfAttention`: Megatron's ``SelfAttention`` whose forward takes an
+  :class:`~megatron_iso.models.batch.IsoBatch` (packed rows, absolute positions, optional KV
+  cache), so the trainer's forward, prefill and decode are one code path.
+- :class:`PackedCoreAttention`: the ``core_attention`` submodule, calling ``ops.attention`` for
+  packed training rows or for cache reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_iso.models.batch import IsoBatch
+from megatron_iso.ops.attention import attention_varlen, attention_with_kv_cache
+from megatron_iso.ops.norm import rms_norm
+from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
+
+
+class IsoRMSNorm(torch.nn.Module):
+    """RMSNorm with Megatron's norm constructor signature, computed by ``ops.norm``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
+        super().__init__()
+        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.profile = getattr(config, "iso_profile", "correctness")
+        self.eps = eps
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        # Replicated across TP ranks: with sequence parallelism its grad must be TP-reduced.
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = rms_norm(
+            x.reshape(-1, shape[-1]), self.weight, self.eps, zero_centered=self.zero_centered, profile=self.profile
+        )
+        return out.reshape(shape)
+
+
+class PackedCoreAttention(MegatronModule):
+    """Causal GQA attention over packed rows or from a KV cache (``ops.attention``)."""
+
+    def __init__(self, config, layer_number: int, softmax_scale: float | None = None, **_: object) -> None:
+        super().__init__(config=config)
+        self.layer_index = layer_number - 1  # Megatron numbers layers from 1
+        self.softmax_scale = softmax_scale
+        self.profile = getattr(config, "iso_profile", "correctness")
+        self.kv_block = int(getattr(config, "iso_kv_block", 64))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: IsoBatch, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        common = {"softmax_scale": self.softmax_scale, "gate": gate, "kv_block": self.kv_block, "profile": self.profile}
+        if not batch.uses_cache:
+            return attention_varlen(q, k, v, batch.cu_seqlens_q, **common)
+        k_cache, v_cache = batch.kv_cache.layer(self.layer_index)
+        return attention_with_kv_cache(
+            q, k, v, k_cache, v_cache, batch.cache_seqlens, batch.cu_seqlens_q, slots=batch.slots, **common
+        )
+
+
+class CachedSelfAttention(SelfAttention):
+    """Megatron SelfAttention driven by an :class:`IsoBatch` instead of masks and inference contexts.
+
+    QKV projection, q/k norms and the output projection are Megatron's own code and submodules
+    (so the spec provider decides which linears and norms run); RoPE and attention go through
+    ``ops`` with absolute positions, identical for every case.
+    """
+
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type=None, **kwargs: object) -> None:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        super().__init__(
+            config, submodules, layer_number, attn_mask_type=attn_mask_type or AttnMaskType.causal, **kwargs
+        )
+        head_dim = self.hidden_size_per_attention_head
+        self.rotary_dim = rotary_dim_for(head_dim, float(getattr(config, "rotary_fraction", 1.0)))
+        self.rope_theta = float(getattr(config, "rope_theta", 10000.0))
+        self.profile = getattr(config, "iso_profile", "correctness")
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_: object):
+        batch = packed_seq_params
+        if not isinstance(batch, IsoBatch):
+            raise TypeError(
+                "CachedSelfAttention needs packed_seq_params=IsoBatch (build it with megatron_iso.models.batch.pack); "
+                f"got {type(batch).__name__}"
+            )
+        gated = bool(self.config.attention_output_gate)
+        qkv = self.get_query_key_value_tensors(hidden_states, None, output_gate=gated)
+        query, key, value = qkv[:3]
+        gate = qkv[3].squeeze(1) if gated else None
+        # [T, 1, heads, D] -> [T, heads, D]: the packed layout has batch dimension 1.
+        query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        cos, sin = rope_cos_sin(batch.positions, self.rotary_dim, self.rope_theta, profile=self.profile)
+        query = apply_rope(query, cos, sin, profile=self.profile)
+        key = apply_rope(key, cos, sin, profile=self.profile)
+        out = self.core_attention(query, key, value, batch, gate=gate)
+        out = out.reshape(out.shape[0], 1, -1)
+        return self.linear_proj(out)

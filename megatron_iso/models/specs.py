@@ -1,0 +1,87 @@
+"""Two spec providers over one module tree.
+
+``iso`` (profile ``correctness``) and ``native`` (profile ``performance``) build the same
+Megatron structure — TransformerLayer -> CachedSelfAttention(linear_qkv, core_attention,
+linear_proj, q/k norms) + MLP(linear_fc1, linear_fc2) — and differ only in which classes fill the
+swappable submodules: leaf-tree linears and invariant norms vs Megatron's stock local layers.
+The profile also tells ``ops`` which kernels the shared modules call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_iso.models.modules import CachedSelfAttention, IsoRMSNorm, PackedCoreAttention
+from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
+
+PROFILES = ("correctness", "performance")
+
+
+@dataclass(frozen=True)
+class LayerKit:
+    """The swappable classes a spec provider puts into the shared module tree."""
+
+    column_linear: type
+    row_linear: type
+    norm: type
+
+
+ISO_KIT = LayerKit(column_linear=LeafTreeColumnParallelLinear, row_linear=LeafTreeRowParallelLinear, norm=IsoRMSNorm)
+NATIVE_KIT = LayerKit(column_linear=ColumnParallelLinear, row_linear=RowParallelLinear, norm=WrappedTorchNorm)
+
+
+def layer_kit(profile: str) -> LayerKit:
+    if profile not in PROFILES:
+        raise ValueError(f"profile={profile!r} is not allowed; allowed values: {list(PROFILES)}")
+    return ISO_KIT if profile == "correctness" else NATIVE_KIT
+
+
+def attention_spec(kit: LayerKit) -> ModuleSpec:
+    return ModuleSpec(
+        module=CachedSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=kit.column_linear,
+            core_attention=PackedCoreAttention,
+            linear_proj=kit.row_linear,
+            q_layernorm=kit.norm,
+            k_layernorm=kit.norm,
+        ),
+    )
+
+
+def dense_mlp_spec(kit: LayerKit) -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear))
+
+
+def dense_layer_spec(profile: str) -> ModuleSpec:
+    """A Qwen3-style dense decoder layer for ``profile``."""
+    kit = layer_kit(profile)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=kit.norm,
+            self_attention=attention_spec(kit),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=kit.norm,
+            mlp=dense_mlp_spec(kit),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def dense_block_spec(profile: str, num_layers: int) -> TransformerBlockSubmodules:
+    """All decoder layers plus the final norm (from the same kit, so it is invariant too)."""
+    return TransformerBlockSubmodules(
+        layer_specs=[dense_layer_spec(profile)] * num_layers, layer_norm=layer_kit(profile).norm
+    )

@@ -1,0 +1,150 @@
+"""Full (HF-named) weights <-> this rank's Megatron parameters, for any TP layout.
+
+The canonical form of a model's weights is the HF transformers state dict (Qwen3 names): it is
+what checkpoints ship as, and what TP-invariance tests load into every layout. Sharding rules:
+
+- ``linear_qkv``: per query group g, rows ``[q heads of g | (gate heads of g) | k_g | v_g]``
+  (Megatron's grouped layout), groups split contiguously over TP ranks;
+- ``linear_fc1``: this rank's gate rows, then its up rows;
+- column-parallel (qkv, fc1, output layer, embedding): rows split; row-parallel (proj, fc2):
+  columns split; norms replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from megatron_iso.models.config import IsoTransformerConfig
+
+
+def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return t.chunk(size, dim=0)[rank]
+
+
+def _cols(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return t.chunk(size, dim=1)[rank]
+
+
+def _qkv_rows(cfg: IsoTransformerConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q/k/v projections -> Megatron's grouped qkv weight (full, unsharded)."""
+    d, ng, nq = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
+    per = nq // ng
+    hidden = q.shape[1]
+    if cfg.attention_output_gate:
+        # HF Qwen3-Next q_proj: per head [query (d) | gate (d)].
+        qg = q.view(nq, 2, d, hidden)
+        qh, gh = qg[:, 0].reshape(ng, per * d, hidden), qg[:, 1].reshape(ng, per * d, hidden)
+        parts = [qh, gh]
+    else:
+        parts = [q.view(ng, per * d, hidden)]
+    parts += [k.view(ng, d, hidden), v.view(ng, d, hidden)]
+    return torch.cat(parts, dim=1).reshape(-1, hidden)
+
+
+def _check_layout(cfg: IsoTransformerConfig, tp: int) -> None:
+    if cfg.num_query_groups % tp:
+        raise ValueError(
+            f"parallel.tp={tp} must divide model.num_query_groups={cfg.num_query_groups} "
+            "(TP above the KV-head count is not supported by the weight loader)"
+        )
+
+
+def megatron_shard(
+    hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, rank: int, tp: int
+) -> dict[str, torch.Tensor]:
+    """This TP rank's Megatron parameters (GPTModel names) from a full HF-named state dict."""
+    _check_layout(cfg, tp)
+    out: dict[str, torch.Tensor] = {
+        "embedding.word_embeddings.weight": _rows(hf["model.embed_tokens.weight"], rank, tp)
+    }
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = src + "self_attn."
+        qkv = _qkv_rows(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"])
+        out[dst + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, tp)
+        out[dst + "self_attention.linear_proj.weight"] = _cols(hf[attn + "o_proj.weight"], rank, tp)
+        if cfg.qk_layernorm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
+            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)])
+        out[dst + "mlp.linear_fc2.weight"] = _cols(hf[src + "mlp.down_proj.weight"], rank, tp)
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = _rows(hf["lm_head.weight"], rank, tp)
+    return out
+
+
+def hf_shapes(cfg: IsoTransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint this config describes."""
+    h, d, f, v = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size, cfg.vocab_size
+    nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
+    q_rows = nq * d * (2 if cfg.attention_output_gate else 1)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_rows, h),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.o_proj.weight": (h, nq * d),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
+        if cfg.qk_layernorm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def random_hf_state_dict(cfg: IsoTransformerConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Seeded random weights in HF naming; norms near 1 (or near 0 when zero-centred)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in hf_shapes(cfg).items():
+        if len(shape) == 1:
+            base = 0.0 if cfg.layernorm_zero_centered_gamma else 1.0
+            t = base + 0.1 * torch.randn(shape, generator=g)
+        else:
+            t = std * torch.randn(shape, generator=g)
+        out[name] = t.to(cfg.params_dtype)
+    return out
+
+
+def check_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> None:
+    """Every expected tensor present with the expected shape; errors name the tensor."""
+    for name, shape in hf_shapes(cfg).items():
+        if name not in hf:
+            raise KeyError(f"checkpoint is missing tensor '{name}' (expected shape {list(shape)})")
+        if tuple(hf[name].shape) != shape:
+            raise ValueError(f"tensor '{name}' has shape {list(hf[name].shape)}, expected {list(shape)}")
+
+
+def load_hf_state_dict(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> None:
+    """Copy full HF-named weights into this rank's model (its TP rank from Megatron's parallel_state)."""
+    from megatron.core import parallel_state
+
+    check_hf_state_dict(hf, cfg)
+    rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    shard = megatron_shard(hf, cfg, rank, tp)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(shard))
+    if missing:
+        raise KeyError(f"no source tensor for model parameters {missing}")
+    with torch.no_grad():
+        for name, tensor in shard.items():
+            if name not in params:
+                raise KeyError(f"model has no parameter '{name}'")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"parameter '{name}': shard shape {list(tensor.shape)} != model {list(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
