@@ -250,3 +250,23 @@ def test_qk_norm_rope_gate_chain_prefill_decode(dtype: torch.dtype) -> None:
         qd, kd = prep(slice(p, p + 1), torch.tensor([p]))
         outs.append(attention_decode(qd, kd, v[p : p + 1], kc, vc, torch.tensor([p]), gate=gate[p : p + 1]))
     assert same_bits(torch.cat(outs), train)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reference_is_portable_to_cuda_tensors() -> None:
+    """The reference uses only correctly rounded ops, so it gives the CPU's bits on a GPU too
+    (measured on an H200, torch 2.11+cu130): one digest for the torch reference wherever it runs."""
+    from megatron_iso.ops.activation.pointwise import iso_silu
+    from megatron_iso.ops.attention.reference import attention_varlen as ref_varlen
+    from megatron_iso.ops.rope.reference import rope_cos_sin
+
+    for dtype in DTYPES:
+        q, k, v, gate = _seq(134, dtype, seed=3, gated=True)
+        cpu = ref_varlen(q, k, v, _cu([134]), gate=gate)
+        gpu = ref_varlen(q.cuda(), k.cuda(), v.cuda(), _cu([134]), gate=gate.cuda()).cpu()
+        assert same_bits(cpu, gpu)
+    x = torch.randn(10000) * 10
+    assert same_bits(iso_silu(x), iso_silu(x.cuda()).cpu())
+    pos = torch.arange(0, 200000, 7)
+    assert same_bits(rope_cos_sin(pos, 64, 1e6)[0], rope_cos_sin(pos.cuda(), 64, 1e6)[0].cpu())
