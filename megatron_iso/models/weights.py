@@ -12,7 +12,7 @@ what checkpoints ship as, and what TP-invariance tests load into every layout. S
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -77,6 +77,69 @@ def megatron_shard(
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = _rows(hf["lm_head.weight"], rank, tp)
     return out
+
+
+def _split_qkv(cfg: IsoTransformerConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_qkv_rows`: Megatron's full grouped qkv weight -> HF q, k, v projections."""
+    d, ng, nq = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
+    per = nq // ng
+    hidden = qkv.shape[1]
+    q_parts = 2 if cfg.attention_output_gate else 1
+    groups = qkv.view(ng, (q_parts * per + 2) * d, hidden)
+    q_rows = q_parts * per * d
+    q = groups[:, :q_rows]
+    if cfg.attention_output_gate:
+        # Back to HF's per-head [query | gate] interleave.
+        q = q.reshape(ng, 2, per, d, hidden).permute(0, 2, 1, 3, 4)
+    k, v = groups[:, q_rows : q_rows + d], groups[:, q_rows + d :]
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def _replicated(shards: Sequence[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """A tensor every rank holds a copy of; copies that differ mean a corrupt or mixed checkpoint."""
+    first = shards[0][name]
+    for rank, shard in enumerate(shards[1:], start=1):
+        if shard[name].shape != first.shape or not torch.equal(shard[name], first):
+            raise ValueError(f"replicated parameter '{name}' differs between TP rank 0 and TP rank {rank}")
+    return first
+
+
+def hf_from_megatron_shards(
+    shards: Sequence[Mapping[str, torch.Tensor]], cfg: IsoTransformerConfig
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`megatron_shard`: every TP rank's parameters (rank order) -> full HF-named state
+    dict. Only concatenation and reshapes, so ``hf_from_megatron_shards([megatron_shard(hf, cfg, r, tp)
+    for r in range(tp)], cfg)`` reproduces ``hf`` bit for bit."""
+    tp = len(shards)
+    _check_layout(cfg, tp)
+
+    def rows(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=0)
+
+    def cols(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=1)
+
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")}
+    for i in range(cfg.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = dst + "self_attn."
+        q, k, v = _split_qkv(cfg, rows(src + "self_attention.linear_qkv.weight"))
+        out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
+        out[attn + "o_proj.weight"] = cols(src + "self_attention.linear_proj.weight")
+        if cfg.qk_layernorm:
+            out[attn + "q_norm.weight"] = _replicated(shards, src + "self_attention.q_layernorm.weight")
+            out[attn + "k_norm.weight"] = _replicated(shards, src + "self_attention.k_layernorm.weight")
+        out[dst + "input_layernorm.weight"] = _replicated(shards, src + "input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = _replicated(shards, src + "pre_mlp_layernorm.weight")
+        # Each rank's fc1 is [its gate rows | its up rows].
+        halves = [s[src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
+        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
+        out[dst + "mlp.down_proj.weight"] = cols(src + "mlp.linear_fc2.weight")
+    out["model.norm.weight"] = _replicated(shards, "decoder.final_layernorm.weight")
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = rows("output_layer.weight")
+    return {name: t.contiguous() for name, t in out.items()}
 
 
 def hf_shapes(cfg: IsoTransformerConfig) -> dict[str, tuple[int, ...]]:
