@@ -113,14 +113,17 @@ class LeafTreeRowParallelLinear(RowParallelLinear):
                 )
         self.iso_local_leaves = self.iso_leaves // tp
 
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.iso_profile == "performance":
-            return super().forward(input_)
+    def forward_fp32(self, input_: torch.Tensor) -> torch.Tensor:
+        """The finished fp32 tree (no bias, not rounded), for callers that add further fp32 terms
+        before their own single rounding (the MoE combine adds expert and shared-expert outputs)."""
         x = input_ if self.input_is_parallel else split_along(input_, self.tp_group, dim=-1)
         # fp32 node of the global tree over this rank's leaves; never rounded before the tree ends.
         partial = linear(x, self.weight, leaves=self.iso_local_leaves, profile="correctness")
         if self.sequence_parallel:
-            total = tree_reduce_scatter(partial, self.tp_group, dim=0)
-        else:
-            total = tree_all_reduce(partial, self.tp_group)
-        return _finish(total, self.bias, self.skip_bias_add, x.dtype)
+            return tree_reduce_scatter(partial, self.tp_group, dim=0)
+        return tree_all_reduce(partial, self.tp_group)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.iso_profile == "performance":
+            return super().forward(input_)
+        return _finish(self.forward_fp32(input_), self.bias, self.skip_bias_add, input_.dtype)
