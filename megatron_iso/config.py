@@ -8,12 +8,13 @@ Hydra app would see, without Hydra taking over the process (no output dirs, no c
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Set to use a config tree other than the repository's (e.g. an installed wheel with configs elsewhere).
 CONF_ENV = "MEGATRON_ISO_CONF"
@@ -48,3 +49,22 @@ def load_config(overrides: Sequence[str] = (), config_name: str = ROOT_CONFIG) -
         if parked is not None:
             global_hydra.clear()
             global_hydra.initialize(parked)
+
+
+def load_config_with_model(model: Mapping[str, Any], overrides: Sequence[str] = ()) -> DictConfig:
+    """The root config with ``model`` replaced by a given dict (e.g. derived from a checkpoint's HF
+    config.json); ``model.KEY=VALUE`` overrides still apply on top of it, other overrides as usual."""
+    keys = [o.split("=", 1)[0] for o in overrides]
+    if any(k.lstrip("+~") == "model" for k in keys):
+        raise ValueError("a model=... group override conflicts with a model taken from a checkpoint; drop it")
+    if any(k.startswith("~model.") for k in keys):
+        raise ValueError("~model.KEY deletions are not supported on a checkpoint's model; set model.KEY=VALUE")
+    model_overrides = [
+        o.lstrip("+") for o, k in zip(overrides, keys, strict=True) if k.lstrip("+").startswith("model.")
+    ]
+    cfg = load_config([o for o in overrides if o.lstrip("+") not in model_overrides])
+    OmegaConf.set_struct(cfg, False)
+    cfg.model = OmegaConf.create(dict(model))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(model_overrides))
+    OmegaConf.set_struct(cfg, True)
+    return cfg

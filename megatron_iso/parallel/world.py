@@ -1,0 +1,49 @@
+"""A one-process Megatron world (TP=PP=EP=1 over a single gloo rank), for tools that build a model
+in the calling process: conversion checks, notebooks, CLIs. Multi-rank work goes through
+``megatron_iso.testing.harness.run_on_ranks`` (tests) or torchrun (launches) instead."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_process_world(seed: int = 1234) -> Iterator[None]:
+    """Initialise torch.distributed (gloo, world size 1) and Megatron's parallel_state for the body,
+    then tear both down. If the caller already runs inside a distributed world, that world is used
+    as it is and left alone (it must then already have Megatron's parallel_state set up)."""
+    from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
+
+    silence_expected_cpu_warnings()
+    apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if dist.is_initialized():
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("torch.distributed is initialised but Megatron's parallel_state is not")
+        yield
+        return
+    # A private rendezvous (tcp on a free port) so the caller's MASTER_ADDR/PORT are not touched.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
+        )
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
