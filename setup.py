@@ -32,5 +32,9 @@ setup(
         "hf": ["transformers==5.24.0", "tokenizers==0.23.3"],
         "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis==6.170.17", "ruff==0.17.6"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={
+        "console_scripts": [
+            "iso-contract=megatron_iso.cli.contract:main",
+        ]
+    },
 )

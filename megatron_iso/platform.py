@@ -151,6 +151,24 @@ def silence_expected_cpu_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """While active, ``tensor.type()`` of a CPU float tensor answers with its CUDA name."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and not self.is_cuda:
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
 def apply_cpu_patches() -> bool:
     """Patch Megatron-Core for CPU execution when CUDA is absent. Idempotent.
 
@@ -190,6 +208,17 @@ def apply_cpu_patches() -> bool:
 
     # Megatron's clip asserts grads are 'torch.cuda.FloatTensor'; same scaling, any device.
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+
+    # The distributed optimizer's constructor accepts only 'torch.cuda.*Tensor' parameter types.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    dist_opt_init = DistributedOptimizer.__init__
+
+    def _dist_opt_init(self: DistributedOptimizer, *args: object, **kwargs: object) -> None:
+        with _cuda_type_names():
+            dist_opt_init(self, *args, **kwargs)
+
+    DistributedOptimizer.__init__ = _dist_opt_init
 
     _APPLIED = True
     return True

@@ -10,6 +10,7 @@ keys for a query position in every case), CUDA+correctness =
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.attention.autograd import attention_varlen_trainable
 from megatron_iso.ops.attention.kv_cache import KVCache
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
 
@@ -66,6 +68,15 @@ def attention_varlen(
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens [n+1]``."""
     fn = _select("attention", "attention_varlen", q, profile)
+    if (
+        profile == "correctness"
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (q, k, v, gate))
+    ):
+        # The invariant kernels are forward-only; training gets a deterministic plain backward.
+        return attention_varlen_trainable(
+            functools.partial(fn, kv_block=kv_block), q, k, v, cu_seqlens, softmax_scale=softmax_scale, gate=gate
+        )
     return fn(q, k, v, cu_seqlens, softmax_scale=softmax_scale, gate=gate, kv_block=kv_block)
 
 
