@@ -81,6 +81,7 @@ def _rank_main(
             tensor_model_parallel_size=layout["tp"],
             pipeline_model_parallel_size=layout["pp"],
             expert_model_parallel_size=layout["ep"],
+            expert_tensor_parallel_size=layout["etp"],
         )
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
@@ -103,6 +104,7 @@ def run_on_ranks(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    etp: int = 1,
     args: Sequence[Any] = (),
     seed: int = 1234,
     timeout: float = 600.0,
@@ -110,9 +112,10 @@ def run_on_ranks(
     """Call module-level ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     ``tp * pp`` must divide ``world_size`` (the rest is data parallel); ``ep`` must divide the
-    data-parallel-times-TP product as Megatron requires.
+    data-parallel-times-TP product as Megatron requires. ``etp`` is the expert tensor-parallel size
+    (1, as ``models.config`` configures MoE models: an expert lives whole on one EP rank).
     """
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep)):
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"run_on_ranks: {name}={value!r} must be a positive int")
     if world_size % (tp * pp):
@@ -120,7 +123,7 @@ def run_on_ranks(
     ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
-    layout = {"tp": tp, "pp": pp, "ep": ep}
+    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, port, layout, seed, fn, tuple(args), queue), daemon=True)
         for r in range(world_size)
