@@ -1,0 +1,26 @@
+"""Checkpoints: HF safetensors directories <-> megatron_iso's per-TP-rank format, tokenizer files,
+and the logits comparison against HF transformers (docs/CHECKPOINTS.md)."""
+
+from megatron_iso.checkpoint.convert import (
+    checked_hf_weights,
+    checkpoint_config,
+    export_hf,
+    hf_dir_config,
+    import_hf,
+    load_checkpoint_hf,
+)
+from megatron_iso.checkpoint.hf_dir import read_hf_weights, write_hf_dir
+from megatron_iso.checkpoint.tokenizer import copy_assets, load_tokenizer
+
+__all__ = [
+    "checked_hf_weights",
+    "checkpoint_config",
+    "copy_assets",
+    "export_hf",
+    "hf_dir_config",
+    "import_hf",
+    "load_checkpoint_hf",
+    "load_tokenizer",
+    "read_hf_weights",
+    "write_hf_dir",
+]

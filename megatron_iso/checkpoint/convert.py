@@ -1,0 +1,134 @@
+"""HF directory -> megatron_iso checkpoint (any TP layout) -> HF directory, bit for bit.
+
+The full HF-named state dict is the pivot: import shards it with
+:func:`~megatron_iso.models.weights.megatron_shard`, export gathers it back with
+:func:`~megatron_iso.models.weights.hf_from_megatron_shards`; tensors keep their stored dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_iso.checkpoint import iso_format
+from megatron_iso.checkpoint.hf_dir import read_hf_weights, write_hf_dir
+from megatron_iso.checkpoint.tokenizer import copy_assets
+from megatron_iso.config import load_config_with_model
+from megatron_iso.models.config import IsoTransformerConfig, transformer_config
+from megatron_iso.models.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
+from megatron_iso.models.weights import check_hf_state_dict, hf_from_megatron_shards, hf_shapes
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass
+class HFWeights:
+    """A checked HF state dict plus how the source stored it (for a faithful export)."""
+
+    tensors: dict[str, torch.Tensor]
+    tied_lm_head_stored: bool  # a tied model whose files also carry lm_head.weight (== embeddings)
+
+
+def checked_hf_weights(tensors: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> HFWeights:
+    """Every expected tensor present with its shape and nothing else; errors name the tensor."""
+    tensors = dict(tensors)
+    tied_stored = False
+    if cfg.tie_word_embeddings and LM_HEAD in tensors and EMBED in tensors:
+        # Some tied checkpoints store the head anyway; accept it only as an exact copy.
+        if tensors[LM_HEAD].shape != tensors[EMBED].shape or not torch.equal(tensors[LM_HEAD], tensors[EMBED]):
+            raise ValueError(f"tensor '{LM_HEAD}' differs from '{EMBED}' but config.json has tie_word_embeddings=true")
+        del tensors[LM_HEAD]
+        tied_stored = True
+    check_hf_state_dict(tensors, cfg)
+    unexpected = sorted(set(tensors) - set(hf_shapes(cfg)))
+    if unexpected:
+        raise KeyError(f"checkpoint has unexpected tensors {unexpected} that this model config does not describe")
+    return HFWeights(tensors, tied_stored)
+
+
+def hf_dir_config(hf_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """The root Hydra config with ``model`` derived from the HF directory's config.json."""
+    hf_dir = Path(hf_dir)
+    model = model_config_from_hf(read_hf_config(hf_dir), name=hf_dir.resolve().name)
+    return load_config_with_model(model, overrides)
+
+
+def _identities(cfg: DictConfig) -> dict[str, Any]:
+    from megatron_iso.contract import build_contract, load_op_implementations
+
+    load_op_implementations()
+    return build_contract(cfg).identities.to_dict()
+
+
+def import_hf(
+    hf_dir: str | Path, out_dir: str | Path, tp: int | None = None, overrides: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Convert an HF safetensors directory into a megatron_iso checkpoint at TP=``tp`` (default:
+    ``parallel.tp`` of the config); return the manifest."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    cfg = hf_dir_config(hf_dir, [*overrides, *([f"parallel.tp={tp}"] if tp is not None else [])])
+    tc = transformer_config(cfg)
+    tp = tc.tensor_model_parallel_size
+    weights = checked_hf_weights(read_hf_weights(hf_dir), tc)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # No manifest while files change: readers see an incomplete checkpoint, never a mixed one.
+    (out_dir / iso_format.MANIFEST).unlink(missing_ok=True)
+    files = iso_format.write_rank_files(out_dir, weights.tensors, tc, tp)
+    assets = copy_assets(hf_dir, out_dir)
+    manifest = {
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "layout": {"tp": tp},
+        "files": files,
+        "assets": assets,
+        "hf": {
+            "config": read_hf_config(hf_dir),
+            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in sorted(weights.tensors.items())},
+            "tied_lm_head_stored": weights.tied_lm_head_stored,
+        },
+        "identities": _identities(cfg),
+        "source": str(hf_dir.resolve()),
+    }
+    iso_format.write_manifest(out_dir, manifest)
+    iso_format.remove_stale_rank_files(out_dir, [f["file"] for f in files])
+    return manifest
+
+
+def checkpoint_config(ckpt_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """The root Hydra config with ``model`` from a megatron_iso checkpoint's manifest."""
+    return load_config_with_model(iso_format.read_manifest(ckpt_dir)["model"], overrides)
+
+
+def load_checkpoint_hf(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest, full HF-named state dict) of a checkpoint in any TP layout; pass the state dict to
+    ``build_model`` to load it into a model of any other layout."""
+    manifest = iso_format.read_manifest(ckpt_dir)
+    tp = int(manifest["layout"]["tp"])
+    tc = transformer_config(load_config_with_model(manifest["model"], [f"parallel.tp={tp}"]))
+    ranks = iso_format.read_rank_files(ckpt_dir, manifest, tc)
+    return manifest, hf_from_megatron_shards(ranks.shards, tc)
+
+
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None) -> list[str]:
+    """Write a megatron_iso checkpoint back as an HF directory (config.json, safetensors, tokenizer
+    files); return the weight file names."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest, hf = load_checkpoint_hf(ckpt_dir)
+    source = manifest.get("hf") or {}
+    if source.get("tied_lm_head_stored"):
+        hf[LM_HEAD] = hf[EMBED]
+    for name, spec in (source.get("tensors") or {}).items():
+        if name not in hf:
+            raise KeyError(f"exported state lacks tensor '{name}' recorded in the manifest")
+        if list(hf[name].shape) != spec["shape"] or str(hf[name].dtype) != spec["dtype"]:
+            raise ValueError(
+                f"tensor '{name}': {list(hf[name].shape)} {hf[name].dtype} != manifest {spec['shape']} {spec['dtype']}"
+            )
+    config = source.get("config") or hf_config_from_model(manifest["model"])
+    files = write_hf_dir(out_dir, hf, config, max_shard_bytes)
+    copy_assets(ckpt_dir, out_dir)
+    return files

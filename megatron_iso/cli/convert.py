@@ -1,0 +1,101 @@
+"""``iso-convert``: HF safetensors directory <-> megatron_iso checkpoint, and a logits check
+against HF transformers.
+
+  iso-convert import  --hf DIR --out DIR [--tp N] [overrides...]
+  iso-convert export  --ckpt DIR --out DIR [--max-shard-size BYTES]
+  iso-convert compare --hf DIR [--tokens 1,2,3] [--seed S] [--length L] [--max-rel TOL] [overrides...]
+
+Overrides are Hydra's (``profile=performance model.params_dtype=bf16``). Exit codes: 0 ok;
+1 compare exceeded ``--max-rel``; 2 bad input (unsupported config, missing/misshapen tensor, no file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from megatron_iso.checkpoint import import_hf
+
+    manifest = import_hf(args.hf, args.out, tp=args.tp, overrides=args.overrides)
+    files = ", ".join(f["file"] for f in manifest["files"])
+    print(f"wrote {args.out}: model {manifest['model']['name']} TP={manifest['layout']['tp']} ({files})")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from megatron_iso.checkpoint import export_hf
+
+    files = export_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+    print(f"wrote {args.out}: config.json, {', '.join(files)}")
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from megatron_iso.checkpoint.compare import compare_with_transformers
+
+    tokens = [int(t) for t in args.tokens.split(",") if t.strip()] if args.tokens else None
+    result = compare_with_transformers(args.hf, args.overrides, tokens=tokens, seed=args.seed, length=args.length)
+    if args.max_rel is not None:
+        result["max_rel_tolerance"] = args.max_rel
+        result["within_tolerance"] = result["max_rel_diff"] <= args.max_rel
+    print(json.dumps(result, sort_keys=True))
+    return EXIT_DIFFERS if result.get("within_tolerance") is False else EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iso-convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF safetensors directory -> megatron_iso checkpoint at a TP layout")
+    imp.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="checkpoint directory to write")
+    imp.add_argument("--tp", type=int, default=None, help="TP layout to write (default: parallel.tp)")
+    exp = sub.add_parser("export", help="megatron_iso checkpoint (any TP layout) -> HF safetensors directory")
+    exp.add_argument("--ckpt", required=True)
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="split weights into shards")
+    cmp_ = sub.add_parser("compare", help="fp32 logits of megatron_iso vs HF transformers as one JSON object")
+    cmp_.add_argument("--hf", required=True)
+    cmp_.add_argument("--tokens", default=None, help="comma-separated token ids (default: random)")
+    cmp_.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    cmp_.add_argument("--length", type=int, default=16, help="number of random token ids")
+    cmp_.add_argument("--max-rel", type=float, default=None, help="exit 1 if max_rel_diff exceeds this")
+    for sp in (imp, cmp_):
+        sp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. profile=performance")
+    return p
+
+
+COMMANDS = {"import": cmd_import, "export": cmd_export, "compare": cmd_compare}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``iso-convert``; returns the exit code."""
+    parser = _parser()
+    # Overrides may sit on either side of options; argparse alone stops the positional list at an option.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return COMMANDS[args.command](args)
+    except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
+        # UnsupportedHFConfig is a ValueError; KeyError's str() adds quotes, so use its argument.
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"iso-convert {args.command}: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # Hydra override errors carry their own clear message
+        if type(exc).__module__.startswith(("hydra", "omegaconf")):
+            print(f"iso-convert {args.command}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
