@@ -1,0 +1,169 @@
+"""Gated DeltaNet native path: what stock stacks do (HF transformers' torch fallbacks, FLA's split).
+
+Training and prefill run a chunked algorithm (library matmuls, triangular solve, chunks aligned at the
+start of the call); a one-token decode step runs the plain recurrence (``.sum`` reductions). The two
+are different arithmetic, so decode drifts from the training forward: the gap this package removes.
+Only ``state.running`` and ``state.conv`` of the cache are used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _check_state, _starts
+from megatron_iso.ops.gdn.state_cache import GDNLayerState
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    conv_state: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.conv1d`` (depthwise, history from ``conv_state``) + ``F.silu`` per sequence, in x's dtype."""
+    cu, st = _starts(cu_seqlens, starts)
+    _check_state(conv_state, slots, st)
+    cd, kw = weight.shape
+    outs = []
+    for i in range(len(cu) - 1):
+        seg = x[cu[i] : cu[i + 1]].t()[None]  # [1, Cd, n]
+        prev = (
+            torch.zeros(1, cd, kw - 1, dtype=x.dtype, device=x.device)
+            if st[i] == 0
+            else conv_state[int(slots[i])][None].to(x.dtype)
+        )
+        ext = torch.cat([prev, seg], -1)
+        outs.append(F.silu(F.conv1d(ext, weight[:, None], groups=cd))[0].t())
+        if conv_state is not None:
+            conv_state[int(slots[i])] = ext[0, :, -(kw - 1) :].detach()
+    return torch.cat(outs)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """HF/FLA: ``x * rsqrt(sum(x^2) + eps)`` in fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Qwen3-Next: ``g = -A_log.float().exp() * softplus(a.float() + dt_bias)``, ``beta = b.sigmoid()``."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid().float()
+
+
+def _chunked(q, k, v, g, beta, s, chunk):
+    """One sequence, heads first (q/k ``[H, L, Dk]``, v ``[H, L, Dv]``, g/beta ``[H, L]``), from state s."""
+    h, n, _ = k.shape
+    pad = -n % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    nc = (n + pad) // chunk
+    q, k, v = (x.reshape(h, nc, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(h, nc, chunk), beta.reshape(h, nc, chunk)
+    gc = g.cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)
+    dec = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    kb = k * beta[..., None]
+    strict_lower = ~upper & ~torch.eye(chunk, dtype=torch.bool, device=k.device)
+    system = torch.eye(chunk, device=k.device) + ((kb @ k.transpose(-1, -2)) * dec).masked_fill(~strict_lower, 0)
+    u0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * dec
+    out = torch.empty_like(v)
+    for c in range(nc):
+        u = u0[:, c] - w[:, c] @ s
+        out[:, c] = (q[:, c] * gc[:, c, :, None].exp()) @ s + attn[:, c] @ u
+        s = (
+            s * gc[:, c, -1, None, None].exp()
+            + (k[:, c] * (gc[:, c, -1:] - gc[:, c]).exp()[..., None]).transpose(-1, -2) @ u
+        )
+    return out.reshape(h, nc * chunk, -1)[:, :n], s
+
+
+def _recurrent(q, k, v, g, beta, s):
+    """The plain per-token recurrence (HF ``torch_recurrent_gated_delta_rule``), heads first."""
+    outs = []
+    for t in range(k.shape[1]):
+        s = s * g[:, t].exp()[:, None, None]
+        u = (v[:, t] - (s * k[:, t, :, None]).sum(-2)) * beta[:, t, None]
+        s = s + k[:, t, :, None] * u[:, None, :]
+        outs.append((s * q[:, t, :, None]).sum(-2))
+    return torch.stack(outs, 1), s
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    state: GDNLayerState | None = None,
+    slots: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps."""
+    cu, st = _starts(cu_seqlens, starts)
+    _check_state(state, slots, st)
+    hk, dk = k.shape[1:]
+    hv, dv = v.shape[1:]
+    rep = hv // hk
+    scale = dk**-0.5 if scale is None else scale
+    qh = q.float().repeat_interleave(rep, 1) * scale
+    kh = k.float().repeat_interleave(rep, 1)
+    out = torch.empty(q.shape[0], hv, dv, dtype=torch.float32, device=q.device)
+    for i in range(len(cu) - 1):
+        rows = slice(cu[i], cu[i + 1])
+        s0 = torch.zeros(hv, dk, dv, device=q.device) if st[i] == 0 else state.running[int(slots[i])]
+        args = [x[rows].transpose(0, 1).float() for x in (qh, kh, v, g, beta)]
+        if st[i] > 0 and cu[i + 1] - cu[i] == 1:
+            o, s = _recurrent(*args, s0)
+        else:
+            o, s = _chunked(*args, s0, chunk)
+        out[rows] = o.transpose(0, 1)
+        if state is not None:
+            state.running[int(slots[i])] = s.detach()
+    return out
+
+
+def _probe_rule(device: str = "cpu") -> dict[str, torch.Tensor]:
+    from megatron_iso.ops.gdn.reference import _probe_inputs
+
+    q, k, v, g, beta = _probe_inputs()
+    return {"chunk8": gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 13, 21]), chunk=8)}
+
+
+for _dev in ("cpu", "cuda"):
+    for _op, _fn, _consts in (
+        (
+            "gated_delta_rule",
+            gated_delta_rule,
+            {"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"},
+        ),
+        ("gdn_conv1d", causal_conv1d, {"formula": "F.conv1d + F.silu"}),
+        ("gdn_gates", gdn_gates, {"formula": "hf qwen3-next"}),
+        ("gdn_l2norm", l2norm, {"formula": "x * rsqrt(sum(x^2) + eps)", "eps": L2NORM_EPS}),
+    ):
+        register(
+            OpImpl(
+                op=_op,
+                impl_id=f"{_op}.native",
+                version="1",
+                device_class=_dev,
+                profile="performance",
+                fn=_fn,
+                constants=_consts,
+                probe=functools.partial(_probe_rule, _dev) if _op == "gated_delta_rule" else None,
+            )
+        )

@@ -1,0 +1,82 @@
+"""Per-sequence recurrent state of the Gated DeltaNet layers (the GDN counterpart of ``KVCache``).
+
+For each GDN layer and cache slot:
+
+- ``conv``: the last ``K - 1`` inputs of the causal conv (pre-activation q/k/v channels);
+- ``running``: the recurrent-scan state after the sequence's last token (fp32);
+- ``entry``: the entry state of the sequence's open chunk, as the chunked state pass computed it (fp32);
+- ``buf_*``: the open chunk's tokens so far (k, v, g, beta; fp32), so that when the chunk closes the
+  state pass can be re-run over the whole chunk, exactly as the training forward runs it.
+
+How many tokens a slot holds is not stored here: the batch's ``cache_seqlens`` (one per sequence,
+shared with the KV cache) gives each sequence's position, and position ``p`` means ``p % chunk``
+tokens are buffered. Position 0 means "fresh": kernels then ignore (and overwrite) whatever a slot
+holds, so a slot needs no reset between sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GDNLayerState:
+    conv: torch.Tensor  # [slots, conv_dim, K - 1] (model dtype)
+    running: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
+    entry: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
+    buf_k: torch.Tensor  # [slots, C, Hk, Dk] fp32
+    buf_v: torch.Tensor  # [slots, C, Hv, Dv] fp32
+    buf_g: torch.Tensor  # [slots, C, Hv] fp32 (log decay)
+    buf_beta: torch.Tensor  # [slots, C, Hv] fp32
+
+    @property
+    def chunk(self) -> int:
+        return self.buf_k.shape[1]
+
+    @classmethod
+    def allocate(
+        cls,
+        slots: int,
+        *,
+        conv_dim: int,
+        conv_kernel: int,
+        key_heads: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        chunk: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> GDNLayerState:
+        f32 = {"dtype": torch.float32, "device": device}
+        return cls(
+            conv=torch.zeros(slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device),
+            running=torch.zeros(slots, value_heads, key_dim, value_dim, **f32),
+            entry=torch.zeros(slots, value_heads, key_dim, value_dim, **f32),
+            buf_k=torch.zeros(slots, chunk, key_heads, key_dim, **f32),
+            buf_v=torch.zeros(slots, chunk, value_heads, value_dim, **f32),
+            buf_g=torch.zeros(slots, chunk, value_heads, **f32),
+            buf_beta=torch.zeros(slots, chunk, value_heads, **f32),
+        )
+
+
+@dataclass
+class GDNStateCache:
+    """GDN state of every GDN layer (keyed by the 0-based decoder layer index)."""
+
+    layers: dict[int, GDNLayerState]
+
+    @classmethod
+    def allocate(cls, layer_indices: Iterable[int], slots: int, **shape: object) -> GDNStateCache:
+        """One :class:`GDNLayerState` per layer index; ``shape`` as :meth:`GDNLayerState.allocate`
+        (head counts are this TP rank's)."""
+        return cls(layers={int(i): GDNLayerState.allocate(slots, **shape) for i in layer_indices})
+
+    def layer(self, i: int) -> GDNLayerState:
+        try:
+            return self.layers[i]
+        except KeyError:
+            raise KeyError(f"GDN state cache has no layer {i}; it holds layers {sorted(self.layers)}") from None
