@@ -220,5 +220,10 @@ def apply_cpu_patches() -> bool:
 
     DistributedOptimizer.__init__ = _dist_opt_init
 
+    # The MoE all-to-all dispatcher creates a class-wide torch.cuda.Stream for device-to-host copies.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+
     _APPLIED = True
     return True
