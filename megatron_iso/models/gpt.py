@@ -9,7 +9,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
-from megatron_iso.models.specs import dense_block_spec
+from megatron_iso.models.specs import dense_block_spec, moe_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
 from megatron_iso.parallel.vocab import IsoVocabParallelEmbedding
@@ -28,7 +28,7 @@ class IsoGPTModel(GPTModel):
     def __init__(self, config: IsoTransformerConfig, *, pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__(
             config=config,
-            transformer_layer_spec=dense_block_spec(config.iso_profile, config.num_layers),
+            transformer_layer_spec=block_spec(config),
             vocab_size=config.vocab_size,
             max_sequence_length=config.max_sequence_length,
             pre_process=pre_process,
@@ -66,6 +66,12 @@ class IsoGPTModel(GPTModel):
         """Vocab-parallel logits ``[T, V/tp]`` for packed ``input_ids [1, T]``."""
         logits = self.forward(input_ids, position_ids=None, attention_mask=None, packed_seq_params=batch)
         return logits.squeeze(0)
+
+
+def block_spec(config: IsoTransformerConfig):
+    """MoE layers when the config has experts (``num_moe_experts``), dense layers otherwise."""
+    build = moe_block_spec if config.num_moe_experts else dense_block_spec
+    return build(config.iso_profile, config.num_layers)
 
 
 def build_model(config: IsoTransformerConfig, hf_weights: Mapping[str, torch.Tensor] | None = None) -> IsoGPTModel:

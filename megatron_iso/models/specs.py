@@ -16,12 +16,17 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_iso.models.modules import CachedSelfAttention, IsoRMSNorm, PackedCoreAttention
+from megatron_iso.models.moe import IsoMoELayer, IsoSequentialExperts, IsoSharedExpertMLP, IsoTopKRouter
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 
 PROFILES = ("correctness", "performance")
@@ -64,9 +69,26 @@ def dense_mlp_spec(kit: LayerKit) -> ModuleSpec:
     return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear))
 
 
-def dense_layer_spec(profile: str) -> ModuleSpec:
-    """A Qwen3-style dense decoder layer for ``profile``."""
+def moe_mlp_spec(profile: str) -> ModuleSpec:
+    """Megatron's MoELayer tree (router, experts.local_experts.{i}, shared_experts) for ``profile``.
+
+    correctness: invariant router, experts, shared expert and dispatcher (``models.moe``);
+    performance: Megatron's stock TopKRouter, SequentialMLP, SharedExpertMLP and all-to-all dispatcher.
+    """
     kit = layer_kit(profile)
+    iso = profile == "correctness"
+    expert_mlp = MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear)
+    return ModuleSpec(
+        module=IsoMoELayer if iso else MoELayer,
+        submodules=MoESubmodules(
+            router=IsoTopKRouter if iso else TopKRouter,
+            experts=ModuleSpec(module=IsoSequentialExperts if iso else SequentialMLP, submodules=expert_mlp),
+            shared_experts=ModuleSpec(module=IsoSharedExpertMLP if iso else SharedExpertMLP, submodules=expert_mlp),
+        ),
+    )
+
+
+def _layer_spec(kit: LayerKit, mlp: ModuleSpec) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -74,14 +96,32 @@ def dense_layer_spec(profile: str) -> ModuleSpec:
             self_attention=attention_spec(kit),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=kit.norm,
-            mlp=dense_mlp_spec(kit),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+def dense_layer_spec(profile: str) -> ModuleSpec:
+    """A Qwen3-style dense decoder layer for ``profile``."""
+    kit = layer_kit(profile)
+    return _layer_spec(kit, dense_mlp_spec(kit))
+
+
+def moe_layer_spec(profile: str) -> ModuleSpec:
+    """A Qwen3-MoE-style decoder layer (attention + MoE MLP) for ``profile``."""
+    return _layer_spec(layer_kit(profile), moe_mlp_spec(profile))
 
 
 def dense_block_spec(profile: str, num_layers: int) -> TransformerBlockSubmodules:
     """All decoder layers plus the final norm (from the same kit, so it is invariant too)."""
     return TransformerBlockSubmodules(
         layer_specs=[dense_layer_spec(profile)] * num_layers, layer_norm=layer_kit(profile).norm
+    )
+
+
+def moe_block_spec(profile: str, num_layers: int) -> TransformerBlockSubmodules:
+    """Every decoder layer MoE (Qwen3-MoE: ``decoder_sparse_step=1``, no ``mlp_only_layers``)."""
+    return TransformerBlockSubmodules(
+        layer_specs=[moe_layer_spec(profile)] * num_layers, layer_norm=layer_kit(profile).norm
     )

@@ -7,7 +7,10 @@ what checkpoints ship as, and what TP-invariance tests load into every layout. S
   (Megatron's grouped layout), groups split contiguously over TP ranks;
 - ``linear_fc1``: this rank's gate rows, then its up rows;
 - column-parallel (qkv, fc1, output layer, embedding): rows split; row-parallel (proj, fc2):
-  columns split; norms replicated.
+  columns split; norms replicated;
+- MoE (Qwen3-MoE / Qwen3-Next names): ``mlp.gate`` -> ``mlp.router`` (replicated); expert e lives
+  whole (expert TP = 1) on EP rank ``e // (E / ep)`` as ``mlp.experts.local_experts.{e mod E/ep}``;
+  the shared expert is TP-sharded like a dense MLP, its ``shared_expert_gate`` replicated.
 """
 
 from __future__ import annotations
@@ -51,10 +54,42 @@ def _check_layout(cfg: IsoTransformerConfig, tp: int) -> None:
         )
 
 
-def megatron_shard(
-    hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, rank: int, tp: int
+def _swiglu_mlp(hf: Mapping[str, torch.Tensor], src: str, dst: str, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """HF gate/up/down projections under ``src`` -> Megatron linear_fc1 (gate rows, then up rows)/fc2."""
+    gate, up = hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]
+    return {
+        dst + "linear_fc1.weight": torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]),
+        dst + "linear_fc2.weight": _cols(hf[src + "down_proj.weight"], rank, tp),
+    }
+
+
+def _moe_mlp(
+    hf: Mapping[str, torch.Tensor],
+    cfg: IsoTransformerConfig,
+    src: str,
+    dst: str,
+    rank: int,
+    tp: int,
+    ep_rank: int,
+    ep: int,
 ) -> dict[str, torch.Tensor]:
-    """This TP rank's Megatron parameters (GPTModel names) from a full HF-named state dict."""
+    if cfg.num_moe_experts % ep:
+        raise ValueError(f"parallel.ep={ep} must divide model.num_experts={cfg.num_moe_experts}")
+    local = cfg.num_moe_experts // ep
+    out = {dst + "router.weight": hf[src + "gate.weight"]}
+    for i in range(local):
+        out |= _swiglu_mlp(hf, f"{src}experts.{ep_rank * local + i}.", f"{dst}experts.local_experts.{i}.", 0, 1)
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        out |= _swiglu_mlp(hf, src + "shared_expert.", dst + "shared_experts.", rank, tp)
+        if cfg.moe_shared_expert_gate:
+            out[dst + "shared_experts.gate_weight"] = hf[src + "shared_expert_gate.weight"]
+    return out
+
+
+def megatron_shard(
+    hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
+) -> dict[str, torch.Tensor]:
+    """This (TP, EP) rank's Megatron parameters (GPTModel names) from a full HF-named state dict."""
     _check_layout(cfg, tp)
     out: dict[str, torch.Tensor] = {
         "embedding.word_embeddings.weight": _rows(hf["model.embed_tokens.weight"], rank, tp)
@@ -70,9 +105,10 @@ def megatron_shard(
             out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)])
-        out[dst + "mlp.linear_fc2.weight"] = _cols(hf[src + "mlp.down_proj.weight"], rank, tp)
+        if cfg.num_moe_experts:
+            out |= _moe_mlp(hf, cfg, src + "mlp.", dst + "mlp.", rank, tp, ep_rank, ep)
+        else:
+            out |= _swiglu_mlp(hf, src + "mlp.", dst + "mlp.", rank, tp)
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = _rows(hf["lm_head.weight"], rank, tp)
@@ -142,6 +178,22 @@ def hf_from_megatron_shards(
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def _swiglu_shapes(prefix: str, h: int, f: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (f, h), prefix + "up_proj.weight": (f, h), prefix + "down_proj.weight": (h, f)}
+
+
+def _moe_shapes(cfg: IsoTransformerConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, e = cfg.hidden_size, cfg.num_moe_experts
+    shapes = {prefix + "gate.weight": (e, h)}
+    for i in range(e):
+        shapes |= _swiglu_shapes(f"{prefix}experts.{i}.", h, cfg.moe_ffn_hidden_size)
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        shapes |= _swiglu_shapes(prefix + "shared_expert.", h, cfg.moe_shared_expert_intermediate_size)
+        if cfg.moe_shared_expert_gate:
+            shapes[prefix + "shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
 def hf_shapes(cfg: IsoTransformerConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the HF checkpoint this config describes."""
     h, d, f, v = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size, cfg.vocab_size
@@ -157,10 +209,8 @@ def hf_shapes(cfg: IsoTransformerConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (nkv * d, h),
             p + "self_attn.v_proj.weight": (nkv * d, h),
             p + "self_attn.o_proj.weight": (h, nq * d),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
         }
+        shapes |= _moe_shapes(cfg, p + "mlp.") if cfg.num_moe_experts else _swiglu_shapes(p + "mlp.", h, f)
         if cfg.qk_layernorm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
@@ -197,7 +247,8 @@ def load_hf_state_dict(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], c
 
     check_hf_state_dict(hf, cfg)
     rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    shard = megatron_shard(hf, cfg, rank, tp)
+    ep_rank, ep = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+    shard = megatron_shard(hf, cfg, rank, tp, ep_rank, ep)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(shard))
     if missing:

@@ -1,0 +1,220 @@
+"""Mixture-of-experts modules for the correctness profile, plugged into Megatron's ``MoELayer``.
+
+The module tree is Megatron's (``mlp.router``, ``mlp.experts.local_experts.{i}.linear_fc1/fc2``,
+``mlp.shared_experts.linear_fc1/fc2/gate_weight``), so checkpoints map the same way for both
+profiles. What the correctness profile changes, and why each piece keeps a token's result a
+function of that token alone (EP, TP+SP and batch invariance):
+
+- :class:`IsoTopKRouter`: fp32 logits from the batch-invariant GEMM; softmax, top-k (ties to the
+  lowest expert index) and renormalisation by ``ops.moe``; Megatron's load-balancing aux loss.
+- :class:`IsoSequentialExperts`: per-expert SwiGLU whose GEMMs are row independent (so an expert's
+  result for a token does not depend on how many tokens it received); the down projection stays
+  fp32 until the combine.
+- :class:`IsoSharedExpertMLP`: the shared expert (optionally sigmoid-gated, Qwen3-Next), fp32 out.
+- :class:`IsoAlltoAllTokenDispatcher`: all-to-all over EP that only moves rows; the combine is per
+  token, in routing order (ascending expert index), fp32 products and the fixed tree.
+- :class:`IsoMoELayer`: adds the shared expert's fp32 output to the routed fp32 sum at one place
+  and rounds once.
+
+Expert tensor parallelism (``expert_tensor_parallel_size``) must be 1: an expert lives whole on
+one EP rank (attention TP and SP are unaffected).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.mappings import all_to_all
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, sort_chunks_by_idxs
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from megatron_iso.ops.activation import swiglu_packed
+from megatron_iso.ops.activation.pointwise import iso_sigmoid
+from megatron_iso.ops.gemm import linear
+from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
+
+
+def _profile(config) -> str:
+    return getattr(config, "iso_profile", "correctness")
+
+
+def _mlp_fp32(mlp, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP (Megatron ``MLP`` submodules) with its fp32 down projection left unrounded."""
+    h, _ = mlp.linear_fc1(x)
+    return mlp.linear_fc2.forward_fp32(swiglu_packed(h, profile="correctness"))
+
+
+class IsoTopKRouter(TopKRouter):
+    """TopKRouter with invariant gating and routing; returns Megatron's ``(probs [N, E], routing_map)``.
+
+    ``probs`` holds the (optionally renormalised) top-k weights in fp32 and zeros elsewhere.
+    ``norm_topk_prob`` is Megatron's ``moe_router_pre_softmax=False`` (softmax of the top-k logits
+    equals the renormalised top-k probabilities); only ``score_function='softmax'`` is supported.
+    """
+
+    def __init__(self, config, pg_collection=None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.score_function != "softmax":
+            raise ValueError(
+                f"moe_router_score_function={self.score_function!r} is not supported by IsoTopKRouter; "
+                "allowed values: ['softmax']"
+            )
+        for name in ("moe_router_num_groups", "moe_expert_capacity_factor", "moe_input_jitter_eps"):
+            if getattr(config, name, None):
+                raise ValueError(f"{name}={getattr(config, name)!r} is not supported by IsoTopKRouter; use None")
+        if self.enable_expert_bias:
+            raise ValueError("moe_router_enable_expert_bias=True is not supported by IsoTopKRouter; use False")
+        self.normalize = not config.moe_router_pre_softmax
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, leaves=1, profile="correctness")
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        logits = logits.reshape(-1, self.config.num_moe_experts)
+        scores = router_probs(logits)
+        weights, experts = top_k_route(scores, self.topk, normalize=self.normalize)
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, experts, True)
+        probs = torch.zeros_like(scores).scatter(1, experts, weights)
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            # Megatron's switch load-balancing loss: an identity forward, a gradient added backward.
+            probs = self._apply_aux_loss(probs, scores, routing_map, with_padding_mask=padding_mask is not None)
+        return probs, routing_map
+
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        return self.routing(self.gating(input), padding_mask=padding_mask)
+
+
+class IsoSequentialExperts(SequentialMLP):
+    """This rank's experts (Megatron's ``local_experts`` list); fp32 outputs, routing weights not applied.
+
+    Each expert's GEMMs are row independent, so the rows an expert receives, and their number, do
+    not change any row's result. The routing weight multiplies in the combine instead of inside the
+    expert (Megatron's ``per_token_scale``), so it is applied once, in fp32.
+    """
+
+    def __init__(self, num_local_experts: int, config, submodules, pg_collection=None) -> None:
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            raise ValueError(
+                f"expert_tensor_parallel_size={self.tp_group.size()} is not supported by the invariant experts; "
+                "allowed values: [1]"
+            )
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs=None):
+        chunks = torch.split(tokens, [int(n) for n in tokens_per_expert.tolist()])
+        outs = [_mlp_fp32(expert, chunk) for expert, chunk in zip(self.local_experts, chunks, strict=True)]
+        return torch.cat(outs, dim=0), None
+
+
+class IsoSharedExpertMLP(SharedExpertMLP):
+    """Shared expert with fp32 output; the Qwen3-Next gate ``sigmoid(x . g)`` is applied in fp32."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = _mlp_fp32(self, hidden_states)
+        if self.use_shared_expert_gate:
+            gate = iso_sigmoid(linear(hidden_states, self.gate_weight, leaves=1, profile="correctness"))
+            out = out * gate
+        return out
+
+
+class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
+    """All-to-all over EP that moves rows only; combine per token in routing order, fp32.
+
+    A token's k (token, expert) slots are listed in ascending expert index. Dispatch orders the
+    slots by expert (a stable sort: then by token and slot), sends each EP rank the slots of its
+    experts, and regroups the received rows by local expert. Combine reverses every move, puts each
+    output back in its slot and sums ``weight * output`` over the slots with the fixed tree. The
+    only arithmetic is per token, so neither the EP size nor the other tokens can change a bit.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            raise ValueError(
+                f"expert_tensor_parallel_size={self.tp_size} is not supported by IsoAlltoAllTokenDispatcher; "
+                "allowed values: [1]"
+            )
+        self.num_local_experts = num_local_experts
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        chunks = torch.arange(self.ep_size * num_local_experts)
+        # Received chunks come as [source rank, local expert]; experts want [local expert, source rank].
+        self.by_expert = chunks.reshape(self.ep_size, num_local_experts).T.ravel()
+        self.by_source = chunks.reshape(num_local_experts, self.ep_size).T.ravel()
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        self.hidden_dtype = hidden_states.dtype
+        x = hidden_states.reshape(-1, self.hidden_shape[-1])
+        n = x.shape[0]
+        # nonzero() lists (token, expert) in row-major order: per token, ascending expert index.
+        experts = routing_map.nonzero()[:, 1]
+        if experts.numel() != n * self.topk:
+            raise ValueError(f"routing_map must select exactly moe_router_topk={self.topk} experts per token")
+        experts = experts.reshape(n, self.topk)
+        self.weights = probs.gather(1, experts).float()
+        flat = experts.reshape(-1)
+        self.order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.input_splits = counts.reshape(self.ep_size, self.num_local_experts).sum(1).tolist()
+        # received[j, l]: rows for my local expert l coming from EP rank j
+        self.received = all_to_all(self.ep_group, counts).reshape(self.ep_size, self.num_local_experts)
+        self.output_splits = self.received.sum(1).tolist()
+        # Each slot gets its own copy of the token row (expand: backward sums the k copies' grads).
+        slots = x.unsqueeze(1).expand(n, self.topk, x.shape[1]).reshape(n * self.topk, x.shape[1])
+        return slots[self.order], None
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs):
+        return all_to_all(self.ep_group, hidden_states, self.output_splits, self.input_splits), probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs):
+        if self.num_local_experts > 1:
+            hidden_states, _ = sort_chunks_by_idxs(hidden_states, self.received.ravel(), self.by_expert)
+        return hidden_states, self.received.sum(0), probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.num_local_experts > 1:
+            hidden_states, _ = sort_chunks_by_idxs(hidden_states, self.received.T.ravel(), self.by_source)
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 routed sum ``[..., H]`` (not rounded: the layer adds the shared expert first)."""
+        n = self.weights.shape[0]
+        inverse = torch.empty_like(self.order)
+        inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        per_slot = hidden_states[inverse].reshape(n, self.topk, -1)
+        return combine_routed(per_slot, self.weights).reshape(self.hidden_shape)
+
+
+class IsoMoELayer(MoELayer):
+    """Megatron's MoELayer; the correctness profile swaps in the invariant dispatcher and rounds once.
+
+    Output = round(routed fp32 sum + shared expert fp32), the shared expert added in exactly this
+    place. The performance profile is Megatron's MoELayer unchanged.
+    """
+
+    def __init__(self, config, submodules=None, layer_number: int | None = None, pg_collection=None) -> None:
+        # TransformerLayer hands pg_collection only to the exact stock MoELayer class; the default is the same groups.
+        pg_collection = pg_collection or get_default_pg_collection()
+        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.iso = _profile(config) == "correctness"
+        if self.iso:
+            if config.moe_shared_expert_overlap:
+                raise ValueError("moe_shared_expert_overlap=True is not supported by IsoMoELayer; use False")
+            self.token_dispatcher = IsoAlltoAllTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
+            )
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+        if not self.iso:
+            return super().postprocess(output, shared_expert_output)
+        output = self.token_dispatcher.combine_postprocess(output)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output.float()
+        return output.to(self.token_dispatcher.hidden_dtype)

@@ -1,0 +1,95 @@
+"""MoE op family: router probabilities, top-k routing, routed combine; one dispatch point.
+
+| device    | profile      | implementation                                                  |
+|-----------|--------------|-----------------------------------------------------------------|
+| cpu, cuda | correctness  | ``reference`` (elementwise IEEE ops + fixed tree; same on both)  |
+| any       | performance  | ``native`` (library softmax / topk / sum)                        |
+
+The router and combine are tiny next to the expert GEMMs (E or k terms per token), so the torch
+reference also serves CUDA tensors. The expert GEMMs go through ``ops.gemm.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.moe import native, reference
+
+PROFILES = ("correctness", "performance")
+
+
+def _impl(profile: str):
+    if profile not in PROFILES:
+        raise ValueError(f"profile={profile!r} is not allowed; allowed values: {list(PROFILES)}")
+    return reference if profile == "correctness" else native
+
+
+def router_probs(logits: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+    """fp32 softmax over experts of fp32 router logits ``[..., E]``."""
+    return _impl(profile).router_probs(logits)
+
+
+def top_k_route(
+    probs: torch.Tensor, k: int, *, normalize: bool, profile: str = "correctness"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [N, k] fp32, experts [N, k] int64)``; correctness: ties to the lowest expert index,
+    experts ascending (the combine order)."""
+    return _impl(profile).top_k_route(probs, k, normalize=normalize)
+
+
+def combine_routed(expert_out: torch.Tensor, weights: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+    """fp32 ``sum_k weights[:, k] * expert_out[:, k]`` per token (``expert_out [N, k, H]``)."""
+    return _impl(profile).combine_routed(expert_out, weights)
+
+
+def _probe_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4242)
+    logits = torch.randn(7, 16, generator=g)
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1.0  # a tie: routing must pick expert 3 first
+    y = torch.randn(7, 4, 24, generator=g)
+    return logits.to(device), y.to(device)
+
+
+def _probe(mod, device: str) -> dict[str, torch.Tensor]:
+    logits, y = _probe_inputs(device)
+    probs = mod.router_probs(logits)
+    w, e = mod.top_k_route(probs, 4, normalize=True)
+    return {"probs": probs, "weights": w, "experts": e, "combine": mod.combine_routed(y, w)}
+
+
+for _device in ("cpu", "cuda"):
+    register(
+        OpImpl(
+            op="moe_route_combine",
+            impl_id="moe_route_combine.reference",
+            version="1",
+            device_class=_device,
+            profile="correctness",
+            fn=reference.combine_routed,
+            constants={
+                "router_logits": "fp32 batch-invariant GEMM",
+                "softmax": "exact max, iso_exp (fp64 IEEE-composed, one rounding), tree sum",
+                "top_k": "stable descending sort: ties to the lowest expert index",
+                "combine_order": "ascending expert index",
+                "combine": "fp32 products, balanced tree over k, one rounding after the shared expert",
+            },
+            probe=functools.partial(_probe, reference, _device),
+        )
+    )
+    register(
+        OpImpl(
+            op="moe_route_combine",
+            impl_id="moe_route_combine.native",
+            version="1",
+            device_class=_device,
+            profile="performance",
+            fn=native.combine_routed,
+            constants={"softmax": "torch.softmax", "top_k": "torch.topk", "combine": "library sum"},
+            probe=functools.partial(_probe, native, _device),
+        )
+    )
+
+__all__ = ["combine_routed", "router_probs", "top_k_route"]
