@@ -47,3 +47,44 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterator[int]:
+    """The world of a launch: torchrun's (``RANK``/``WORLD_SIZE`` in the environment; gloo on CPU,
+    NCCL on CUDA) or, without torchrun, one local process. Megatron's parallel_state is initialised
+    with the given layout; yields this process's global rank."""
+    import os
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if tp * pp * ep != 1:
+            raise ValueError(
+                f"parallel.tp={tp}, parallel.pp={pp}, parallel.ep={ep} need several processes: "
+                f"launch with `torchrun --nproc-per-node {tp * pp} ...`"
+            )
+        with single_process_world(seed):
+            yield 0
+        return
+    from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
+
+    silence_expected_cpu_warnings()
+    apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world % (tp * pp):
+        raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        )
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        yield dist.get_rank()
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
