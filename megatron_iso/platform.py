@@ -116,6 +116,18 @@ class _CpuDeviceTorch(types.ModuleType):
         return factory
 
 
+_MOE_SPLITS = ("input_splits", "output_splits", "output_splits_tp")
+
+
+def _moe_splits_to_numpy(self: object, point: str, tokens_per_expert: torch.Tensor | None = None) -> object:
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in _MOE_SPLITS:
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
 def _clip_grad_by_total_norm(
     parameters: object, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
 ) -> None:
@@ -224,6 +236,16 @@ def apply_cpu_patches() -> bool:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    # Its device-to-host step runs on CUDA streams; on CPU only its effect remains: numpy split sizes.
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _moe_splits_to_numpy
+
+    # Without Transformer Engine, moe_utils leaves its optional TE kernels undefined instead of None,
+    # and its router GEMM tests ``te_general_gemm is not None`` (NameError).
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_permute", "fused_permute_with_probs", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
     _APPLIED = True
     return True
