@@ -22,6 +22,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_iso.ops.attention.kv_cache import KVCache
+from megatron_iso.ops.gdn.state_cache import GDNStateCache
 
 CASES = ("trainer_forward", "prefill", "decode")
 
@@ -33,6 +34,7 @@ class IsoBatch(PackedSeqParams):
     kv_cache: KVCache | None = None
     slots: torch.Tensor | None = None  # [n] cache row of each sequence
     cache_seqlens: torch.Tensor | None = None  # [n] tokens already in the cache per sequence
+    gdn_cache: GDNStateCache | None = None  # conv/recurrent state of GDN layers (hybrid models), same slots
 
     @property
     def num_sequences(self) -> int:
@@ -58,6 +60,7 @@ def pack(
     case: str = "trainer_forward",
     kv_cache: KVCache | None = None,
     slots: Sequence[int] | None = None,
+    gdn_cache: GDNStateCache | None = None,
     pad_to_multiple: int = 1,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, IsoBatch]:
@@ -97,7 +100,10 @@ def pack(
         kv_cache=kv_cache,
         slots=None if slots is None else torch.as_tensor(list(slots), dtype=torch.int64, device=device),
         cache_seqlens=None if kv_cache is None else torch.as_tensor(starts, dtype=torch.int64, device=device),
+        gdn_cache=gdn_cache,
     )
+    if gdn_cache is not None and kv_cache is None:
+        raise ValueError("gdn_cache is given without kv_cache: prefill/decode of a hybrid model needs both")
     if kv_cache is not None and (batch.slots is None or batch.slots.numel() != len(toks)):
         raise ValueError("prefill/decode need one cache slot per sequence (slots=...)")
     return torch.cat(toks).unsqueeze(0).to(device), batch
