@@ -1,0 +1,49 @@
+"""iso-convert subcommands through main(argv): exit codes, output, and errors naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_iso.checkpoint import read_hf_weights
+from megatron_iso.cli.convert import EXIT_BAD_INPUT, EXIT_DIFFERS, EXIT_OK, main
+
+
+def torch_equal_bits(x, y) -> bool:
+    import torch
+
+    return x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
+def test_import_export_round_trip(hf_tied, tmp_path, capsys):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["import", "--hf", str(hf_tied), "--out", str(ckpt), "--tp", "2", "profile=performance"]) == EXIT_OK
+    assert "TP=2" in capsys.readouterr().out
+    assert json.loads((ckpt / "iso_checkpoint.json").read_text())["layout"] == {"tp": 2}
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == EXIT_OK
+    a, b = read_hf_weights(hf_tied), read_hf_weights(out)
+    assert sorted(a) == sorted(b) and all(torch_equal_bits(a[n], b[n]) for n in a)
+
+
+def test_compare_prints_one_json_object(hf_untied, capsys):
+    assert main(["compare", "--hf", str(hf_untied), "--tokens", "3,1,4,1,5", "--max-rel", "1e-5"]) == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == 5 and result["within_tolerance"] is True
+    assert {"max_abs_diff", "max_rel_diff", "profile"} <= set(result)
+    # fp32 logits are close, not bitwise (different summation orders): a zero tolerance fails.
+    assert main(["compare", "--hf", str(hf_untied), "--seed", "2", "--length", "8", "--max-rel", "0"]) == EXIT_DIFFERS
+    assert json.loads(capsys.readouterr().out)["profile"] == "correctness"
+
+
+def test_bad_inputs_exit_2_naming_the_problem(hf_untied, tmp_path, capsys):
+    bad = tmp_path / "bad_hf"
+    bad.mkdir()
+    config = json.loads((hf_untied / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    assert main(["import", "--hf", str(bad), "--out", str(tmp_path / "c")]) == EXIT_BAD_INPUT
+    assert "attention_bias=True is not supported" in capsys.readouterr().err
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe"}))
+    assert main(["compare", "--hf", str(bad)]) == EXIT_BAD_INPUT
+    assert "qwen3_moe" in capsys.readouterr().err
+    assert main(["export", "--ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
+    assert "iso_checkpoint.json" in capsys.readouterr().err
+    assert main(["compare", "--hf", str(hf_untied), "--tokens", "999"]) == EXIT_BAD_INPUT
