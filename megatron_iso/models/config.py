@@ -28,11 +28,36 @@ class IsoTransformerConfig(TransformerConfig):
     vocab_size: int = 0
     max_sequence_length: int = 0
     tie_word_embeddings: bool = False
+    iso_gdn_chunk: int = 64  # CPR chunk of the Gated DeltaNet layers (profile.gdn_chunk)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
     value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
     return default if value is None else value
+
+
+def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
+    """Megatron's Gated DeltaNet fields (``experimental_attention_variant``, ``linear_*``) for a hybrid
+    model (one with ``full_attention_interval``); empty otherwise. Every ``full_attention_interval``-th
+    layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``)."""
+    interval = _get(model, "full_attention_interval")
+    if interval is None:
+        return {}
+    if int(interval) < 1:
+        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
+    chunk = int(_get(profile, "gdn_chunk", 64))
+    if chunk < 1:
+        raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
+    return {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": int(interval),
+        "linear_conv_kernel_dim": int(model.linear_conv_kernel_dim),
+        "linear_key_head_dim": int(model.linear_key_head_dim),
+        "linear_value_head_dim": int(model.linear_value_head_dim),
+        "linear_num_key_heads": int(model.linear_num_key_heads),
+        "linear_num_value_heads": int(model.linear_num_value_heads),
+        "iso_gdn_chunk": chunk,
+    }
 
 
 def transformer_config(cfg: Any) -> IsoTransformerConfig:
@@ -47,6 +72,7 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
     dtype = DTYPES[dtype_name]
     tp = int(_get(parallel, "tp", 1))
     return IsoTransformerConfig(
+        **gdn_fields(model, profile),
         num_layers=int(model.num_layers),
         hidden_size=int(model.hidden_size),
         ffn_hidden_size=int(model.ffn_hidden_size),
