@@ -25,6 +25,8 @@ setup(
         "rich==15.0.0",
         "tqdm==4.70.1",
         "matplotlib==3.11.2",
+        # math-verify's ANTLR extra matching hydra-core's antlr4 4.9 pin
+        "math-verify[antlr4_9_3]==0.9.0",
     ],
     extras_require={
         "gpu": ["triton==3.6.0", "fla-core"],
@@ -35,6 +37,8 @@ setup(
     entry_points={
         "console_scripts": [
             "iso-contract=megatron_iso.cli.contract:main",
+            "iso-convert=megatron_iso.cli.convert:main",
+            "iso-train=megatron_iso.cli.train:main",
         ]
     },
 )

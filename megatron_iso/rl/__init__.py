@@ -1,0 +1,1 @@
+"""The RL loop: rollout -> reward -> recompute -> advantage -> loss -> step -> weight sync."""

@@ -1,0 +1,312 @@
+"""The synchronous colocated RL loop (GRPO / DAPO).
+
+One step: prompts -> rollout (the bundled decoder running the trainer's own modules, n samples
+per prompt) -> rewards -> trainer forward over prompt+response (the logprobs the loss uses) ->
+group-normalised advantages -> policy loss -> optimizer step -> the decoder sees the new weights
+(same parameter tensors; its prefix cache is flushed). In the correctness profile the trainer's
+logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_iso.rl.losses import (
+    PolicyLossConfig,
+    group_advantages,
+    informative_groups,
+    overlong_penalty,
+    policy_loss,
+)
+from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, write_dashboard
+from megatron_iso.rl.tasks import Prompt, make_task
+
+
+class RunSetupError(RuntimeError):
+    """The run cannot start as configured (nothing was written)."""
+
+
+@dataclass
+class Sample:
+    group: int
+    prompt: Prompt
+    tokens: list[int]
+    rollout_logp: list[float]
+    reward: float = 0.0
+
+
+def _loss_config(rl: Any) -> PolicyLossConfig:
+    return PolicyLossConfig(
+        algo=str(rl.algo),
+        clip_low=float(rl.clip_low),
+        clip_high=float(rl.clip_high),
+        aggregation=str(rl.aggregation),
+        kl_coef=float(rl.kl_coef),
+        tis_cap=float(rl.tis_cap),
+    )
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Trainer:
+    """Everything one rank holds for the run: model, optimizer, decoder, task, logs."""
+
+    def __init__(self, cfg: DictConfig, rank: int) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from megatron_iso.contract import build_contract, check_compatible, handshake, load_op_implementations
+        from megatron_iso.inference.engine import EngineConfig, RolloutEngine
+        from megatron_iso.models.config import transformer_config
+        from megatron_iso.models.gpt import build_model
+        from megatron_iso.models.weights import random_hf_state_dict
+
+        self.cfg, self.rank = cfg, rank
+        self.rl = cfg.rl
+        self.loss_cfg = _loss_config(cfg.rl)
+        self.run_dir = Path(str(cfg.out_dir))
+        self.tc = transformer_config(cfg)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+
+        # Contract: the rollout side (the decoder) and the trainer must agree before anything runs.
+        load_op_implementations()
+        self.contract = build_contract(cfg)
+        rollout_contract = build_contract(cfg)  # colocated: same modules, same layout
+        check_compatible(self.contract, rollout_contract, "rollout (colocated decoder)")
+        handshake(self.contract)
+        self.policy_digest = self.contract.identities.numerical_policy
+
+        self.model = build_model(self.tc, random_hf_state_dict(self.tc, seed=int(cfg.seed)))
+        self.ddp = DistributedDataParallel(self.tc, DistributedDataParallelConfig(), self.model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=float(self.rl.lr),
+                clip_grad=float(self.rl.grad_clip),
+                bf16=self.tc.bf16,
+                params_dtype=self.tc.params_dtype,
+            ),
+            [self.ddp],
+        )
+        self.engine = RolloutEngine(self.model, EngineConfig(kv_cache_bytes=int(cfg.rollout.kv_cache_mb) << 20))
+        self.task = make_task(cfg.task, self.tc.vocab_size, int(cfg.seed))
+        self.device = next(self.model.parameters()).device
+
+    # --- one RL step ------------------------------------------------------------------------
+    def rollout(self, step: int) -> list[Sample]:
+        from megatron_iso.inference.params import Request, SamplingParams
+
+        prompts = self.task.prompts(step)[self.dp_rank :: self.dp_size]
+        params = SamplingParams(
+            temperature=float(self.rl.temperature),
+            max_new_tokens=int(self.rl.max_new_tokens),
+            n=int(self.rl.group_size),
+            seed=int(self.cfg.seed),
+        )
+        requests = [
+            Request(request_id=f"{step}:{self.dp_rank}:{i}", prompt=p.ids, params=params) for i, p in enumerate(prompts)
+        ]
+        samples = []
+        for g, (prompt, out) in enumerate(zip(prompts, self.engine.generate(requests), strict=True)):
+            if out.error:
+                raise RuntimeError(f"rollout request {out.request_id} failed: {out.error}")
+            for s in out.samples:
+                samples.append(Sample(group=g, prompt=prompt, tokens=list(s.tokens), rollout_logp=list(s.logprobs)))
+        return samples
+
+    def score_rewards(self, samples: list[Sample]) -> torch.Tensor:
+        rewards = torch.tensor([self.task.reward(s.prompt, s.tokens) for s in samples], dtype=torch.float32)
+        if int(self.rl.overlong_buffer) > 0:
+            lengths = torch.tensor([len(s.tokens) for s in samples])
+            rewards = rewards + overlong_penalty(
+                lengths, int(self.rl.max_new_tokens), int(self.rl.overlong_buffer), float(self.rl.overlong_penalty)
+            )
+        for s, r in zip(samples, rewards.tolist(), strict=True):
+            s.reward = r
+        return rewards
+
+    def train_on(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, Any]:
+        """One optimizer step on ``samples``; returns trainer logprobs of response tokens and stats."""
+        from megatron_iso.models.batch import pack
+        from megatron_iso.models.scoring import score_sequences
+
+        seqs = [s.prompt.ids + s.tokens for s in samples]
+        tp = self.tc.tensor_model_parallel_size
+        ids, batch = pack(seqs, pad_to_multiple=tp if self.tc.sequence_parallel else 1, device=self.device)
+        rows = ids.shape[1]
+        mask = torch.zeros(rows, dtype=torch.bool)
+        seq_index = torch.zeros(rows, dtype=torch.long)
+        response_rows = []
+        starts = batch.cu_seqlens_q.tolist()
+        for i, s in enumerate(samples):
+            a = starts[i]
+            seq_index[a : starts[i + 1]] = i
+            # Row t scores token t+1: the response tokens are scored by rows P-1 .. P+R-2.
+            r = torch.arange(a + len(s.prompt.ids) - 1, a + len(s.prompt.ids) - 1 + len(s.tokens))
+            mask[r] = True
+            response_rows.append(r)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        logp, _ = score_sequences(self.ddp.module, ids, batch, temperature=float(self.rl.temperature))
+        logp = logp.float().cpu()
+        old = logp.detach()  # one update per rollout: the behaviour policy is the current one
+        rollout = torch.zeros(rows, dtype=torch.float32)
+        for s, r in zip(samples, response_rows, strict=True):
+            rollout[r] = torch.tensor(s.rollout_logp, dtype=torch.float32)
+        loss, stats = policy_loss(logp, old, advantages, mask, seq_index, self.loss_cfg, rollout_logp=rollout)
+        loss.backward()
+        self.ddp.finish_grad_sync()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.engine.on_weights_updated()  # same tensors, new values: cached prefixes are stale
+        return {
+            "loss": float(loss.detach()),
+            "grad_norm": float(grad_norm or 0.0),
+            "update_ok": bool(ok),
+            "trainer_logp": old[mask],
+            "rollout_logp": rollout[mask],
+            **stats,
+        }
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        samples = self.rollout(step)
+        gen_s = time.perf_counter() - t0
+        rewards = self.score_rewards(samples)
+        group_size = int(self.rl.group_size)
+        keep = torch.ones(len(samples) // group_size, dtype=torch.bool)
+        if bool(self.rl.dynamic_sampling):
+            keep = informative_groups(rewards, group_size)
+        kept = [s for s in samples if bool(keep[s.group])]
+        t1 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if kept:
+            adv = group_advantages(
+                torch.tensor([s.reward for s in kept]), group_size, scale_by_std=bool(self.rl.scale_adv_by_std)
+            )
+            out = self.train_on(kept, adv)
+            metrics |= {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            trainer_logp, rollout_logp = out["trainer_logp"], out["rollout_logp"]
+        else:
+            trainer_logp = rollout_logp = torch.zeros(0)
+        train_s = time.perf_counter() - t1
+        # Mismatch and reward statistics over every DP rank's tokens.
+        gathered = self._gather((trainer_logp, rollout_logp, rewards))
+        trainer_all = torch.cat([g[0] for g in gathered])
+        rollout_all = torch.cat([g[1] for g in gathered])
+        rewards_all = torch.cat([g[2] for g in gathered])
+        metrics |= mismatch_metrics(rollout_all, trainer_all, self.loss_cfg.clip_low, self.loss_cfg.clip_high)
+        gen_tokens = sum(len(s.tokens) for s in samples) * self.dp_size
+        step_s = time.perf_counter() - t0
+        metrics |= {
+            "reward/mean": float(rewards_all.mean()),
+            "reward/std": float(rewards_all.std(unbiased=False)),
+            "samples/kept_frac": len(kept) / max(1, len(samples)),
+            "timing/gen_s": gen_s,
+            "timing/train_s": train_s,
+            "timing/step_s": step_s,
+            "throughput/gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+            "memory/peak_bytes": float(_peak_memory_bytes(self.device)),
+        }
+        return metrics
+
+    def _gather(self, item: Any) -> list[Any]:
+        if self.dp_size == 1:
+            return [item]
+        out: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(out, item, group=self.dp_group)
+        return out
+
+
+# Keys a checkpoint must agree on with the run that resumes it.
+def _checkpoint_identity(trainer: Trainer) -> dict[str, Any]:
+    return {
+        "numerical_policy": trainer.policy_digest,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": trainer.tc.tensor_model_parallel_size,
+    }
+
+
+# Metrics whose values depend on wall-clock or memory, not on the computation: excluded when
+# comparing a resumed run with an uninterrupted one.
+TIMING_PREFIXES = ("timing/", "throughput/", "memory/")
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run ``cfg.rl.steps`` RL steps (resuming from the latest checkpoint when ``cfg.resume``)."""
+    from megatron_iso.parallel.world import launched_world
+    from megatron_iso.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    run_dir = Path(str(cfg.out_dir))
+    resume = bool(cfg.resume)
+    existing = latest_checkpoint(run_dir) if run_dir.exists() else None
+    if not resume and (existing is not None or (run_dir / "metrics.jsonl").exists()):
+        raise RunSetupError(
+            f"out_dir={run_dir} already holds a run; pass resume=true to continue it or choose a new out_dir"
+        )
+    p = cfg.parallel
+    with launched_world(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)), int(cfg.seed)) as rank:
+        trainer = Trainer(cfg, rank)
+        start = 0
+        if resume and existing is not None:
+            meta = load_checkpoint(existing, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank)
+            start = int(meta["step"]) + 1
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        log = MetricsLog(
+            run_dir,
+            cfg.logger,
+            OmegaConf.to_container(cfg, resolve=True),
+            resume_step=start if resume else None,
+            enabled=rank == 0,
+        )
+        steps = int(cfg.rl.steps)
+        every = max(1, int(cfg.rl.checkpoint_every))
+        history = []
+        bar = _progress(range(start, steps), rank == 0)
+        try:
+            for step in bar:
+                metrics = trainer.step(step)
+                log.log(step, metrics)
+                history.append(metrics)
+                if rank == 0 and hasattr(bar, "set_postfix"):
+                    bar.set_postfix(
+                        reward=f"{metrics['reward/mean']:.3f}",
+                        dlogp_max=f"{metrics.get('mismatch/abs_diff_max', 0):.2e}",
+                    )
+                if (step + 1) % every == 0 or step + 1 == steps:
+                    save_checkpoint(
+                        run_dir, step, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank
+                    )
+        finally:
+            log.close()
+        dashboard = None
+        if rank == 0 and (run_dir / "metrics.jsonl").exists():
+            dashboard = write_dashboard(run_dir / "metrics.jsonl", run_dir / "dashboard.png")
+        return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard)}
+
+
+def _progress(steps: range, show: bool):
+    if not show:
+        return steps
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, desc="rl steps", initial=steps.start, total=steps.stop, dynamic_ncols=True)

@@ -1,0 +1,125 @@
+"""Policy-gradient objectives over packed token rows: GRPO and DAPO (plus optional KL and TIS).
+
+Shapes: every per-token tensor is ``[T]`` over the packed rows the trainer scored; ``mask`` marks
+response tokens (the ones the policy generated); ``seq_index [T]`` says which sample a token
+belongs to. Advantages are per sample, broadcast to its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALGOS = ("grpo", "dapo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    algo: str = "grpo"
+    clip_low: float = 0.2  # ratio lower bound 1 - clip_low
+    clip_high: float = 0.2  # ratio upper bound 1 + clip_high (DAPO's clip-higher: larger than clip_low)
+    aggregation: str = "seq_mean_token_mean"  # DAPO uses token_mean
+    kl_coef: float = 0.0  # k3 KL to a reference policy's logprobs, 0 = off
+    tis_cap: float = 0.0  # truncated importance sampling cap on pi_train_old / pi_rollout, 0 = off
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"rl.algo={self.algo!r} is not allowed; allowed values: {list(ALGOS)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"rl.aggregation={self.aggregation!r} is not allowed; allowed values: {list(AGGREGATIONS)}"
+            )
+        for name in ("clip_low", "clip_high", "kl_coef", "tis_cap"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 0")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, over the group's std (+eps) when asked.
+
+    ``rewards [G * group_size]`` ordered group by group.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.double().view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True, unbiased=False) + 1e-6)
+    return adv.reshape(-1).float()
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling: True for groups whose rewards are not all equal (all right/all wrong
+    groups give zero advantage and only dilute the batch)."""
+    r = rewards.view(-1, group_size)
+    return (r != r[:, :1]).any(dim=1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO soft overlong punishment: 0 up to ``max_len - buffer``, then linear down to ``-penalty``."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer
+    return -penalty * over.clamp(max=1.0)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def _aggregate(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, how: str) -> torch.Tensor:
+    m = mask.float()
+    if how == "token_mean":
+        return (values * m).sum() / m.sum().clamp(min=1.0)
+    n = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    # A one-hot matmul instead of index_add: index_add uses atomics on GPU (nondeterministic backward).
+    onehot = (seq_index.unsqueeze(0) == torch.arange(n, device=seq_index.device).unsqueeze(1)).to(values.dtype)
+    per_seq = onehot @ (values * m)
+    count = onehot @ m
+    has = count > 0
+    return (per_seq[has] / count[has]).mean() if bool(has.any()) else values.sum() * 0.0
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_index: torch.Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    rollout_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss (to minimise) and its statistics.
+
+    ``old_logp`` is the behaviour policy's logprob as the trainer computes it; in the correctness
+    profile it equals the rollout's bit for bit. With ``tis_cap > 0`` the loss is reweighted by
+    ``min(exp(old_logp - rollout_logp), tis_cap)``, the usual patch when the two differ.
+    """
+    adv = advantages[seq_index]
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    stats: dict[str, float] = {}
+    if cfg.tis_cap > 0:
+        if rollout_logp is None:
+            raise ValueError("rl.tis_cap > 0 needs the rollout logprobs")
+        weight = torch.exp(old_logp - rollout_logp).clamp(max=cfg.tis_cap).detach()
+        per_token = per_token * weight
+        stats["tis/weight_mean"] = float((weight * mask).sum() / mask.sum().clamp(min=1))
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("rl.kl_coef > 0 needs reference-policy logprobs")
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + cfg.kl_coef * kl
+        stats["kl/ref_k3"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+    loss = _aggregate(per_token, mask, seq_index, cfg.aggregation)
+    with torch.no_grad():
+        out_of_band = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)) & mask
+        stats["policy/clip_frac"] = float(out_of_band.float().sum() / mask.float().sum().clamp(min=1))
+    return loss, stats

@@ -1,0 +1,195 @@
+"""Verifiable tasks: prompts, and rewards for the policy's responses.
+
+A task yields prompts as token ids for a given step (deterministic in (seed, step), so a resumed
+run sees the same prompts) and scores responses. Rewards are pluggable: ``task.reward`` names a
+registered reward or a ``module:function`` path taking ``(prompt: Prompt, response: list[int],
+tokenizer) -> float``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+# --- tokenizers ---------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (vocab 256): lets a tiny model read and write text on a CPU."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer, from local files only (nothing fetched at run time)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"task.tokenizer={path!r} is not a directory with tokenizer files")
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+
+
+# --- prompts and rewards ------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+RewardFn = Callable[[Prompt, list[int], Tokenizer], float]
+
+
+def residue_match_reward(prompt: Prompt, response: list[int], tokenizer: Tokenizer) -> float:
+    """Share of response tokens congruent to the prompt's key token modulo ``modulus``.
+
+    A random policy scores 1/modulus on average, so the reward is dense from the first step and
+    a tiny model learns the prompt-conditional rule in a few dozen steps.
+    """
+    if not response:
+        return 0.0
+    m, key = prompt.meta["modulus"], prompt.meta["key"]
+    return sum(1 for t in response if t % m == key % m) / len(response)
+
+
+def math_verify_reward(prompt: Prompt, response: list[int], tokenizer: Tokenizer) -> float:
+    """1.0 if the decoded response contains an answer math-verify judges equal to the gold answer."""
+    from math_verify import parse, verify
+
+    gold = parse(str(prompt.meta["answer"]))
+    pred = parse(tokenizer.decode(response))
+    return 1.0 if gold and pred and verify(gold, pred) else 0.0
+
+
+REWARDS: dict[str, RewardFn] = {"residue_match": residue_match_reward, "math_verify": math_verify_reward}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A registered reward name or ``package.module:function``."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise ValueError(f"task.reward={name!r} is not allowed; allowed values: {sorted(REWARDS)} or 'module:function'")
+    module, func = name.split(":", 1)
+    fn = getattr(importlib.import_module(module), func, None)
+    if not callable(fn):
+        raise ValueError(f"task.reward={name!r}: {module} has no callable {func!r}")
+    return fn
+
+
+class Task:
+    """Prompts for a step and the reward of a response."""
+
+    def __init__(self, reward: RewardFn, tokenizer: Tokenizer, prompts_per_step: int, seed: int) -> None:
+        self.reward_fn = reward
+        self.tokenizer = tokenizer
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+
+    def prompts(self, step: int) -> list[Prompt]:
+        raise NotImplementedError
+
+    def reward(self, prompt: Prompt, response: list[int]) -> float:
+        return float(self.reward_fn(prompt, response, self.tokenizer))
+
+    def _generator(self, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+
+
+class ResidueTask(Task):
+    """Synthetic: the prompt is random tokens whose last one is the key; respond with tokens of the
+    key's residue class."""
+
+    def __init__(self, reward: RewardFn, tokenizer: Tokenizer, prompts_per_step: int, seed: int, *, vocab_size: int,
+                 prompt_len: int, modulus: int) -> None:  # fmt: skip
+        super().__init__(reward, tokenizer, prompts_per_step, seed)
+        if modulus < 2 or modulus > vocab_size:
+            raise ValueError(f"task.modulus={modulus} must be in [2, vocab_size={vocab_size}]")
+        self.vocab_size, self.prompt_len, self.modulus = vocab_size, prompt_len, modulus
+
+    def prompts(self, step: int) -> list[Prompt]:
+        g = self._generator(step)
+        ids = torch.randint(0, self.vocab_size, (self.prompts_per_step, self.prompt_len), generator=g).tolist()
+        return [Prompt(ids=row, meta={"key": row[-1], "modulus": self.modulus}) for row in ids]
+
+
+class JsonlTask(Task):
+    """Prompt/answer pairs from a JSONL file (keys ``prompt`` and ``answer``), cycled in a seeded order."""
+
+    def __init__(self, reward: RewardFn, tokenizer: Tokenizer, prompts_per_step: int, seed: int, *, path: str,
+                 template: str) -> None:  # fmt: skip
+        super().__init__(reward, tokenizer, prompts_per_step, seed)
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"task.path={path!r}: dataset file not found")
+        self.rows = []
+        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt" not in row or "answer" not in row:
+                raise ValueError(f"{path}:{n}: each line needs 'prompt' and 'answer' keys, got {sorted(row)}")
+            self.rows.append(row)
+        if not self.rows:
+            raise ValueError(f"task.path={path!r} holds no rows")
+        self.template = template
+
+    def prompts(self, step: int) -> list[Prompt]:
+        order = torch.randperm(len(self.rows), generator=self._generator(step // max(1, len(self.rows))))
+        start = (step * self.prompts_per_step) % len(self.rows)
+        picks = [int(order[(start + i) % len(self.rows)]) for i in range(self.prompts_per_step)]
+        return [
+            Prompt(ids=self.tokenizer.encode(self.template.format(prompt=self.rows[i]["prompt"])), meta=self.rows[i])
+            for i in picks
+        ]
+
+
+TASKS = ("residue", "jsonl")
+
+
+def make_task(cfg: Any, vocab_size: int, seed: int) -> Task:
+    """Build ``cfg`` (the Hydra ``task`` group) for a model with ``vocab_size`` tokens."""
+    kind = str(cfg.name)
+    if kind not in TASKS:
+        raise ValueError(f"task.name={kind!r} is not allowed; allowed values: {list(TASKS)}")
+    tokenizer = make_tokenizer(str(cfg.get("tokenizer", "bytes")))
+    if getattr(tokenizer, "vocab_size", vocab_size) > vocab_size:
+        raise ValueError(f"task.tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+    reward = resolve_reward(str(cfg.reward))
+    n = int(cfg.prompts_per_step)
+    if kind == "residue":
+        return ResidueTask(reward, tokenizer, n, seed, vocab_size=vocab_size, prompt_len=int(cfg.prompt_len),
+                           modulus=int(cfg.modulus))  # fmt: skip
+    return JsonlTask(reward, tokenizer, n, seed, path=str(cfg.path), template=str(cfg.template))
