@@ -8,12 +8,14 @@ median), so launch overhead of the Python wrappers is not what is measured: deco
 
     python tools/bench_ops.py --out bench.json            # full table (issue 4 grid)
     python tools/bench_ops.py --sweep --out sweep.json    # tile/park variants of the G=8 GEMM
+    python tools/bench_ops.py --tiles --attention --skip-gemm --skip-mem   # tile equivalence, attention
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -182,6 +184,158 @@ def gemm_table(leaves_list=(1, 2, 8)) -> list[dict[str, Any]]:
     return rows
 
 
+def gemm_tile_equivalence() -> dict[str, Any]:
+    """Do tiles with the same BLOCK_K give the same bits? (the proof behind ``select_config``).
+
+    Every config is compared with the per-dtype default on the same inputs, G = 1 and 8, bf16 and fp32.
+    Configs with another BLOCK_K are included as information (not claimed).
+    """
+    from megatron_iso.ops.gemm.gemm_triton import CONFIGS
+    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton as f
+
+    variants = {
+        torch.bfloat16: {
+            "128x256x64_w8_s3": C(128, 256, 64, 8, 3), "128x256x64_w8_s2": C(128, 256, 64, 8, 2),
+            "64x64x64_w4_s4": C(64, 64, 64, 4, 4), "64x32x64_w4_s6": C(64, 32, 64, 4, 6),
+            "64x128x64_w4_s4": C(64, 128, 64, 4, 4), "128x64x64_w4_s4": C(128, 64, 64, 4, 4),
+            "128x128x64_w4_s3_static": C(128, 128, 64, 4, 3, loop="static"),
+            "32x64x64_w4_s4(mma v2?)": C(32, 64, 64, 4, 4), "16x64x64_w4_s4(mma v2?)": C(16, 64, 64, 4, 4),
+            "64x64x64_w2_s4": C(64, 64, 64, 2, 4),
+            "128x128x32_w8_s4(other BK)": C(128, 128, 32, 8, 4), "128x128x128_w8_s2(other BK)": C(128, 128, 128, 8, 2),
+        },
+        torch.float32: {
+            "128x64x32_w4_s3": C(128, 64, 32, 4, 3, loop="static"), "64x128x32_w8_s2": C(64, 128, 32, 8, 2, loop="static"),
+            "32x32x32_w4_s4": C(32, 32, 32, 4, 4, loop="static"), "64x64x32_w4_s3_flat": C(64, 64, 32, 4, 3),
+            "64x64x16_w4_s3(other BK)": C(64, 64, 16, 4, 3, loop="static"),
+        },
+    }  # fmt: skip
+    res: dict[str, Any] = {}
+    for dtype, cfgs in variants.items():
+        x = _rand((300, 2048), dtype, 51)
+        w = _rand((640, 2048), dtype, 52)
+        for G in (1, 8):
+            base = f(x, w, G, parallel=1, config=CONFIGS[dtype])
+            for name, cfg in cfgs.items():
+                key = f"{str(dtype).removeprefix('torch.')}_G{G}_{name}"
+                if G > 1 and cfg.block_n >= 256 and cfg.num_stages > 2:
+                    continue  # does not fit shared memory with the 8-leaf park buffer
+                try:
+                    out = f(x, w, G, parallel=1, config=cfg)
+                    res[key] = _bits_equal(out, base)
+                    if not res[key]:
+                        res[key + "_max_abs_diff"] = float((out - base).abs().max())
+                except Exception as exc:
+                    res[key] = f"error: {exc!r}"[:200]
+    print("tile equivalence:", json.dumps(res, indent=1), flush=True)
+    return res
+
+
+def gemm_candidates() -> list[dict[str, Any]]:
+    """G = 1 tile candidates per M bucket (decode-sized M and large M), against cuBLAS."""
+    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
+
+    small = {"64x64_w4_s4": C(64, 64, 64, 4, 4), "64x32_w4_s6": C(64, 32, 64, 4, 6),
+             "64x64_w4_s6": C(64, 64, 64, 4, 6), "64x128_w4_s4": C(64, 128, 64, 4, 4),
+             "64x32_w4_s4": C(64, 32, 64, 4, 4)}  # fmt: skip
+    large = {"128x256_w8_s3": C(128, 256, 64, 8, 3), "128x128_w8_s4": C(128, 128, 64, 8, 4),
+             "128x128_w4_s4": C(128, 128, 64, 4, 4)}  # fmt: skip
+    rows = []
+    for N, K in NKS:
+        for M, cfgs in ((1, small), (16, small), (64, small), (256, {**small, **large}), (4096, large)):
+            cub = _cublas_ms(M, N, K)
+            for G in (1, 8):
+                for name, cfg in cfgs.items():
+                    try:
+                        ms, _regs, spills = _gemm_time(M, N, K, G, config=cfg)
+                    except Exception as exc:
+                        rows.append({"M": M, "N": N, "K": K, "G": G, "cfg": name, "error": repr(exc)[:200]})
+                        continue
+                    rows.append({"M": M, "N": N, "K": K, "G": G, "cfg": name, "ratio": cub / ms, "ms": ms,
+                                 "spills": spills})  # fmt: skip
+                    print(f"cand M={M} N={N} K={K} G={G} {name}: {cub / ms:.2f}x of cuBLAS", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- attention
+def attention_checks() -> dict[str, Any]:
+    from megatron_iso.ops.attention import attention_triton as at
+    from megatron_iso.ops.attention.attention_triton import AttentionTileConfig as AC
+
+    res: dict[str, Any] = {}
+    g = torch.Generator(device="cuda").manual_seed(60)
+    L = 300
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(L, h, 128, device="cuda", generator=g).to(dtype) for h in (32, 8, 8))
+        train = at.attention_varlen(q, k, v, torch.tensor([0, L]))
+        kc = torch.full((2, L, 8, 128), float("nan"), device="cuda", dtype=dtype)
+        vc = kc.clone()
+        outs = [at.attention_with_kv_cache(q[:65], k[:65], v[:65], kc, vc, torch.tensor([0]), torch.tensor([0, 65]),
+                                           slots=torch.tensor([1]))]  # fmt: skip
+        for t in range(65, L):
+            outs.append(at.attention_with_kv_cache(q[t : t + 1], k[t : t + 1], v[t : t + 1], kc, vc,
+                                                   torch.tensor([t]), torch.tensor([0, 1]), slots=torch.tensor([1])))  # fmt: skip
+        name = str(dtype).removeprefix("torch.")
+        res[f"prefill65_decode_eq_varlen_{name}"] = _bits_equal(torch.cat(outs), train)
+        # information: is BLOCK_M part of the arithmetic? (not claimed; the config is fixed)
+        for cfg in (AC(64, 4, 2), AC(128, 4, 2), AC(128, 8, 2)):
+            res[f"tile_{cfg.block_m}_{cfg.num_warps}_{cfg.num_stages}_eq_default_{name}"] = _bits_equal(
+                at.attention_varlen(q, k, v, torch.tensor([0, L]), config=cfg), train
+            )
+    print("attention checks:", res, flush=True)
+    return res
+
+
+def attention_bench() -> list[dict[str, Any]]:
+    """Qwen3-8B attention (32 q heads, 8 kv heads, d=128, bf16): prefill (varlen) and decode vs torch SDPA."""
+    import torch.nn.functional as F
+
+    from megatron_iso.ops.attention import attention_triton as at
+
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    dt = torch.bfloat16
+    scale = d**-0.5
+    for n_seq, L in ((1, 8192), (4, 2048), (16, 512)):
+        T = n_seq * L
+        q, k, v = (_rand((T, h, d), dt, 70 + i) for i, h in enumerate((hq, hkv, hkv)))
+        cu = [i * L for i in range(n_seq + 1)]
+        call, _ = at.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, None)
+        ms = _time_ms(call)
+        qs, ks, vs = (t.view(n_seq, L, -1, d).transpose(1, 2) for t in (q, k, v))
+        sdpa = functools.partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True, enable_gqa=True)
+        ms_sdpa = _time_ms(sdpa)
+        flop = 4 * n_seq * hq * d * L * L / 2
+        r = {"case": "prefill", "n_seq": n_seq, "L": L, "ms": ms, "tflops": flop / ms / 1e9, "sdpa_ms": ms_sdpa,
+             "sdpa_tflops": flop / ms_sdpa / 1e9, "ratio_to_sdpa": ms_sdpa / ms}  # fmt: skip
+        rows.append(r)
+        print(f"attn prefill {n_seq}x{L}: ours {r['tflops']:.0f} TFLOP/s, sdpa {r['sdpa_tflops']:.0f} "
+              f"({r['ratio_to_sdpa']:.2f}x)", flush=True)  # fmt: skip
+    for B, L in ((1, 4096), (32, 4096), (128, 2048), (8, 32768)):
+        kc = _rand((B, L + 1, hkv, d), dt, 80)
+        vc = _rand((B, L + 1, hkv, d), dt, 81)
+        q = _rand((B, hq, d), dt, 82)
+        cu = list(range(B + 1))
+        call, _ = at.prepare(q, kc.view(-1, hkv, d), vc.view(-1, hkv, d), None, cu, [L] * B,
+                             [i * (L + 1) for i in range(B)], scale, 64, None)  # fmt: skip
+        ms = _time_ms(call)
+        kn, vn = _rand((B, hkv, d), dt, 83), _rand((B, hkv, d), dt, 84)
+        wrapper = functools.partial(
+            at.attention_with_kv_cache, q, kn, vn, kc, vc, torch.full((B,), L), torch.arange(B + 1)
+        )
+        ms_wrap = _time_events_ms(wrapper)
+        qs = q.view(B, 1, hq, d).transpose(1, 2)
+        ks, vs = kc.transpose(1, 2), vc.transpose(1, 2)
+        ms_sdpa = _time_ms(functools.partial(F.scaled_dot_product_attention, qs, ks, vs, enable_gqa=True))
+        nbytes = 2 * B * (L + 1) * hkv * d * 2
+        r = {"case": "decode", "B": B, "L": L, "kernel_ms": ms, "wrapper_ms": ms_wrap, "sdpa_ms": ms_sdpa,
+             "GBps": nbytes / ms / 1e6, "sdpa_GBps": nbytes / ms_sdpa / 1e6, "ratio_to_sdpa": ms_sdpa / ms}  # fmt: skip
+        rows.append(r)
+        print(f"attn decode B={B} L={L}: kernel {ms * 1e3:.1f} us ({r['GBps']:.0f} GB/s), wrapper {ms_wrap * 1e3:.1f} us, "
+              f"sdpa {ms_sdpa * 1e3:.1f} us ({r['sdpa_GBps']:.0f} GB/s)", flush=True)  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------- memory-bound ops
 def norm_bench(bw: float) -> dict[str, Any]:
     try:
@@ -242,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time tile/park variants instead of the full table")
     ap.add_argument("--skip-gemm", action="store_true")
     ap.add_argument("--sweep-large-only", action="store_true", help="with --sweep: skip the small-M schedules")
+    ap.add_argument("--tiles", action="store_true", help="tile-equivalence experiment and G=1 tile candidates")
+    ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA")
+    ap.add_argument("--skip-mem", action="store_true", help="skip RMSNorm / logprob")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ops needs a CUDA device", file=sys.stderr)
@@ -258,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "command": " ".join(sys.argv),
         "gemm_config_bf16": dataclasses.asdict(gt.CONFIGS[torch.bfloat16]),
+        "gemm_config_bf16_wide_leaves1": dataclasses.asdict(gt.WIDE_CONFIGS[torch.bfloat16]),
+        "gemm_config_bf16_small_m": dataclasses.asdict(gt.SMALL_M_CONFIGS[torch.bfloat16]),
     }
     res["copy_GBps"] = bw = copy_bandwidth()
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
@@ -270,11 +429,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # keep timing the rest; the failure is recorded and printed
             res[key] = {"error": repr(exc)[:500]}
     print(json.dumps({"bf16": res["gemm_checks_bf16"], "fp32": res["gemm_checks_fp32"]}, indent=1), flush=True)
+    if args.attention:
+        for key, call in (("attention_checks", attention_checks), ("attention", attention_bench)):
+            try:
+                res[key] = call()
+            except Exception as exc:
+                res[key] = {"error": repr(exc)[:500]}
+                print(key, "ERROR", repr(exc)[:500], flush=True)
+    if args.tiles:
+        res["tile_equivalence"] = gemm_tile_equivalence()
+        res["gemm_candidates"] = gemm_candidates()
     if args.sweep:
         res["sweep"] = gemm_sweep(not args.sweep_large_only)
     if not args.skip_gemm:
         res["gemm"] = gemm_table()
-    for key, call in (("rmsnorm", norm_bench), ("logprob", logprob_bench)):
+    for key, call in () if args.skip_mem else (("rmsnorm", norm_bench), ("logprob", logprob_bench)):
         try:
             res[key] = call(bw)
         except Exception as exc:

@@ -38,7 +38,7 @@ import triton.language as tl
 from megatron_iso.contract.registry import OpImpl, register
 
 IMPL_ID = "leaf_tree_gemm.triton"
-VERSION = "1"
+VERSION = "2"  # 2: tile chosen by (dtype, M bucket, leaves) among bitwise-equivalent tiles
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -61,12 +61,37 @@ class GemmTileConfig:
     fp32_precision: str = "ieee"
 
 
-# The correctness profile's fixed configs, by input dtype only (see the module docstring).
+# The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise
+# equivalence of tiles with the same BLOCK_K (tests/gpu/test_gemm_tiles.py, tools/bench_ops.py
+# ``gemm_tile_equivalence``) is what allows choosing the tile from (M bucket, leaves per program):
+# a row's bits are the same whichever of these tiles computes it.
 CONFIGS: dict[torch.dtype, GemmTileConfig] = {
     torch.bfloat16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
     torch.float16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
     torch.float32: GemmTileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, loop="static"),
 }
+# One leaf per program (G = 1, or a leaf-parallel schedule), large M: the cuBLAS-class tile.
+WIDE_CONFIGS: dict[torch.dtype, GemmTileConfig] = {
+    torch.bfloat16: GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    torch.float16: GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+}
+# M <= SMALL_M (decode): weight streaming, narrow tiles so more programs stream the weight.
+SMALL_M = 64
+SMALL_M_CONFIGS: dict[torch.dtype, GemmTileConfig] = {
+    torch.bfloat16: GemmTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    torch.float16: GemmTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
+}
+
+
+def select_config(dtype: torch.dtype, M: int, leaves: int) -> GemmTileConfig:
+    """The tile for a launch: by dtype, M bucket and leaves (never changes a bit; see CONFIGS)."""
+    if M <= SMALL_M and dtype in SMALL_M_CONFIGS:
+        return SMALL_M_CONFIGS[dtype]
+    if leaves == 1 and dtype in WIDE_CONFIGS:
+        return WIDE_CONFIGS[dtype]
+    return CONFIGS[dtype]
+
+
 # Under TRITON_INTERPRET=1 (CPU tests) tiles are small so tiny shapes still cover several tiles and leaves.
 INTERPRET_CONFIG = GemmTileConfig(block_m=16, block_n=16, block_k=8, num_warps=4, num_stages=1, park_from=1)
 
@@ -311,10 +336,10 @@ def leaf_tree_linear_triton(
     """``x[M, K] @ weight[N, K].T`` as a ``leaves``-leaf tree of fp32 GEMMs; returns fp32 ``[M, N]``.
 
     ``parallel`` (programs per output tile) and ``config`` are for tests and benchmarks; the
-    correctness profile uses the per-dtype :data:`CONFIGS` and :func:`auto_parallel`.
+    correctness profile uses :func:`select_config` and :func:`auto_parallel`.
     """
     M, N, K = _check(x, weight, leaves)
-    cfg = config or (INTERPRET_CONFIG if _INTERPRET else CONFIGS[x.dtype])
+    cfg = config or (INTERPRET_CONFIG if _INTERPRET else select_config(x.dtype, M, leaves))
     leaf_k = K // leaves
     if leaf_k % cfg.block_k:
         raise ValueError(
@@ -389,10 +414,19 @@ register(
                 CONFIGS[torch.float32].block_k,
             ],
             "fp32_precision": CONFIGS[torch.float32].fp32_precision,
+            "bf16_wide_tile_leaves1": [
+                asdict(WIDE_CONFIGS[torch.bfloat16])[f]
+                for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+            ],
+            "bf16_small_m_tile": [
+                asdict(SMALL_M_CONFIGS[torch.bfloat16])[f]
+                for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+            ],
+            "small_m_bound": SMALL_M,
             "triton": triton.__version__,
         },
         probe=_probe,
     )
 )
 
-__all__ = ["CONFIGS", "GemmTileConfig", "asdict", "auto_parallel", "leaf_tree_linear_triton"]
+__all__ = ["CONFIGS", "GemmTileConfig", "asdict", "auto_parallel", "leaf_tree_linear_triton", "select_config"]

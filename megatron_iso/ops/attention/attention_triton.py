@@ -1,0 +1,422 @@
+"""Causal attention in Triton: the GPU path of the invariant attention (correctness profile, cuda).
+
+Same signatures as :mod:`megatron_iso.ops.attention.reference`. ONE kernel (:func:`_attend_kernel`)
+serves the three cases; what differs is only where a sequence's keys are read from:
+
+- training / scoring (:func:`attention_varlen`): the packed k/v tensors, sequence ``i``'s keys start at
+  token ``cu_seqlens[i]``;
+- prefill and decode (:func:`attention_with_kv_cache`): k/v are first written into the cache, then the
+  kernel reads every key from cache row ``slots[i]``.
+
+Per query position ``p`` the arithmetic is fixed (the GPU numerical policy, its own digest):
+- keys in blocks of ``kv_block`` (64) positions aligned at key 0, ascending block order, online
+  softmax in fp32 (running max ``m`` in the log2 domain, sum ``l``, accumulator ``acc``);
+- scores ``dot(q, k^T)`` (fp32 accumulate; fp32 inputs use the exact ``ieee`` dot, never tf32), times
+  ``scale * log2(e)``; masked keys (``j > p``, ``j >= kv_len``) get ``-inf`` and probability exactly +0;
+  keys at or past ``kv_len`` are loaded as 0, so stale or garbage cache contents never reach a product;
+- a block in which a row sees no key leaves that row's state untouched (a select, not ``acc * 1 + 0``);
+- ``P.V`` with P rounded to the input dtype for bf16/fp16 (fp32 stays fp32), accumulated in fp32;
+- output ``div_rn(acc, l)``, times ``sigmoid(gate)`` if gated, rounded once to the input dtype.
+
+A program owns BLOCK_M rows of one sequence and one kv head; rows are (token, query head of the kv
+group) pairs, so GQA groups share each loaded key block. The tile config is a constant of the
+implementation (it does not depend on the number of sequences or tokens in the launch), so a row's
+instruction sequence never depends on what else is in the batch; which rows share a tile is a
+schedule choice. Decode is the prefill kernel with one token per sequence.
+
+Signed zeros: in the diagonal block a training forward multiplies masked (p = +0) probabilities with
+the real values of later tokens, a decode step with 0 (keys past ``kv_len``); the products are +-0 and
+change no sum unless every visible product of an output element is -0 (which needs -0 values in v).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.attention.reference import (
+    DEFAULT_KV_BLOCK,
+    _bounds,
+    _check_block,
+    _check_qkv,
+    _scale,
+)
+
+IMPL_ID = "attention.triton"
+KVCACHE_IMPL_ID = "attention_kvcache.triton"
+VERSION = "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionTileConfig:
+    """Everything that fixes a row's instruction sequence besides kv_block (keyed into the contract)."""
+
+    block_m: int  # rows (token x group head) per program
+    num_warps: int
+    num_stages: int
+
+
+# Per input dtype only: never chosen from the batch.
+CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
+    torch.bfloat16: AttentionTileConfig(block_m=128, num_warps=8, num_stages=3),
+    torch.float16: AttentionTileConfig(block_m=128, num_warps=8, num_stages=3),
+    torch.float32: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2),
+}
+INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, o_ptr,
+    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    GATED: tl.constexpr, GATE_PER_DIM: tl.constexpr, P_LOWP: tl.constexpr, IEEE: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    tok0 = tl.load(cu_ptr + seq)
+    n = tl.load(cu_ptr + seq + 1) - tok0
+    start = tl.load(start_ptr + seq)  # position of the sequence's first new token
+    kv_off = tl.load(kv_off_ptr + seq).to(tl.int64)  # token row of key 0 in k_ptr/v_ptr
+    kv_len = start + n
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = hkv * GROUP + rows % GROUP
+    row_ok = tok < n
+    pos = start + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_off = (tok0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if CAST_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kv_base_k = k_ptr + kv_off * stride_kt + hkv * stride_kh
+    kv_base_v = v_ptr + kv_off * stride_kt + hkv * stride_kh
+    last_pos = start + tl.minimum((row0 + BLOCK_M - 1) // GROUP, n - 1)
+    n_blocks = last_pos // BLOCK_N + 1
+    for b in tl.range(0, n_blocks, num_stages=STAGES):
+        j = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        j_ok = j < kv_len
+        kv_idx = j.to(tl.int64)[:, None] * stride_kt + d[None, :]
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        kb = tl.load(kv_base_k + kv_idx, mask=kv_mask, other=0.0)
+        vb = tl.load(kv_base_v + kv_idx, mask=kv_mask, other=0.0)
+        if CAST_F32:
+            kb = kb.to(tl.float32)
+            vb = vb.to(tl.float32)
+        s = tl.dot(q, tl.trans(kb), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(kb))
+        s = s * qk_scale
+        visible = (j[None, :] <= pos[:, None]) & j_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        seen = row_ok & (b * BLOCK_N <= pos)  # the row sees at least key b*BLOCK_N of this block
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.where(seen, tl.exp2(m - m_new), 1.0)
+        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+        l_new = l_sum * alpha + tl.sum(p, axis=1)
+        acc_new = acc * alpha[:, None]
+        if P_LOWP:
+            acc_new = tl.dot(p.to(vb.dtype), vb, acc_new)
+        elif IEEE:
+            acc_new = tl.dot(p, vb, acc_new, input_precision="ieee")
+        else:
+            acc_new = tl.dot(p, vb, acc_new)
+        acc = tl.where(seen[:, None], acc_new, acc)
+        l_sum = tl.where(seen, l_new, l_sum)
+        m = tl.where(seen, m_new, m)
+
+    o = tl.math.div_rn(acc, l_sum[:, None])
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if GATED:
+        if GATE_PER_DIM:
+            g_off = (tok0 + tok).to(tl.int64)[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :]
+            gv = tl.load(g_ptr + g_off, mask=out_mask, other=0.0).to(tl.float32)
+        else:
+            g_off = (tok0 + tok).to(tl.int64) * stride_gt + head * stride_gh
+            gv = tl.load(g_ptr + g_off, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        o = o * tl.math.div_rn(1.0, 1.0 + tl.exp(-gv))
+    o_off = (tok0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _config(dtype: torch.dtype, config: AttentionTileConfig | None) -> AttentionTileConfig:
+    return config or (INTERPRET_CONFIG if _INTERPRET else CONFIGS[dtype])
+
+
+def _plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile table (sequence, first row): a schedule, never arithmetic. Later (longer) tiles go first."""
+    seqs: list[int] = []
+    rows: list[int] = []
+    for i, n in enumerate(lens):
+        for r in range(0, n * group, block_m):
+            seqs.append(i)
+            rows.append(r)
+    order = sorted(range(len(seqs)), key=lambda t: -rows[t])
+    tab = torch.tensor([[seqs[t] for t in order], [rows[t] for t in order]], dtype=torch.int32)
+    tab = tab.to(device, non_blocking=True)
+    return tab[0], tab[1]
+
+
+def prepare(
+    q: torch.Tensor,
+    k_src: torch.Tensor,
+    v_src: torch.Tensor,
+    gate: torch.Tensor | None,
+    cu: list[int],
+    starts: list[int],
+    kv_offsets: list[int],
+    scale: float,
+    kv_block: int,
+    config: AttentionTileConfig | None,
+) -> tuple[Callable[[], object], torch.Tensor]:
+    """The kernel launch as a closure (host planning done) and its output tensor; the benchmark times the closure.
+
+    k_src/v_src ``[rows, Hkv, D]`` (packed tokens or a flattened cache); key 0 of sequence i is row kv_offsets[i].
+    """
+    T, hq, dim = q.shape
+    hkv = k_src.shape[1]
+    group = hq // hkv
+    cfg = _config(q.dtype, config)
+    out = torch.empty_like(q)
+    lens = [b - a for a, b in pairwise(cu)]
+    if T == 0 or not any(lens):
+        return (lambda: None), out
+    if kv_block < 16 or kv_block & (kv_block - 1):
+        raise ValueError(f"attention_triton: kv_block={kv_block} must be a power of two >= 16")
+    if k_src.stride(-1) != 1 or v_src.stride() != k_src.stride() or q.stride(-1) != 1:
+        raise ValueError("attention_triton: q/k/v (or the cache) need a contiguous last dim and equal k/v strides")
+    tile_seq, tile_row = _plan(lens, group, cfg.block_m, q.device)
+    meta = torch.tensor([cu, [*starts, 0], [*kv_offsets, 0]], dtype=torch.int64).to(q.device, non_blocking=True)
+    gated = gate is not None
+    g = gate if gated else q
+    if gated and gate.stride(-1) != 1:
+        g = gate.contiguous()
+    return functools.partial(
+        _attend_kernel[(tile_seq.numel(), hkv)],
+        q, k_src, v_src, g, out,
+        tile_seq, tile_row, meta[0], meta[1], meta[2],
+        q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), g.stride(0), g.stride(1),
+        out.stride(0), out.stride(1),
+        float(scale) * _LOG2E,
+        GROUP=group, D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_M=cfg.block_m, BLOCK_N=kv_block, STAGES=cfg.num_stages,
+        GATED=gated, GATE_PER_DIM=gated and gate.shape[-1] != 1,
+        P_LOWP=q.dtype != torch.float32 and not _INTERPRET, IEEE=q.dtype == torch.float32,
+        CAST_F32=_INTERPRET and q.dtype != torch.float32,
+        num_warps=cfg.num_warps,
+    ), out  # fmt: skip
+
+
+def _launch(*args: object) -> torch.Tensor:
+    call, out = prepare(*args)
+    call()
+    return out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    config: AttentionTileConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention over packed sequences (training / scoring); see ``reference.attention_varlen``.
+
+    ``config`` is for tests and benchmarks; the correctness profile uses :data:`CONFIGS`.
+    """
+    _check_qkv(q, k, v, gate)
+    _check_block(kv_block)
+    cu = _bounds(cu_seqlens)
+    if cu[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but q has {q.shape[0]} tokens")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    n = len(cu) - 1
+    return _launch(q, k, v, gate, cu, [0] * n, cu[:-1], _scale(softmax_scale, q.shape[-1]), kv_block, config)
+
+
+def write_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu: list[int],
+    starts: list[int],
+    slot_ids: list[int],
+) -> None:
+    """Append each sequence's new k/v at ``starts[i]..`` of cache row ``slot_ids[i]`` (one scatter, exact copy)."""
+    max_len = k_cache.shape[1]
+    dst = torch.cat(
+        [
+            torch.arange(s, s + (b - a)) + slot * max_len
+            for (a, b), s, slot in zip(pairwise(cu), starts, slot_ids, strict=False)
+        ]
+    )
+    dst = dst.to(k.device, non_blocking=True)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, dst, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dst, v)
+
+
+def attention_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    config: AttentionTileConfig | None = None,
+) -> torch.Tensor:
+    """Prefill (any chunk) and decode: write k/v into the cache, then attend from the cache with the
+    kernel of :func:`attention_varlen`; see ``reference.attention_with_kv_cache``."""
+    _check_qkv(q, k, v, gate)
+    _check_block(kv_block)
+    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+        raise TypeError(f"kv cache dtype {k_cache.dtype}/{v_cache.dtype} must equal k/v dtype {k.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"kv cache must be [slots, max_len, {k.shape[1]}, {k.shape[2]}], got {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attention_triton: the kv cache must be contiguous")
+    cu = _bounds(cu_seqlens_q)
+    starts = [int(s) for s in cache_seqlens.tolist()]
+    if len(starts) != len(cu) - 1 or cu[-1] != q.shape[0]:
+        raise ValueError(f"cache_seqlens ({len(starts)}) / cu_seqlens_q ({cu}) do not match q ({q.shape[0]} tokens)")
+    slot_ids = list(range(len(starts))) if slots is None else [int(s) for s in slots.tolist()]
+    if len(slot_ids) != len(starts):
+        raise ValueError(f"slots has {len(slot_ids)} entries for {len(starts)} sequences")
+    max_len = k_cache.shape[1]
+    for i, ((a, b), s, slot) in enumerate(zip(pairwise(cu), starts, slot_ids, strict=True)):
+        if s + (b - a) > max_len:
+            raise ValueError(
+                f"sequence {i} (slot {slot}) needs {s + b - a} cache positions, cache max_len is {max_len}"
+            )
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    write_cache(k, v, k_cache, v_cache, cu, starts, slot_ids)
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    return _launch(
+        q,
+        kc,
+        vc,
+        gate,
+        cu,
+        starts,
+        [s * max_len for s in slot_ids],
+        _scale(softmax_scale, q.shape[-1]),
+        kv_block,
+        config,
+    )
+
+
+def _probe_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(4004)
+    q = torch.randn(76, 4, 64, generator=g)
+    k = torch.randn(76, 2, 64, generator=g)
+    v = torch.randn(76, 2, 64, generator=g)
+    gate = torch.randn(76, 4, 64, generator=g)
+    return tuple(t.cuda() for t in (q, k, v, gate))
+
+
+def _probe() -> dict[str, torch.Tensor]:
+    q, k, v, gate = _probe_inputs()
+    cu = torch.tensor([0, 1, 6, 76])
+    out = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        out[f"varlen_{name}"] = attention_varlen(q.to(dt), k.to(dt), v.to(dt), cu).cpu()
+        out[f"varlen_gated_{name}"] = attention_varlen(q.to(dt), k.to(dt), v.to(dt), cu, gate=gate.to(dt)).cpu()
+    return out
+
+
+def _probe_kvcache() -> dict[str, torch.Tensor]:
+    q, k, v, _ = (t[:70] for t in _probe_inputs())
+    kc = torch.zeros(1, 80, 2, 64, device="cuda")
+    vc = torch.zeros_like(kc)
+    pre = attention_with_kv_cache(q[:69], k[:69], v[:69], kc, vc, torch.tensor([0]), torch.tensor([0, 69]))
+    dec = attention_with_kv_cache(q[69:], k[69:], v[69:], kc, vc, torch.tensor([69]), torch.tensor([0, 1]))
+    return {"prefill_fp32": pre.cpu(), "decode_fp32": dec.cpu()}
+
+
+def _constants() -> dict[str, object]:
+    c: dict[str, object] = {
+        "kv_block": DEFAULT_KV_BLOCK,
+        "kv_block_alignment": "key position 0 of the sequence",
+        "block_order": "ascending, online softmax (m in log2 domain, l, acc in fp32); unseen block: state kept",
+        "score": "tl.dot(q, k^T) fp32 accumulate (fp32 inputs: ieee), * (scale * log2 e)",
+        "exp": "tl.exp2 (fp32)",
+        "pv": "tl.dot(p rounded to the input dtype (fp32: ieee), v) accumulated into acc * alpha",
+        "masked": "score -inf, p = +0, keys >= kv_len loaded as 0",
+        "output": "div_rn(acc, l) * div_rn(1, 1 + exp(-gate)) if gated, rounded once",
+        "accumulate_dtype": "fp32",
+        "tile_rows": "(token, query head of the kv group) pairs of one sequence and kv head",
+        "triton": triton.__version__,
+    }
+    for dt, cfg in CONFIGS.items():
+        name = str(dt).removeprefix("torch.")
+        c[f"{name}_tile"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
+    return c
+
+
+_NOTE = (
+    "prefill/decode write k/v into the cache, then run the kernel of attention.triton@1 (_attend_kernel) "
+    "reading keys from the cache instead of the packed tensors: same tile config, block order and "
+    "instruction sequence, so prefill + decode == trainer_forward bit for bit (tests/gpu/test_attention_triton.py)"
+)
+register(
+    OpImpl(
+        op="attention",
+        impl_id=IMPL_ID,
+        version=VERSION,
+        device_class="cuda",
+        profile="correctness",
+        fn=attention_varlen,
+        constants=_constants(),
+        cases=("trainer_forward", "trainer_score"),
+        probe=_probe,
+    )
+)
+register(
+    OpImpl(
+        op="attention_kvcache",
+        impl_id=KVCACHE_IMPL_ID,
+        version=VERSION,
+        device_class="cuda",
+        profile="correctness",
+        fn=attention_with_kv_cache,
+        constants={**_constants(), "cache_write": "before attention (index_copy_); cache dtype == k dtype"},
+        cases=("prefill", "decode"),
+        equivalence_note=_NOTE,
+        probe=_probe_kvcache,
+    )
+)
+
+__all__ = ["CONFIGS", "AttentionTileConfig", "attention_varlen", "attention_with_kv_cache", "write_cache"]

@@ -1,0 +1,157 @@
+"""Bitwise claims of the Triton attention kernel (GPU correctness profile), on a CUDA device.
+
+Prefill + decode == training (varlen) forward, chunked prefill, batch composition invariance, and
+accuracy against an fp64 reference. Bit patterns compared, never tolerances (except accuracy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+triton = pytest.importorskip("triton")
+
+HQ, HKV, D = 8, 2, 128
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _bits(t):
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _qkvg(T, dtype, seed, hq=HQ, hkv=HKV):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(T, h, D, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)]
+
+
+@pytest.fixture(scope="module")
+def at():
+    from megatron_iso.ops.attention import attention_triton
+
+    return attention_triton
+
+
+def _cache(slots, max_len, dtype, hkv=HKV):
+    # NaN-poisoned: keys past a sequence's length must never reach a product.
+    return [torch.full((slots, max_len, hkv, D), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
+
+
+def _run_chunks(at, q, k, v, gate, chunks, slot=1, slots=3):
+    """Feed one sequence through the cache in the given chunk lengths; returns the concatenated output."""
+    kc, vc = _cache(slots, q.shape[0] + 8, q.dtype, k.shape[1])
+    outs, pos = [], 0
+    for n in chunks:
+        sl = slice(pos, pos + n)
+        outs.append(
+            at.attention_with_kv_cache(
+                q[sl],
+                k[sl],
+                v[sl],
+                kc,
+                vc,
+                torch.tensor([pos]),
+                torch.tensor([0, n]),
+                slots=torch.tensor([slot]),
+                gate=None if gate is None else gate[sl],
+            )
+        )
+        pos += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefill", [1, 63, 64, 65, 130])
+def test_prefill_then_decode_equals_varlen(at, dtype, prefill):
+    L = prefill + 70
+    q, k, v, gate = _qkvg(L + 29, dtype, prefill)
+    cu = torch.tensor([0, 29, L + 29])  # the sequence is the second of a pack
+    train = at.attention_varlen(q, k, v, cu, gate=gate)[29:]
+    got = _run_chunks(at, q[29:], k[29:], v[29:], gate[29:], [prefill] + [1] * 70)
+    assert _same(got, train)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_equals_varlen(at, dtype):
+    q, k, v, _ = _qkvg(300, dtype, 7)
+    train = at.attention_varlen(q, k, v, torch.tensor([0, 300]))
+    for chunks in ([37, 64, 1, 100, 98], [128, 128, 44], [300]):
+        assert _same(_run_chunks(at, q, k, v, None, chunks), train), chunks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_batch_composition_invariance(at, dtype, group):
+    hkv = HQ // group
+    lens = [5, 200, 1, 77, 64]
+    q, k, v, gate = _qkvg(sum(lens), dtype, 11, HQ, hkv)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    packed = at.attention_varlen(q, k, v, cu, gate=gate)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        alone = at.attention_varlen(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), gate=gate[a:b])
+        assert _same(alone, packed[a:b]), i
+    # decode batch: each sequence's step is the same whoever shares the launch, in any order and slot
+    kc, vc = _cache(8, 256, dtype, hkv)
+    slots = torch.tensor([3, 0, 7, 5, 1])
+    at.attention_with_kv_cache(q, k, v, kc, vc, torch.zeros(5, dtype=torch.long), cu, slots=slots, gate=gate)
+    nq, nk, nv, ng = _qkvg(5, dtype, 12, HQ, hkv)
+    lens_t = torch.tensor(lens)
+    kc2, vc2 = kc.clone(), vc.clone()
+    step = at.attention_with_kv_cache(nq, nk, nv, kc, vc, lens_t, torch.arange(6), slots=slots, gate=ng)
+    for order in ([4, 2, 0], [1], [3, 1]):
+        o = torch.tensor(order)
+        part = at.attention_with_kv_cache(
+            nq[o], nk[o], nv[o], kc2.clone(), vc2.clone(), lens_t[o], torch.arange(len(order) + 1),
+            slots=slots[o], gate=ng[o],
+        )  # fmt: skip
+        assert _same(part, step[o]), order
+
+
+def _dense_fp64(q, k, v, cu, gate, scale):
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        qq = q[a:b].double().transpose(0, 1)
+        kk = k[a:b].double().repeat_interleave(group, 1).transpose(0, 1)
+        vv = v[a:b].double().repeat_interleave(group, 1).transpose(0, 1)
+        s = qq @ kk.transpose(1, 2) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, device=q.device, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = (torch.softmax(s, -1) @ vv).transpose(0, 1)
+    return out if gate is None else out * torch.sigmoid(gate.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accuracy_vs_fp64(at, dtype):
+    lens = [1, 130, 513]
+    q, k, v, gate = _qkvg(sum(lens), dtype, 13)
+    cu = torch.tensor([0, 1, 131, 644])
+    for g in (None, gate, gate[..., :1]):
+        out = at.attention_varlen(q, k, v, cu, gate=g)
+        ref = _dense_fp64(q, k, v, cu, g, 1 / math.sqrt(D))
+        rel = float((out.double() - ref).norm() / ref.norm())
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-6), rel
+
+
+def test_dispatch_and_registry(at):
+    from megatron_iso.contract.registry import lookup
+    from megatron_iso.ops import attention
+
+    q, k, v, _ = _qkvg(70, torch.bfloat16, 14)
+    cu = torch.tensor([0, 70])
+    assert _same(attention.attention_varlen(q, k, v, cu), at.attention_varlen(q, k, v, cu))
+    assert lookup("attention", "cuda", "correctness").impl_id == at.IMPL_ID
+    assert lookup("attention_kvcache", "cuda", "correctness").impl_id == at.KVCACHE_IMPL_ID
+    for probe in (
+        lookup("attention", "cuda", "correctness").probe,
+        lookup("attention_kvcache", "cuda", "correctness").probe,
+    ):
+        assert all(torch.isfinite(t).all() for t in probe().values())

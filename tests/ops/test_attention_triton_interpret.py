@@ -1,0 +1,81 @@
+"""The Triton attention kernel on CPU under TRITON_INTERPRET=1 (tiny shapes; skipped without triton).
+
+What the interpreter can show: the kernel's logic (masking, GQA rows, online softmax, gate, cache
+write, chunk offsets) against an fp64 reference, and prefill-from-0 == varlen bit for bit (the same
+rows land at the same tile positions). What it cannot: decode == varlen bit for bit, because the
+interpreter's dot is numpy's matmul, whose per-row bits depend on the row's position in the tile
+(checked here too, so the test notices if that changes); the GPU test (tests/gpu/test_attention_triton.py)
+proves that claim on the real kernel. triton 3.6's interpreter also cannot loop to a run-time bound
+with numpy 2.x (``int()`` of a 1-element array); the subprocess patches that one conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import math
+    import triton.runtime.interpreter as ti
+
+    _orig = ti._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = _patched
+
+    import torch
+    from megatron_iso.ops.attention import attention_triton as at
+
+    b = lambda t: t.view(torch.int32)
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 16
+    q, k, v, g = (torch.randn(40, h, d) for h in (hq, hkv, hkv, hq))
+    cu = torch.tensor([0, 3, 40])
+    o = at.attention_varlen(q, k, v, cu, gate=g, kv_block=16)
+    ref = torch.empty(40, hq, d, dtype=torch.float64)
+    for a, e in ((0, 3), (3, 40)):
+        for t in range(a, e):
+            for h in range(hq):
+                s = k[a : t + 1, h // 2].double() @ q[t, h].double() / math.sqrt(d)
+                ref[t, h] = torch.softmax(s, 0) @ v[a : t + 1, h // 2].double()
+    ref = ref * torch.sigmoid(g.double())
+    rel = float((o.double() - ref).norm() / ref.norm())
+    assert rel < 1e-6, rel
+    kc = torch.full((2, 48, hkv, d), float("nan"))
+    vc = kc.clone()
+    pre = at.attention_with_kv_cache(q, k, v, kc, vc, torch.tensor([0, 0]), cu, slots=torch.tensor([1, 0]), gate=g,
+                                     kv_block=16)
+    assert torch.equal(b(pre), b(o)), "prefill from 0 != varlen"
+    assert torch.equal(b(kc[0, :37]), b(k[3:])) and torch.equal(b(vc[1, :3]), b(v[:3]))
+    kc2 = torch.full((1, 48, hkv, d), float("nan"))
+    vc2 = kc2.clone()
+    outs = [at.attention_with_kv_cache(q[3:23], k[3:23], v[3:23], kc2, vc2, torch.tensor([0]), torch.tensor([0, 20]),
+                                       gate=g[3:23], kv_block=16)]
+    for t in range(23, 40):
+        s = slice(t, t + 1)
+        outs.append(at.attention_with_kv_cache(q[s], k[s], v[s], kc2, vc2, torch.tensor([t - 3]),
+                                               torch.tensor([0, 1]), gate=g[s], kv_block=16))
+    dec = torch.cat(outs)
+    assert float((dec - o[3:]).abs().max()) < 1e-6
+    assert torch.equal(b(dec[:20]), b(o[3:23])), "chunk aligned like varlen must match bitwise"
+    print("decode bitwise in the interpreter:", torch.equal(b(dec), b(o[3:])))
+    print("ok")
+    """
+)
+
+
+def test_attention_kernel_under_interpreter():
+    # A subprocess: TRITON_INTERPRET must be set before triton is first imported.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
