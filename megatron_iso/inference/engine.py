@@ -1,0 +1,397 @@
+"""The rollout engine: continuous batching over the trainer's own model object.
+
+Colocated use holds a reference to the trainer's :class:`~megatron_iso.models.gpt.IsoGPTModel`
+(same parameters, no copy); :meth:`RolloutEngine.from_hf_weights` builds one from HF-named
+weights instead. Each :meth:`RolloutEngine.step` admits waiting requests (FIFO, while every state
+cache can reserve their worst case), runs ONE packed forward (``IsoBatch`` case ``prefill`` when
+new prompts join, else ``decode``; a decode row is a one-token prefill row, the same kernel), and
+samples one token for every row:
+
+- logits of the producing step -> ``parallel.vocab.log_softmax`` (full vocab gathered, pure
+  transport) -> :func:`~megatron_iso.inference.sampler.select_tokens` with a Philox uniform keyed
+  by (seed, request id, sample index, position);
+- the recorded logprob is ``models.scoring.token_scores`` on those logits and the drawn token:
+  the trainer's function, so an iso-profile rollout logprob equals the trainer's recompute bit
+  for bit.
+
+Prefix sharing: with ``prefix_caching`` the prompt of a request is prefilled once and its ``n``
+samples fork its KV blocks; full prompt blocks are also kept for later requests with the same
+leading tokens. Contract rule ``prefix_cache flushed on weight_sync``: call
+:meth:`on_weights_updated` after every weight change (it bumps :attr:`weights_version` and flushes).
+
+Every TP rank runs the engine in lockstep on the same requests: scheduling is a function of the
+requests alone and every rank draws the same tokens from the same gathered log-probabilities.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_iso.inference.kv_blocks import PagedKVCache
+from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
+from megatron_iso.inference.rng import as_int64, request_key, uniforms
+from megatron_iso.inference.sampler import select_tokens, top_logprobs
+from megatron_iso.inference.state import SequenceStateCache, StepState
+from megatron_iso.models.batch import pack
+from megatron_iso.models.scoring import token_scores
+from megatron_iso.parallel.tree_collectives import gather_along
+from megatron_iso.parallel.vocab import log_softmax
+
+
+@dataclass
+class EngineConfig:
+    """kv_cache_bytes: memory budget of the paged KV cache (this rank). block_size: tokens per
+    block. max_num_seqs: running samples per step. max_prefill_tokens: prompt tokens admitted per
+    step (a longer single prompt is still admitted alone). max_model_len: prompt + generated
+    limit (default: the model's max_sequence_length). progress: tqdm bar in :meth:`generate`."""
+
+    kv_cache_bytes: int = 64 << 20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 4096
+    max_model_len: int | None = None
+    prefix_caching: bool = True
+    progress: bool = False
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model (prefix hits excluded)
+    decode_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    generated_tokens: int = 0
+    forward_seconds: float = 0.0
+
+
+@dataclass
+class _Group:
+    request: Request
+    key: int
+    output: RequestOutput
+    total_len: int
+    shared: bool
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    group: _Group
+    sample: int | None  # None: a shared prompt prefill whose rows feed all n samples
+    tokens: list[int]
+    num_cached: int
+    out: SampleOutput | None = None
+    rows: list[int] = field(default_factory=list)
+
+
+class RolloutEngine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        self.model = model  # the trainer's object: weights are shared, never copied
+        self.config = config or EngineConfig()
+        mc = model.config
+        self.profile = mc.iso_profile
+        self.vocab_size = int(mc.vocab_size)
+        limit = int(mc.max_sequence_length) or 1 << 62
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        tp = mc.tensor_model_parallel_size
+        param = next(model.parameters())
+        self.device = param.device
+        self.kv = PagedKVCache.from_budget(
+            self.config.kv_cache_bytes,
+            layers=range(mc.num_layers),
+            block_size=self.config.block_size,
+            kv_heads=mc.num_query_groups // tp,
+            head_dim=mc.kv_channels,
+            dtype=mc.params_dtype,
+            device=self.device,
+            prefix_caching=self.config.prefix_caching,
+        )
+        self.caches: list[SequenceStateCache] = [self.kv]  # a GDN state cache joins here
+        self.weights_version = 0
+        self.stats = EngineStats()
+        self._waiting: deque[_Group] = deque()
+        self._running: list[_Seq] = []
+        self._errors: list[RequestOutput] = []
+        self._ids = itertools.count()
+        # CUDA-graph hook: replace with a captured decode callable of the same signature
+        # (input_ids [1, T], IsoBatch) -> logits [T, V/tp]; the default runs the module eagerly.
+        self.forward_fn: Callable[..., torch.Tensor] = model.forward_packed
+
+    # --- construction and weights ---------------------------------------------------------
+    @classmethod
+    def from_hf_weights(
+        cls, model_config, hf_state_dict: Mapping[str, torch.Tensor], config: EngineConfig | None = None
+    ) -> RolloutEngine:
+        """A standalone engine: build this rank's model and load full HF-named weights into it."""
+        from megatron_iso.models.gpt import build_model
+
+        return cls(build_model(model_config, hf_state_dict).eval(), config)
+
+    def load_hf_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Weight sync from a full HF-named state dict, then the contract's invalidation."""
+        from megatron_iso.models.weights import load_hf_state_dict
+
+        load_hf_state_dict(self.model, hf_state_dict, self.model.config)
+        self.on_weights_updated()
+
+    def on_weights_updated(self) -> None:
+        """Contract rules ``{prefix_cache, kv_cache, recurrent_state} flushed on weight_sync``.
+
+        Cached states were computed with the old weights; reusing them would mix two policies.
+        Must be called with no sequence running (between :meth:`generate` calls)."""
+        if self._running:
+            raise RuntimeError(f"on_weights_updated with {len(self._running)} running sequences; finish them first")
+        for cache in self.caches:
+            cache.flush()
+        self.weights_version += 1
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; an invalid one becomes an error result of the next step."""
+        out = RequestOutput(request.request_id, list(request.prompt), weights_version=self.weights_version)
+        try:
+            key = request_key(request.request_id)
+            request.params.validate(self.vocab_size)
+            prompt = list(request.prompt)
+            if not prompt:
+                raise ValueError("prompt is empty; it needs at least one token id")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+                raise ValueError(f"prompt holds token ids outside [0, {self.vocab_size})")
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens leaves no room to generate: max_model_len={self.max_model_len}"
+                )
+        except (TypeError, ValueError) as exc:
+            out.error = str(exc)
+            self._errors.append(out)
+            return
+        p = request.params
+        total = min(len(prompt) + p.max_new_tokens, self.max_model_len)
+        shared = self.config.prefix_caching
+        need = max(c.cost(len(prompt), total, p.n, shared, 0) for c in self.caches)
+        if need > min(c.capacity() for c in self.caches) or p.n > self.config.max_num_seqs:
+            out.error = (
+                f"request needs {need} KV blocks and {p.n} sequences; the engine has "
+                f"{self.kv.capacity()} blocks (kv_cache_bytes={self.config.kv_cache_bytes}) and "
+                f"max_num_seqs={self.config.max_num_seqs}"
+            )
+            self._errors.append(out)
+            return
+        self._waiting.append(_Group(request, key, out, total, shared))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._errors)
+
+    def generate(self, requests: Iterable[Request], *, progress: bool | None = None) -> list[RequestOutput]:
+        """Run requests to completion; results in input order."""
+        requests = list(requests)
+        for r in requests:
+            self.add_request(r)
+        done: dict[int, RequestOutput] = {}
+        show = self.config.progress if progress is None else progress
+        bar = _progress(len(requests), show)
+        while self.has_unfinished():
+            for out in self.step():
+                done[id(out)] = out
+                bar.update(1)
+            bar.set_postfix_str(f"{self.stats.generated_tokens} tok")
+        bar.close()
+        by_id = {}
+        for out in done.values():
+            by_id.setdefault(out.request_id, []).append(out)
+        return [by_id[r.request_id].pop(0) for r in requests]
+
+    # --- one scheduler step -----------------------------------------------------------------
+    def _outstanding(self) -> int:
+        return sum(self.kv.remaining(s.seq_id, s.group.total_len) for s in self._running)
+
+    def _admit(self) -> list[_Seq]:
+        new: list[_Seq] = []
+        pending_cost, rows, budget = 0, len(self._running), self.config.max_prefill_tokens
+        while self._waiting:
+            g = self._waiting[0]
+            prompt, n = list(g.request.prompt), g.request.params.n
+            if rows + n > self.config.max_num_seqs or (new and budget < len(prompt)):
+                break
+            hit = min(c.match_prefix(prompt) for c in self.caches) if g.shared else 0
+            seqs = [self._new_seq(g, None if g.shared else i, prompt, hit) for i in range(1 if g.shared else n)]
+            cost = max(c.cost(len(prompt), g.total_len, n, g.shared, hit) for c in self.caches)
+            if self.kv.free_units() - self._outstanding() - pending_cost < cost:
+                for s in seqs:
+                    for c in self.caches:
+                        c.release(s.seq_id)
+                break
+            self._waiting.popleft()
+            g.output.samples = [s.out for s in seqs if s.out is not None]
+            pending_cost += cost
+            rows += n
+            budget -= len(prompt) - hit
+            self.stats.prefix_hit_tokens += hit * len(seqs)
+            new += seqs
+        return new
+
+    def _new_seq(self, g: _Group, sample: int | None, prompt: list[int], hit: int) -> _Seq:
+        s = _Seq(next(self._ids), g, sample, list(prompt), hit)
+        for c in self.caches:
+            c.admit(s.seq_id, prompt, hit)
+        if sample is not None:
+            s.out = SampleOutput(sample)
+        return s
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, run one packed forward, sample one token per sequence; the requests that finished."""
+        finished, self._errors = self._errors, []
+        new = self._admit()
+        batch_seqs = self._running + new
+        if not batch_seqs:
+            return finished
+        starts = [s.num_cached for s in batch_seqs]
+        chunks = [s.tokens[s.num_cached :] for s in batch_seqs]
+        counts = [len(c) for c in chunks]
+        for s, a, c in zip(batch_seqs, starts, counts, strict=True):
+            for cache in self.caches:
+                cache.prepare_append(s.seq_id, a, c)
+        state = StepState({c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches})
+        case = "prefill" if new else "decode"
+        ids, batch = pack(
+            chunks, start_positions=starts, case=case, kv_cache=state, slots=range(len(chunks)), device=self.device
+        )
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = self.forward_fn(ids, batch)
+        state.finish()
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.prefill_tokens += sum(counts[len(self._running) :])
+        self.stats.decode_tokens += sum(counts[: len(self._running)])
+        for s, c in zip(batch_seqs, counts, strict=True):
+            s.num_cached += c
+        last = batch.cu_seqlens_q[1:].long() - 1
+        self._sample(batch_seqs, logits[last])
+        running = []
+        for s in batch_seqs:
+            if s.sample is None:
+                running += self._fork(s)
+            elif s.out.finish_reason is None:
+                running.append(s)
+            else:
+                self._release(s)
+        self._running = running
+        live = {id(s.group) for s in running}
+        for g in {id(s.group): s.group for s in batch_seqs}.values():
+            if id(g) not in live:
+                finished.append(g.output)
+        return finished
+
+    def _fork(self, leader: _Seq) -> list[_Seq]:
+        """The shared prompt prefill's n samples, each continuing from its blocks."""
+        g = leader.group
+        prompt = leader.tokens[: len(g.request.prompt)]
+        for c in self.caches:
+            c.commit_prefix(leader.seq_id, prompt)
+        children = []
+        for i, row_tokens in enumerate(leader.rows):
+            child = _Seq(next(self._ids), g, i, list(prompt), leader.num_cached, out=g.output.samples[i])
+            for c in self.caches:
+                c.fork(leader.seq_id, child.seq_id)
+            child.tokens.append(row_tokens)
+            if child.out.finish_reason is None:
+                children.append(child)
+            else:
+                for c in self.caches:
+                    c.release(child.seq_id)
+        for c in self.caches:
+            c.release(leader.seq_id)
+        return children
+
+    def _release(self, s: _Seq) -> None:
+        for c in self.caches:
+            c.release(s.seq_id)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """One token per sample row; a shared prefill's logits row serves its n samples."""
+        src, meta = [], []  # logits row, (seq, sample index) per sampling row
+        for j, s in enumerate(seqs):
+            if s.sample is None:
+                g = s.group
+                if not g.output.samples:
+                    g.output.samples = [SampleOutput(i) for i in range(g.request.params.n)]
+                for i in range(g.request.params.n):
+                    src.append(j)
+                    meta.append((s, i))
+            else:
+                src.append(j)
+                meta.append((s, s.sample))
+        rows = logits[torch.tensor(src, device=logits.device)]
+        params = [s.group.request.params for s, _ in meta]
+        dev = rows.device
+        greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
+        temp = temp.to(dev).unsqueeze(-1)
+        mc = self.model.config
+        group = (
+            parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+        )
+        common = {"group": group, "leaves": mc.iso_leaves, "profile": self.profile}
+        with torch.no_grad():
+            logp = gather_along(log_softmax(rows, temperature=temp, **common), group, dim=-1)
+            u = uniforms(
+                torch.tensor([as_int64(p.seed) for p in params]),
+                torch.tensor([as_int64(s.group.key) for s, _ in meta]),
+                torch.tensor([i for _, i in meta]),
+                torch.tensor([len(s.tokens) for s, _ in meta]),  # position of the drawn token
+            ).to(dev)
+            tokens = select_tokens(
+                logp,
+                u,
+                greedy=greedy,
+                top_k=torch.tensor([p.top_k for p in params], device=dev),
+                top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=dev),
+            )
+            recorded, _ = token_scores(rows, tokens, mc, temperature=temp)
+            k = max(p.top_logprobs for p in params)
+            top = top_logprobs(logp, k) if k else None
+        tokens_l, logp_l = tokens.tolist(), recorded.tolist()
+        for r, ((s, i), p) in enumerate(zip(meta, params, strict=True)):
+            out = s.group.output.samples[i]
+            out.tokens.append(tokens_l[r])
+            out.logprobs.append(logp_l[r])
+            if p.top_logprobs:
+                ids, vals = top[0][r, : p.top_logprobs].tolist(), top[1][r, : p.top_logprobs].tolist()
+                out.top_logprobs = (out.top_logprobs or []) + [list(zip(ids, vals, strict=True))]
+            self.stats.generated_tokens += 1
+            out.finish_reason = _finish_reason(p, out, len(s.group.request.prompt), self.max_model_len)
+            if s.sample is None:
+                s.rows.append(tokens_l[r])
+            else:
+                s.tokens.append(tokens_l[r])
+
+
+def _finish_reason(p: SamplingParams, out: SampleOutput, prompt_len: int, max_model_len: int) -> str | None:
+    if out.tokens[-1] in p.stop_token_ids:
+        return "stop"
+    if len(out.tokens) >= p.max_new_tokens or prompt_len + len(out.tokens) >= max_model_len:
+        return "length"
+    return None
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_postfix_str(self, s: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="req")

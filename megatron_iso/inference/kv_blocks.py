@@ -1,0 +1,252 @@
+"""Paged KV cache: fixed-size blocks from one pool, sized from a memory budget.
+
+Every attention layer has a pool tensor ``[num_blocks, block_size, kv_heads, head_dim]``; a
+sequence owns a block table (block ids, shared by all layers). Blocks are reference counted:
+the ``n`` samples of a request share the prompt's blocks and copy a shared partial block on
+their first write (copy-on-write). With prefix caching, every full prompt block is registered
+under a digest of all tokens up to its end, and a later prompt with the same leading tokens
+reuses those blocks instead of recomputing them; registered blocks nobody holds stay cached
+until a new allocation needs them (least recently released first) or the weights change
+(:meth:`PagedKVCache.flush`).
+
+The attention kernels take contiguous ``[slots, max_len, ...]`` caches, so a step gathers each
+packed sequence's blocks into a staging view per layer (:class:`PagedStepView`), the kernel
+writes the new keys there and attends, and the new positions are scattered back to their blocks
+before the next layer's view is built. The keys a query sees are the same bits as in a
+contiguous cache, so results are unchanged; a block-table kernel would remove the copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+_ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    """The attention layers' :class:`~megatron_iso.inference.state.SequenceStateCache`."""
+
+    kind = "attention_kv"
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        prefix_caching: bool = True,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"PagedKVCache: num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.block_size, self.num_blocks, self.prefix_caching = block_size, num_blocks, prefix_caching
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.refcount = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self._evictable: OrderedDict[int, bytes] = OrderedDict()  # registered, held by nobody
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * _ELEMENT_BYTES[dtype]
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        layers: Sequence[int],
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        **kwargs: object,
+    ) -> PagedKVCache:
+        """As many blocks as ``budget_bytes`` holds (k and v of every attention layer)."""
+        dtype = kwargs.get("dtype", torch.bfloat16)
+        per = cls.bytes_per_block(len(layers), block_size, kv_heads, head_dim, dtype)
+        if budget_bytes < per:
+            raise ValueError(f"kv_cache_bytes={budget_bytes} is below one block ({per} bytes)")
+        return cls(layers, budget_bytes // per, block_size, kv_heads, head_dim, **kwargs)
+
+    # --- prefix digests -------------------------------------------------------------------
+    def _keys(self, tokens: Sequence[int], full_blocks: int) -> list[bytes]:
+        out, h = [], hashlib.sha256()
+        bs = self.block_size
+        for b in range(full_blocks):
+            h.update(b"".join(int(t).to_bytes(8, "little") for t in tokens[b * bs : (b + 1) * bs]))
+            out.append(h.copy().digest())  # a digest of every token up to this block's end
+        return out
+
+    def match_prefix(self, tokens: Sequence[int]) -> int:
+        if not self.prefix_caching:
+            return 0
+        # At least the last prompt token is recomputed: its logits start generation.
+        hits = 0
+        for key in self._keys(tokens, (len(tokens) - 1) // self.block_size):
+            if key not in self._by_key:
+                break
+            hits += 1
+        return hits * self.block_size
+
+    # --- blocks ---------------------------------------------------------------------------
+    def _alloc(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, key = self._evictable.popitem(last=False)
+            del self._by_key[key], self._key_of[block]
+        else:
+            raise RuntimeError("KV cache out of blocks (the engine's reservation should have prevented this)")
+        self.refcount[block] = 1
+        return block
+
+    def _acquire(self, block: int) -> None:
+        if self.refcount[block] == 0:
+            self._evictable.pop(block, None)
+        self.refcount[block] += 1
+
+    def _drop(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = self._key_of[block]
+            else:
+                self._free.append(block)
+
+    def admit(self, seq_id: int, tokens: Sequence[int], num_cached: int) -> None:
+        if num_cached % self.block_size:
+            raise ValueError(f"num_cached={num_cached} must be a multiple of block_size={self.block_size}")
+        blocks = [self._by_key[k] for k in self._keys(tokens, num_cached // self.block_size)]
+        for b in blocks:
+            self._acquire(b)
+        self.tables[seq_id], self.lengths[seq_id] = blocks, num_cached
+
+    def fork(self, parent: int, child: int) -> None:
+        for b in self.tables[parent]:
+            self._acquire(b)
+        self.tables[child], self.lengths[child] = list(self.tables[parent]), self.lengths[parent]
+
+    def prepare_append(self, seq_id: int, start: int, count: int) -> None:
+        table, bs = self.tables[seq_id], self.block_size
+        if start != self.lengths[seq_id]:
+            raise ValueError(f"sequence {seq_id} appends at {start} but holds {self.lengths[seq_id]} tokens")
+        first = start // bs
+        if first < len(table) and self.refcount[table[first]] > 1:
+            # Shared partial block: this sequence's writes go to its own copy.
+            new = self._alloc()
+            for pool in (*self.k.values(), *self.v.values()):
+                pool[new] = pool[table[first]]
+            self._drop(table[first])
+            table[first] = new
+        while len(table) < _ceil_div(start + count, bs):
+            table.append(self._alloc())
+        self.lengths[seq_id] = start + count
+
+    def commit_prefix(self, seq_id: int, tokens: Sequence[int]) -> None:
+        if not self.prefix_caching:
+            return
+        table = self.tables[seq_id]
+        full = min(len(tokens), self.lengths[seq_id]) // self.block_size
+        for b, key in enumerate(self._keys(tokens, full)):
+            block = table[b]
+            if key not in self._by_key and block not in self._key_of:
+                self._by_key[key], self._key_of[block] = block, key
+
+    def release(self, seq_id: int) -> None:
+        for b in self.tables.pop(seq_id):
+            self._drop(b)
+        del self.lengths[seq_id]
+
+    def flush(self) -> None:
+        if self.tables:
+            raise RuntimeError(f"flush with {len(self.tables)} running sequences; finish or abort them first")
+        self._free.extend(self._evictable)
+        self._free.sort(reverse=True)
+        self._evictable.clear()
+        self._by_key.clear()
+        self._key_of.clear()
+
+    # --- capacity -------------------------------------------------------------------------
+    def cost(self, prompt_len: int, total_len: int, n: int, shared: bool, num_cached: int) -> int:
+        bs = self.block_size
+        if shared:  # one prompt prefill, then each sample copies the partial block and grows
+            return _ceil_div(prompt_len, bs) - num_cached // bs + n * (_ceil_div(total_len, bs) - prompt_len // bs)
+        return n * (_ceil_div(total_len, bs) - num_cached // bs)
+
+    def remaining(self, seq_id: int, total_len: int) -> int:
+        """Blocks this running sequence may still allocate before reaching ``total_len`` tokens."""
+        table, length, bs = self.tables[seq_id], self.lengths[seq_id], self.block_size
+        cow = int(length % bs != 0 and self.refcount[table[-1]] > 1)
+        return max(0, _ceil_div(total_len, bs) - len(table)) + cow
+
+    def free_units(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def capacity(self) -> int:
+        return self.num_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks registered for prefix reuse (held or not)."""
+        return len(self._key_of)
+
+    def step_view(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> PagedStepView:
+        return PagedStepView(self, [self.tables[s] for s in seq_ids], starts, counts)
+
+
+class PagedStepView:
+    """One step's contiguous staging of the packed sequences' blocks (slot i = sequence i)."""
+
+    def __init__(
+        self, cache: PagedKVCache, tables: list[list[int]], starts: Sequence[int], counts: Sequence[int]
+    ) -> None:
+        self.cache = cache
+        bs = cache.block_size
+        ends = [s + c for s, c in zip(starts, counts, strict=True)]
+        length = max(ends)
+        width = _ceil_div(length, bs)
+        padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int64)
+        device = next(iter(cache.k.values())).device
+        pos = torch.arange(length)
+        flat = padded[:, pos // bs] * bs + pos % bs  # [n, L] row of each position in the flattened pool
+        start_t, end_t = torch.tensor(list(starts)).unsqueeze(1), torch.tensor(ends).unsqueeze(1)
+        write = (pos >= start_t) & (pos < end_t)
+        self.read_idx = flat.reshape(-1).to(device)
+        self.write_mask = write.to(device)
+        self.write_idx = flat[write].to(device)
+        self.shape = (len(tables), length)
+        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def _stage(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool.flatten(0, 1)[self.read_idx].view(*self.shape, *pool.shape[2:])
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.finish()
+        k = self._stage(self.cache.k[index])
+        v = self._stage(self.cache.v[index])
+        self._pending = (index, k, v)
+        return k, v
+
+    def finish(self) -> None:
+        """Scatter the positions the kernel wrote in the staged layer back into its blocks."""
+        if self._pending is None:
+            return
+        index, k, v = self._pending
+        self.cache.k[index].flatten(0, 1)[self.write_idx] = k[self.write_mask]
+        self.cache.v[index].flatten(0, 1)[self.write_idx] = v[self.write_mask]
+        self._pending = None

@@ -1,0 +1,69 @@
+"""Token selection from full-vocab fp32 log-probabilities, batch invariant by construction.
+
+Per row: a stable descending sort (ties by ascending token id), probabilities ``iso_exp(logp)``,
+top-k / top-p masks on the sorted order, then inverse-CDF with one counter-based uniform. The
+cumulative sums are a Hillis-Steele scan (log2(V) rounds of shifted elementwise adds): a fixed
+addition pattern per row, the same on every device and for any number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_iso.ops.activation.pointwise import iso_exp
+
+
+def inclusive_scan(x: torch.Tensor) -> torch.Tensor:
+    """Prefix sums along the last dim with a fixed (row-local, batch-independent) addition order."""
+    out = x.clone()
+    shift = 1
+    while shift < out.shape[-1]:
+        nxt = out.clone()
+        nxt[..., shift:] = out[..., shift:] + out[..., :-shift]
+        out, shift = nxt, shift * 2
+    return out
+
+
+def sort_desc(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted values and token ids, descending; equal values keep ascending token id (stable sort)."""
+    return torch.sort(logp, dim=-1, descending=True, stable=True)
+
+
+def select_tokens(
+    logp: torch.Tensor,
+    uniform: torch.Tensor,
+    *,
+    greedy: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """Sampled token id per row.
+
+    logp ``[R, V]`` fp32 temperature-scaled log-probabilities (the full vocab); uniform ``[R]`` in
+    [0, 1); greedy ``[R]`` bool; top_k ``[R]`` int (0 = off); top_p ``[R]`` fp32 in (0, 1].
+    """
+    vals, ids = sort_desc(logp)
+    v = vals.shape[-1]
+    p = iso_exp(vals)
+    rank = torch.arange(v, device=logp.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).unsqueeze(-1)
+    cum = inclusive_scan(p)
+    exclusive = torch.zeros_like(cum)
+    exclusive[..., 1:] = cum[..., :-1]
+    # Keep a token while the mass before it is < top_p: the smallest prefix reaching top_p; rank 0 always.
+    keep = (rank < k) & ((exclusive < top_p.to(torch.float32).unsqueeze(-1)) | (rank == 0))
+    kept = torch.where(keep, p, torch.zeros_like(p))
+    cdf = inclusive_scan(kept)
+    threshold = uniform.to(torch.float32) * cdf[..., -1]
+    # The first kept rank whose cdf exceeds the threshold (a count of exact comparisons).
+    pick = (cdf <= threshold.unsqueeze(-1)).sum(-1)
+    last_kept = keep.sum(-1) - 1
+    pick = torch.minimum(pick, last_kept)
+    pick = torch.where(greedy, torch.zeros_like(pick), pick)
+    return ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+
+def top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` largest logprobs per row and their token ids (ties to the lower id)."""
+    vals, ids = sort_desc(logp)
+    return ids[..., :n], vals[..., :n]
