@@ -1,0 +1,152 @@
+"""Run a function on N gloo ranks with a Megatron parallel layout and collect each rank's result.
+
+The one local multi-rank launcher: every multi-rank test (through the re-export in
+``megatron_iso.testing.harness``) and ``iso-bench`` / ``iso-bisect`` (one process group per layout)
+go through :func:`run_on_ranks`. It spawns ``world_size`` processes,
+initialises ``torch.distributed`` (gloo), applies the CPU platform patches, initialises
+Megatron's ``parallel_state`` with the requested TP/PP/EP sizes, seeds Megatron's RNG tracker,
+calls ``fn(*args)`` and returns the per-rank results in rank order. A failure on any rank is
+re-raised here with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    # Serialise through torch.save so tensors travel as bytes, not shared-memory handles.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# Modules the fork server imports once; every rank then forks from it instead of paying the
+# several-second Megatron import per process (spawn would).
+_PRELOAD = ["megatron_iso.testing.preload"]
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    layout: dict[str, int],
+    seed: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    queue: Any,
+) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        # Oversubscribed intra-op threads make a 2-core machine crawl; give each rank its share.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
+
+        silence_expected_cpu_warnings()
+        apply_cpu_patches()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout["tp"],
+            pipeline_model_parallel_size=layout["pp"],
+            expert_model_parallel_size=layout["ep"],
+            expert_tensor_parallel_size=layout["etp"],
+        )
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        result = fn(*args)
+        queue.put((rank, True, _dumps(result)))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    args: Sequence[Any] = (),
+    seed: int = 1234,
+    timeout: float = 600.0,
+) -> list[Any]:
+    """Call module-level ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order.
+
+    ``tp * pp`` must divide ``world_size`` (the rest is data parallel); ``ep`` must divide the
+    data-parallel-times-TP product as Megatron requires. ``etp`` is the expert tensor-parallel size
+    (1, as ``models.config`` configures MoE models: an expert lives whole on one EP rank).
+    """
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"run_on_ranks: {name}={value!r} must be a positive int")
+    if world_size % (tp * pp):
+        raise ValueError(f"run_on_ranks: tp*pp={tp * pp} does not divide world_size={world_size}")
+    ctx = _context()
+    queue = ctx.Queue()
+    port = _free_port()
+    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, layout, seed, fn, tuple(args), queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = _loads(payload)
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                break  # the others may be blocked in a collective with the failed rank
+    finally:
+        for p in procs:
+            p.join(timeout=5 if failures else timeout)
+            if p.is_alive():
+                p.terminate()
+    if failures:
+        raise RankFailure("a rank failed:\n" + "\n".join(failures))
+    return [results[r] for r in range(world_size)]
