@@ -70,26 +70,29 @@ CONFIGS: dict[torch.dtype, GemmTileConfig] = {
     torch.float16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
     torch.float32: GemmTileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, loop="static"),
 }
-# One leaf per program (G = 1, or a leaf-parallel schedule), large M: the cuBLAS-class tile.
-WIDE_CONFIGS: dict[torch.dtype, GemmTileConfig] = {
-    torch.bfloat16: GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-    torch.float16: GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+# Buckets picked from the H200 candidate sweep of 2026-11-29 (docs/PERFORMANCE.md, ``gemm_candidates``);
+# every tile here was in the bitwise tile-equivalence experiment (all equal to the default's bits).
+_BF16_TILES = {
+    # (M bucket, one leaf in the kernel?) -> tile
+    ("small", True): GemmTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6),
+    ("small", False): GemmTileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    ("mid", True): GemmTileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
 }
-# M <= SMALL_M (decode): weight streaming, narrow tiles so more programs stream the weight.
-SMALL_M = 64
-SMALL_M_CONFIGS: dict[torch.dtype, GemmTileConfig] = {
-    torch.bfloat16: GemmTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
-    torch.float16: GemmTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
-}
+SMALL_M = 64  # M <= 64: decode, weight streaming
+MID_M = 256  # 64 < M <= 256: too few 128-row tiles to fill 132 SMs
+WIDE_CONFIGS = {dt: _BF16_TILES[("large", True)] for dt in (torch.bfloat16, torch.float16)}
+SMALL_M_CONFIGS = {dt: _BF16_TILES[("small", True)] for dt in (torch.bfloat16, torch.float16)}
 
 
 def select_config(dtype: torch.dtype, M: int, leaves: int) -> GemmTileConfig:
-    """The tile for a launch: by dtype, M bucket and leaves (never changes a bit; see CONFIGS)."""
-    if M <= SMALL_M and dtype in SMALL_M_CONFIGS:
-        return SMALL_M_CONFIGS[dtype]
-    if leaves == 1 and dtype in WIDE_CONFIGS:
-        return WIDE_CONFIGS[dtype]
-    return CONFIGS[dtype]
+    """The tile for a launch, by (dtype, M bucket, leaves == 1). Never changes a bit: every candidate
+    shares BLOCK_K and the K-loop order, and tiles with the same BLOCK_K are bitwise equivalent
+    (tests/gpu/test_gemm_tiles.py). fp32 keeps its one config."""
+    if dtype not in WIDE_CONFIGS:
+        return CONFIGS[dtype]
+    bucket = "small" if M <= SMALL_M else "mid" if M <= MID_M else "large"
+    return _BF16_TILES.get((bucket, leaves == 1), CONFIGS[dtype])
 
 
 # Under TRITON_INTERPRET=1 (CPU tests) tiles are small so tiny shapes still cover several tiles and leaves.
@@ -414,6 +417,11 @@ register(
                 CONFIGS[torch.float32].block_k,
             ],
             "fp32_precision": CONFIGS[torch.float32].fp32_precision,
+            "bf16_tiles_by_bucket": [
+                f"{b}/{'leaves1' if one else 'leaves>1'}: {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                for (b, one), c in sorted(_BF16_TILES.items())
+            ],
+            "m_buckets": [SMALL_M, MID_M],
             "bf16_wide_tile_leaves1": [
                 asdict(WIDE_CONFIGS[torch.bfloat16])[f]
                 for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
@@ -422,7 +430,6 @@ register(
                 asdict(SMALL_M_CONFIGS[torch.bfloat16])[f]
                 for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
             ],
-            "small_m_bound": SMALL_M,
             "triton": triton.__version__,
         },
         probe=_probe,
