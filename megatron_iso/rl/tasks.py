@@ -129,20 +129,26 @@ class Task:
 
 
 class ResidueTask(Task):
-    """Synthetic: the prompt is random tokens whose last one is the key; respond with tokens of the
-    key's residue class."""
+    """Synthetic: respond with tokens of one residue class modulo ``modulus``.
+
+    ``conditional=False``: the class is 0 for every prompt (a tiny model from scratch learns it in
+    about ten steps on a CPU). ``conditional=True``: the class is the prompt's last token's, so the
+    policy must read the prompt (needs many more steps).
+    """
 
     def __init__(self, reward: RewardFn, tokenizer: Tokenizer, prompts_per_step: int, seed: int, *, vocab_size: int,
-                 prompt_len: int, modulus: int) -> None:  # fmt: skip
+                 prompt_len: int, modulus: int, conditional: bool) -> None:  # fmt: skip
         super().__init__(reward, tokenizer, prompts_per_step, seed)
         if modulus < 2 or modulus > vocab_size:
             raise ValueError(f"task.modulus={modulus} must be in [2, vocab_size={vocab_size}]")
-        self.vocab_size, self.prompt_len, self.modulus = vocab_size, prompt_len, modulus
+        self.vocab_size, self.prompt_len, self.modulus, self.conditional = vocab_size, prompt_len, modulus, conditional
 
     def prompts(self, step: int) -> list[Prompt]:
         g = self._generator(step)
         ids = torch.randint(0, self.vocab_size, (self.prompts_per_step, self.prompt_len), generator=g).tolist()
-        return [Prompt(ids=row, meta={"key": row[-1], "modulus": self.modulus}) for row in ids]
+        return [
+            Prompt(ids=row, meta={"key": row[-1] if self.conditional else 0, "modulus": self.modulus}) for row in ids
+        ]
 
 
 class JsonlTask(Task):
@@ -191,5 +197,5 @@ def make_task(cfg: Any, vocab_size: int, seed: int) -> Task:
     n = int(cfg.prompts_per_step)
     if kind == "residue":
         return ResidueTask(reward, tokenizer, n, seed, vocab_size=vocab_size, prompt_len=int(cfg.prompt_len),
-                           modulus=int(cfg.modulus))  # fmt: skip
+                           modulus=int(cfg.modulus), conditional=bool(cfg.get("conditional", False)))  # fmt: skip
     return JsonlTask(reward, tokenizer, n, seed, path=str(cfg.path), template=str(cfg.template))

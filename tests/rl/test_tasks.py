@@ -8,7 +8,7 @@ from megatron_iso.rl.tasks import ByteTokenizer, Prompt, make_task, resolve_rewa
 
 def _cfg(**kw):
     base = {"name": "residue", "reward": "residue_match", "tokenizer": "bytes", "prompts_per_step": 3, "prompt_len": 4,
-            "modulus": 4}  # fmt: skip
+            "modulus": 4, "conditional": True}  # fmt: skip
     return OmegaConf.create(base | kw)
 
 
@@ -20,6 +20,8 @@ def test_residue_prompts_are_deterministic_per_step_and_reward_counts_matches():
     key = p.meta["key"]
     assert task.reward(p, [key, key + 4, key + 1, key + 2]) == 0.5
     assert task.reward(p, []) == 0.0
+    unconditional = make_task(_cfg(conditional=False), 256, seed=1)
+    assert {q.meta["key"] for q in unconditional.prompts(5)} == {0}
 
 
 def test_jsonl_math_task_uses_math_verify(tmp_path):
