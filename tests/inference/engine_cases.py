@@ -1,0 +1,157 @@
+"""Shared rank functions for the engine tests: run the engine on the tiny dense model, then score
+the finished sequences with the trainer's teacher-forced ``score_sequences``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# (request id, prompt length, sampling params): mixed lengths across block boundaries, greedy and
+# sampled, top-k/top-p, several samples per prompt.
+SPECS = [
+    (101, 5, {"temperature": 1.0, "n": 2}),
+    (102, 1, {"temperature": 0.7, "top_k": 20}),
+    (103, 12, {"temperature": 0.0}),
+    (104, 3, {"temperature": 1.3, "top_p": 0.9, "n": 3}),
+    (105, 9, {"temperature": 1.0, "top_k": 5, "top_p": 0.8}),
+    (106, 17, {"temperature": 0.6, "n": 2}),
+    (107, 2, {"temperature": 1.0}),
+    (108, 7, {"temperature": 0.9, "top_k": 50}),
+]
+
+
+def setup(overrides: list[str], seed: int = 7):
+    from megatron_iso.config import load_config
+    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.weights import random_hf_state_dict
+
+    tc = transformer_config(load_config(overrides))
+    return tc, build_model(tc, random_hf_state_dict(tc, seed=seed)).eval()
+
+
+def requests(vocab: int, specs=SPECS, max_new_tokens: int = 6, **extra):
+    from megatron_iso.inference import Request, SamplingParams
+
+    out = []
+    for rid, n, kw in specs:
+        prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(rid)).tolist()
+        params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": 2024, **kw, **extra})
+        out.append(Request(rid, prompt, params))
+    return out
+
+
+def trainer_scores(model, reqs, outs) -> dict:
+    """(request id, sample) -> trainer logprobs of the generated tokens (teacher forced, one pack)."""
+    from megatron_iso.models.batch import pack
+    from megatron_iso.models.scoring import score_sequences
+
+    seqs, temps, keys = [], [], []
+    for r, o in zip(reqs, outs, strict=True):
+        t = r.params.temperature if r.params.temperature > 0 else 1.0
+        for s in o.samples:
+            seqs.append(list(r.prompt) + s.tokens)
+            temps += [t] * len(seqs[-1])
+            keys.append((r.request_id, s.index, len(r.prompt), len(s.tokens)))
+    ids, batch = pack(seqs)
+    with torch.no_grad():
+        logp, _ = score_sequences(model, ids, batch, temperature=torch.tensor(temps).unsqueeze(-1))
+    cu = batch.cu_seqlens_q.tolist()
+    return {(rid, i): logp[cu[j] + p - 1 : cu[j] + p - 1 + g] for j, (rid, i, p, g) in enumerate(keys)}
+
+
+def summary(outs) -> dict:
+    """(request id, sample) -> (tokens, fp32 logprobs, finish reason)."""
+    return {
+        (o.request_id, s.index): (s.tokens, torch.tensor(s.logprobs, dtype=torch.float32), s.finish_reason)
+        for o in outs
+        for s in o.samples
+    }
+
+
+def run_schedule(engine, reqs, arrivals: list[int]) -> list:
+    """Add request i before step ``arrivals[i]``; step until all finish. Results in request order."""
+    done, step = {}, 0
+    while len(done) < len(reqs):
+        for r, a in zip(reqs, arrivals, strict=True):
+            if a == step:
+                engine.add_request(r)
+        for o in engine.step():
+            done[o.request_id] = o
+        step += 1
+    return [done[r.request_id] for r in reqs]
+
+
+def matrix(overrides: list[str], batch_sizes: tuple[int, ...] = (1, 3, 8)) -> dict:
+    """Batch sizes 1/3/8 x prefix caching on/off, plus staggered arrivals; each scored by the trainer."""
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+
+    tc, model = setup(overrides)
+    reqs = requests(tc.vocab_size, max_new_tokens=5)
+    runs = {}
+    for bs in batch_sizes:
+        for prefix in (True, False):
+            outs = []
+            for a in range(0, len(reqs), bs):
+                eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, prefix_caching=prefix))
+                outs += eng.generate(reqs[a : a + bs])
+            runs[f"bs{bs}_prefix{prefix}"] = (summary(outs), trainer_scores(model, reqs, outs))
+    eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4))
+    outs = run_schedule(eng, reqs[::-1], [0, 0, 1, 3, 4, 4, 6, 9])
+    runs["staggered"] = (summary(outs), trainer_scores(model, reqs[::-1], outs))
+    return runs
+
+
+def full_vocab(overrides: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Engine top_logprobs over the whole vocab vs the trainer's full log-softmax at the same rows."""
+    from megatron.core import parallel_state
+
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+    from megatron_iso.models.batch import pack
+    from megatron_iso.parallel.tree_collectives import gather_along
+    from megatron_iso.parallel.vocab import log_softmax
+
+    tc, model = setup(overrides)
+    reqs = requests(tc.vocab_size, SPECS[:3], max_new_tokens=3, top_logprobs=tc.vocab_size)
+    outs = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4)).generate(reqs)
+    seqs, temps, engine_rows, rows = [], [], [], []
+    for r, o in zip(reqs, outs, strict=True):
+        t = r.params.temperature if r.params.temperature > 0 else 1.0
+        for s in o.samples:
+            base = sum(len(x) for x in seqs) + len(r.prompt) - 1
+            seqs.append(list(r.prompt) + s.tokens)
+            temps += [t] * len(seqs[-1])
+            for g, top in enumerate(s.top_logprobs):
+                row = torch.empty(tc.vocab_size, dtype=torch.float32)
+                ids, vals = zip(*top, strict=True)
+                row[list(ids)] = torch.tensor(vals, dtype=torch.float32)
+                engine_rows.append(row)
+                rows.append(base + g)
+    ids, batch = pack(seqs)
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        logits = model.forward_packed(ids, batch)
+        scaled = log_softmax(
+            logits,
+            temperature=torch.tensor(temps).unsqueeze(-1),
+            group=group,
+            leaves=tc.iso_leaves,
+            profile=tc.iso_profile,
+        )
+        full = gather_along(scaled, group, dim=-1)
+    return torch.stack(engine_rows), full[rows]
+
+
+def throughput(overrides: list[str], batch: int, new_tokens: int) -> tuple[float, dict]:
+    """Generated tokens per second of one generate() call (CPU, tiny model)."""
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+
+    tc, model = setup(overrides)
+    specs = [(200 + i, 16, {"temperature": 1.0}) for i in range(batch)]
+    reqs = requests(tc.vocab_size, specs, max_new_tokens=new_tokens)
+    eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=4 << 20))
+    t0 = time.perf_counter()
+    outs = eng.generate(reqs)
+    dt = time.perf_counter() - t0
+    return sum(len(s.tokens) for o in outs for s in o.samples) / dt, vars(eng.stats)
