@@ -9,7 +9,8 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
-from megatron_iso.models.specs import dense_block_spec, moe_block_spec
+from megatron_iso.models.gdn import gdn_layer_indices
+from megatron_iso.models.specs import dense_block_spec, hybrid_block_spec, moe_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
 from megatron_iso.parallel.vocab import IsoVocabParallelEmbedding
@@ -69,7 +70,11 @@ class IsoGPTModel(GPTModel):
 
 
 def block_spec(config: IsoTransformerConfig):
-    """MoE layers when the config has experts (``num_moe_experts``), dense layers otherwise."""
+    """MoE layers when the config has experts (``num_moe_experts``), dense layers otherwise; GDN
+    token mixers where the config has a linear-attention pattern (hybrid, Qwen3-Next)."""
+    gdn = gdn_layer_indices(config)
+    if gdn:
+        return hybrid_block_spec(config.iso_profile, config.num_layers, gdn, moe=bool(config.num_moe_experts))
     build = moe_block_spec if config.num_moe_experts else dense_block_spec
     return build(config.iso_profile, config.num_layers)
 

@@ -9,9 +9,11 @@ The profile also tells ``ops`` which kernels the shared modules call.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -25,6 +27,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_iso.models.gdn import GatedRMSNorm, IsoGatedDeltaNet
 from megatron_iso.models.modules import CachedSelfAttention, IsoRMSNorm, PackedCoreAttention
 from megatron_iso.models.moe import IsoMoELayer, IsoSequentialExperts, IsoSharedExpertMLP, IsoTopKRouter
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
@@ -88,12 +91,20 @@ def moe_mlp_spec(profile: str) -> ModuleSpec:
     )
 
 
-def _layer_spec(kit: LayerKit, mlp: ModuleSpec) -> ModuleSpec:
+def gdn_spec(kit: LayerKit) -> ModuleSpec:
+    """Gated DeltaNet token mixer (Megatron's GatedDeltaNetSubmodules); its ops follow the profile."""
+    return ModuleSpec(
+        module=IsoGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=kit.column_linear, out_norm=GatedRMSNorm, out_proj=kit.row_linear),
+    )
+
+
+def _layer_spec(kit: LayerKit, mlp: ModuleSpec, mixer: ModuleSpec | None = None) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=kit.norm,
-            self_attention=attention_spec(kit),
+            self_attention=mixer or attention_spec(kit),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=kit.norm,
             mlp=mlp,
@@ -124,4 +135,20 @@ def moe_block_spec(profile: str, num_layers: int) -> TransformerBlockSubmodules:
     """Every decoder layer MoE (Qwen3-MoE: ``decoder_sparse_step=1``, no ``mlp_only_layers``)."""
     return TransformerBlockSubmodules(
         layer_specs=[moe_layer_spec(profile)] * num_layers, layer_norm=layer_kit(profile).norm
+    )
+
+
+def hybrid_block_spec(
+    profile: str, num_layers: int, gdn_layers: Collection[int], *, moe: bool = False
+) -> TransformerBlockSubmodules:
+    """Qwen3-Next-style hybrid: GDN token mixers at ``gdn_layers`` (0-based), gated full attention
+    elsewhere; dense or MoE MLPs everywhere (Qwen3-Next: ``decoder_sparse_step=1``)."""
+    kit = layer_kit(profile)
+    bad = sorted(i for i in gdn_layers if not 0 <= i < num_layers)
+    if bad:
+        raise ValueError(f"gdn_layers {bad} are outside 0..{num_layers - 1}")
+    mlp = moe_mlp_spec(profile) if moe else dense_mlp_spec(kit)
+    gdn, attn = _layer_spec(kit, mlp, gdn_spec(kit)), _layer_spec(kit, mlp)
+    return TransformerBlockSubmodules(
+        layer_specs=[gdn if i in gdn_layers else attn for i in range(num_layers)], layer_norm=kit.norm
     )

@@ -10,7 +10,11 @@ what checkpoints ship as, and what TP-invariance tests load into every layout. S
   columns split; norms replicated;
 - MoE (Qwen3-MoE / Qwen3-Next names): ``mlp.gate`` -> ``mlp.router`` (replicated); expert e lives
   whole (expert TP = 1) on EP rank ``e // (E / ep)`` as ``mlp.experts.local_experts.{e mod E/ep}``;
-  the shared expert is TP-sharded like a dense MLP, its ``shared_expert_gate`` replicated.
+  the shared expert is TP-sharded like a dense MLP, its ``shared_expert_gate`` replicated;
+- Gated DeltaNet (Qwen3-Next ``linear_attn.*``): HF groups ``in_proj_qkvz`` / ``in_proj_ba`` rows per key
+  head; Megatron's ``in_proj`` holds per rank ``[q | k | v | z | b | a]`` of the rank's key heads and
+  their value heads; ``conv1d`` channels ``[q | k | v]`` of the rank; ``A_log``/``dt_bias`` split;
+  ``norm`` -> ``out_norm`` replicated; ``out_proj`` columns split.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_iso.models.config import IsoTransformerConfig
+from megatron_iso.models.gdn import gdn_layer_indices
 
 
 def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -86,6 +91,68 @@ def _moe_mlp(
     return out
 
 
+def _gdn_dims(cfg: IsoTransformerConfig) -> tuple[int, int, int, int, int]:
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    return hk, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+
+
+def _gdn_shard(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, src: str, dst: str, rank: int, tp: int):
+    hk, hv, dk, dv, r = _gdn_dims(cfg)
+    if hk % tp:
+        raise ValueError(f"parallel.tp={tp} must divide model.linear_num_key_heads={hk}")
+    heads = slice(rank * hk // tp, (rank + 1) * hk // tp)
+    qkvz = hf[src + "in_proj_qkvz.weight"]
+    hidden = qkvz.shape[1]
+    per_head = qkvz.view(hk, 2 * dk + 2 * r * dv, hidden)[heads]
+    q, k, v, z = per_head.split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = hf[src + "in_proj_ba.weight"].view(hk, 2 * r, hidden)[heads].split([r, r], dim=1)
+    conv_q, conv_k, conv_v = hf[src + "conv1d.weight"].split([hk * dk, hk * dk, hv * dv])
+    return {
+        dst + "in_proj.weight": torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)]),
+        dst + "conv1d.weight": torch.cat([_rows(c, rank, tp) for c in (conv_q, conv_k, conv_v)]),
+        dst + "A_log": _rows(hf[src + "A_log"], rank, tp),
+        dst + "dt_bias": _rows(hf[src + "dt_bias"], rank, tp),
+        dst + "out_norm.weight": hf[src + "norm.weight"],
+        dst + "out_proj.weight": _cols(hf[src + "out_proj.weight"], rank, tp),
+    }
+
+
+def _gdn_unshard(shards: Sequence[Mapping[str, torch.Tensor]], cfg: IsoTransformerConfig, src: str, dst: str):
+    hk, _, dk, dv, r = _gdn_dims(cfg)
+    hk_l = hk // len(shards)
+    qkvz, ba, conv = [], [], []
+    for s in shards:
+        w = s[src + "in_proj.weight"]
+        hidden = w.shape[1]
+        q, k, v, z, b, a = w.split([hk_l * dk, hk_l * dk, hk_l * r * dv, hk_l * r * dv, hk_l * r, hk_l * r])
+        qkvz.append(torch.cat([t.reshape(hk_l, -1, hidden) for t in (q, k, v, z)], dim=1))
+        ba.append(torch.cat([t.reshape(hk_l, -1, hidden) for t in (b, a)], dim=1))
+        conv.append(s[src + "conv1d.weight"].split([hk_l * dk, hk_l * dk, hk_l * r * dv]))
+    return {
+        dst + "in_proj_qkvz.weight": torch.cat(qkvz).reshape(-1, hidden),
+        dst + "in_proj_ba.weight": torch.cat(ba).reshape(-1, hidden),
+        dst + "conv1d.weight": torch.cat([torch.cat([c[j] for c in conv]) for j in range(3)]),
+        dst + "A_log": torch.cat([s[src + "A_log"] for s in shards]),
+        dst + "dt_bias": torch.cat([s[src + "dt_bias"] for s in shards]),
+        dst + "norm.weight": _replicated(shards, src + "out_norm.weight"),
+        dst + "out_proj.weight": torch.cat([s[src + "out_proj.weight"] for s in shards], dim=1),
+    }
+
+
+def _gdn_shapes(cfg: IsoTransformerConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    hk, hv, dk, dv, _ = _gdn_dims(cfg)
+    h = cfg.hidden_size
+    return {
+        prefix + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, h),
+        prefix + "in_proj_ba.weight": (2 * hv, h),
+        prefix + "conv1d.weight": (2 * hk * dk + hv * dv, 1, cfg.linear_conv_kernel_dim),
+        prefix + "A_log": (hv,),
+        prefix + "dt_bias": (hv,),
+        prefix + "norm.weight": (dv,),
+        prefix + "out_proj.weight": (h, hv * dv),
+    }
+
+
 def megatron_shard(
     hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
 ) -> dict[str, torch.Tensor]:
@@ -94,13 +161,17 @@ def megatron_shard(
     out: dict[str, torch.Tensor] = {
         "embedding.word_embeddings.weight": _rows(hf["model.embed_tokens.weight"], rank, tp)
     }
+    gdn = set(gdn_layer_indices(cfg))
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = src + "self_attn."
-        qkv = _qkv_rows(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"])
-        out[dst + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, tp)
-        out[dst + "self_attention.linear_proj.weight"] = _cols(hf[attn + "o_proj.weight"], rank, tp)
-        if cfg.qk_layernorm:
+        if i in gdn:
+            out |= _gdn_shard(hf, cfg, src + "linear_attn.", dst + "self_attention.", rank, tp)
+        else:
+            qkv = _qkv_rows(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"])
+            out[dst + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, tp)
+            out[dst + "self_attention.linear_proj.weight"] = _cols(hf[attn + "o_proj.weight"], rank, tp)
+        if cfg.qk_layernorm and i not in gdn:
             out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
             out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
@@ -156,13 +227,17 @@ def hf_from_megatron_shards(
         return torch.cat([s[name] for s in shards], dim=1)
 
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")}
+    gdn = set(gdn_layer_indices(cfg))
     for i in range(cfg.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn = dst + "self_attn."
-        q, k, v = _split_qkv(cfg, rows(src + "self_attention.linear_qkv.weight"))
-        out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
-        out[attn + "o_proj.weight"] = cols(src + "self_attention.linear_proj.weight")
-        if cfg.qk_layernorm:
+        if i in gdn:
+            out |= _gdn_unshard(shards, cfg, src + "self_attention.", dst + "linear_attn.")
+        else:
+            q, k, v = _split_qkv(cfg, rows(src + "self_attention.linear_qkv.weight"))
+            out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
+            out[attn + "o_proj.weight"] = cols(src + "self_attention.linear_proj.weight")
+        if cfg.qk_layernorm and i not in gdn:
             out[attn + "q_norm.weight"] = _replicated(shards, src + "self_attention.q_layernorm.weight")
             out[attn + "k_norm.weight"] = _replicated(shards, src + "self_attention.k_layernorm.weight")
         out[dst + "input_layernorm.weight"] = _replicated(shards, src + "input_layernorm.weight")
@@ -200,18 +275,21 @@ def hf_shapes(cfg: IsoTransformerConfig) -> dict[str, tuple[int, ...]]:
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
     q_rows = nq * d * (2 if cfg.attention_output_gate else 1)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    gdn = set(gdn_layer_indices(cfg))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_rows, h),
-            p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h),
-            p + "self_attn.o_proj.weight": (h, nq * d),
-        }
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if i in gdn:
+            shapes |= _gdn_shapes(cfg, p + "linear_attn.")
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q_rows, h),
+                p + "self_attn.k_proj.weight": (nkv * d, h),
+                p + "self_attn.v_proj.weight": (nkv * d, h),
+                p + "self_attn.o_proj.weight": (h, nq * d),
+            }
         shapes |= _moe_shapes(cfg, p + "mlp.") if cfg.num_moe_experts else _swiglu_shapes(p + "mlp.", h, f)
-        if cfg.qk_layernorm:
+        if cfg.qk_layernorm and i not in gdn:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
@@ -223,8 +301,14 @@ def random_hf_state_dict(cfg: IsoTransformerConfig, seed: int = 0, std: float = 
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in hf_shapes(cfg).items():
-        if len(shape) == 1:
-            base = 0.0 if cfg.layernorm_zero_centered_gamma else 1.0
+        if name.endswith("linear_attn.conv1d.weight"):  # depthwise taps: O(1/sqrt(K)) like nn.Conv1d's init
+            t = 0.5 * torch.randn(shape, generator=g)
+        elif len(shape) == 1:
+            # The GDN output norm scales by w (not 1 + w); A_log/dt_bias near 0 give moderate decays.
+            plain = name.endswith("linear_attn.norm.weight")
+            base = 0.0 if cfg.layernorm_zero_centered_gamma and not plain else 1.0
+            if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+                base = 0.0
             t = base + 0.1 * torch.randn(shape, generator=g)
         else:
             t = std * torch.randn(shape, generator=g)

@@ -1,0 +1,171 @@
+"""Gated DeltaNet token mixer (Qwen3-Next linear attention) for the hybrid stack.
+
+Same structure and parameter names as Megatron-Core's ``GatedDeltaNet`` (``in_proj``, ``conv1d``,
+``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``; Megatron's config fields ``linear_*``), but driven
+by an :class:`~megatron_iso.models.batch.IsoBatch`: packed rows, and for rollout a
+:class:`~megatron_iso.ops.gdn.GDNStateCache` with conv/recurrent state per sequence. Training,
+prefill and decode run the same code; the ops (``ops.gdn``) make them the same bits (CPR).
+
+TP shards heads: rank i holds key heads [i Hk/tp, (i+1) Hk/tp) and their value heads. ``in_proj``
+(column-parallel) yields, per rank, ``[q | k | v | z | b | a]`` of its heads; conv, l2norm, gates,
+the delta rule and the gated norm are per head; ``out_proj`` is row-parallel (the leaf tree in the
+correctness profile), so every TP size computes the same expression.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from megatron_iso.models.batch import IsoBatch
+from megatron_iso.ops.gdn import GDNStateCache, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
+from megatron_iso.ops.norm import gated_rms_norm
+
+
+def gdn_layer_indices(config) -> list[int]:
+    """0-based decoder layers that are GDN layers: all but every ``linear_attention_freq``-th
+    (Megatron's int form of the pattern; Qwen3-Next's ``full_attention_interval``)."""
+    freq = getattr(config, "linear_attention_freq", None)
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net" or freq is None:
+        return []
+    if isinstance(freq, list):
+        return [i for i, la in enumerate(freq) if la]
+    return [i for i in range(config.num_layers) if (i + 1) % int(freq)]
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """``rms_norm(x) * silu(gate)`` per value head (``ops.norm.gated_rms_norm``).
+
+    Plain scale ``w`` (init 1), not zero-centred: HF ``Qwen3NextRMSNormGated`` multiplies by its
+    weight, unlike the model's other norms.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
+        super().__init__()
+        self.eps = eps
+        self.profile = getattr(config, "iso_profile", "correctness")
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps, profile=self.profile)
+
+
+class IsoGatedDeltaNet(MegatronModule):
+    """GDN layer: in_proj -> causal conv1d + SiLU -> l2norm(q, k) -> gates -> gated delta rule ->
+    gated RMSNorm with z -> out_proj. Returns Megatron's ``(output, bias)``."""
+
+    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int, **_: object) -> None:
+        super().__init__(config=config)
+        self.layer_index = layer_number - 1  # Megatron numbers layers from 1
+        self.profile = getattr(config, "iso_profile", "correctness")
+        self.chunk = int(getattr(config, "iso_gdn_chunk", 64))
+        tp = config.tensor_model_parallel_size
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        if hk % tp or hv % hk:
+            raise ValueError(
+                f"linear_num_key_heads={hk} must be divisible by parallel.tp={tp}, and "
+                f"linear_num_value_heads={hv} a multiple of linear_num_key_heads"
+            )
+        self.hk, self.hv = hk // tp, hv // tp  # this rank's heads
+        self.conv_dim = self.hk * self.dk * 2 + self.hv * self.dv
+        self.in_proj = build_module(
+            submodules.in_proj,
+            config.hidden_size,
+            (hk * self.dk * 2 + hv * self.dv * 2 + hv * 2),
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+        )
+        kw = int(config.linear_conv_kernel_dim)
+        self.conv1d = torch.nn.Conv1d(
+            self.conv_dim, self.conv_dim, kw, groups=self.conv_dim, bias=False, dtype=config.params_dtype
+        )  # a parameter holder with Megatron's name and shape [conv_dim, 1, K]; ops.gdn runs the conv
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.hv, dtype=config.params_dtype))
+        self.A_log = torch.nn.Parameter(torch.empty(self.hv, dtype=config.params_dtype).uniform_(1, 16).log())
+        for p in (self.conv1d.weight, self.dt_bias, self.A_log):
+            p.tensor_model_parallel = True
+            p.partition_dim = 0
+        self.out_norm = build_module(
+            submodules.out_norm, config=config, hidden_size=self.dv, eps=config.layernorm_epsilon
+        )
+        self.out_proj = build_module(
+            submodules.out_proj,
+            hv * self.dv,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_: object):
+        batch = packed_seq_params
+        if not isinstance(batch, IsoBatch):
+            raise TypeError(
+                "IsoGatedDeltaNet needs packed_seq_params=IsoBatch (megatron_iso.models.batch.pack); "
+                f"got {type(batch).__name__}"
+            )
+        x, _ = self.in_proj(hidden_states)
+        x = x.squeeze(1)  # packed rows: batch dimension 1
+        t = x.shape[0]
+        kd, vd = self.hk * self.dk, self.hv * self.dv
+        qkv, z, b, a = torch.split(x, [self.conv_dim, vd, self.hv, self.hv], dim=-1)
+        state = batch.gdn_cache.layer(self.layer_index) if batch.gdn_cache is not None else None
+        common = {"slots": batch.slots, "starts": batch.cache_seqlens if state is not None else None}
+        qkv = causal_conv1d(
+            qkv,
+            self.conv1d.weight[:, 0],
+            batch.cu_seqlens_q,
+            conv_state=None if state is None else state.conv,
+            profile=self.profile,
+            **common,
+        )
+        q, k, v = torch.split(qkv, [kd, kd, vd], dim=-1)
+        q = l2norm(q.reshape(t, self.hk, self.dk), profile=self.profile)
+        k = l2norm(k.reshape(t, self.hk, self.dk), profile=self.profile)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, profile=self.profile)
+        o = gated_delta_rule(
+            q,
+            k,
+            v.reshape(t, self.hv, self.dv),
+            g,
+            beta,
+            batch.cu_seqlens_q,
+            scale=1.0 / math.sqrt(self.dk),
+            chunk=self.chunk,
+            state=state,
+            profile=self.profile,
+            **common,
+        ).to(hidden_states.dtype)
+        o = self.out_norm(o, z.reshape(t, self.hv, self.dv))
+        return self.out_proj(o.reshape(t, 1, vd))
+
+
+def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -> GDNStateCache:
+    """Empty GDN state for ``slots`` sequences, for this TP rank's heads, every GDN layer of ``config``."""
+    tp = config.tensor_model_parallel_size
+    hk, hv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    return GDNStateCache.allocate(
+        gdn_layer_indices(config),
+        slots,
+        conv_dim=hk * dk * 2 + hv * dv,
+        conv_kernel=int(config.linear_conv_kernel_dim),
+        key_heads=hk,
+        value_heads=hv,
+        key_dim=dk,
+        value_dim=dv,
+        chunk=int(getattr(config, "iso_gdn_chunk", 64)),
+        dtype=config.params_dtype,
+        device=device,
+    )
