@@ -73,6 +73,7 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
     tp = int(_get(parallel, "tp", 1))
     return IsoTransformerConfig(
         **gdn_fields(model, profile),
+        **moe_fields(model, parallel),
         num_layers=int(model.num_layers),
         hidden_size=int(model.hidden_size),
         ffn_hidden_size=int(model.ffn_hidden_size),
@@ -113,3 +114,33 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
         max_sequence_length=int(model.max_position_embeddings),
         tie_word_embeddings=bool(_get(model, "tie_word_embeddings", False)),
     )
+
+
+def moe_fields(model: Any, parallel: Any) -> dict[str, Any]:
+    """Megatron's MoE config fields from ``model.num_experts`` & co.; empty for a dense model.
+
+    ``norm_topk_prob`` (HF) is Megatron's ``moe_router_pre_softmax=False``: a softmax over the
+    top-k logits is the renormalised top-k probabilities. Experts are never split by TP
+    (``expert_tensor_parallel_size=1``); EP spreads them over ranks.
+    """
+    experts = _get(model, "num_experts")
+    if experts is None:
+        return {}
+    aux = float(_get(model, "moe_aux_loss_coeff", 0.0))
+    shared = _get(model, "shared_expert_ffn_hidden_size")
+    return {
+        "num_moe_experts": int(experts),
+        "moe_router_topk": int(model.moe_topk),
+        "moe_ffn_hidden_size": int(model.moe_ffn_hidden_size),
+        "moe_shared_expert_intermediate_size": None if shared is None else int(shared),
+        "moe_shared_expert_gate": bool(_get(model, "shared_expert_gate", False)),
+        "moe_router_pre_softmax": not bool(_get(model, "norm_topk_prob", True)),
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
+        "moe_aux_loss_coeff": aux,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": int(_get(parallel, "ep", 1)),
+        "expert_tensor_parallel_size": 1,
+    }
