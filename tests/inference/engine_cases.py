@@ -155,3 +155,91 @@ def throughput(overrides: list[str], batch: int, new_tokens: int) -> tuple[float
     outs = eng.generate(reqs)
     dt = time.perf_counter() - t0
     return sum(len(s.tokens) for o in outs for s in o.samples) / dt, vars(eng.stats)
+
+
+def behaviour(overrides: list[str]) -> dict:
+    """Prefill sharing, cross-request prefix reuse, weight-sync flush, stop tokens, per-request errors."""
+    from megatron_iso.inference import EngineConfig, Request, RolloutEngine, SamplingParams
+    from megatron_iso.models.weights import random_hf_state_dict
+
+    tc, model = setup(overrides)
+    out: dict = {}
+    prompt = torch.randint(0, tc.vocab_size, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    group = [Request("g", prompt, SamplingParams(n=4, max_new_tokens=3, seed=9))]
+    for prefix in (True, False):
+        eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, prefix_caching=prefix))
+        res = eng.generate(group)
+        out[f"group_prefix{prefix}"] = (summary(res), eng.stats.prefill_tokens)
+    # Same prompt again on the warm engine: full prompt blocks come from the prefix cache.
+    eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4))
+    first = eng.generate(group)
+    cached_after_first = eng.kv.cached_blocks
+    before = eng.stats.prefill_tokens
+    second = eng.generate(group)
+    out["reuse"] = {
+        "cached_blocks": cached_after_first,
+        "second_prefill_tokens": eng.stats.prefill_tokens - before,
+        "hit_tokens": eng.stats.prefix_hit_tokens,
+        "same": _same(summary(first), summary(second)),
+    }
+    # Weight sync: new weights, the contract's flush, no stale hit; results match a fresh engine.
+    new_weights = random_hf_state_dict(tc, seed=8)
+    eng.load_hf_weights(new_weights)
+    flushed = {"version": eng.weights_version, "cached_blocks": eng.kv.cached_blocks}
+    hits = eng.stats.prefix_hit_tokens
+    after = eng.generate(group)
+    flushed["new_hits"] = eng.stats.prefix_hit_tokens - hits
+    flushed["result_version"] = after[0].weights_version
+    fresh = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4)).generate(group)
+    flushed["same_as_fresh"] = _same(summary(after), summary(fresh))
+    flushed["differs_from_old"] = not _same(summary(after), summary(first))
+    flushed["trainer_equal"] = all(
+        torch.equal(summary(after)[k][1].view(torch.int32), v.view(torch.int32))
+        for k, v in trainer_scores(model, group, after).items()
+    )
+    out["flush"] = flushed
+    # Stop tokens: stop on the 3rd greedy token.
+    greedy = Request("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=6))
+    toks = eng.generate([greedy])[0].samples[0].tokens
+    stop = Request("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(toks[2],)))
+    stopped = eng.generate([stop])[0].samples[0]
+    out["stop"] = (toks, stopped.tokens, stopped.finish_reason, toks.index(toks[2]))
+    # Per-request errors next to good requests.
+    small = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_model_len=32))
+    bad = [
+        Request(1, list(range(40)), SamplingParams()),
+        Request(2, prompt, SamplingParams(temperature=-1.0)),
+        Request(3, prompt, SamplingParams(top_p=0.0)),
+        Request(4, [tc.vocab_size + 3], SamplingParams()),
+        Request(5, prompt, SamplingParams(max_new_tokens=4)),
+        Request(6, [], SamplingParams()),
+        Request(7, prompt, SamplingParams(max_new_tokens=100)),  # clipped by max_model_len: 'length'
+    ]
+    res = small.generate(bad)
+    out["errors"] = [(r.request_id, r.error, [(len(s.tokens), s.finish_reason) for s in r.samples]) for r in res]
+    # The engine refuses a weight sync while sequences run.
+    small.add_request(Request(8, prompt, SamplingParams(max_new_tokens=4)))
+    small.step()
+    try:
+        small.on_weights_updated()
+        out["sync_while_running"] = None
+    except RuntimeError as exc:
+        out["sync_while_running"] = str(exc)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and torch.equal(a[k][1].view(torch.int32), b[k][1].view(torch.int32)) for k in a
+    )
+
+
+def native_gap(overrides: list[str]) -> float:
+    """Performance profile: max |rollout logprob - trainer logprob| over the SPECS requests."""
+    tc, model = setup(["profile=performance", *overrides])
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+
+    reqs = requests(tc.vocab_size, max_new_tokens=5)
+    outs = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4)).generate(reqs)
+    s, t = summary(outs), trainer_scores(model, reqs, outs)
+    return max(float((s[k][1] - t[k]).abs().max()) for k in s)
