@@ -114,20 +114,21 @@ def test_native_differences_measured() -> None:
 
 
 def test_cuda_correctness_dispatch_without_gpu() -> None:
-    """CUDA+correctness goes to the Triton module; without it (or without triton) the error names it."""
+    """CUDA+correctness goes through the family's Triton module; the reference-only families (RoPE,
+    SwiGLU) resolve to their reference on CUDA; performance resolves to native."""
     import importlib.util
     from types import SimpleNamespace
 
-    from megatron_iso.ops import attention, rope
-    from megatron_iso.ops.norm import _select
+    from megatron_iso.ops.dispatch import select
+    from megatron_iso.ops.norm import TRITON_MODULE
 
     fake = SimpleNamespace(device=torch.device("cuda"))
     if importlib.util.find_spec("triton") is None:
         with pytest.raises(ModuleNotFoundError, match="triton"):
-            _select("rmsnorm", "rms_norm", fake, "correctness")
-    for mod, op, fn in ((rope, "rope", "apply_rope"), (attention, "attention", "attention_varlen")):
-        if importlib.util.find_spec(mod.TRITON_MODULE) is None:
-            with pytest.raises(NotImplementedError, match=mod.TRITON_MODULE):
-                mod._select(op, fn, fake, "correctness")
+            select("rmsnorm", fake, "correctness", TRITON_MODULE)
+    with pytest.raises(NotImplementedError, match="megatron_iso.ops.nothing_triton"):
+        select("rmsnorm", fake, "correctness", "megatron_iso.ops.nothing_triton")
+    assert select("rope", fake, "correctness").__module__.endswith("rope.reference")
+    assert select("swiglu", fake, "correctness").__module__.endswith("activation.reference")
     # performance on cuda resolves to the native entry without importing anything GPU-specific
-    assert _select("rmsnorm", "rms_norm", fake, "performance").__module__.endswith("norm.native")
+    assert select("rmsnorm", fake, "performance").__module__.endswith("norm.native")

@@ -11,48 +11,16 @@ keys for a query position in every case), CUDA+correctness =
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
 from megatron_iso.ops.attention.kv_cache import KVCache
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
+from megatron_iso.ops.dispatch import select
 
 TRITON_MODULE = "megatron_iso.ops.attention.attention_triton"
-
-
-def _select(op: str, fn_name: str, t: torch.Tensor, profile: str) -> Callable[..., Any]:
-    """The registered implementation for (op, device class of ``t``, profile).
-
-    The Triton module is imported only on demand (it needs triton and a GPU); importing it registers
-    its cuda/correctness entries. Fallback for a module that does not register: its function named
-    ``fn_name`` or ``fn_name + "_triton"``.
-    """
-    device_class = "cuda" if t.device.type == "cuda" else "cpu"
-    if device_class == "cuda" and profile == "correctness":
-        try:
-            module = importlib.import_module(TRITON_MODULE)
-        except ModuleNotFoundError as exc:
-            if exc.name != TRITON_MODULE:
-                raise
-            raise NotImplementedError(
-                f"{op} on cuda/correctness needs {TRITON_MODULE} (function {fn_name}), not written yet"
-            ) from exc
-        try:
-            return lookup(op, device_class, profile).fn
-        except KeyError:
-            fn = getattr(module, fn_name, None) or getattr(module, f"{fn_name}_triton", None)
-            if fn is None:
-                raise NotImplementedError(
-                    f"{TRITON_MODULE} neither registers op {op!r} (cuda, correctness) nor defines {fn_name}"
-                ) from None
-            return fn
-    return lookup(op, device_class, profile).fn
 
 
 def attention_varlen(
@@ -67,7 +35,7 @@ def attention_varlen(
     profile: str = "correctness",
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens [n+1]``."""
-    fn = _select("attention", "attention_varlen", q, profile)
+    fn = select("attention", q, profile, TRITON_MODULE)
     if (
         profile == "correctness"
         and torch.is_grad_enabled()
@@ -96,7 +64,7 @@ def attention_with_kv_cache(
     profile: str = "correctness",
 ) -> torch.Tensor:
     """Prefill/decode: write new k/v at ``cache_seqlens[i]..`` of cache row ``slots[i]``, then attend."""
-    fn = _select("attention_kvcache", "attention_with_kv_cache", q, profile)
+    fn = select("attention_kvcache", q, profile, TRITON_MODULE)
     return fn(
         q,
         k,

@@ -1,0 +1,36 @@
+"""The one dispatch rule every op family uses: (op, device class of the input, profile) -> the
+registered implementation.
+
+On CUDA with the correctness profile the family's Triton module (if it has one) is imported
+first, lazily: it needs triton and a GPU, and importing it registers its cuda/correctness
+entries. What runs is therefore always what the registry — and so the contract — says runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_iso.contract.registry import lookup
+
+
+def device_class_of(t: torch.Tensor) -> str:
+    return "cuda" if t.device.type == "cuda" else "cpu"
+
+
+def select(op: str, t: torch.Tensor, profile: str, triton_module: str | None = None) -> Callable[..., Any]:
+    """The implementation of ``op`` for ``t``'s device class and ``profile``."""
+    device_class = device_class_of(t)
+    if device_class == "cuda" and profile == "correctness" and triton_module is not None:
+        try:
+            importlib.import_module(triton_module)
+        except ModuleNotFoundError as exc:
+            if exc.name != triton_module:
+                raise
+            raise NotImplementedError(
+                f"{op} on cuda/correctness needs {triton_module}, which is not written yet"
+            ) from exc
+    return lookup(op, device_class, profile).fn
