@@ -10,7 +10,7 @@ The profile also tells ``ops`` which kernels the shared modules call.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
@@ -144,6 +144,9 @@ def hybrid_block_spec(
     """Qwen3-Next-style hybrid: GDN token mixers at ``gdn_layers`` (0-based), gated full attention
     elsewhere; dense or MoE MLPs everywhere (Qwen3-Next: ``decoder_sparse_step=1``)."""
     kit = layer_kit(profile)
+    # Qwen3-Next's norms are zero-centred, which torch's RMSNorm cannot express; IsoRMSNorm under the
+    # performance profile runs HF's formula (ops.norm.native), so the native stack stays stock.
+    kit = replace(kit, norm=IsoRMSNorm)
     bad = sorted(i for i in gdn_layers if not 0 <= i < num_layers)
     if bad:
         raise ValueError(f"gdn_layers {bad} are outside 0..{num_layers - 1}")
