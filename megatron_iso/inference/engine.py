@@ -251,6 +251,10 @@ class RolloutEngine:
         new = self._admit()
         batch_seqs = self._running + new
         if not batch_seqs:
+            if self._waiting:  # add_request rejects what can never fit; this guards the invariant
+                raise RuntimeError(
+                    f"request {self._waiting[0].request.request_id!r} cannot be admitted into an idle engine"
+                )
             return finished
         starts = [s.num_cached for s in batch_seqs]
         chunks = [s.tokens[s.num_cached :] for s in batch_seqs]
