@@ -185,3 +185,13 @@ def test_backward_is_deterministic():
     b = run_on_ranks(_grads, 1, args=(BASE,))[0]
     assert any("A_log" in n for n in a) and all(bool(g.abs().sum() > 0) for n, g in a.items() if "conv1d" in n)
     assert a.keys() == b.keys() and all(torch.equal(_bits(a[n]), _bits(b[n])) for n in a)
+
+
+def test_iso_hybrid_moe_tp_and_prefill_decode():
+    """tiny_hybrid_moe (Qwen3-Next MoE MLP): TP 1 == TP 2 and training forward == prefill + decode."""
+    over = ["model=tiny_hybrid_moe", "profile.gdn_chunk=8"]
+    ref = run_on_ranks(_score, 1, args=(over, ALL))[0]
+    for rank_result in run_on_ranks(_score, 2, tp=2, args=([*over, "parallel.tp=2"], ALL)):
+        assert _equal(ref, rank_result), f"max |dlogp| {_max_diff(ref, rank_result):.3e}"
+    full, cached = run_on_ranks(_prefill_decode, 1, args=(over, 9, [5, 4], 8))[0]
+    assert torch.equal(_bits(full), _bits(cached)), f"max |dlogit| {(full - cached).abs().max():.3e}"
