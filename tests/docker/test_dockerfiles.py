@@ -130,7 +130,7 @@ def test_gpu_image_keeps_the_base_torch_stack() -> None:
     # The package itself goes in without dependencies; everything else from the pinned list.
     assert any("--no-deps" in args and "-e ." in args for args in installs)
     assert all("--no-deps" in args or "-r requirements/gpu-image.txt" in args for args in installs), installs
-    assert any("diff /opt/megatron_iso/image-torch-stack.txt" in args for args in installs)
+    assert any("diff /opt/image-torch-stack.txt" in args for args in installs)
 
 
 def _pins(lines: list[str]) -> dict[str, str]:
