@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,6 +101,25 @@ def _rank_main(
             dist.destroy_process_group()
 
 
+_POLL_S = 1.0
+
+
+def _silent_deaths(procs: Sequence[Any], results: dict[int, Any], queue: Any) -> list[str]:
+    """Ranks that exited without reporting (killed, or failed before their try block, e.g. while the
+    child re-imported an unguarded ``__main__``): fail now instead of waiting out the timeout."""
+    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+    if not dead:
+        return []
+    time.sleep(_POLL_S)  # a rank that reported just before exiting: its message may still be in flight
+    if not queue.empty():
+        return []
+    return [
+        f"--- rank {r} ---\nexited with code {procs[r].exitcode} without reporting a result "
+        "(see its stderr; a script that starts ranks needs an `if __name__ == '__main__':` guard)"
+        for r in dead
+    ]
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -134,14 +155,23 @@ def run_on_ranks(
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not failures:
+            try:
+                rank, ok, payload = queue.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                failures += _silent_deaths(procs, results, queue)
+                if time.monotonic() > deadline:
+                    failures.append(
+                        f"--- timeout ---\nno result from ranks {sorted(set(range(world_size)) - set(results))}"
+                    )
+                continue
             if ok:
                 results[rank] = _loads(payload)
             else:
+                # the others may be blocked in a collective with the failed rank
                 failures.append(f"--- rank {rank} ---\n{payload}")
-                break  # the others may be blocked in a collective with the failed rank
     finally:
         for p in procs:
             p.join(timeout=5 if failures else timeout)
