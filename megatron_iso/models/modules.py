@@ -6,15 +6,18 @@
   cache), so the trainer's forward, prefill and decode are one code path.
 - :class:`PackedCoreAttention`: the ``core_attention`` submodule, calling ``ops.attention`` for
   packed training rows or for cache reads.
+- :class:`IsoMLP`: Megatron's MLP with the invariant SwiGLU.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_iso.models.batch import IsoBatch
+from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.attention import attention_varlen, attention_with_kv_cache
 from megatron_iso.ops.norm import rms_norm
 from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
@@ -102,3 +105,20 @@ class CachedSelfAttention(SelfAttention):
         out = self.core_attention(query, key, value, batch, gate=gate)
         out = out.reshape(out.shape[0], 1, -1)
         return self.linear_proj(out)
+
+
+class IsoMLP(MLP):
+    """Megatron's MLP whose gated activation is the invariant ``ops.activation.swiglu_packed``.
+
+    Megatron's own GLU path calls ``F.silu``, whose vectorised and scalar lanes round differently
+    on CPU, then multiplies in the input dtype (two roundings); here silu(gate) * up is one op
+    with one rounding. Biases and fusions are off in megatron_iso's configs.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **_: object):
+        if per_token_scale is not None:
+            raise ValueError("IsoMLP: per_token_scale is not supported")
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            raise ValueError("IsoMLP: add_bias_linear must be False")
+        return self.linear_fc2(swiglu_packed(intermediate, profile=getattr(self.config, "iso_profile", "correctness")))

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_iso.models.gdn import GatedRMSNorm, IsoGatedDeltaNet
-from megatron_iso.models.modules import CachedSelfAttention, IsoRMSNorm, PackedCoreAttention
+from megatron_iso.models.modules import CachedSelfAttention, IsoMLP, IsoRMSNorm, PackedCoreAttention
 from megatron_iso.models.moe import IsoMoELayer, IsoSequentialExperts, IsoSharedExpertMLP, IsoTopKRouter
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 
@@ -42,10 +42,13 @@ class LayerKit:
     column_linear: type
     row_linear: type
     norm: type
+    mlp: type
 
 
-ISO_KIT = LayerKit(column_linear=LeafTreeColumnParallelLinear, row_linear=LeafTreeRowParallelLinear, norm=IsoRMSNorm)
-NATIVE_KIT = LayerKit(column_linear=ColumnParallelLinear, row_linear=RowParallelLinear, norm=WrappedTorchNorm)
+ISO_KIT = LayerKit(
+    column_linear=LeafTreeColumnParallelLinear, row_linear=LeafTreeRowParallelLinear, norm=IsoRMSNorm, mlp=IsoMLP
+)
+NATIVE_KIT = LayerKit(column_linear=ColumnParallelLinear, row_linear=RowParallelLinear, norm=WrappedTorchNorm, mlp=MLP)
 
 
 def layer_kit(profile: str) -> LayerKit:
@@ -69,7 +72,7 @@ def attention_spec(kit: LayerKit) -> ModuleSpec:
 
 
 def dense_mlp_spec(kit: LayerKit) -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear))
+    return ModuleSpec(module=kit.mlp, submodules=MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear))
 
 
 def moe_mlp_spec(profile: str) -> ModuleSpec:
