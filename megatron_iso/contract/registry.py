@@ -9,8 +9,9 @@ registry, so what runs is what the contract says runs.
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,3 +135,20 @@ def registered(device_class: str | None = None, profile: str | None = None) -> l
         if (device_class is None or dev == device_class) and (profile is None or prof == profile)
     ]
     return sorted(out, key=lambda i: (i.op, i.device_class, i.profile))
+
+
+@contextlib.contextmanager
+def swapped(impl: OpImpl) -> Iterator[OpImpl]:
+    """Serve ``impl``'s (op, device class, profile) with ``impl`` for the body, then restore the
+    incumbent (or remove the entry when there was none). For trying a candidate implementation
+    (``iso-gate``) without registering it for good."""
+    key = (impl.op, impl.device_class, impl.profile)
+    old = _REGISTRY.get(key)
+    _REGISTRY[key] = impl
+    try:
+        yield impl
+    finally:
+        if old is None:
+            _REGISTRY.pop(key, None)
+        else:
+            _REGISTRY[key] = old
