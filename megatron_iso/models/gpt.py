@@ -83,6 +83,9 @@ def build_model(config: IsoTransformerConfig, hf_weights: Mapping[str, torch.Ten
     """Build this rank's model (after Megatron's parallel_state is initialised); load full HF-named
     weights into it when given, sharded for this rank's TP position."""
     model = IsoGPTModel(config)
+    if torch.cuda.is_available():
+        # Megatron initialises on the CPU (use_cpu_initialization); the model runs where CUDA is.
+        model.cuda(torch.cuda.current_device())
     if hf_weights is not None:
         load_hf_state_dict(model, hf_weights, config)
     return model

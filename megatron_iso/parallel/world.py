@@ -20,7 +20,7 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def single_process_world(seed: int = 1234) -> Iterator[None]:
-    """Initialise torch.distributed (gloo, world size 1) and Megatron's parallel_state for the body,
+    """Initialise torch.distributed (world size 1; gloo on CPU, NCCL with CUDA) and Megatron's parallel_state for the body,
     then tear both down. If the caller already runs inside a distributed world, that world is used
     as it is and left alone (it must then already have Megatron's parallel_state set up)."""
     from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
@@ -36,7 +36,8 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
         yield
         return
     # A private rendezvous (tcp on a free port) so the caller's MASTER_ADDR/PORT are not touched.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1

@@ -1,0 +1,123 @@
+"""Time full RL steps (generation, training, total) and measure rollout-vs-trainer mismatch for
+the correctness (iso) and performance (native) profiles side by side, in one process.
+
+    python tools/bench_rl_step.py --model qwen3_0p6b --steps 4 --prompts 16 --group 8 --new-tokens 64 \
+        --out rl_step.json
+
+Step 0 of each profile is a warm-up (Triton compiles, allocator growth) and is excluded from the
+timing means. Prints a markdown table; writes every step's metrics to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def run_profile(profile: str, args: argparse.Namespace) -> dict:
+    from megatron_iso.config import load_config
+    from megatron_iso.parallel.world import launched_world
+    from megatron_iso.rl.loop import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(
+            [
+                f"model={args.model}",
+                f"profile={profile}",
+                f"rl.group_size={args.group}",
+                f"rl.max_new_tokens={args.new_tokens}",
+                f"task.prompts_per_step={args.prompts}",
+                f"task.prompt_len={args.prompt_len}",
+                f"rollout.kv_cache_mb={args.kv_cache_mb}",
+                f"out_dir={tmp}",
+                *args.overrides,
+            ]
+        )
+        with launched_world(seed=int(cfg.seed)) as rank:
+            t0 = time.perf_counter()
+            trainer = Trainer(cfg, rank)
+            build_s = time.perf_counter() - t0
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            steps = []
+            for step in range(args.steps):
+                metrics = trainer.step(step)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                steps.append(metrics)
+                print(
+                    f"[{profile}] step {step}: " + json.dumps({k: round(v, 6) for k, v in metrics.items()}), flush=True
+                )
+            del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    timed = steps[1:] or steps
+
+    def mean(key: str) -> float:
+        return sum(s[key] for s in timed) / len(timed)
+
+    return {
+        "profile": profile,
+        "build_s": build_s,
+        "gen_s": mean("timing/gen_s"),
+        "train_s": mean("timing/train_s"),
+        "step_s": mean("timing/step_s"),
+        "gen_tokens_per_s": mean("throughput/gen_tokens_per_s"),
+        "peak_memory_gb": max(s["memory/peak_bytes"] for s in steps) / 2**30,
+        "mismatch_max": max(s.get("mismatch/abs_diff_max", 0.0) for s in steps),
+        "mismatch_mean": mean("mismatch/abs_diff_mean") if "mismatch/abs_diff_mean" in timed[0] else 0.0,
+        "bitwise_equal_frac": min(s.get("mismatch/bitwise_equal_frac", 1.0) for s in steps),
+        "steps": steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny_dense")
+    parser.add_argument("--profiles", nargs="+", default=["correctness", "performance"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path("rl_step.json"))
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    args = parser.parse_args(argv)
+    results, failures = [], {}
+    for profile in args.profiles:
+        try:
+            results.append(run_profile(profile, args))
+        except Exception:  # keep the other profile's numbers; the traceback says what broke
+            import traceback
+
+            failures[profile] = traceback.format_exc()
+            print(failures[profile], file=sys.stderr, flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n{args.model} on {device}: {args.prompts} prompts x {args.group} samples, {args.new_tokens} new tokens")
+    print("| profile | gen s | train s | step s | gen tok/s | peak GB | max abs dlogp | bitwise frac |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['profile']} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['step_s']:.3f} | {r['gen_tokens_per_s']:.0f} "
+            f"| {r['peak_memory_gb']:.2f} | {r['mismatch_max']:.3e} | {r['bitwise_equal_frac']:.3f} |"
+        )
+    by = {r["profile"]: r for r in results}
+    if {"correctness", "performance"} <= by.keys():
+        ratio = by["correctness"]["step_s"] / by["performance"]["step_s"]
+        print(f"iso/native full step time: {ratio:.3f}")
+    args.out.write_text(json.dumps({"model": args.model, "device": device, "args": vars(args) | {"out": str(args.out)},
+                                    "results": results, "failures": failures}, indent=1))  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
