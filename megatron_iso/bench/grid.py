@@ -21,6 +21,7 @@ invariance claim covers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import resource
@@ -251,6 +252,8 @@ def run_layout(config: dict[str, Any], settings: BenchSettings) -> list[dict[str
     vocab = int(tc.vocab_size)
     clip = (float(cfg.rl.clip_low), float(cfg.rl.clip_high))
     device = next(trainer_model.parameters()).device
+    # Warm-up (first-call allocations, lazy imports) so the first row's tokens/s is not penalised.
+    _rollout(rollout_model, bench_prompts(settings, 1, vocab), dataclasses.replace(settings, new_tokens=2))
     rows = []
     for b in settings.batches:
         prompts = bench_prompts(settings, b, vocab)

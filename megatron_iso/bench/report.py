@@ -44,19 +44,19 @@ def _cell(value: Any, fmt: str) -> str:
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     cols = [c for c in COLUMNS if any(c[0] in r for r in rows)]
-    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    # Pipes inside a cell are escaped (GFM), so "|dlogp|" does not split the column.
+    lines = ["| " + " | ".join(h.replace("|", "\\|") for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in cols) + " |")
     return "\n".join(lines)
 
 
 def print_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
-    """Render the markdown table on the console (rich) and return its text."""
+    """Print the markdown table verbatim (copy-pasteable into docs) through rich; return its text."""
     from rich.console import Console
-    from rich.markdown import Markdown
 
     text = (f"### {title}\n\n" if title else "") + markdown_table(rows)
-    Console().print(Markdown(text))
+    Console(soft_wrap=True).print(text, markup=False, highlight=False)
     return text
 
 
