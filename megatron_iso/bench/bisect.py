@@ -18,6 +18,7 @@ reported with its max |diff|, its digests and the op implementations that serve 
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Sequence
@@ -191,10 +192,6 @@ def run_side(config: dict[str, Any], case: str, inp: BisectInput) -> dict[str, A
                 rows += [(-1, j) for j in range(ids.shape[1] - len(rows))]  # SP filler
                 rec.run(model, ids, batch, rows)
             else:
-                if sp:
-                    raise ValueError("case=prefill_decode with parallel.sp=true: the decoder does not run SP")
-                if getattr(tc, "experimental_attention_variant", None):
-                    raise ValueError("case=prefill_decode of a hybrid (GDN) model is not supported by iso-bisect yet")
                 slots = list(range(len(seqs)))
                 cache = KVCache.allocate(
                     tc.num_layers,
@@ -355,17 +352,33 @@ def side_config(side: Side) -> dict[str, Any]:
     return OmegaConf.to_container(load_config(list(side.overrides)), resolve=True)
 
 
+def _check_case(side: Side, cfg: dict[str, Any]) -> None:
+    from omegaconf import OmegaConf
+
+    from megatron_iso.models.config import gdn_fields
+
+    if side.case != "prefill_decode":
+        return
+    if cfg["parallel"].get("sp"):
+        raise ValueError(f"side '{side.label}': case=prefill_decode with parallel.sp=true; the decoder does not run SP")
+    if gdn_fields(OmegaConf.create(cfg["model"]), OmegaConf.create(cfg["profile"])):
+        # TODO(hybrid): carry a GDNStateCache beside the KV cache (pack(gdn_cache=...)) here.
+        raise ValueError(f"side '{side.label}': case=prefill_decode of a hybrid (GDN) model is not supported yet")
+
+
 def bisect(side_a: Side, side_b: Side, inp: BisectInput | None = None, launcher: str = "gloo") -> BisectResult:
     """Run both sides (each in its own process group) on the same input and compare op by op."""
     from megatron_iso.bench.grid import LAUNCHERS
 
     inp = inp or BisectInput()
     configs, results = [], []
-    for side in (side_a, side_b):
-        cfg = side_config(side)
+    sides = [(side, side_config(side)) for side in (side_a, side_b)]
+    for side, cfg in sides:
+        _check_case(side, cfg)
+    for side, cfg in sides:
         p = cfg["parallel"]
         tp, ep = int(p["tp"]), int(p.get("ep", 1))
-        world = tp * max(1, ep // tp) if ep > tp else tp
+        world = math.lcm(tp, ep)  # as in iso-bench: data-parallel ranks hold the extra experts
         results.append(LAUNCHERS[launcher](run_side, world, tp=tp, ep=ep, args=(cfg, side.case, inp)))
         configs.append(cfg)
     return compare_sides(side_a, side_b, results[0], results[1], configs[0], configs[1])

@@ -59,6 +59,9 @@ def test_bad_side_exits_2(capsys):
     assert main(["--a", "device=cpu case=nope", "--b", "device=cpu"]) == 2
     assert "case='nope' is not allowed" in capsys.readouterr().err
     assert main(["--a", "device=cpu", "--b", "device=cpu", "--prompt-len", "1"]) == 2
+    sp_decode = "device=cpu parallel.tp=2 parallel.sp=true case=prefill_decode"
+    assert main(["--a", "device=cpu", "--b", sp_decode]) == 2
+    assert "the decoder does not run SP" in capsys.readouterr().err
 
 
 def test_op_families_map_module_names_to_registry_ops():
