@@ -234,7 +234,8 @@ def swapped_in(incumbent: OpImpl, cand: Candidate, *, new_identity: OpImpl | Non
     )
     # Where the incumbent is looked up: the package's dispatch points, its own module, its probe's
     # module. Not everywhere: a candidate module that wraps the incumbent must keep calling it.
-    homes = {incumbent.fn.__module__, getattr(incumbent.probe, "__module__", None)}
+    probe_fn = getattr(incumbent.probe, "func", incumbent.probe)  # through a functools.partial
+    homes = {incumbent.fn.__module__, getattr(probe_fn, "__module__", None)}
     patched: list[tuple[Any, str]] = []
     for name, module in list(sys.modules.items()):
         if module is None or not (name.startswith("megatron_iso.") or name in homes):
