@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
 from megatron_iso.parallel.tree_collectives import (
@@ -88,8 +89,16 @@ def token_logprobs(
     logits: [..., V/C] this rank's vocab shard (full vocab if ``group`` is None or of size 1);
     target_ids: [...] global token ids; temperature: > 0, float or tensor broadcasting as [..., 1];
     leaves: vocab leaves G (power of two, >= C, divides V); valid_vocab: ids >= it are padding.
+    In the correctness profile the gradient is the native formula's (deterministic, see
+    ``ops/autograd.py``), so the backward never stores the leaf-tree intermediates.
     """
-    return _scores(logits, group, temperature, leaves, valid_vocab, profile).token_logprobs(target_ids)
+
+    def score(profile_: str):
+        return lambda lg: _scores(lg, group, temperature, leaves, valid_vocab, profile_).token_logprobs(target_ids)
+
+    if profile == "correctness":
+        return with_plain_backward(score("correctness"), score("performance"), logits)
+    return score(profile)(logits)
 
 
 def entropy(
@@ -115,9 +124,11 @@ def token_logprobs_and_entropy(
     valid_vocab: int | None = None,
     profile: str = "correctness",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both, sharing one max / log-sum-exp pass; bits equal to the separate calls."""
-    s = _scores(logits, group, temperature, leaves, valid_vocab, profile)
-    return s.token_logprobs(target_ids), s.entropy()
+    """Both; bits equal to the separate calls. The entropy is a statistic here: no gradient."""
+    kwargs = {"temperature": temperature, "group": group, "leaves": leaves, "valid_vocab": valid_vocab}
+    logp = token_logprobs(logits, target_ids, profile=profile, **kwargs)
+    with torch.no_grad():
+        return logp, entropy(logits, profile=profile, **kwargs)
 
 
 def log_softmax(

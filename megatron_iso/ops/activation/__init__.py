@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.ops.activation import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.dispatch import select
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
     """``silu(gate) * up``."""
-    return select("swiglu", gate, profile)(gate, up)
+    fn = select("swiglu", gate, profile)
+    return with_plain_backward(fn, native.swiglu, gate, up) if profile == "correctness" else fn(gate, up)
 
 
 def swiglu_packed(x: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:

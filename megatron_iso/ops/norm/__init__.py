@@ -8,8 +8,11 @@ lazily, same signatures as ``reference``), performance the native formulas on ei
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.norm import native, reference  # noqa: F401  (imports register the implementations)
 
@@ -25,7 +28,9 @@ def rms_norm(
     profile: str = "correctness",
 ) -> torch.Tensor:
     """RMSNorm over the last dim; ``zero_centered`` uses the scale ``1 + weight``."""
-    return select("rmsnorm", x, profile, TRITON_MODULE)(x, weight, eps, zero_centered=zero_centered)
+    fn = functools.partial(select("rmsnorm", x, profile, TRITON_MODULE), eps=eps, zero_centered=zero_centered)
+    plain = functools.partial(native.rms_norm, eps=eps, zero_centered=zero_centered)
+    return with_plain_backward(fn, plain, x, weight) if profile == "correctness" else fn(x, weight)
 
 
 def gated_rms_norm(
@@ -38,7 +43,9 @@ def gated_rms_norm(
     profile: str = "correctness",
 ) -> torch.Tensor:
     """``rms_norm(x) * silu(gate)`` over the last dim."""
-    return select("rmsnorm_gated", x, profile, TRITON_MODULE)(x, gate, weight, eps, zero_centered=zero_centered)
+    fn = functools.partial(select("rmsnorm_gated", x, profile, TRITON_MODULE), eps=eps, zero_centered=zero_centered)
+    plain = functools.partial(native.gated_rms_norm, eps=eps, zero_centered=zero_centered)
+    return with_plain_backward(fn, plain, x, gate, weight) if profile == "correctness" else fn(x, gate, weight)
 
 
 __all__ = ["gated_rms_norm", "rms_norm"]

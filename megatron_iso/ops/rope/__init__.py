@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.rope import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.rope.reference import inv_frequencies, rotary_dim_for
@@ -22,7 +23,8 @@ def rope_cos_sin(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
     """Rotate ``x`` ``[tokens, heads, head_dim]``'s first ``cos.shape[-1]`` channels."""
-    return select("rope", x, profile)(x, cos, sin)
+    fn = select("rope", x, profile)
+    return with_plain_backward(fn, native.apply_rope, x, cos, sin) if profile == "correctness" else fn(x, cos, sin)
 
 
 __all__ = ["apply_rope", "inv_frequencies", "rope_cos_sin", "rotary_dim_for"]

@@ -1,0 +1,58 @@
+"""Training through invariant kernels: the invariant forward, a plain deterministic backward.
+
+The invariant implementations are forward-only in spirit: some write state in place (attention's
+online softmax), others compute in fp64 through long elementwise chains (the CPU references of
+silu, RMSNorm), which autograd would have to store for the backward. The policy asks only that
+backward be deterministic, not invariant, so :func:`with_plain_backward` runs the invariant
+function without a graph and, in the backward, recomputes the op with its plain differentiable
+formula (the native implementation) and differentiates that. The forward's bits are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class _PlainBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, invariant, plain, *args):  # type: ignore[override]
+        ctx.plain = plain
+        ctx.tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_pos))
+        with torch.no_grad():
+            return invariant(*args)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        args = list(ctx.others)
+        leaves: list[tuple[int, torch.Tensor]] = []
+        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
+            if t.is_floating_point() and ctx.needs_input_grad[i + 2]:
+                t = t.detach().requires_grad_(True)
+                leaves.append((i, t))
+            args[i] = t
+        grads: list[Any] = [None] * len(args)
+        if leaves:
+            with torch.enable_grad():
+                out = ctx.plain(*args)
+                found = torch.autograd.grad(out, [t for _, t in leaves], grad_out.to(out.dtype), allow_unused=True)
+            for (i, t), g in zip(leaves, found, strict=True):
+                grads[i] = None if g is None else g.to(t.dtype)
+        return (None, None, *grads)
+
+
+def with_plain_backward(
+    invariant: Callable[..., torch.Tensor], plain: Callable[..., torch.Tensor], *args: Any
+) -> torch.Tensor:
+    """``invariant(*args)``; when a gradient is needed, backward differentiates ``plain(*args)``.
+
+    Positional arguments only (bind keywords with functools.partial); one tensor output.
+    """
+    needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not needs_grad:
+        return invariant(*args)
+    return _PlainBackward.apply(invariant, plain, *args)
