@@ -46,6 +46,9 @@ setup(
             "iso-contract=megatron_iso.cli.contract:main",
             "iso-convert=megatron_iso.cli.convert:main",
             "iso-train=megatron_iso.cli.train:main",
+            "iso-bench=megatron_iso.cli.bench:main",
+            "iso-bisect=megatron_iso.cli.bisect:main",
+            "iso-gate=megatron_iso.cli.gate:main",
         ]
     },
 )

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
         (["profile.tp_domain=[1,3]"], r"tp_domain contains 3, which does not divide profile\.leaves=8"),
         (["model.ffn_hidden_size=100"], r"profile\.leaves=8 does not divide model\.ffn_hidden_size=100"),
         (["model.vocab_size=250"], r"does not divide model\.vocab_size=250"),
-        (["model.kv_channels=9"], r"model\.num_attention_heads\*model\.kv_channels=72"),
+        (["model.num_attention_heads=4", "model.kv_channels=9"], r"model\.num_attention_heads\*model\.kv_channels=36"),
         (
             ["profile.leaves=128", "model.vocab_size=128"],
             r"does not divide model\.hidden_size=64.*\[1, 2, 4, 8, 16, 32, 64\]",
