@@ -8,34 +8,14 @@ Per-sequence state lives in :class:`~megatron_iso.ops.gdn.state_cache.GDNStateCa
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from megatron_iso.contract.registry import lookup
+from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, GDNStateCache
 
 TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
-
-
-def _select(op: str, fn_name: str, t: torch.Tensor, profile: str) -> Callable[..., Any]:
-    """The registered implementation for (op, device class of ``t``, profile); the Triton module is
-    imported only on demand (importing it registers its cuda/correctness entries)."""
-    device_class = "cuda" if t.device.type == "cuda" else "cpu"
-    if device_class == "cuda" and profile == "correctness":
-        try:
-            importlib.import_module(TRITON_MODULE)
-        except ModuleNotFoundError as exc:
-            if exc.name != TRITON_MODULE:
-                raise
-            raise NotImplementedError(
-                f"{op} on cuda/correctness needs {TRITON_MODULE} (function {fn_name}), not written yet"
-            ) from exc
-    return lookup(op, device_class, profile).fn
 
 
 def causal_conv1d(
@@ -49,20 +29,20 @@ def causal_conv1d(
     profile: str = "correctness",
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over packed rows ``x [T, Cd]`` with ``weight [Cd, K]``; updates ``conv_state``."""
-    fn = _select("gdn_conv1d", "causal_conv1d", x, profile)
+    fn = select("gdn_conv1d", x, profile, TRITON_MODULE)
     return fn(x, weight, cu_seqlens, conv_state=conv_state, slots=slots, starts=starts)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, *, profile: str = "correctness") -> torch.Tensor:
     """fp32 ``x / sqrt(sum(x^2) + eps)`` over the last dim."""
-    return _select("gdn_l2norm", "l2norm", x, profile)(x, eps)
+    return select("gdn_l2norm", x, profile, TRITON_MODULE)(x, eps)
 
 
 def gdn_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, profile: str = "correctness"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(g, beta) = (-exp(A_log) * softplus(a + dt_bias), sigmoid(b))``."""
-    return _select("gdn_gates", "gdn_gates", a, profile)(a, b, A_log, dt_bias)
+    return select("gdn_gates", a, profile, TRITON_MODULE)(a, b, A_log, dt_bias)
 
 
 def gated_delta_rule(
@@ -81,7 +61,7 @@ def gated_delta_rule(
     profile: str = "correctness",
 ) -> torch.Tensor:
     """Gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see ``reference`` for the semantics."""
-    fn = _select("gated_delta_rule", "gated_delta_rule", q, profile)
+    fn = select("gated_delta_rule", q, profile, TRITON_MODULE)
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts)
 
 
