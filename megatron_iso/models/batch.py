@@ -34,7 +34,8 @@ class IsoBatch(PackedSeqParams):
     kv_cache: KVCache | None = None
     slots: torch.Tensor | None = None  # [n] cache row of each sequence
     cache_seqlens: torch.Tensor | None = None  # [n] tokens already in the cache per sequence
-    gdn_cache: GDNStateCache | None = None  # conv/recurrent state of GDN layers (hybrid models), same slots
+    gdn_cache: GDNStateCache | None = None  # conv/recurrent state of GDN layers (hybrid models)
+    gdn_slots: torch.Tensor | None = None  # [n] GDN state row of each sequence (None: the same as ``slots``)
 
     @property
     def num_sequences(self) -> int:
@@ -61,6 +62,7 @@ def pack(
     kv_cache: KVCache | None = None,
     slots: Sequence[int] | None = None,
     gdn_cache: GDNStateCache | None = None,
+    gdn_slots: Sequence[int] | None = None,
     pad_to_multiple: int = 1,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, IsoBatch]:
@@ -70,6 +72,8 @@ def pack(
     for prefill continuation and decode; 0 otherwise). ``pad_to_multiple`` (training forward only)
     appends a filler sequence of token 0 so that T divides it (sequence parallelism splits rows
     evenly); sequences never attend to each other, so the filler changes no other row.
+    ``gdn_slots`` lets the GDN state rows differ from the KV rows (the engine stages KV per step but
+    keeps each sequence's GDN state in place); by default the GDN layers use ``slots``.
     """
     if case not in CASES:
         raise ValueError(f"case={case!r} is not allowed; allowed values: {list(CASES)}")
@@ -101,9 +105,12 @@ def pack(
         slots=None if slots is None else torch.as_tensor(list(slots), dtype=torch.int64, device=device),
         cache_seqlens=None if kv_cache is None else torch.as_tensor(starts, dtype=torch.int64, device=device),
         gdn_cache=gdn_cache,
+        gdn_slots=None if gdn_slots is None else torch.as_tensor(list(gdn_slots), dtype=torch.int64, device=device),
     )
     if gdn_cache is not None and kv_cache is None:
         raise ValueError("gdn_cache is given without kv_cache: prefill/decode of a hybrid model needs both")
+    if batch.gdn_slots is not None and (gdn_cache is None or batch.gdn_slots.numel() != len(toks)):
+        raise ValueError("gdn_slots needs a gdn_cache and one GDN slot per sequence")
     if kv_cache is not None and (batch.slots is None or batch.slots.numel() != len(toks)):
         raise ValueError("prefill/decode need one cache slot per sequence (slots=...)")
     return torch.cat(toks).unsqueeze(0).to(device), batch

@@ -121,7 +121,8 @@ class IsoGatedDeltaNet(MegatronModule):
         kd, vd = self.hk * self.dk, self.hv * self.dv
         qkv, z, b, a = torch.split(x, [self.conv_dim, vd, self.hv, self.hv], dim=-1)
         state = batch.gdn_cache.layer(self.layer_index) if batch.gdn_cache is not None else None
-        common = {"slots": batch.slots, "starts": batch.cache_seqlens if state is not None else None}
+        slots = batch.gdn_slots if batch.gdn_slots is not None else batch.slots
+        common = {"slots": slots, "starts": batch.cache_seqlens if state is not None else None}
         qkv = causal_conv1d(
             qkv,
             self.conv1d.weight[:, 0],
