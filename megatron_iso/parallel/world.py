@@ -54,9 +54,13 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
 def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterator[int]:
     """The world of a launch: torchrun's (``RANK``/``WORLD_SIZE`` in the environment; gloo on CPU,
     NCCL on CUDA) or, without torchrun, one local process. Megatron's parallel_state is initialised
-    with the given layout; yields this process's global rank."""
+    with the given layout; yields this process's global rank. Inside an already initialised world
+    (e.g. a ``run_on_ranks`` rank) that world is used as it is, if its layout is the one asked for."""
     import os
 
+    if dist.is_initialized():
+        yield _enclosing_world(tp, pp, ep)
+        return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if tp * pp * ep != 1:
             raise ValueError(
@@ -89,3 +93,22 @@ def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> I
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _enclosing_world(tp: int, pp: int, ep: int) -> int:
+    """This rank in a world someone else initialised (and will tear down), after checking its layout."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("torch.distributed is initialised but Megatron's parallel_state is not")
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
+    if have != (tp, pp, ep):
+        raise ValueError(
+            f"parallel.tp={tp}, parallel.pp={pp}, parallel.ep={ep} but the running world's Megatron layout is "
+            f"tp={have[0]}, pp={have[1]}, ep={have[2]}"
+        )
+    return dist.get_rank()
