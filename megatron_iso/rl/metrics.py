@@ -102,7 +102,7 @@ DASHBOARD_PANELS = (
     ("mismatch/abs_diff_max", "max |dlogp| rollout vs trainer"),
     ("mismatch/abs_diff_mean", "mean |dlogp|"),
     ("mismatch/clip_frac", "mismatch clip fraction"),
-    ("grad_norm", "gradient norm (the on-policy surrogate loss is ~0 by construction)"),
+    ("grad_norm", "gradient norm"),  # the on-policy surrogate loss itself is ~0 by construction
     ("timing/step_s", "step time (s)"),
 )
 
