@@ -51,12 +51,26 @@ def _qkv_rows(cfg: IsoTransformerConfig, q: torch.Tensor, k: torch.Tensor, v: to
     return torch.cat(parts, dim=1).reshape(-1, hidden)
 
 
-def _check_layout(cfg: IsoTransformerConfig, tp: int) -> None:
+def _check_layout(cfg: IsoTransformerConfig, tp: int, ep: int = 1) -> None:
     if cfg.num_query_groups % tp:
         raise ValueError(
             f"parallel.tp={tp} must divide model.num_query_groups={cfg.num_query_groups} "
             "(TP above the KV-head count is not supported by the weight loader)"
         )
+    if ep < 1 or (ep > 1 and not cfg.num_moe_experts) or (cfg.num_moe_experts and cfg.num_moe_experts % ep):
+        raise ValueError(
+            f"parallel.ep={ep} must divide model.num_experts={cfg.num_moe_experts} (and be 1 for a dense model)"
+        )
+
+
+# Megatron names of parameters that live on one EP rank (experts are never TP-split); all others are
+# the same on every EP rank.
+EXPERT_PARAM = ".mlp.experts.local_experts."
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether a Megatron parameter name belongs to an EP rank's experts (see :data:`EXPERT_PARAM`)."""
+    return EXPERT_PARAM in name
 
 
 def _swiglu_mlp(hf: Mapping[str, torch.Tensor], src: str, dst: str, rank: int, tp: int) -> dict[str, torch.Tensor]:
@@ -78,8 +92,6 @@ def _moe_mlp(
     ep_rank: int,
     ep: int,
 ) -> dict[str, torch.Tensor]:
-    if cfg.num_moe_experts % ep:
-        raise ValueError(f"parallel.ep={ep} must divide model.num_experts={cfg.num_moe_experts}")
     local = cfg.num_moe_experts // ep
     out = {dst + "router.weight": hf[src + "gate.weight"]}
     for i in range(local):
@@ -157,7 +169,9 @@ def megatron_shard(
     hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
 ) -> dict[str, torch.Tensor]:
     """This (TP, EP) rank's Megatron parameters (GPTModel names) from a full HF-named state dict."""
-    _check_layout(cfg, tp)
+    _check_layout(cfg, tp, ep)
+    if not (0 <= rank < tp and 0 <= ep_rank < ep):
+        raise ValueError(f"rank {rank} / ep_rank {ep_rank} outside the layout tp={tp}, ep={ep}")
     out: dict[str, torch.Tensor] = {
         "embedding.word_embeddings.weight": _rows(hf["model.embed_tokens.weight"], rank, tp)
     }
@@ -211,20 +225,57 @@ def _replicated(shards: Sequence[Mapping[str, torch.Tensor]], name: str) -> torc
     return first
 
 
-def hf_from_megatron_shards(
-    shards: Sequence[Mapping[str, torch.Tensor]], cfg: IsoTransformerConfig
+def _swiglu_unshard(shards: Sequence[Mapping[str, torch.Tensor]], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`_swiglu_mlp` over the TP ranks' shards (each fc1 is [its gate rows | its up rows])."""
+    halves = [s[src + "linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+    return {
+        dst + "gate_proj.weight": torch.cat([g for g, _ in halves]),
+        dst + "up_proj.weight": torch.cat([u for _, u in halves]),
+        dst + "down_proj.weight": torch.cat([s[src + "linear_fc2.weight"] for s in shards], dim=1),
+    }
+
+
+def _moe_unshard(
+    tp_shards: Sequence[Mapping[str, torch.Tensor]],
+    ep_shards: Sequence[Mapping[str, torch.Tensor]],
+    cfg: IsoTransformerConfig,
+    src: str,
+    dst: str,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`megatron_shard`: every TP rank's parameters (rank order) -> full HF-named state
-    dict. Only concatenation and reshapes, so ``hf_from_megatron_shards([megatron_shard(hf, cfg, r, tp)
-    for r in range(tp)], cfg)`` reproduces ``hf`` bit for bit."""
-    tp = len(shards)
-    _check_layout(cfg, tp)
+    """Inverse of :func:`_moe_mlp`: router and shared expert from the TP ranks, experts from the EP ranks."""
+    local = cfg.num_moe_experts // len(ep_shards)
+    out = {dst + "gate.weight": _replicated(tp_shards, src + "router.weight")}
+    for ep_rank, shard in enumerate(ep_shards):
+        for i in range(local):
+            out |= _swiglu_unshard([shard], f"{src}experts.local_experts.{i}.", f"{dst}experts.{ep_rank * local + i}.")
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        out |= _swiglu_unshard(tp_shards, src + "shared_experts.", dst + "shared_expert.")
+        if cfg.moe_shared_expert_gate:
+            out[dst + "shared_expert_gate.weight"] = _replicated(tp_shards, src + "shared_experts.gate_weight")
+    return out
+
+
+def hf_from_megatron_shards(
+    shards: Sequence[Mapping[str, torch.Tensor]], cfg: IsoTransformerConfig, ep: int = 1
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`megatron_shard`: every rank's parameters -> full HF-named state dict.
+
+    ``shards[ep_rank * tp + tp_rank]`` is rank (tp_rank, ep_rank)'s dict (EP-major; ``tp = len(shards)
+    // ep``). Non-expert tensors come from EP rank 0's TP ranks, each EP rank's experts from its TP
+    rank 0 (expert TP is 1, so the other TP ranks hold the same experts). Only concatenation and
+    reshapes, so ``hf_from_megatron_shards([megatron_shard(hf, cfg, t, tp, e, ep) for e in range(ep)
+    for t in range(tp)], cfg, ep)`` reproduces ``hf`` bit for bit."""
+    if ep < 1 or len(shards) % ep:
+        raise ValueError(f"{len(shards)} rank shards do not form a layout with ep={ep}")
+    tp = len(shards) // ep
+    _check_layout(cfg, tp, ep)
+    tp_shards, ep_shards = shards[:tp], shards[::tp]
 
     def rows(name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in shards], dim=0)
+        return torch.cat([s[name] for s in tp_shards], dim=0)
 
     def cols(name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in shards], dim=1)
+        return torch.cat([s[name] for s in tp_shards], dim=1)
 
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")}
     gdn = set(gdn_layer_indices(cfg))
@@ -232,22 +283,21 @@ def hf_from_megatron_shards(
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn = dst + "self_attn."
         if i in gdn:
-            out |= _gdn_unshard(shards, cfg, src + "self_attention.", dst + "linear_attn.")
+            out |= _gdn_unshard(tp_shards, cfg, src + "self_attention.", dst + "linear_attn.")
         else:
             q, k, v = _split_qkv(cfg, rows(src + "self_attention.linear_qkv.weight"))
             out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
             out[attn + "o_proj.weight"] = cols(src + "self_attention.linear_proj.weight")
         if cfg.qk_layernorm and i not in gdn:
-            out[attn + "q_norm.weight"] = _replicated(shards, src + "self_attention.q_layernorm.weight")
-            out[attn + "k_norm.weight"] = _replicated(shards, src + "self_attention.k_layernorm.weight")
-        out[dst + "input_layernorm.weight"] = _replicated(shards, src + "input_layernorm.weight")
-        out[dst + "post_attention_layernorm.weight"] = _replicated(shards, src + "pre_mlp_layernorm.weight")
-        # Each rank's fc1 is [its gate rows | its up rows].
-        halves = [s[src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
-        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
-        out[dst + "mlp.down_proj.weight"] = cols(src + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = _replicated(shards, "decoder.final_layernorm.weight")
+            out[attn + "q_norm.weight"] = _replicated(tp_shards, src + "self_attention.q_layernorm.weight")
+            out[attn + "k_norm.weight"] = _replicated(tp_shards, src + "self_attention.k_layernorm.weight")
+        out[dst + "input_layernorm.weight"] = _replicated(tp_shards, src + "input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = _replicated(tp_shards, src + "pre_mlp_layernorm.weight")
+        if cfg.num_moe_experts:
+            out |= _moe_unshard(tp_shards, ep_shards, cfg, src + "mlp.", dst + "mlp.")
+        else:
+            out |= _swiglu_unshard(tp_shards, src + "mlp.", dst + "mlp.")
+    out["model.norm.weight"] = _replicated(tp_shards, "decoder.final_layernorm.weight")
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = rows("output_layer.weight")
     return {name: t.contiguous() for name, t in out.items()}
