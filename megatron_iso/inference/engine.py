@@ -19,6 +19,12 @@ samples fork its KV blocks; full prompt blocks are also kept for later requests 
 leading tokens. Contract rule ``prefix_cache flushed on weight_sync``: call
 :meth:`on_weights_updated` after every weight change (it bumps :attr:`weights_version` and flushes).
 
+Hybrid models (Gated DeltaNet layers) add a :class:`~megatron_iso.inference.gdn_slots.GDNSlotCache`
+beside the paged KV cache (KV blocks then cover only the attention layers): one slot of conv and
+recurrent state per running sequence, shared by the ``n`` samples after the prompt prefill (copy on
+write). GDN state cannot be rebuilt from cached KV blocks, so cross-request prefix hits are off for
+these models; the shared prompt prefill of a request's samples stays on.
+
 Every TP rank runs the engine in lockstep on the same requests: scheduling is a function of the
 requests alone and every rank draws the same tokens from the same gathered log-probabilities.
 """
@@ -34,12 +40,14 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core import parallel_state
 
+from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
 from megatron_iso.inference.rng import as_int64, request_key, uniforms
 from megatron_iso.inference.sampler import select_tokens, top_logprobs
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack
+from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.scoring import token_scores
 from megatron_iso.parallel.tree_collectives import gather_along
 from megatron_iso.parallel.vocab import log_softmax
@@ -50,7 +58,8 @@ class EngineConfig:
     """kv_cache_bytes: memory budget of the paged KV cache (this rank). block_size: tokens per
     block. max_num_seqs: running samples per step. max_prefill_tokens: prompt tokens admitted per
     step (a longer single prompt is still admitted alone). max_model_len: prompt + generated
-    limit (default: the model's max_sequence_length). progress: tqdm bar in :meth:`generate`."""
+    limit (default: the model's max_sequence_length). progress: tqdm bar in :meth:`generate`.
+    Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample)."""
 
     kv_cache_bytes: int = 64 << 20
     block_size: int = 16
@@ -103,9 +112,10 @@ class RolloutEngine:
         tp = mc.tensor_model_parallel_size
         param = next(model.parameters())
         self.device = param.device
+        gdn_layers = set(gdn_layer_indices(mc))
         self.kv = PagedKVCache.from_budget(
             self.config.kv_cache_bytes,
-            layers=range(mc.num_layers),
+            layers=[i for i in range(mc.num_layers) if i not in gdn_layers],
             block_size=self.config.block_size,
             kv_heads=mc.num_query_groups // tp,
             head_dim=mc.kv_channels,
@@ -113,7 +123,11 @@ class RolloutEngine:
             device=self.device,
             prefix_caching=self.config.prefix_caching,
         )
-        self.caches: list[SequenceStateCache] = [self.kv]  # a GDN state cache joins here
+        self.caches: list[SequenceStateCache] = [self.kv]
+        self.gdn: GDNSlotCache | None = None
+        if gdn_layers:
+            self.gdn = GDNSlotCache.for_model(mc, self.config.max_num_seqs, device=self.device)
+            self.caches.append(self.gdn)
         self.weights_version = 0
         self.stats = EngineStats()
         self._waiting: deque[_Group] = deque()
@@ -175,12 +189,12 @@ class RolloutEngine:
         p = request.params
         total = min(len(prompt) + p.max_new_tokens, self.max_model_len)
         shared = self.config.prefix_caching
-        need = max(c.cost(len(prompt), total, p.n, shared, 0) for c in self.caches)
-        if need > min(c.capacity() for c in self.caches) or p.n > self.config.max_num_seqs:
+        needs = {c.kind: (c.cost(len(prompt), total, p.n, shared, 0), c.capacity()) for c in self.caches}
+        if any(need > cap for need, cap in needs.values()) or p.n > self.config.max_num_seqs:
+            have = ", ".join(f"{kind} {need} of {cap}" for kind, (need, cap) in needs.items())
             out.error = (
-                f"request needs {need} KV blocks and {p.n} sequences; the engine has "
-                f"{self.kv.capacity()} blocks (kv_cache_bytes={self.config.kv_cache_bytes}) and "
-                f"max_num_seqs={self.config.max_num_seqs}"
+                f"request needs more than the engine holds (units needed of capacity: {have}; {p.n} sequences): "
+                f"kv_cache_bytes={self.config.kv_cache_bytes}, max_num_seqs={self.config.max_num_seqs}"
             )
             self._errors.append(out)
             return
@@ -209,12 +223,11 @@ class RolloutEngine:
         return [by_id[r.request_id].pop(0) for r in requests]
 
     # --- one scheduler step -----------------------------------------------------------------
-    def _outstanding(self) -> int:
-        return sum(self.kv.remaining(s.seq_id, s.group.total_len) for s in self._running)
-
     def _admit(self) -> list[_Seq]:
         new: list[_Seq] = []
-        pending_cost, rows, budget = 0, len(self._running), self.config.max_prefill_tokens
+        rows, budget = len(self._running), self.config.max_prefill_tokens
+        # Per cache: units the running sequences may still take, and those reserved by this step's admissions.
+        reserved = [sum(c.remaining(s.seq_id, s.group.total_len) for s in self._running) for c in self.caches]
         while self._waiting:
             g = self._waiting[0]
             prompt, n = list(g.request.prompt), g.request.params.n
@@ -222,15 +235,16 @@ class RolloutEngine:
                 break
             hit = min(c.match_prefix(prompt) for c in self.caches) if g.shared else 0
             seqs = [self._new_seq(g, None if g.shared else i, prompt, hit) for i in range(1 if g.shared else n)]
-            cost = max(c.cost(len(prompt), g.total_len, n, g.shared, hit) for c in self.caches)
-            if self.kv.free_units() - self._outstanding() - pending_cost < cost:
+            cost = [c.cost(len(prompt), g.total_len, n, g.shared, hit) for c in self.caches]
+            # free_units after admit: a prefix hit may have pinned reclaimable blocks
+            if any(c.free_units() - r < k for c, r, k in zip(self.caches, reserved, cost, strict=True)):
                 for s in seqs:
                     for c in self.caches:
                         c.release(s.seq_id)
                 break
             self._waiting.popleft()
             g.output.samples = [s.out for s in seqs if s.out is not None]
-            pending_cost += cost
+            reserved = [r + k for r, k in zip(reserved, cost, strict=True)]
             rows += n
             budget -= len(prompt) - hit
             self.stats.prefix_hit_tokens += hit * len(seqs)
@@ -264,8 +278,16 @@ class RolloutEngine:
                 cache.prepare_append(s.seq_id, a, c)
         state = StepState({c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches})
         case = "prefill" if new else "decode"
+        gdn = state.views.get(GDNSlotCache.kind)
         ids, batch = pack(
-            chunks, start_positions=starts, case=case, kv_cache=state, slots=range(len(chunks)), device=self.device
+            chunks,
+            start_positions=starts,
+            case=case,
+            kv_cache=state,
+            slots=range(len(chunks)),  # the KV step view stages sequence i in row i
+            gdn_cache=None if gdn is None else gdn.cache,
+            gdn_slots=None if gdn is None else gdn.slots,  # GDN state stays in each sequence's own slot
+            device=self.device,
         )
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -2,10 +2,11 @@
 
 Each layer kind keeps its own state per sequence: attention layers keep keys/values (a paged
 block cache, :mod:`megatron_iso.inference.kv_blocks`); a Gated DeltaNet layer keeps its short-conv
-window and recurrent state (``megatron_iso.ops.gdn.state_cache``). The engine only talks to
-:class:`SequenceStateCache`; each step it asks every cache for a step view and hands them to the
-model inside one :class:`StepState` (the ``IsoBatch.kv_cache`` field), where an attention layer
-calls ``layer(i)`` and any other layer kind calls ``state(kind)``.
+window and recurrent state (one slot per sequence, :mod:`megatron_iso.inference.gdn_slots`). The
+engine only talks to :class:`SequenceStateCache`; each step it asks every cache for a step view and
+hands them to the model inside one :class:`StepState` (the ``IsoBatch.kv_cache`` field), where an
+attention layer calls ``layer(i)`` and any other layer kind calls ``state(kind)``; the engine also
+passes the GDN view's cache and slots as ``IsoBatch.gdn_cache`` / ``gdn_slots``.
 
 Capacity is counted in each cache's own units (KV blocks, GDN slots): the engine admits a request
 only when every cache can reserve its worst case, so a running sequence never stalls.
@@ -45,6 +46,10 @@ class SequenceStateCache(Protocol):
     def cost(self, prompt_len: int, total_len: int, n: int, shared: bool, num_cached: int) -> int:
         """Worst-case units a request needs: ``n`` samples of up to ``total_len`` tokens each."""
 
+    def remaining(self, seq_id: int, total_len: int) -> int:
+        """Units this running sequence may still take before reaching ``total_len`` tokens (its
+        reservation; admission subtracts the sum over running sequences from :meth:`free_units`)."""
+
     def free_units(self) -> int:
         """Units available to new reservations (free or reclaimable)."""
 
@@ -58,7 +63,8 @@ class SequenceStateCache(Protocol):
 class StepState:
     """The ``IsoBatch.kv_cache`` of one engine step: every cache's view of the packed sequences.
 
-    Sequence ``i`` of the pack is slot ``i`` of every view. Attention layers call
+    Sequence ``i`` of the pack is slot ``i`` of the KV view; the GDN view names each sequence's own
+    slot (``IsoBatch.gdn_slots``). Attention layers call
     :meth:`layer` (``(k_cache, v_cache)`` as the attention kernels take them); other layer kinds
     call :meth:`state` with their cache's ``kind``.
     """
