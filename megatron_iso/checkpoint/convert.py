@@ -1,4 +1,4 @@
-"""HF directory -> megatron_iso checkpoint (any TP layout) -> HF directory, bit for bit.
+"""HF directory -> megatron_iso checkpoint (any TP/EP layout) -> HF directory, bit for bit.
 
 The full HF-named state dict is the pivot: import shards it with
 :func:`~megatron_iso.models.weights.megatron_shard`, export gathers it back with
@@ -66,23 +66,29 @@ def _identities(cfg: DictConfig) -> dict[str, Any]:
 
 
 def import_hf(
-    hf_dir: str | Path, out_dir: str | Path, tp: int | None = None, overrides: Sequence[str] = ()
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tp: int | None = None,
+    overrides: Sequence[str] = (),
+    ep: int | None = None,
 ) -> dict[str, Any]:
-    """Convert an HF safetensors directory into a megatron_iso checkpoint at TP=``tp`` (default:
-    ``parallel.tp`` of the config); return the manifest."""
+    """Convert an HF safetensors directory into a megatron_iso checkpoint at layout TP=``tp``,
+    EP=``ep`` (defaults: ``parallel.tp`` / ``parallel.ep`` of the config); return the manifest."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    cfg = hf_dir_config(hf_dir, [*overrides, *([f"parallel.tp={tp}"] if tp is not None else [])])
+    layout = [*([f"parallel.tp={tp}"] if tp is not None else []), *([f"parallel.ep={ep}"] if ep is not None else [])]
+    cfg = hf_dir_config(hf_dir, [*overrides, *layout])
     tc = transformer_config(cfg)
-    tp = tc.tensor_model_parallel_size
+    tp, ep = tc.tensor_model_parallel_size, int(cfg.parallel.get("ep", 1))
+    iso_format.expected_shards(tc, tp, ep)  # a layout the model cannot take fails before anything is written
     weights = checked_hf_weights(read_hf_weights(hf_dir), tc)
     out_dir.mkdir(parents=True, exist_ok=True)
     # No manifest while files change: readers see an incomplete checkpoint, never a mixed one.
     (out_dir / iso_format.MANIFEST).unlink(missing_ok=True)
-    files = iso_format.write_rank_files(out_dir, weights.tensors, tc, tp)
+    files = iso_format.write_rank_files(out_dir, weights.tensors, tc, tp, ep)
     assets = copy_assets(hf_dir, out_dir)
     manifest = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "layout": {"tp": tp},
+        "layout": {"tp": tp, "ep": ep},
         "files": files,
         "assets": assets,
         "hf": {
@@ -104,13 +110,13 @@ def checkpoint_config(ckpt_dir: str | Path, overrides: Sequence[str] = ()) -> Di
 
 
 def load_checkpoint_hf(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(manifest, full HF-named state dict) of a checkpoint in any TP layout; pass the state dict to
-    ``build_model`` to load it into a model of any other layout."""
+    """(manifest, full HF-named state dict) of a checkpoint in any TP/EP layout; pass the state dict
+    to ``build_model`` to load it into a model of any other layout."""
     manifest = iso_format.read_manifest(ckpt_dir)
-    tp = int(manifest["layout"]["tp"])
-    tc = transformer_config(load_config_with_model(manifest["model"], [f"parallel.tp={tp}"]))
+    tp, ep = iso_format.checkpoint_layout(manifest)
+    tc = transformer_config(load_config_with_model(manifest["model"], [f"parallel.tp={tp}", f"parallel.ep={ep}"]))
     ranks = iso_format.read_rank_files(ckpt_dir, manifest, tc)
-    return manifest, hf_from_megatron_shards(ranks.shards, tc)
+    return manifest, hf_from_megatron_shards(ranks.shards, tc, ranks.ep)
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None) -> list[str]:

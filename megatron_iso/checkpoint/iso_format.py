@@ -1,6 +1,7 @@
 """megatron_iso's checkpoint format: one safetensors file per TP rank holding that rank's Megatron
-parameters (names from :func:`~megatron_iso.models.weights.megatron_shard`), the checkpoint's
-tokenizer files, and ``iso_checkpoint.json`` (the manifest: model config, layout, file list, the HF
+parameters (names from :func:`~megatron_iso.models.weights.megatron_shard`) except the routed
+experts, one file per EP rank holding that rank's experts (MoE models only; experts are never TP-split,
+so every tensor is stored once), the checkpoint's tokenizer files, and ``iso_checkpoint.json`` (the manifest: model config, layout, file list, the HF
 tensor inventory and config for export, contract identities). The manifest is written last: a
 directory without one is an incomplete write, not a checkpoint.
 """
@@ -8,7 +9,7 @@ directory without one is an incomplete write, not a checkpoint.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from safetensors import safe_open
 
 from megatron_iso.checkpoint.files import write_json, write_safetensors
 from megatron_iso.models.config import IsoTransformerConfig
-from megatron_iso.models.weights import hf_shapes, megatron_shard
+from megatron_iso.models.weights import hf_shapes, is_expert_param, megatron_shard
 
 MANIFEST = "iso_checkpoint.json"
 FORMAT = "megatron_iso.checkpoint"
@@ -29,22 +30,41 @@ def rank_file(tp_rank: int, tp: int) -> str:
     return f"model-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
 
 
-def expected_shards(cfg: IsoTransformerConfig, tp: int) -> list[dict[str, tuple[int, ...]]]:
-    """Name -> shape of every rank's parameters, by running the sharding rules on meta tensors
-    (so the expectation and the writer cannot disagree)."""
+def expert_file(ep_rank: int, ep: int) -> str:
+    return f"experts-ep{ep_rank:02d}-of-{ep:02d}.safetensors"
+
+
+def _file_shards(
+    hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, tp: int, ep: int
+) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """(manifest entry, tensors) of every file: TP rank t's non-expert parameters, EP rank e's experts."""
+    for t in range(tp):
+        shard = megatron_shard(hf, cfg, t, tp, 0, ep)
+        yield {"tp_rank": t, "file": rank_file(t, tp)}, {n: w for n, w in shard.items() if not is_expert_param(n)}
+    if cfg.num_moe_experts:
+        for e in range(ep):
+            shard = megatron_shard(hf, cfg, 0, tp, e, ep)
+            yield {"ep_rank": e, "file": expert_file(e, ep)}, {n: w for n, w in shard.items() if is_expert_param(n)}
+
+
+def expected_shards(cfg: IsoTransformerConfig, tp: int, ep: int = 1) -> dict[str, dict[str, tuple[int, ...]]]:
+    """File name -> (tensor name -> shape) of a checkpoint at layout (tp, ep), by running the sharding
+    rules on meta tensors (so the expectation and the writer cannot disagree)."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in hf_shapes(cfg).items()}
-    return [{n: tuple(t.shape) for n, t in megatron_shard(meta, cfg, r, tp).items()} for r in range(tp)]
+    return {
+        entry["file"]: {n: tuple(t.shape) for n, t in shard.items()} for entry, shard in _file_shards(meta, cfg, tp, ep)
+    }
 
 
 def write_rank_files(
-    ckpt_dir: Path, hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, tp: int
+    ckpt_dir: Path, hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, tp: int, ep: int = 1
 ) -> list[dict[str, Any]]:
     files = []
-    for r in range(tp):
-        name = rank_file(r, tp)
-        meta = {"format": "pt", "megatron_iso": FORMAT, "tp_rank": str(r), "tp": str(tp)}
-        write_safetensors(ckpt_dir / name, megatron_shard(hf, cfg, r, tp), meta)
-        files.append({"tp_rank": r, "file": name})
+    for entry, shard in _file_shards(hf, cfg, tp, ep):
+        meta = {"format": "pt", "megatron_iso": FORMAT, "tp": str(tp), "ep": str(ep)}
+        meta |= {key: str(value) for key, value in entry.items() if key != "file"}
+        write_safetensors(ckpt_dir / entry["file"], shard, meta)
+        files.append(entry)
     return files
 
 
@@ -66,42 +86,56 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
 
 
 def remove_stale_rank_files(ckpt_dir: Path, keep: Sequence[str]) -> None:
-    for path in ckpt_dir.glob("model-tp*-of-*.safetensors"):
-        if path.name not in keep:
-            path.unlink()
+    for pattern in ("model-tp*-of-*.safetensors", "experts-ep*-of-*.safetensors"):
+        for path in ckpt_dir.glob(pattern):
+            if path.name not in keep:
+                path.unlink()
+
+
+def checkpoint_layout(manifest: Mapping[str, Any]) -> tuple[int, int]:
+    """(tp, ep) of a manifest (checkpoints written before EP existed have no ``ep``: 1)."""
+    layout = manifest["layout"]
+    return int(layout["tp"]), int(layout.get("ep", 1))
 
 
 @dataclass
 class RankShards:
-    """Every TP rank's Megatron parameters of a checkpoint, in rank order."""
+    """Every (TP, EP) rank's Megatron parameters of a checkpoint, EP-major (``shards[e * tp + t]``,
+    the order :func:`~megatron_iso.models.weights.hf_from_megatron_shards` takes)."""
 
     tp: int
+    ep: int
     shards: list[dict[str, torch.Tensor]]
 
 
-def read_rank_files(ckpt_dir: str | Path, manifest: Mapping[str, Any], cfg: IsoTransformerConfig) -> RankShards:
-    """Load every rank file the manifest lists; each tensor's presence and shape is checked against
-    the sharding rules for the manifest's layout, and errors name the tensor and the file."""
-    tp = int(manifest["layout"]["tp"])
-    entries = sorted(manifest["files"], key=lambda e: e["tp_rank"])
-    if [e["tp_rank"] for e in entries] != list(range(tp)):
-        raise ValueError(f"{MANIFEST} lists TP ranks {[e['tp_rank'] for e in entries]}, expected 0..{tp - 1}")
-    shards = []
-    for entry, expected in zip(entries, expected_shards(cfg, tp), strict=True):
-        path = Path(ckpt_dir) / entry["file"]
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            present = set(f.keys())
-            for name, shape in expected.items():
-                if name not in present:
-                    raise KeyError(f"{path.name} is missing tensor '{name}' (expected shape {list(shape)})")
-            extra = sorted(present - set(expected))
-            if extra:
-                raise KeyError(f"{path.name} has unexpected tensors {extra}")
-            shard = {name: f.get_tensor(name) for name in expected}
+def _read_file(path: Path, expected: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        present = set(f.keys())
         for name, shape in expected.items():
-            if tuple(shard[name].shape) != shape:
-                raise ValueError(
-                    f"{path.name}: tensor '{name}' has shape {list(shard[name].shape)}, expected {list(shape)}"
-                )
-        shards.append(shard)
-    return RankShards(tp, shards)
+            if name not in present:
+                raise KeyError(f"{path.name} is missing tensor '{name}' (expected shape {list(shape)})")
+        extra = sorted(present - set(expected))
+        if extra:
+            raise KeyError(f"{path.name} has unexpected tensors {extra}")
+        shard = {name: f.get_tensor(name) for name in expected}
+    for name, shape in expected.items():
+        if tuple(shard[name].shape) != shape:
+            raise ValueError(
+                f"{path.name}: tensor '{name}' has shape {list(shard[name].shape)}, expected {list(shape)}"
+            )
+    return shard
+
+
+def read_rank_files(ckpt_dir: str | Path, manifest: Mapping[str, Any], cfg: IsoTransformerConfig) -> RankShards:
+    """Load every file the manifest lists; each tensor's presence and shape is checked against the
+    sharding rules for the manifest's layout, and errors name the tensor and the file."""
+    tp, ep = checkpoint_layout(manifest)
+    expected = expected_shards(cfg, tp, ep)
+    listed = sorted(e["file"] for e in manifest["files"])
+    if listed != sorted(expected):
+        raise ValueError(f"{MANIFEST} lists files {listed}; layout tp={tp}, ep={ep} needs {sorted(expected)}")
+    files = {name: _read_file(Path(ckpt_dir) / name, shapes) for name, shapes in expected.items()}
+    experts = [files[expert_file(e, ep)] if cfg.num_moe_experts else {} for e in range(ep)]
+    # A rank's parameters are its TP file's plus its EP rank's experts (dict merges; no copies).
+    shards = [files[rank_file(t, tp)] | experts[e] for e in range(ep) for t in range(tp)]
+    return RankShards(tp, ep, shards)

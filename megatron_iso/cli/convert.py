@@ -1,7 +1,7 @@
 """``iso-convert``: HF safetensors directory <-> megatron_iso checkpoint, and a logits check
 against HF transformers.
 
-  iso-convert import  --hf DIR --out DIR [--tp N] [overrides...]
+  iso-convert import  --hf DIR --out DIR [--tp N] [--ep M] [overrides...]
   iso-convert export  --ckpt DIR --out DIR [--max-shard-size BYTES]
   iso-convert compare --hf DIR [--tokens 1,2,3] [--seed S] [--length L] [--max-rel TOL] [overrides...]
 
@@ -22,9 +22,10 @@ EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
 def cmd_import(args: argparse.Namespace) -> int:
     from megatron_iso.checkpoint import import_hf
 
-    manifest = import_hf(args.hf, args.out, tp=args.tp, overrides=args.overrides)
+    manifest = import_hf(args.hf, args.out, tp=args.tp, overrides=args.overrides, ep=args.ep)
     files = ", ".join(f["file"] for f in manifest["files"])
-    print(f"wrote {args.out}: model {manifest['model']['name']} TP={manifest['layout']['tp']} ({files})")
+    layout = manifest["layout"]
+    print(f"wrote {args.out}: model {manifest['model']['name']} TP={layout['tp']} EP={layout['ep']} ({files})")
     return EXIT_OK
 
 
@@ -51,11 +52,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="iso-convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="HF safetensors directory -> megatron_iso checkpoint at a TP layout")
+    imp = sub.add_parser("import", help="HF safetensors directory -> megatron_iso checkpoint at a TP/EP layout")
     imp.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     imp.add_argument("--out", required=True, help="checkpoint directory to write")
     imp.add_argument("--tp", type=int, default=None, help="TP layout to write (default: parallel.tp)")
-    exp = sub.add_parser("export", help="megatron_iso checkpoint (any TP layout) -> HF safetensors directory")
+    imp.add_argument("--ep", type=int, default=None, help="EP layout of a MoE model's experts (default: parallel.ep)")
+    exp = sub.add_parser("export", help="megatron_iso checkpoint (any TP/EP layout) -> HF safetensors directory")
     exp.add_argument("--ckpt", required=True)
     exp.add_argument("--out", required=True)
     exp.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="split weights into shards")

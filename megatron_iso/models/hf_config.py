@@ -139,9 +139,10 @@ def _params_dtype(hf: Mapping[str, Any]) -> str:
     return HF_DTYPES[dtype]
 
 
-def _rope_theta(hf: Mapping[str, Any], default: float) -> float:
-    """rope_theta from transformers 5's ``rope_parameters`` or the older top-level ``rope_theta``;
-    only plain RoPE (rope_type 'default', no scaling) is implemented."""
+def _rope_parameters(hf: Mapping[str, Any], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` (or the older top-level ``rope_theta``/``rope_scaling``);
+    only plain RoPE (rope_type 'default', no scaling) is implemented. ``extra`` are further fields a
+    family may carry in ``rope_parameters`` (Qwen3-Next: ``partial_rotary_factor``)."""
     scaling = hf.get("rope_scaling")
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
@@ -155,11 +156,17 @@ def _rope_theta(hf: Mapping[str, Any], default: float) -> float:
         raise UnsupportedHFConfig(
             f"config.json rope_parameters.rope_type={kind!r} is not supported; supported values: ['default']"
         )
-    extra = sorted(set(params) - {"rope_type", "rope_theta"})
-    if extra:
+    allowed = ["rope_type", "rope_theta", *extra]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
         raise UnsupportedHFConfig(
-            f"config.json rope_parameters fields {extra} are not supported; supported fields: ['rope_type', 'rope_theta']"
+            f"config.json rope_parameters fields {unknown} are not supported; supported fields: {allowed}"
         )
+    return dict(params)
+
+
+def _rope_theta(hf: Mapping[str, Any], default: float, extra: tuple[str, ...] = ()) -> float:
+    params = _rope_parameters(hf, extra)
     return float(params.get("rope_theta", hf.get("rope_theta", default)))
 
 
@@ -200,26 +207,23 @@ _QWEN3_FIELDS = frozenset(
 )
 
 
-def _qwen3_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
-    _reject_unknown(hf, _QWEN3_FIELDS)
+def _check_attention(hf: Mapping[str, Any]) -> None:
+    """Checks shared by the Qwen3 families' attention and MLP activation."""
     _require(hf, "hidden_act", ("silu",), "silu")
     _require(hf, "attention_bias", (False,), False)
     _require(hf, "use_sliding_window", (False,), False)
     # Dropout only acts in training, but our trainer must see the model the checkpoint claims.
     _require(hf, "attention_dropout", (0, 0.0), 0.0)
-    layers = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types") or ["full_attention"] * layers
-    bad = sorted({t for t in types if t != "full_attention"})
-    if bad or len(types) != layers:
-        raise UnsupportedHFConfig(
-            f"config.json layer_types={types!r} is not supported; supported: "
-            f"{layers} x 'full_attention' (num_hidden_layers={layers})"
-        )
+
+
+def _decoder_fields(hf: Mapping[str, Any], name: str, family: str, rope_extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The conf/model keys every Qwen3 family shares (shapes, RoPE base, norms, dtype)."""
+    _check_attention(hf)
     heads = int(hf["num_attention_heads"])
     return {
         "name": name,
-        "family": "qwen3",
-        "num_layers": layers,
+        "family": family,
+        "num_layers": int(hf["num_hidden_layers"]),
         "hidden_size": int(hf["hidden_size"]),
         "ffn_hidden_size": int(hf["intermediate_size"]),
         "num_attention_heads": heads,
@@ -227,7 +231,7 @@ def _qwen3_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
         "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         "vocab_size": int(hf["vocab_size"]),
         "max_position_embeddings": int(hf["max_position_embeddings"]),
-        "rope_theta": _rope_theta(hf, default=10000.0),
+        "rope_theta": _rope_theta(hf, default=10000.0, extra=rope_extra),
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "qk_layernorm": True,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
@@ -235,19 +239,13 @@ def _qwen3_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def _qwen3_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
-    unsupported = {k: model.get(k) for k in ("attention_output_gate", "zero_centered_norm") if model.get(k)}
-    if unsupported or not model.get("qk_layernorm", True) or float(model.get("rotary_fraction", 1.0)) != 1.0:
-        raise UnsupportedHFConfig(f"model fields {unsupported or 'qk_layernorm/rotary_fraction'} have no Qwen3 HF form")
-    layers = int(model["num_layers"])
-    dtype = {v: k for k, v in HF_DTYPES.items()}[str(model.get("params_dtype", "fp32"))]
+def _hf_decoder_fields(model: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_decoder_fields` (config.json keys shared by the Qwen3 families)."""
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
         "vocab_size": int(model["vocab_size"]),
         "hidden_size": int(model["hidden_size"]),
         "intermediate_size": int(model["ffn_hidden_size"]),
-        "num_hidden_layers": layers,
+        "num_hidden_layers": int(model["num_layers"]),
         "num_attention_heads": int(model["num_attention_heads"]),
         "num_key_value_heads": int(model["num_query_groups"]),
         "head_dim": int(model["kv_channels"]),
@@ -258,22 +256,271 @@ def _qwen3_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": float(model["rope_theta"])},
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "dtype": {v: k for k, v in HF_DTYPES.items()}[str(model.get("params_dtype", "fp32"))],
+    }
+
+
+def _refuse_model_fields(model: Mapping[str, Any], model_type: str, expected: Mapping[str, Any]) -> None:
+    """A model config whose computation the HF ``model_type`` cannot express is an error naming the field."""
+    for key, value in expected.items():
+        got = model.get(key, value if key != "qk_layernorm" else True)
+        if got != value:
+            raise UnsupportedHFConfig(f"model.{key}={got!r} has no {model_type} HF form; {model_type} needs {value!r}")
+
+
+def _check_full_attention_layers(hf: Mapping[str, Any]) -> None:
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["full_attention"] * layers
+    bad = sorted({t for t in types if t != "full_attention"})
+    if bad or len(types) != layers:
+        raise UnsupportedHFConfig(
+            f"config.json layer_types={types!r} is not supported; supported: "
+            f"{layers} x 'full_attention' (num_hidden_layers={layers})"
+        )
+
+
+def _qwen3_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
+    _reject_unknown(hf, _QWEN3_FIELDS)
+    _check_full_attention_layers(hf)
+    return _decoder_fields(hf, name, "qwen3")
+
+
+_DENSE_ONLY = {
+    "attention_output_gate": False,
+    "zero_centered_norm": False,
+    "qk_layernorm": True,
+    "rotary_fraction": 1.0,
+    "full_attention_interval": None,
+}
+
+
+def _qwen3_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
+    _refuse_model_fields(model, "qwen3", {**_DENSE_ONLY, "num_experts": None})
+    layers = int(model["num_layers"])
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **_hf_decoder_fields(model),
         "use_sliding_window": False,
         "sliding_window": None,
         "layer_types": ["full_attention"] * layers,
-        "dtype": dtype,
     }
 
 
 register_family(HFFamily("qwen3", "qwen3", _qwen3_to_model, _qwen3_to_hf))
 
-# Recognised, being built elsewhere: replace these entries (register_family) when the family lands.
-for _type, _family, _pending in (
-    ("qwen3_moe", "qwen3_moe", "the MoE family (models/ MoE specs + HF expert weight mapping) has not landed"),
-    ("qwen3_next", "qwen3_next", "the hybrid Gated DeltaNet family has not landed"),
-    ("qwen3_5_text", "qwen3_next", "the hybrid Gated DeltaNet family (Qwen3.5 text) has not landed"),
-    ("qwen3_5", "qwen3_next", "Qwen3.5 is multimodal; its text part needs the hybrid GDN family, which has not landed"),
-    ("qwen3_5_moe_text", "qwen3_next", "the hybrid GDN + MoE family (Qwen3.5-MoE text) has not landed"),
-    ("qwen3_5_moe", "qwen3_next", "Qwen3.5-MoE is multimodal; its text part needs hybrid GDN + MoE, not landed"),
+# ---------------------------------------------------------------- MoE MLP (Qwen3-MoE, Qwen3-Next)
+
+_MOE_FIELDS = frozenset(
+    {
+        "num_experts",
+        "num_local_experts",  # transformers 5 writes Qwen3-MoE's num_experts under this name
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "router_aux_loss_coef",
+        "output_router_logits",  # only adds router logits to the outputs; logits unchanged
+    }
+)
+
+
+# transformers' config-class defaults, which apply to fields a config.json leaves out.
+_QWEN3_MOE_DEFAULTS = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+}
+_QWEN3_NEXT_DEFAULTS = {
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+}
+
+
+def _num_experts(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
+    return int(hf.get("num_experts", hf.get("num_local_experts", defaults["num_experts"])))
+
+
+def _moe_fields(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """conf/model MoE keys (read by ``models.config.moe_fields``); every decoder layer is MoE, so
+    sparse steps and dense-only layers other than the defaults are refused."""
+    experts = _num_experts(hf, defaults)  # before the defaults: num_local_experts may carry it
+    hf = {**defaults, **hf}
+    _require(hf, "decoder_sparse_step", (1,), 1)
+    layers = hf.get("mlp_only_layers") or []
+    if layers:
+        raise UnsupportedHFConfig(
+            f"config.json mlp_only_layers={layers!r} is not supported; supported values: [[]] (every layer MoE)"
+        )
+    topk = int(hf["num_experts_per_tok"])
+    if not 1 <= topk <= experts:
+        raise UnsupportedHFConfig(
+            f"config.json num_experts_per_tok={topk} is not supported with num_experts={experts}; "
+            f"supported values: 1..{experts}"
+        )
+    return {
+        "num_experts": experts,
+        "moe_topk": topk,
+        "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf["norm_topk_prob"]),
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+
+
+def _hf_moe_fields(model: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_experts": int(model["num_experts"]),
+        "num_experts_per_tok": int(model["moe_topk"]),
+        "moe_intermediate_size": int(model["moe_ffn_hidden_size"]),
+        "norm_topk_prob": bool(model.get("norm_topk_prob", True)),
+        "router_aux_loss_coef": float(model.get("moe_aux_loss_coeff", 0.0)),
+        "output_router_logits": False,
+    }
+
+
+# ---------------------------------------------------------------- qwen3_moe
+
+
+def _qwen3_moe_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
+    _reject_unknown(hf, _QWEN3_FIELDS | _MOE_FIELDS)
+    _check_full_attention_layers(hf)
+    return {
+        **_decoder_fields(hf, name, "qwen3_moe"),
+        **_moe_fields(hf, _QWEN3_MOE_DEFAULTS),
+        "shared_expert_ffn_hidden_size": None,
+        "shared_expert_gate": False,
+    }
+
+
+def _qwen3_moe_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
+    _refuse_model_fields(model, "qwen3_moe", {**_DENSE_ONLY, "shared_expert_ffn_hidden_size": None})
+    if model.get("num_experts") is None:
+        raise UnsupportedHFConfig("model.num_experts=None has no qwen3_moe HF form; qwen3_moe needs experts")
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **_hf_decoder_fields(model),
+        **_hf_moe_fields(model),
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+register_family(HFFamily("qwen3_moe", "qwen3_moe", _qwen3_moe_to_model, _qwen3_moe_to_hf))
+
+# ---------------------------------------------------------------- qwen3_next (hybrid GDN)
+
+_QWEN3_NEXT_FIELDS = (
+    _QWEN3_FIELDS
+    | _MOE_FIELDS
+    | {
+        "full_attention_interval",
+        "partial_rotary_factor",
+        "shared_expert_intermediate_size",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    }
+)
+_GDN_KEYS = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+
+def _full_attention_interval(hf: Mapping[str, Any]) -> int:
+    """Our hybrid pattern is 'every k-th layer is full attention' (Megatron's linear_attention_freq);
+    HF's ``layer_types`` (or, when absent, ``full_attention_interval``, default 4) must be one."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        k = int(hf.get("full_attention_interval", 4))
+        if k < 1:
+            raise UnsupportedHFConfig(f"config.json full_attention_interval={k} is not supported; it must be >= 1")
+        return k
+    k = types.index("full_attention") + 1 if "full_attention" in types else layers + 1
+    pattern = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
+    if list(types) != pattern:
+        raise UnsupportedHFConfig(
+            f"config.json layer_types={list(types)!r} is not supported; supported: every k-th layer "
+            f"'full_attention', the others 'linear_attention' (num_hidden_layers={layers})"
+        )
+    return k
+
+
+def _qwen3_next_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
+    _reject_unknown(hf, _QWEN3_NEXT_FIELDS)
+    rope = _rope_parameters(hf, ("partial_rotary_factor",))
+    # Qwen3NextConfig defaults the factor to 0.25 when config.json does not give one.
+    fraction = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    if not 0.0 < fraction <= 1.0:
+        raise UnsupportedHFConfig(f"config.json partial_rotary_factor={fraction} is not supported; allowed: (0, 1]")
+    gdn = {key: int(hf.get(key, default)) for key, default in zip(_GDN_KEYS, (4, 128, 128, 16, 32), strict=True)}
+    if gdn["linear_num_value_heads"] % gdn["linear_num_key_heads"]:
+        raise UnsupportedHFConfig(
+            f"config.json linear_num_value_heads={gdn['linear_num_value_heads']} is not supported: it must be a "
+            f"multiple of linear_num_key_heads={gdn['linear_num_key_heads']}"
+        )
+    out = {
+        **_decoder_fields(hf, name, "qwen3_next", rope_extra=("partial_rotary_factor",)),
+        "rotary_fraction": fraction,
+        # Qwen3-Next's RMSNorms scale by (1 + w) and its attention has a sigmoid output gate.
+        "zero_centered_norm": True,
+        "attention_output_gate": True,
+        "full_attention_interval": _full_attention_interval(hf),
+        **gdn,
+    }
+    if _num_experts(hf, _QWEN3_NEXT_DEFAULTS) == 0:  # HF then builds a dense MLP (intermediate_size) in every layer
+        return out
+    shared = int(hf.get("shared_expert_intermediate_size", 512))
+    if shared < 1:
+        raise UnsupportedHFConfig(
+            f"config.json shared_expert_intermediate_size={shared} is not supported with experts; it must be >= 1"
+        )
+    return (
+        out
+        | _moe_fields(hf, _QWEN3_NEXT_DEFAULTS)
+        | {"shared_expert_ffn_hidden_size": shared, "shared_expert_gate": True}
+    )
+
+
+def _qwen3_next_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
+    required = {"attention_output_gate": True, "zero_centered_norm": True, "qk_layernorm": True}
+    if model.get("num_experts") is not None:
+        required["shared_expert_gate"] = True
+        if model.get("shared_expert_ffn_hidden_size") is None:
+            raise UnsupportedHFConfig("model.shared_expert_ffn_hidden_size=None has no qwen3_next HF form (needs one)")
+    _refuse_model_fields(model, "qwen3_next", required)
+    if model.get("full_attention_interval") is None:
+        raise UnsupportedHFConfig("model.full_attention_interval=None has no qwen3_next HF form (needs GDN layers)")
+    layers, k = int(model["num_layers"]), int(model["full_attention_interval"])
+    hf = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_hf_decoder_fields(model)}
+    hf["rope_parameters"]["partial_rotary_factor"] = float(model.get("rotary_fraction", 1.0))
+    hf["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
+    hf |= {key: int(model[key]) for key in _GDN_KEYS}
+    if model.get("num_experts") is None:
+        return hf | {"num_experts": 0}
+    return hf | _hf_moe_fields(model) | {"shared_expert_intermediate_size": int(model["shared_expert_ffn_hidden_size"])}
+
+
+register_family(HFFamily("qwen3_next", "qwen3_next", _qwen3_next_to_model, _qwen3_next_to_hf))
+
+# Recognised, not implemented: Qwen3.5 splits GDN's projections into other tensors (and is multimodal).
+for _type, _pending in (
+    ("qwen3_5_text", "Qwen3.5 text's GDN weight layout (separate in_proj_qkv/z/b/a) is not mapped"),
+    ("qwen3_5", "Qwen3.5 is multimodal; its text part's GDN weight layout is not mapped"),
+    ("qwen3_5_moe_text", "Qwen3.5-MoE text's GDN weight layout (separate in_proj_qkv/z/b/a) is not mapped"),
+    ("qwen3_5_moe", "Qwen3.5-MoE is multimodal; its text part's GDN weight layout is not mapped"),
 ):
-    register_family(HFFamily(_type, _family, pending=_pending))
+    register_family(HFFamily(_type, "qwen3_5", pending=_pending))

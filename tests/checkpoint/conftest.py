@@ -1,4 +1,5 @@
-"""Tiny random HF Qwen3 models written by transformers itself (the external reference)."""
+"""Tiny random HF Qwen3 / Qwen3-MoE / Qwen3-Next models written by transformers itself (the external
+reference)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,30 @@ TINY = dict(
     # Larger than HF's 0.02 so logits are O(1) and a wrong weight mapping shows plainly.
     initializer_range=0.1,
 )
+# Qwen3-MoE: 4 experts, top-2, HF's default norm_topk_prob=False (Megatron's pre-softmax routing).
+TINY_MOE = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False)
+# Qwen3-Next: layers [GDN, gated attention], partial RoPE, zero-centred norms, 4 experts + gated shared expert.
+TINY_NEXT = dict(
+    TINY,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+    layer_types=["linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_MOE),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", TINY_NEXT),
+    # num_experts=0: HF's Qwen3-Next with a dense MLP in every layer (our tiny_hybrid).
+    "qwen3_next_dense": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(TINY_NEXT, num_experts=0)),
+}
 WORDS = ["hello", "world", "the", "policy", "moved", "not", "runtime"]
 
 
@@ -41,13 +66,16 @@ def make_hf_model(
     max_shard_size: str | None = None,
     tokenizer: bool = False,
     seed: int = 0,
+    family: str = "qwen3",
 ) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    config_cls, model_cls, kwargs = FAMILIES[family]
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=tied))
+    config = getattr(transformers, config_cls)(**kwargs, tie_word_embeddings=tied)
+    model = getattr(transformers, model_cls)(config)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in model.parameters():  # (GDN's A_log / dt_bias are 1-d too: perturbed alike)
             if p.ndim == 1:  # norms are initialised to exactly 1; perturb them so a swapped norm shows
                 p.add_(0.1 * torch.randn_like(p))
     model = model.to(dtype)
@@ -76,3 +104,18 @@ def hf_sharded(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_bf16(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("hf_bf16"), dtype=torch.bfloat16, seed=3)
+
+
+@pytest.fixture(scope="session")
+def hf_moe(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_moe"), family="qwen3_moe", seed=4)
+
+
+@pytest.fixture(scope="session")
+def hf_next(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_next"), family="qwen3_next", seed=5)
+
+
+@pytest.fixture(scope="session")
+def hf_next_dense(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_next_dense"), family="qwen3_next_dense", seed=6)

@@ -18,7 +18,7 @@ def test_import_export_round_trip(hf_tied, tmp_path, capsys):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     assert main(["import", "--hf", str(hf_tied), "--out", str(ckpt), "--tp", "2", "profile=performance"]) == EXIT_OK
     assert "TP=2" in capsys.readouterr().out
-    assert json.loads((ckpt / "iso_checkpoint.json").read_text())["layout"] == {"tp": 2}
+    assert json.loads((ckpt / "iso_checkpoint.json").read_text())["layout"] == {"tp": 2, "ep": 1}
     assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == EXIT_OK
     a, b = read_hf_weights(hf_tied), read_hf_weights(out)
     assert sorted(a) == sorted(b) and all(torch_equal_bits(a[n], b[n]) for n in a)
@@ -41,9 +41,26 @@ def test_bad_inputs_exit_2_naming_the_problem(hf_untied, tmp_path, capsys):
     (bad / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
     assert main(["import", "--hf", str(bad), "--out", str(tmp_path / "c")]) == EXIT_BAD_INPUT
     assert "attention_bias=True is not supported" in capsys.readouterr().err
-    (bad / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe"}))
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5_text"}))
     assert main(["compare", "--hf", str(bad)]) == EXIT_BAD_INPUT
-    assert "qwen3_moe" in capsys.readouterr().err
+    assert "qwen3_5_text" in capsys.readouterr().err
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe", "mlp_only_layers": [1]}))
+    assert main(["import", "--hf", str(bad), "--out", str(tmp_path / "c")]) == EXIT_BAD_INPUT
+    assert "mlp_only_layers=[1] is not supported" in capsys.readouterr().err
+    assert main(["import", "--hf", str(hf_untied), "--out", str(tmp_path / "c"), "--ep", "2"]) == EXIT_BAD_INPUT
+    assert "parallel.ep=2" in capsys.readouterr().err
     assert main(["export", "--ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
     assert "iso_checkpoint.json" in capsys.readouterr().err
     assert main(["compare", "--hf", str(hf_untied), "--tokens", "999"]) == EXIT_BAD_INPUT
+
+
+def test_import_ep_and_compare_a_moe_checkpoint(hf_moe, tmp_path, capsys):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["import", "--hf", str(hf_moe), "--out", str(ckpt), "--tp", "2", "--ep", "2"]) == EXIT_OK
+    assert "TP=2 EP=2" in capsys.readouterr().out
+    assert (ckpt / "experts-ep01-of-02.safetensors").is_file()
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == EXIT_OK
+    a, b = read_hf_weights(hf_moe), read_hf_weights(out)
+    assert sorted(a) == sorted(b) and all(torch_equal_bits(a[n], b[n]) for n in a)
+    assert main(["compare", "--hf", str(out), "--tokens", "3,1,4,1,5", "--max-rel", "1e-5"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["within_tolerance"] is True
