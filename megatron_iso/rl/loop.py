@@ -3,7 +3,9 @@
 One step: prompts -> rollout (the bundled decoder running the trainer's own modules, n samples
 per prompt) -> rewards -> trainer forward over prompt+response (the logprobs the loss uses) ->
 group-normalised advantages -> policy loss -> optimizer step -> the decoder sees the new weights
-(same parameter tensors; its prefix cache is flushed). In the correctness profile the trainer's
+(same parameter tensors; its prefix cache is flushed). With ``rollout.parallel.tp`` other than
+``parallel.tp`` the decoder runs its own model in its own layout instead, and the weights are synced
+after every optimizer step (:mod:`megatron_iso.rl.rollout`). In the correctness profile the trainer's
 logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at every step.
 """
 
@@ -28,6 +30,7 @@ from megatron_iso.rl.losses import (
     policy_loss,
 )
 from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, write_dashboard
+from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.tasks import Prompt, make_task
 
 
@@ -69,7 +72,13 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from megatron_iso.contract import build_contract, check_compatible, handshake, load_op_implementations
+        from megatron_iso.contract import (
+            ContractValidationError,
+            build_contract,
+            check_compatible,
+            handshake,
+            load_op_implementations,
+        )
         from megatron_iso.inference.engine import EngineConfig, RolloutEngine
         from megatron_iso.models.config import transformer_config
         from megatron_iso.models.gpt import build_model
@@ -87,8 +96,19 @@ class Trainer:
         # Contract: the rollout side (the decoder) and the trainer must agree before anything runs.
         load_op_implementations()
         self.contract = build_contract(cfg)
-        rollout_contract = build_contract(cfg)  # colocated: same modules, same layout
-        check_compatible(self.contract, rollout_contract, "rollout (colocated decoder)")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        try:
+            rollout_par = rollout_parallel(cfg, world)
+            separate = separate_layout_needed(cfg, rollout_par)
+        except ValueError as exc:
+            raise RunSetupError(str(exc)) from exc
+        rollout_cfg = with_parallel(cfg, rollout_par)
+        try:
+            rollout_contract = build_contract(rollout_cfg)
+        except ContractValidationError as exc:
+            raise RunSetupError(f"rollout.parallel: {exc}") from exc
+        where = "rollout layout (rollout.parallel)" if separate else "rollout (colocated decoder)"
+        check_compatible(self.contract, rollout_contract, where)
         handshake(self.contract)
         self.policy_digest = self.contract.identities.numerical_policy
 
@@ -104,7 +124,10 @@ class Trainer:
             ),
             [self.ddp],
         )
-        self.engine = RolloutEngine(self.model, EngineConfig(kv_cache_bytes=int(cfg.rollout.kv_cache_mb) << 20))
+        engine_cfg = EngineConfig(kv_cache_bytes=int(cfg.rollout.kv_cache_mb) << 20)
+        # Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced.
+        self.layout_rollout = LayoutRollout(rollout_cfg, self.model, engine_cfg) if separate else None
+        self.engine = self.layout_rollout.engine if separate else RolloutEngine(self.model, engine_cfg)
         self.task = make_task(cfg.task, self.tc.vocab_size, int(cfg.seed))
         self.device = next(self.model.parameters()).device
 
@@ -112,18 +135,28 @@ class Trainer:
     def rollout(self, step: int) -> list[Sample]:
         from megatron_iso.inference.params import Request, SamplingParams
 
-        prompts = self.task.prompts(step)[self.dp_rank :: self.dp_size]
+        every = self.task.prompts(step)
+        prompts = every[self.dp_rank :: self.dp_size]
         params = SamplingParams(
             temperature=float(self.rl.temperature),
             max_new_tokens=int(self.rl.max_new_tokens),
             n=int(self.rl.group_size),
             seed=int(self.cfg.seed),
         )
-        requests = [
-            Request(request_id=f"{step}:{self.dp_rank}:{i}", prompt=p.ids, params=params) for i, p in enumerate(prompts)
-        ]
+
+        # The request id keys the sampler's random stream: it names the trainer DP rank and the
+        # prompt's place in that rank's share, whichever rollout rank generates it.
+        def requests(d: int) -> list[Request]:
+            return [Request(f"{step}:{d}:{i}", p.ids, params) for i, p in enumerate(every[d :: self.dp_size])]
+
+        mine = requests(self.dp_rank)
+        if self.layout_rollout is None:
+            outs = self.engine.generate(mine)
+        else:
+            done = self.layout_rollout.generate([r for d in range(self.dp_size) for r in requests(d)])
+            outs = [done[r.request_id] for r in mine]
         samples = []
-        for g, (prompt, out) in enumerate(zip(prompts, self.engine.generate(requests), strict=True)):
+        for g, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             if out.error:
                 raise RuntimeError(f"rollout request {out.request_id} failed: {out.error}")
             for s in out.samples:
@@ -143,6 +176,8 @@ class Trainer:
 
     def train_on(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, Any]:
         """One optimizer step on ``samples``; returns trainer logprobs of response tokens and stats."""
+        from megatron.core.distributed import finalize_model_grads
+
         from megatron_iso.models.batch import pack
         from megatron_iso.models.scoring import score_sequences
 
@@ -171,10 +206,15 @@ class Trainer:
             rollout[r] = torch.tensor(s.rollout_logp, dtype=torch.float32)
         loss, stats = policy_loss(logp, old, advantages, mask, seq_index, self.loss_cfg, rollout_logp=rollout)
         loss.backward()
-        self.ddp.finish_grad_sync()
+        # Megatron's full grad finalisation, not only the DP sync: replicated params that each TP rank
+        # applies to its own heads or rows (q/k norms; norms under SP) need their grads summed over TP,
+        # else the replicas drift apart from the first step on.
+        finalize_model_grads([self.ddp])
         ok, grad_norm, _ = self.optimizer.step()
-        self.engine.on_weights_updated()  # same tensors, new values: cached prefixes are stale
+        t0 = time.perf_counter()
+        self.publish_weights()
         return {
+            "timing/weight_sync_s": time.perf_counter() - t0,
             "loss": float(loss.detach()),
             "grad_norm": float(grad_norm or 0.0),
             "update_ok": bool(ok),
@@ -182,6 +222,13 @@ class Trainer:
             "rollout_logp": rollout[mask],
             **stats,
         }
+
+    def publish_weights(self) -> None:
+        """Make the trainer's current weights the decoder's (after an optimizer step or a checkpoint load)."""
+        if self.layout_rollout is None:
+            self.engine.on_weights_updated()  # same tensors, new values: cached prefixes are stale
+        else:
+            self.layout_rollout.sync()
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -268,6 +315,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if resume and existing is not None:
             meta = load_checkpoint(existing, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank)
             start = int(meta["step"]) + 1
+            trainer.publish_weights()
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

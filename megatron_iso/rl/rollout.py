@@ -1,0 +1,130 @@
+"""The rollout side of the RL loop when its layout differs from the trainer's.
+
+``rollout.parallel.tp`` equal to the trainer's ``parallel.tp`` (the default): the decoder runs the
+trainer's own modules (colocated, nothing here is used). Otherwise a :class:`LayoutRollout` builds
+its own Megatron layout on the same ranks (:class:`~megatron_iso.parallel.layouts.ParallelLayout`)
+and its own model in it. After every optimizer step :meth:`LayoutRollout.sync` all-gathers the
+trainer's TP shards into full HF-named weights and loads them (only data moves; the engine's caches
+are flushed). Every rollout DP rank generates a share of the step's requests and the outputs are
+exchanged, so each trainer rank finds the samples of its own DP share. With the correctness profile,
+TP inside ``profile.tp_domain`` is a deployment knob: the samples and their logprobs are the bits
+the colocated decoder would have produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_iso.inference.engine import EngineConfig, RolloutEngine
+from megatron_iso.inference.params import Request, RequestOutput
+from megatron_iso.parallel.layouts import ParallelLayout
+
+ROLLOUT_PARALLEL_KEYS = ("tp",)
+
+
+def rollout_parallel(cfg: DictConfig, world_size: int) -> dict[str, Any]:
+    """The rollout's ``parallel`` block: the trainer's, with ``rollout.parallel``'s keys over it."""
+    trainer = OmegaConf.to_container(cfg.parallel, resolve=True)
+    given = OmegaConf.to_container(cfg.rollout.get("parallel") or {}, resolve=True)
+    unknown = sorted(set(given) - set(ROLLOUT_PARALLEL_KEYS))
+    if unknown:
+        raise ValueError(f"rollout.parallel has unknown keys {unknown}; allowed keys: {list(ROLLOUT_PARALLEL_KEYS)}")
+    tp = given.get("tp", trainer["tp"])
+    allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp not in allowed:
+        raise ValueError(
+            f"rollout.parallel.tp={tp!r} must divide the world size {world_size}; allowed values: {allowed}"
+        )
+    groups = int(cfg.model.num_query_groups)
+    if groups % tp:
+        raise ValueError(
+            f"rollout.parallel.tp={tp} must divide model.num_query_groups={groups}; allowed values: "
+            f"{[d for d in allowed if groups % d == 0]}"
+        )
+    # Megatron has no sequence parallelism without TP; the DP size is what the world leaves.
+    return trainer | {"tp": tp, "sp": bool(trainer.get("sp", False)) and tp > 1, "dp": world_size // tp}
+
+
+def separate_layout_needed(cfg: DictConfig, rollout: Mapping[str, Any]) -> bool:
+    """True when the rollout layout differs from the trainer's; checks the trainer side supports it."""
+    p = cfg.parallel
+    if int(rollout["tp"]) == int(p.tp):
+        return False
+    pp, ep = int(p.get("pp", 1)), int(p.get("ep", 1))
+    if pp != 1 or ep != 1:
+        raise ValueError(
+            f"rollout.parallel.tp={rollout['tp']} differs from parallel.tp={int(p.tp)}: the weight sync gathers "
+            f"the trainer's TP shards only and needs parallel.pp=1 and parallel.ep=1 (got pp={pp}, ep={ep}); "
+            "or leave rollout.parallel.tp at parallel.tp"
+        )
+    return True
+
+
+def with_parallel(cfg: DictConfig, parallel: Mapping[str, Any]) -> DictConfig:
+    """``cfg`` with its ``parallel`` group replaced (for the rollout's contract and model config)."""
+    return OmegaConf.merge(cfg, {"parallel": dict(parallel)})
+
+
+def gather_hf_weights(model: torch.nn.Module, group: Any) -> dict[str, torch.Tensor]:
+    """Full HF-named weights of a TP-sharded model: every parameter all-gathered over ``group`` (rank
+    order), then reassembled by :func:`~megatron_iso.models.weights.hf_from_megatron_shards`."""
+    from megatron_iso.models.weights import hf_from_megatron_shards
+
+    size = dist.get_world_size(group) if group is not None else 1
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    if size == 1:
+        return hf_from_megatron_shards([params], model.config)
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+    for name, p in params.items():
+        parts = [torch.empty_like(p) for _ in range(size)]
+        dist.all_gather(parts, p.contiguous(), group=group)
+        for shard, part in zip(shards, parts, strict=True):
+            shard[name] = part
+    return hf_from_megatron_shards(shards, model.config)
+
+
+class LayoutRollout:
+    """A rollout model in its own layout on the trainer's ranks, fed the trainer's weights."""
+
+    def __init__(self, rollout_cfg: DictConfig, trainer_model: torch.nn.Module, engine_config: EngineConfig) -> None:
+        from megatron.core import parallel_state
+
+        from megatron_iso.models.config import transformer_config
+
+        self.trainer_model = trainer_model
+        self.trainer_tp_group = parallel_state.get_tensor_model_parallel_group()
+        p = rollout_cfg.parallel
+        self.layout = ParallelLayout.create(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)))
+        with self.layout.active():
+            self.config = transformer_config(rollout_cfg)
+            self.dp_rank = parallel_state.get_data_parallel_rank()
+            self.dp_size = parallel_state.get_data_parallel_world_size()
+            # Building a model draws init weights (overwritten by the load) from the global RNG:
+            # keep the trainer's random stream as the colocated run sees it.
+            with torch.random.fork_rng(devices=[]):
+                self.engine = RolloutEngine.from_hf_weights(self.config, self._trainer_weights(), engine_config)
+
+    def _trainer_weights(self) -> dict[str, torch.Tensor]:
+        return gather_hf_weights(self.trainer_model, self.trainer_tp_group)
+
+    def sync(self) -> None:
+        """Copy the trainer's current weights into the rollout model (a collective over the trainer's TP
+        group); the engine flushes its caches (contract rule: every cached state dropped on weight_sync)."""
+        weights = self._trainer_weights()
+        with self.layout.active():
+            self.engine.load_hf_weights(weights)
+
+    def generate(self, requests: Sequence[Request]) -> dict[str, RequestOutput]:
+        """Generate this rollout DP rank's share of ``requests`` (every rank passes the same list) and
+        exchange the outputs: every rank gets all of them, by request id."""
+        with self.layout.active():
+            mine = self.engine.generate(list(requests)[self.dp_rank :: self.dp_size])
+        gathered: list[dict[str, RequestOutput]] = [{} for _ in range(dist.get_world_size())]
+        # Ranks of one rollout TP group hold identical outputs (lockstep); any copy will do.
+        dist.all_gather_object(gathered, {o.request_id: o for o in mine})
+        return {rid: out for part in gathered for rid, out in part.items()}
