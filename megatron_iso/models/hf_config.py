@@ -263,7 +263,7 @@ def _hf_decoder_fields(model: Mapping[str, Any]) -> dict[str, Any]:
 def _refuse_model_fields(model: Mapping[str, Any], model_type: str, expected: Mapping[str, Any]) -> None:
     """A model config whose computation the HF ``model_type`` cannot express is an error naming the field."""
     for key, value in expected.items():
-        got = model.get(key, value if key != "qk_layernorm" else True)
+        got = model.get(key, value)  # an absent key means the default, which is what the family needs
         if got != value:
             raise UnsupportedHFConfig(f"model.{key}={got!r} has no {model_type} HF form; {model_type} needs {value!r}")
 
