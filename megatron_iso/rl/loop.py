@@ -112,7 +112,12 @@ class Trainer:
         handshake(self.contract)
         self.policy_digest = self.contract.identities.numerical_policy
 
-        self.model = build_model(self.tc, random_hf_state_dict(self.tc, seed=int(cfg.seed)))
+        initial = random_hf_state_dict(self.tc, seed=int(cfg.seed))
+        self.model = build_model(self.tc, initial)
+        # KL to the initial policy: a frozen copy scored with the same function (rl.kl_coef > 0 only).
+        self.ref_model = None
+        if float(self.rl.kl_coef) > 0:
+            self.ref_model = build_model(self.tc, initial).eval().requires_grad_(False)
         self.ddp = DistributedDataParallel(self.tc, DistributedDataParallelConfig(), self.model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -204,7 +209,14 @@ class Trainer:
         rollout = torch.zeros(rows, dtype=torch.float32)
         for s, r in zip(samples, response_rows, strict=True):
             rollout[r] = torch.tensor(s.rollout_logp, dtype=torch.float32)
-        loss, stats = policy_loss(logp, old, advantages, mask, seq_index, self.loss_cfg, rollout_logp=rollout)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = score_sequences(self.ref_model, ids, batch, temperature=float(self.rl.temperature))
+            ref = ref.float().cpu()
+        loss, stats = policy_loss(
+            logp, old, advantages, mask, seq_index, self.loss_cfg, rollout_logp=rollout, ref_logp=ref
+        )
         loss.backward()
         # Megatron's full grad finalisation, not only the DP sync: replicated params that each TP rank
         # applies to its own heads or rows (q/k norms; norms under SP) need their grads summed over TP,

@@ -11,7 +11,7 @@ from megatron_iso.testing.harness import run_on_ranks
 
 def _train_steps(overrides: list[str], steps: int, distributed_optimizer: bool):
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_iso.config import load_config
@@ -42,7 +42,7 @@ def _train_steps(overrides: list[str], steps: int, distributed_optimizer: bool):
         logp, _ = score_sequences(ddp.module, ids, batch)
         loss = -logp.sum() / 16.0
         loss.backward()
-        ddp.finish_grad_sync()
+        finalize_model_grads([ddp])  # DP grad sync plus the TP sum of replicated (norm) grads
         ok, grad_norm, _ = opt.step()
         assert ok, "optimizer step skipped"
         losses.append(loss.detach())

@@ -64,3 +64,11 @@ def test_dapo_run_applies_dynamic_sampling(tmp_path):
     rows = _metrics(tmp_path / "dapo")
     assert all(0.0 <= r["samples/kept_frac"] <= 1.0 for r in rows)
     assert all(r["mismatch/abs_diff_max"] == 0.0 for r in rows)
+
+
+def test_kl_to_the_initial_policy_is_logged_and_grows_from_zero(tmp_path):
+    _run(tmp_path, "kl", "rl.steps=2", "rl.kl_coef=0.1")
+    rows = _metrics(tmp_path / "kl")
+    assert rows[0]["kl/ref_k3"] == 0.0  # step 0: policy == reference, bit for bit
+    assert rows[1]["kl/ref_k3"] > 0.0
+    assert all(r["mismatch/abs_diff_max"] == 0.0 for r in rows)
