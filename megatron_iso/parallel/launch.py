@@ -80,13 +80,10 @@ def _rank_main(
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        from megatron_iso.parallel.world import initialize_layout
+
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout["tp"],
-            pipeline_model_parallel_size=layout["pp"],
-            expert_model_parallel_size=layout["ep"],
-            expert_tensor_parallel_size=layout["etp"],
-        )
+        initialize_layout(layout["tp"], layout["pp"], layout["ep"], layout["etp"])
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         result = fn(*args)

@@ -67,15 +67,14 @@ class ParallelLayout:
     def create(cls, tp: int, pp: int = 1, ep: int = 1) -> ParallelLayout:
         """Initialise another layout's groups (every rank must call this, in the same order); the
         layout active before the call is active again after it."""
-        from megatron.core import parallel_state
+
+        from megatron_iso.parallel.world import initialize_layout
 
         before = cls.current()
         # Not destroy_model_parallel(): it destroys the gloo DP groups, which ``before`` still uses.
         _restore({k: type(v)() if isinstance(v, dict | list) else None for k, v in before.state.items()})
         try:
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
-            )
+            initialize_layout(tp, pp, ep)
             return cls.current()
         finally:
             _restore(before.state)

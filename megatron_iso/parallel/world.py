@@ -12,6 +12,22 @@ import torch
 import torch.distributed as dist
 
 
+def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:
+    """Megatron's parallel_state for a layout: the one call every launcher makes.
+
+    Expert tensor parallelism defaults to 1 (megatron_iso's invariant experts are whole per EP
+    rank; Megatron would otherwise default it to the TP size).
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -39,9 +55,7 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
-        )
+        initialize_layout()
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         yield
@@ -84,9 +98,7 @@ def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> I
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
-        )
+        initialize_layout(tp, pp, ep)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         yield dist.get_rank()
