@@ -15,22 +15,27 @@ from typing import Any
 import torch
 
 from megatron_iso.contract.registry import lookup
+from megatron_iso.extras import require
 
 
 def device_class_of(t: torch.Tensor) -> str:
     return "cuda" if t.device.type == "cuda" else "cpu"
 
 
+def import_triton_module(module: str, feature: str) -> Any:
+    """Import a family's Triton module; a missing Triton install or module is a clear error."""
+    require("triton", feature)
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            raise NotImplementedError(f"{feature} needs {module}, which is not written yet") from exc
+        raise
+
+
 def select(op: str, t: torch.Tensor, profile: str, triton_module: str | None = None) -> Callable[..., Any]:
     """The implementation of ``op`` for ``t``'s device class and ``profile``."""
     device_class = device_class_of(t)
     if device_class == "cuda" and profile == "correctness" and triton_module is not None:
-        try:
-            importlib.import_module(triton_module)
-        except ModuleNotFoundError as exc:
-            if exc.name != triton_module:
-                raise
-            raise NotImplementedError(
-                f"{op} on cuda/correctness needs {triton_module}, which is not written yet"
-            ) from exc
+        import_triton_module(triton_module, f"{op} on cuda with profile=correctness")
     return lookup(op, device_class, profile).fn

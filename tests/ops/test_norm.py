@@ -119,16 +119,33 @@ def test_cuda_correctness_dispatch_without_gpu() -> None:
     import importlib.util
     from types import SimpleNamespace
 
+    from megatron_iso.ops import rope  # noqa: F401  (registers the RoPE implementations)
     from megatron_iso.ops.dispatch import select
     from megatron_iso.ops.norm import TRITON_MODULE
 
     fake = SimpleNamespace(device=torch.device("cuda"))
     if importlib.util.find_spec("triton") is None:
-        with pytest.raises(ModuleNotFoundError, match="triton"):
+        with pytest.raises(ImportError, match="triton"):  # MissingExtraError, naming the extra
             select("rmsnorm", fake, "correctness", TRITON_MODULE)
-    with pytest.raises(NotImplementedError, match="megatron_iso.ops.nothing_triton"):
-        select("rmsnorm", fake, "correctness", "megatron_iso.ops.nothing_triton")
+    else:
+        with pytest.raises(NotImplementedError, match="megatron_iso.ops.nothing_triton"):
+            select("rmsnorm", fake, "correctness", "megatron_iso.ops.nothing_triton")
     assert select("rope", fake, "correctness").__module__.endswith("rope.reference")
     assert select("swiglu", fake, "correctness").__module__.endswith("activation.reference")
     # performance on cuda resolves to the native entry without importing anything GPU-specific
     assert select("rmsnorm", fake, "performance").__module__.endswith("norm.native")
+
+
+def test_cuda_path_without_triton_names_the_extra(monkeypatch) -> None:
+    """On a CUDA machine without Triton the error says what to install, not a bare ImportError."""
+    import sys
+    from types import SimpleNamespace
+
+    from megatron_iso.extras import MissingExtraError
+    from megatron_iso.ops.dispatch import select
+    from megatron_iso.ops.norm import TRITON_MODULE
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail as if not installed
+    monkeypatch.delitem(sys.modules, TRITON_MODULE, raising=False)
+    with pytest.raises(MissingExtraError, match=r"rmsnorm on cuda.*triton.*megatron_iso\[gpu\]"):
+        select("rmsnorm", SimpleNamespace(device=torch.device("cuda")), "correctness", TRITON_MODULE)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.dispatch import import_triton_module
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,
@@ -43,7 +44,9 @@ __all__ = [
 
 def _triton_forward(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
     # Imported here: Triton exists only on GPU machines, and CPU runs must not need it.
-    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton
+    leaf_tree_linear_triton = import_triton_module(
+        "megatron_iso.ops.gemm.gemm_triton", "the leaf-tree GEMM on cuda with profile=correctness"
+    ).leaf_tree_linear_triton
 
     check_dtype(x, "x")
     check_dtype(weight, "weight")
