@@ -10,6 +10,7 @@ import torch
 
 from megatron_iso.checkpoint.convert import checked_hf_weights, hf_dir_config
 from megatron_iso.checkpoint.hf_dir import read_hf_weights
+from megatron_iso.models.hf_config import read_hf_config
 
 
 def _ours(hf_dir: Path, overrides: Sequence[str], ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -22,7 +23,7 @@ def _ours(hf_dir: Path, overrides: Sequence[str], ids: torch.Tensor) -> tuple[to
     cfg = hf_dir_config(hf_dir, ["model.params_dtype=fp32", *overrides, "parallel.tp=1", "parallel.sp=false"])
     with single_process_world():
         tc = transformer_config(cfg)
-        weights = checked_hf_weights(read_hf_weights(hf_dir), tc)
+        weights = checked_hf_weights(read_hf_weights(hf_dir), tc, read_hf_config(hf_dir))
         model = build_model(tc, weights.tensors).eval()
         packed_ids, batch = pack([ids])
         with torch.no_grad():

@@ -20,10 +20,29 @@ from megatron_iso.checkpoint.hf_dir import read_hf_weights, write_hf_dir
 from megatron_iso.checkpoint.tokenizer import copy_assets
 from megatron_iso.config import load_config_with_model
 from megatron_iso.models.config import IsoTransformerConfig, transformer_config
-from megatron_iso.models.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
-from megatron_iso.models.weights import check_hf_state_dict, hf_from_megatron_shards, hf_shapes
+from megatron_iso.models.hf_config import (
+    QWEN3_5_VL_TEXT_TYPES,
+    hf_config_from_model,
+    is_multimodal,
+    model_config_from_hf,
+    read_hf_config,
+    text_model_hf_config,
+)
+from megatron_iso.models.weights import (
+    check_hf_state_dict,
+    fuse_experts,
+    hf_from_megatron_shards,
+    hf_shapes,
+    split_fused_experts,
+)
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# A multimodal Qwen3.5 checkpoint keeps its text model under this prefix (transformers' PrefixChange).
+VL_TEXT_PREFIX = "model.language_model."
+# Qwen3.5 tensors the causal LM's logits never read (the vision tower, the multi-token-prediction
+# head); transformers' Qwen3_5(Moe)ForCausalLM ignores them on load, and so does import.
+_QWEN3_5_UNUSED = ("model.visual.", "mtp.")
+_QWEN3_5_TYPES = {*QWEN3_5_VL_TEXT_TYPES, *QWEN3_5_VL_TEXT_TYPES.values()}
 
 
 @dataclass
@@ -32,11 +51,35 @@ class HFWeights:
 
     tensors: dict[str, torch.Tensor]
     tied_lm_head_stored: bool  # a tied model whose files also carry lm_head.weight (== embeddings)
+    fused_experts: bool = False  # experts stored as 3-D mlp.experts.gate_up_proj / down_proj
+    dropped: tuple[str, ...] = ()  # stored tensors the text model does not use (vision tower, MTP head)
 
 
-def checked_hf_weights(tensors: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> HFWeights:
-    """Every expected tensor present with its shape and nothing else; errors name the tensor."""
-    tensors = dict(tensors)
+def _text_model_tensors(
+    tensors: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """The text model's tensors under their text-model names, and the names dropped as unused."""
+    if hf_config is None or hf_config.get("model_type") not in _QWEN3_5_TYPES:
+        return dict(tensors), ()
+    dropped = tuple(sorted(n for n in tensors if n.startswith(_QWEN3_5_UNUSED)))
+    kept = {n: t for n, t in tensors.items() if not n.startswith(_QWEN3_5_UNUSED)}
+    if is_multimodal(hf_config):
+        kept = {
+            ("model." + n[len(VL_TEXT_PREFIX) :] if n.startswith(VL_TEXT_PREFIX) else n): t for n, t in kept.items()
+        }
+    return kept, dropped
+
+
+def checked_hf_weights(
+    tensors: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, hf_config: Mapping[str, Any] | None = None
+) -> HFWeights:
+    """Every expected tensor present with its shape and nothing else; errors name the tensor.
+
+    ``hf_config`` (the directory's config.json) says how the tensors are stored: a multimodal
+    Qwen3.5's text model is read from under ``model.language_model.``; its vision tower and MTP head
+    are dropped. Fused 3-D experts are split per expert in every family."""
+    tensors, dropped = _text_model_tensors(tensors, hf_config)
+    tensors, fused = split_fused_experts(tensors)
     tied_stored = False
     if cfg.tie_word_embeddings and LM_HEAD in tensors and EMBED in tensors:
         # Some tied checkpoints store the head anyway; accept it only as an exact copy.
@@ -48,7 +91,7 @@ def checked_hf_weights(tensors: Mapping[str, torch.Tensor], cfg: IsoTransformerC
     unexpected = sorted(set(tensors) - set(hf_shapes(cfg)))
     if unexpected:
         raise KeyError(f"checkpoint has unexpected tensors {unexpected} that this model config does not describe")
-    return HFWeights(tensors, tied_stored)
+    return HFWeights(tensors, tied_stored, fused, dropped)
 
 
 def hf_dir_config(hf_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
@@ -80,7 +123,7 @@ def import_hf(
     tc = transformer_config(cfg)
     tp, ep = tc.tensor_model_parallel_size, int(cfg.parallel.get("ep", 1))
     iso_format.expected_shards(tc, tp, ep)  # a layout the model cannot take fails before anything is written
-    weights = checked_hf_weights(read_hf_weights(hf_dir), tc)
+    weights = checked_hf_weights(read_hf_weights(hf_dir), tc, read_hf_config(hf_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     # No manifest while files change: readers see an incomplete checkpoint, never a mixed one.
     (out_dir / iso_format.MANIFEST).unlink(missing_ok=True)
@@ -95,6 +138,8 @@ def import_hf(
             "config": read_hf_config(hf_dir),
             "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in sorted(weights.tensors.items())},
             "tied_lm_head_stored": weights.tied_lm_head_stored,
+            "fused_experts": weights.fused_experts,
+            "dropped_tensors": list(weights.dropped),
         },
         "identities": _identities(cfg),
         "source": str(hf_dir.resolve()),
@@ -134,7 +179,10 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | 
             raise ValueError(
                 f"tensor '{name}': {list(hf[name].shape)} {hf[name].dtype} != manifest {spec['shape']} {spec['dtype']}"
             )
-    config = source.get("config") or hf_config_from_model(manifest["model"])
+    if source.get("fused_experts"):
+        hf = fuse_experts(hf, transformer_config(load_config_with_model(manifest["model"])))
+    # A multimodal source exports as its text model (the vision tower was not imported).
+    config = text_model_hf_config(source["config"]) if source.get("config") else hf_config_from_model(manifest["model"])
     files = write_hf_dir(out_dir, hf, config, max_shard_bytes)
     copy_assets(ckpt_dir, out_dir)
     return files

@@ -29,6 +29,12 @@ class IsoTransformerConfig(TransformerConfig):
     max_sequence_length: int = 0
     tie_word_embeddings: bool = False
     iso_gdn_chunk: int = 64  # CPR chunk of the Gated DeltaNet layers (profile.gdn_chunk)
+    # How HF checkpoints store GDN's input projections (model.hf_gdn_layout; naming only, same computation):
+    # "qkvz" = Qwen3-Next's in_proj_qkvz/in_proj_ba grouped per key head, "split" = Qwen3.5's flat in_proj_qkv/z/b/a.
+    hf_gdn_layout: str = "qkvz"
+
+
+HF_GDN_LAYOUTS = ("qkvz", "split")
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -48,8 +54,12 @@ def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
     chunk = int(_get(profile, "gdn_chunk", 64))
     if chunk < 1:
         raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
+    layout = str(_get(model, "hf_gdn_layout", "qkvz"))
+    if layout not in HF_GDN_LAYOUTS:
+        raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
     return {
         "experimental_attention_variant": "gated_delta_net",
+        "hf_gdn_layout": layout,
         "linear_attention_freq": int(interval),
         "linear_conv_kernel_dim": int(model.linear_conv_kernel_dim),
         "linear_key_head_dim": int(model.linear_key_head_dim),

@@ -430,6 +430,8 @@ _QWEN3_NEXT_FIELDS = (
         "linear_num_value_heads",
     }
 )
+# conf/model key: how the HF checkpoint stores GDN's input projections (models/weights.py: HF_GDN_LAYOUTS).
+HF_GDN_LAYOUT_KEY = "hf_gdn_layout"
 _GDN_KEYS = (
     "linear_conv_kernel_dim",
     "linear_key_head_dim",
@@ -497,6 +499,7 @@ def _qwen3_next_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def _qwen3_next_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
     required = {"attention_output_gate": True, "zero_centered_norm": True, "qk_layernorm": True}
+    required[HF_GDN_LAYOUT_KEY] = "qkvz"
     if model.get("num_experts") is not None:
         required["shared_expert_gate"] = True
         if model.get("shared_expert_ffn_hidden_size") is None:
@@ -516,11 +519,182 @@ def _qwen3_next_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
 
 register_family(HFFamily("qwen3_next", "qwen3_next", _qwen3_next_to_model, _qwen3_next_to_hf))
 
-# Recognised, not implemented: Qwen3.5 splits GDN's projections into other tensors (and is multimodal).
-for _type, _pending in (
-    ("qwen3_5_text", "Qwen3.5 text's GDN weight layout (separate in_proj_qkv/z/b/a) is not mapped"),
-    ("qwen3_5", "Qwen3.5 is multimodal; its text part's GDN weight layout is not mapped"),
-    ("qwen3_5_moe_text", "Qwen3.5-MoE text's GDN weight layout (separate in_proj_qkv/z/b/a) is not mapped"),
-    ("qwen3_5_moe", "Qwen3.5-MoE is multimodal; its text part's GDN weight layout is not mapped"),
-):
-    register_family(HFFamily(_type, "qwen3_5", pending=_pending))
+# ---------------------------------------------------------------- qwen3_5 (text; dense and MoE)
+
+# Qwen3.5 text = Qwen3-Next's blocks (GDN x (k-1) + gated attention, zero-centred norms) with GDN's
+# projections stored flat (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a: ``HF_GDN_LAYOUT_KEY``) and
+# mRoPE. Text tokens get the same position on mRoPE's three axes, so its sections rotate exactly as
+# plain RoPE: ``mrope_section`` / ``mrope_interleaved`` are accepted, for text input only.
+_QWEN3_5_ROPE = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+_QWEN3_5_FIELDS = (_QWEN3_NEXT_FIELDS - _MOE_FIELDS - {"shared_expert_intermediate_size", "sliding_window"}) | {
+    "attn_output_gate",  # the attention's sigmoid output gate; only true is implemented
+    "mamba_ssm_dtype",  # dtype of GDN's recurrent state; ours is fp32
+    "mtp_num_hidden_layers",  # multi-token-prediction head: not part of the causal LM's logits (mtp.* dropped)
+    "mtp_use_dedicated_embeddings",
+}
+_QWEN3_5_MOE_FIELDS = (_QWEN3_5_FIELDS - {"intermediate_size"}) | {
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "router_aux_loss_coef",
+    "output_router_logits",
+}
+# Qwen3_5MoeTextConfig's defaults; its router always renormalises the top-k (no norm_topk_prob field).
+_QWEN3_5_MOE_DEFAULTS = {
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+}
+# Multimodal wrappers: config.json nests the text model's config under text_config.
+_QWEN3_5_VL_FIELDS = frozenset(
+    {
+        "text_config",
+        "vision_config",
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "tie_word_embeddings",
+    }
+)
+QWEN3_5_VL_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def _qwen3_5_common(hf: Mapping[str, Any], name: str, family: str, known: frozenset[str]) -> dict[str, Any]:
+    _reject_unknown(hf, known)
+    _require(hf, "attn_output_gate", (True,), True)
+    _require(hf, "mamba_ssm_dtype", ("float32",), "float32")
+    rope = _rope_parameters(hf, _QWEN3_5_ROPE)
+    fraction = float(rope.get("partial_rotary_factor", 0.25))
+    if not 0.0 < fraction <= 1.0:
+        raise UnsupportedHFConfig(f"config.json partial_rotary_factor={fraction} is not supported; allowed: (0, 1]")
+    gdn = {key: int(hf.get(key, default)) for key, default in zip(_GDN_KEYS, (4, 128, 128, 16, 32), strict=True)}
+    if gdn["linear_num_value_heads"] % gdn["linear_num_key_heads"]:
+        raise UnsupportedHFConfig(
+            f"config.json linear_num_value_heads={gdn['linear_num_value_heads']} is not supported: it must be a "
+            f"multiple of linear_num_key_heads={gdn['linear_num_key_heads']}"
+        )
+    return {
+        **_decoder_fields(hf, name, family, rope_extra=_QWEN3_5_ROPE),
+        "rotary_fraction": fraction,
+        "zero_centered_norm": True,
+        "attention_output_gate": True,
+        "full_attention_interval": _full_attention_interval(hf),
+        **gdn,
+        HF_GDN_LAYOUT_KEY: "split",
+    }
+
+
+def _qwen3_5_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
+    return _qwen3_5_common(hf, name, "qwen3_5", _QWEN3_5_FIELDS)
+
+
+def _qwen3_5_moe_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
+    # No intermediate_size: every layer is MoE. Megatron still wants ffn_hidden_size; it is unused.
+    hf_ = {**hf, "intermediate_size": hf.get("moe_intermediate_size", _QWEN3_5_MOE_DEFAULTS["moe_intermediate_size"])}
+    out = _qwen3_5_common(hf_, name, "qwen3_5_moe", _QWEN3_5_MOE_FIELDS | {"intermediate_size"})
+    experts = _num_experts(hf, _QWEN3_5_MOE_DEFAULTS)
+    if experts < 1:
+        raise UnsupportedHFConfig(f"config.json num_experts={experts} is not supported; qwen3_5_moe needs >= 1")
+    shared = int(hf.get("shared_expert_intermediate_size", 512))
+    if shared < 1:
+        raise UnsupportedHFConfig(
+            f"config.json shared_expert_intermediate_size={shared} is not supported; it must be >= 1"
+        )
+    return (
+        out
+        | _moe_fields(hf, _QWEN3_5_MOE_DEFAULTS)
+        | {"shared_expert_ffn_hidden_size": shared, "shared_expert_gate": True}
+    )
+
+
+def _qwen3_5_vl_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A multimodal Qwen3.5 config.json: its ``text_config`` is the model megatron_iso runs (text only;
+    the vision tower is not loaded)."""
+    _reject_unknown(hf, _QWEN3_5_VL_FIELDS)
+    return model_config_from_hf(vl_text_config(hf), name)
+
+
+def vl_text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The text model's config.json dict of a multimodal Qwen3.5 config (``text_config`` with its
+    ``model_type``; a top-level ``tie_word_embeddings`` is what the wrapper ties by)."""
+    outer = hf.get("model_type")
+    text = dict(hf.get("text_config") or {})
+    want = QWEN3_5_VL_TEXT_TYPES[outer]
+    if text.get("model_type", want) != want:
+        raise UnsupportedHFConfig(
+            f"config.json text_config.model_type={text.get('model_type')!r} is not supported in a {outer!r} "
+            f"config; supported values: [{want!r}]"
+        )
+    if "tie_word_embeddings" in hf:
+        if "tie_word_embeddings" in text and bool(text["tie_word_embeddings"]) != bool(hf["tie_word_embeddings"]):
+            raise UnsupportedHFConfig(
+                f"config.json tie_word_embeddings={hf['tie_word_embeddings']!r} differs from "
+                f"text_config.tie_word_embeddings={text['tie_word_embeddings']!r}"
+            )
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text | {"model_type": want}
+
+
+def is_multimodal(hf: Mapping[str, Any]) -> bool:
+    """Whether ``hf`` is a multimodal wrapper whose text part megatron_iso extracts."""
+    return hf.get("model_type") in QWEN3_5_VL_TEXT_TYPES
+
+
+_TEXT_ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+
+
+def text_model_hf_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json of the model megatron_iso runs: ``hf`` itself, or a multimodal wrapper's text
+    model (what ``export`` writes for a checkpoint imported from one)."""
+    if not is_multimodal(hf):
+        return dict(hf)
+    text = vl_text_config(hf)
+    return {"architectures": [_TEXT_ARCHITECTURES[text["model_type"]]], **text}
+
+
+def _qwen3_5_to_hf_common(model: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    required = {
+        "attention_output_gate": True,
+        "zero_centered_norm": True,
+        "qk_layernorm": True,
+        HF_GDN_LAYOUT_KEY: "split",
+    }
+    _refuse_model_fields(model, model_type, required)
+    if model.get("full_attention_interval") is None:
+        raise UnsupportedHFConfig(f"model.full_attention_interval=None has no {model_type} HF form (needs GDN layers)")
+    layers, k = int(model["num_layers"]), int(model["full_attention_interval"])
+    hf = {"model_type": model_type, **_hf_decoder_fields(model)}
+    hf["rope_parameters"]["partial_rotary_factor"] = float(model.get("rotary_fraction", 1.0))
+    hf["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
+    return hf | {key: int(model[key]) for key in _GDN_KEYS}
+
+
+def _qwen3_5_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
+    if model.get("num_experts") is not None:
+        raise UnsupportedHFConfig("model.num_experts has no qwen3_5_text HF form (dense); use family qwen3_5_moe")
+    return {"architectures": ["Qwen3_5ForCausalLM"], **_qwen3_5_to_hf_common(model, "qwen3_5_text")}
+
+
+def _qwen3_5_moe_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
+    if model.get("num_experts") is None or model.get("shared_expert_ffn_hidden_size") is None:
+        raise UnsupportedHFConfig(
+            "model.num_experts / model.shared_expert_ffn_hidden_size=None have no qwen3_5_moe_text HF form (needs both)"
+        )
+    _refuse_model_fields(model, "qwen3_5_moe_text", {"shared_expert_gate": True, "norm_topk_prob": True})
+    hf = _qwen3_5_to_hf_common(model, "qwen3_5_moe_text")
+    del hf["intermediate_size"]
+    moe = _hf_moe_fields(model)
+    for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+        del moe[key]
+    shared = {"shared_expert_intermediate_size": int(model["shared_expert_ffn_hidden_size"])}
+    return {"architectures": ["Qwen3_5MoeForCausalLM"], **hf, **moe, **shared}
+
+
+register_family(HFFamily("qwen3_5_text", "qwen3_5", _qwen3_5_to_model, _qwen3_5_to_hf))
+register_family(HFFamily("qwen3_5_moe_text", "qwen3_5_moe", _qwen3_5_moe_to_model, _qwen3_5_moe_to_hf))
+# The multimodal wrappers import their text part; export writes the text model (no to_hf of their own).
+register_family(HFFamily("qwen3_5", "qwen3_5", _qwen3_5_vl_to_model))
+register_family(HFFamily("qwen3_5_moe", "qwen3_5_moe", _qwen3_5_vl_to_model))

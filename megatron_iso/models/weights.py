@@ -11,8 +11,9 @@ what checkpoints ship as, and what TP-invariance tests load into every layout. S
 - MoE (Qwen3-MoE / Qwen3-Next names): ``mlp.gate`` -> ``mlp.router`` (replicated); expert e lives
   whole (expert TP = 1) on EP rank ``e // (E / ep)`` as ``mlp.experts.local_experts.{e mod E/ep}``;
   the shared expert is TP-sharded like a dense MLP, its ``shared_expert_gate`` replicated;
-- Gated DeltaNet (Qwen3-Next ``linear_attn.*``): HF groups ``in_proj_qkvz`` / ``in_proj_ba`` rows per key
-  head; Megatron's ``in_proj`` holds per rank ``[q | k | v | z | b | a]`` of the rank's key heads and
+- Gated DeltaNet (``linear_attn.*``): Qwen3-Next groups ``in_proj_qkvz`` / ``in_proj_ba`` rows per key
+  head, Qwen3.5 stores flat ``in_proj_qkv`` ([all q | all k | all v]), ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a`` (``cfg.hf_gdn_layout``: :func:`_gdn_pieces` is the one place that reads either); Megatron's ``in_proj`` holds per rank ``[q | k | v | z | b | a]`` of the rank's key heads and
   their value heads; ``conv1d`` channels ``[q | k | v]`` of the rank; ``A_log``/``dt_bias`` split;
   ``norm`` -> ``out_norm`` replicated; ``out_proj`` columns split.
 """
@@ -108,19 +109,69 @@ def _gdn_dims(cfg: IsoTransformerConfig) -> tuple[int, int, int, int, int]:
     return hk, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
 
 
+# GDN's HF input projections as per-key-head pieces [hk, rows, hidden] of q, k, v, z, b, a (value heads
+# kh*r .. kh*r+r-1 belong to key head kh in both layouts). The two HF layouts differ only in how these
+# pieces are laid out; everything else (sharding, Megatron's in_proj order) works on the pieces.
+_GDN_PIECES = ("q", "k", "v", "z", "b", "a")
+
+
+def _gdn_piece_rows(cfg: IsoTransformerConfig) -> list[int]:
+    _, _, dk, dv, r = _gdn_dims(cfg)
+    return [dk, dk, r * dv, r * dv, r, r]
+
+
+def _gdn_hf_tensors(cfg: IsoTransformerConfig) -> dict[str, list[str]]:
+    """HF tensor name (under ``linear_attn.``) -> the pieces it holds, for ``cfg.hf_gdn_layout``."""
+    if cfg.hf_gdn_layout == "split":  # Qwen3.5: flat, each piece's heads one after another
+        return {
+            "in_proj_qkv.weight": ["q", "k", "v"],
+            "in_proj_z.weight": ["z"],
+            "in_proj_b.weight": ["b"],
+            "in_proj_a.weight": ["a"],
+        }
+    return {"in_proj_qkvz.weight": ["q", "k", "v", "z"], "in_proj_ba.weight": ["b", "a"]}  # Qwen3-Next: per key head
+
+
+def _gdn_pieces(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, src: str) -> dict[str, torch.Tensor]:
+    """HF GDN projections under ``src`` -> {piece: [hk, rows, hidden]}."""
+    hk = cfg.linear_num_key_heads
+    rows = dict(zip(_GDN_PIECES, _gdn_piece_rows(cfg), strict=True))
+    out = {}
+    for name, pieces in _gdn_hf_tensors(cfg).items():
+        w = hf[src + name]
+        if cfg.hf_gdn_layout == "split":
+            parts = w.split([hk * rows[p] for p in pieces])
+            out |= {p: t.view(hk, rows[p], -1) for p, t in zip(pieces, parts, strict=True)}
+        else:
+            parts = w.view(hk, -1, w.shape[1]).split([rows[p] for p in pieces], dim=1)
+            out |= dict(zip(pieces, parts, strict=True))
+    return out
+
+
+def _gdn_from_pieces(
+    pieces: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, dst: str
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`_gdn_pieces` ({piece: [hk, rows, hidden]} of all key heads -> HF tensors)."""
+    out = {}
+    for name, names in _gdn_hf_tensors(cfg).items():
+        hidden = pieces[names[0]].shape[-1]
+        if cfg.hf_gdn_layout == "split":
+            out[dst + name] = torch.cat([pieces[p].reshape(-1, hidden) for p in names])
+        else:
+            out[dst + name] = torch.cat([pieces[p] for p in names], dim=1).reshape(-1, hidden)
+    return out
+
+
 def _gdn_shard(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, src: str, dst: str, rank: int, tp: int):
-    hk, hv, dk, dv, r = _gdn_dims(cfg)
+    hk, hv, dk, dv, _ = _gdn_dims(cfg)
     if hk % tp:
         raise ValueError(f"parallel.tp={tp} must divide model.linear_num_key_heads={hk}")
     heads = slice(rank * hk // tp, (rank + 1) * hk // tp)
-    qkvz = hf[src + "in_proj_qkvz.weight"]
-    hidden = qkvz.shape[1]
-    per_head = qkvz.view(hk, 2 * dk + 2 * r * dv, hidden)[heads]
-    q, k, v, z = per_head.split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = hf[src + "in_proj_ba.weight"].view(hk, 2 * r, hidden)[heads].split([r, r], dim=1)
+    pieces = _gdn_pieces(hf, cfg, src)
+    hidden = pieces["q"].shape[-1]
     conv_q, conv_k, conv_v = hf[src + "conv1d.weight"].split([hk * dk, hk * dk, hv * dv])
     return {
-        dst + "in_proj.weight": torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)]),
+        dst + "in_proj.weight": torch.cat([pieces[p][heads].reshape(-1, hidden) for p in _GDN_PIECES]),
         dst + "conv1d.weight": torch.cat([_rows(c, rank, tp) for c in (conv_q, conv_k, conv_v)]),
         dst + "A_log": _rows(hf[src + "A_log"], rank, tp),
         dst + "dt_bias": _rows(hf[src + "dt_bias"], rank, tp),
@@ -132,17 +183,16 @@ def _gdn_shard(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, src: s
 def _gdn_unshard(shards: Sequence[Mapping[str, torch.Tensor]], cfg: IsoTransformerConfig, src: str, dst: str):
     hk, _, dk, dv, r = _gdn_dims(cfg)
     hk_l = hk // len(shards)
-    qkvz, ba, conv = [], [], []
+    rows = _gdn_piece_rows(cfg)
+    per_rank, conv = [], []
     for s in shards:
         w = s[src + "in_proj.weight"]
-        hidden = w.shape[1]
-        q, k, v, z, b, a = w.split([hk_l * dk, hk_l * dk, hk_l * r * dv, hk_l * r * dv, hk_l * r, hk_l * r])
-        qkvz.append(torch.cat([t.reshape(hk_l, -1, hidden) for t in (q, k, v, z)], dim=1))
-        ba.append(torch.cat([t.reshape(hk_l, -1, hidden) for t in (b, a)], dim=1))
+        parts = w.split([hk_l * n for n in rows])
+        per_rank.append([t.reshape(hk_l, n, w.shape[1]) for t, n in zip(parts, rows, strict=True)])
         conv.append(s[src + "conv1d.weight"].split([hk_l * dk, hk_l * dk, hk_l * r * dv]))
+    pieces = {p: torch.cat([ranks[j] for ranks in per_rank]) for j, p in enumerate(_GDN_PIECES)}
     return {
-        dst + "in_proj_qkvz.weight": torch.cat(qkvz).reshape(-1, hidden),
-        dst + "in_proj_ba.weight": torch.cat(ba).reshape(-1, hidden),
+        **_gdn_from_pieces(pieces, cfg, dst),
         dst + "conv1d.weight": torch.cat([torch.cat([c[j] for c in conv]) for j in range(3)]),
         dst + "A_log": torch.cat([s[src + "A_log"] for s in shards]),
         dst + "dt_bias": torch.cat([s[src + "dt_bias"] for s in shards]),
@@ -154,9 +204,9 @@ def _gdn_unshard(shards: Sequence[Mapping[str, torch.Tensor]], cfg: IsoTransform
 def _gdn_shapes(cfg: IsoTransformerConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     hk, hv, dk, dv, _ = _gdn_dims(cfg)
     h = cfg.hidden_size
-    return {
-        prefix + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, h),
-        prefix + "in_proj_ba.weight": (2 * hv, h),
+    rows = dict(zip(_GDN_PIECES, _gdn_piece_rows(cfg), strict=True))
+    shapes = {prefix + name: (hk * sum(rows[p] for p in pieces), h) for name, pieces in _gdn_hf_tensors(cfg).items()}
+    return shapes | {
         prefix + "conv1d.weight": (2 * hk * dk + hv * dv, 1, cfg.linear_conv_kernel_dim),
         prefix + "A_log": (hv,),
         prefix + "dt_bias": (hv,),
@@ -396,3 +446,46 @@ def load_hf_state_dict(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], c
                     f"parameter '{name}': shard shape {list(tensor.shape)} != model {list(params[name].shape)}"
                 )
             params[name].copy_(tensor)
+
+
+# transformers 5 may store a layer's routed experts fused (real Qwen3.5-MoE checkpoints do): 3-D
+# ``mlp.experts.gate_up_proj`` [E, 2F, H] (each expert's [gate | up] rows) and ``mlp.experts.down_proj``
+# [E, H, F]. The canonical form (hf_shapes) names each expert; these two functions convert, by views only.
+FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def split_fused_experts(hf: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
+    """Per-expert tensors for every fused ``mlp.experts.gate_up_proj`` / ``down_proj`` pair; also whether
+    any were fused. A fused tensor without its partner, or of the wrong rank, is an error naming it."""
+    out, fused = {}, False
+    for name, t in hf.items():
+        if name.endswith(FUSED_DOWN) and name[: -len(FUSED_DOWN)] + FUSED_GATE_UP in hf:
+            continue  # handled with its gate_up partner
+        if not name.endswith(FUSED_GATE_UP):
+            out[name] = t
+            continue
+        layer = name[: -len(FUSED_GATE_UP)]
+        down = hf.get(layer + FUSED_DOWN)
+        if down is None or t.ndim != 3 or down.ndim != 3 or t.shape[0] != down.shape[0] or t.shape[1] % 2:
+            raise ValueError(
+                f"fused expert tensor '{name}' {list(t.shape)} needs '{layer + FUSED_DOWN}' "
+                f"(shapes [E, 2F, H] and [E, H, F]); got {None if down is None else list(down.shape)}"
+            )
+        fused = True
+        for e in range(t.shape[0]):
+            gate, up = t[e].chunk(2)
+            p = f"{layer}.mlp.experts.{e}."
+            out |= {p + "gate_proj.weight": gate, p + "up_proj.weight": up, p + "down_proj.weight": down[e]}
+    return out, fused
+
+
+def fuse_experts(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`split_fused_experts` for every MoE layer of ``cfg``."""
+    out = dict(hf)
+    for i in range(cfg.num_layers):
+        layer = f"model.layers.{i}"
+        names = [f"{layer}.mlp.experts.{e}." for e in range(cfg.num_moe_experts)]
+        gate_up = [torch.cat([out.pop(p + "gate_proj.weight"), out.pop(p + "up_proj.weight")]) for p in names]
+        out[layer + FUSED_GATE_UP] = torch.stack(gate_up)
+        out[layer + FUSED_DOWN] = torch.stack([out.pop(p + "down_proj.weight") for p in names])
+    return out

@@ -38,12 +38,28 @@ TINY_NEXT = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=64,
 )
+# Qwen3.5 text: Qwen3-Next's blocks with GDN's projections stored flat (in_proj_qkv/z/b/a); dense MLP.
+TINY_QWEN3_5 = {
+    k: v
+    for k, v in TINY_NEXT.items()
+    if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+}
+# Qwen3.5-MoE text: no intermediate_size (every layer MoE), router always renormalises the top-k.
+TINY_QWEN3_5_MOE = {k: v for k, v in TINY_NEXT.items() if k != "intermediate_size"}
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_MOE),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", TINY_NEXT),
     # num_experts=0: HF's Qwen3-Next with a dense MLP in every layer (our tiny_hybrid).
     "qwen3_next_dense": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(TINY_NEXT, num_experts=0)),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", TINY_QWEN3_5),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", TINY_QWEN3_5_MOE),
+}
+# Multimodal wrappers (how Qwen3.5 ships): text model under model.language_model., plus a vision tower.
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4)
+VL_FAMILIES = {
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
 }
 WORDS = ["hello", "world", "the", "policy", "moved", "not", "runtime"]
 
@@ -67,12 +83,18 @@ def make_hf_model(
     tokenizer: bool = False,
     seed: int = 0,
     family: str = "qwen3",
+    multimodal: bool = False,
 ) -> Path:
     import transformers
 
     config_cls, model_cls, kwargs = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs, tie_word_embeddings=tied)
+    if multimodal:
+        config_cls, model_cls = VL_FAMILIES[family]
+        config = getattr(transformers, config_cls)(
+            text_config=config.to_dict(), vision_config=TINY_VISION, tie_word_embeddings=tied
+        )
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():
         for p in model.parameters():  # (GDN's A_log / dt_bias are 1-d too: perturbed alike)
@@ -119,3 +141,23 @@ def hf_next(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_next_dense(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("hf_next_dense"), family="qwen3_next_dense", seed=6)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_5(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_qwen3_5"), family="qwen3_5", seed=7)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_5_moe(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_qwen3_5_moe"), family="qwen3_5_moe", seed=8)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_5_vl(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_qwen3_5_vl"), family="qwen3_5", multimodal=True, seed=9)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_5_moe_vl(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("hf_qwen3_5_moe_vl"), family="qwen3_5_moe", multimodal=True, seed=10)
