@@ -215,14 +215,11 @@ def test_model_configs_without_an_hf_form_are_refused_naming_the_field():
     assert model_config_from_hf(hf_config_from_model(hybrid), name="tiny_hybrid") == hybrid
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe"])
-def test_qwen3_5_is_recognised_but_refused(model_type):
-    with pytest.raises(
-        UnsupportedHFConfig, match=f"model_type='{model_type}' \\(family 'qwen3_5'\\).*not supported yet"
-    ):
-        model_config_from_hf({**QWEN3_0P6B, "model_type": model_type})
-    assert model_type not in supported_model_types()
-    assert {"qwen3", "qwen3_moe", "qwen3_next"} <= set(supported_model_types())
+def test_qwen3_5_families_are_supported():
+    # Qwen3.5's own tests: tests/checkpoint/test_qwen3_5.py.
+    assert {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"} <= set(
+        supported_model_types()
+    )
 
 
 def test_unknown_model_type_lists_known_ones():
