@@ -1,15 +1,44 @@
-"""Profile rollout generation (the bundled decoder) with torch.profiler and print the top ops.
+"""Profile rollout generation (the bundled decoder) and print where a step's time goes.
 
 python tools/profile_decode.py --model qwen3_0p6b --profile correctness --prompts 8 --group 8 --new-tokens 8
+python tools/profile_decode.py --split --profile performance --prompts 8 --group 8 --new-tokens 32
+
+Default: torch.profiler's top ops. ``--split``: wall time of uninstrumented runs (best of
+``--repeat``), then one cProfile run attributing that time to the model forward, the KV staging
+inside it (``PagedStepView``), the sampler and the rest of the engine's host work.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# (label, module path suffix, function name): cumulative cProfile time of each part of a step.
+_PARTS = (
+    ("forward (incl. KV staging)", "models/gpt.py", "forward_packed"),
+    ("  KV staging: layer()", "inference/kv_blocks.py", "layer"),
+    ("  KV staging: finish()", "inference/kv_blocks.py", "finish"),
+    ("step views (block tables)", "inference/kv_blocks.py", "step_view"),
+    ("pack (IsoBatch)", "models/batch.py", "pack"),
+    ("sampler (_sample)", "inference/engine.py", "_sample"),
+    ("admission (_admit)", "inference/engine.py", "_admit"),
+    ("fork (_fork)", "inference/engine.py", "_fork"),
+)
+
+
+def _cumulative(stats: pstats.Stats, path: str, name: str) -> float:
+    total = 0.0
+    for (file, _, func), (_, _, _, ct, callers) in stats.stats.items():
+        # Recursive/nested calls of the same function would count twice; only top-level entries are summed.
+        if func == name and file.endswith(path) and not any(c[2] == name and c[0] == file for c in callers):
+            total += ct
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="correctness")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--split", action="store_true", help="time split (forward / KV staging / sampler / rest)")
+    parser.add_argument("--repeat", type=int, default=2, help="--split: uninstrumented runs (best is reported)")
     args = parser.parse_args(argv)
 
     from megatron_iso.config import load_config
@@ -34,22 +66,67 @@ def main(argv: list[str] | None = None) -> int:
     with launched_world(seed=0):
         tc = transformer_config(cfg)
         model = build_model(tc, random_hf_state_dict(tc, seed=0)).eval()
-        engine = RolloutEngine(model, EngineConfig(kv_cache_bytes=4 << 30))
+        engine = RolloutEngine(model, EngineConfig(kv_cache_bytes=4 << 30, max_num_seqs=args.prompts * args.group))
         params = SamplingParams(max_new_tokens=args.new_tokens, n=args.group, seed=0)
         prompts = [
-            torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(i)).tolist()
+            torch.randint(
+                0, min(1000, tc.vocab_size), (args.prompt_len,), generator=torch.Generator().manual_seed(i)
+            ).tolist()
             for i in range(args.prompts)
         ]
+
+        def run(tag: str) -> None:
+            engine.generate([Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)])
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
         with torch.no_grad():
-            engine.generate([Request(f"warm{i}", p, params) for i, p in enumerate(prompts)])
+            run("warm")
+            if args.split:
+                return _split(engine, run, args)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=acts) as prof:
-                engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                run("")
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    return 0
+
+
+def _split(engine, run, args) -> int:
+    walls, steps = [], []
+    for r in range(args.repeat):
+        s0, t0 = engine.stats.steps, time.perf_counter()
+        run(f"r{r}_")
+        walls.append(time.perf_counter() - t0)
+        steps.append(engine.stats.steps - s0)
+    wall, nsteps = min(walls), steps[0]
+    tokens = args.prompts * args.group * args.new_tokens
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    run("prof_")
+    prof.disable()
+    prof_wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    print(
+        f"model={args.model} profile={args.profile} sequences={args.prompts}x{args.group} "
+        f"prompt={args.prompt_len} new={args.new_tokens} threads={torch.get_num_threads()}"
+    )
+    print(
+        f"wall {wall:.3f} s (best of {args.repeat}), {nsteps} steps, {wall / nsteps * 1e3:.2f} ms/step, "
+        f"{tokens / wall:.0f} tok/s"
+    )
+    print(f"cProfile run: {prof_wall:.3f} s (instrumented); share of it per part, and that share of the wall time:")
+    parts = {label: _cumulative(stats, path, name) for label, path, name in _PARTS}
+    for label, t in parts.items():
+        print(f"  {label:<30s} {t / prof_wall * 100:5.1f}%  {t / prof_wall * wall / nsteps * 1e3:7.2f} ms/step")
+    top = [label for label in parts if not label.startswith(" ")]
+    rest = prof_wall - sum(parts[label] for label in top)
+    print(
+        f"  {'rest of engine.step':<30s} {rest / prof_wall * 100:5.1f}%  {rest / prof_wall * wall / nsteps * 1e3:7.2f} ms/step"
+    )
+    stats.sort_stats("tottime").print_stats(args.rows)
     return 0
 
 
