@@ -1,0 +1,52 @@
+"""Smoke test of tools/bench_decode.py on tiny_dense (CPU): every engine generates every token and
+the report holds positive rates, the ratios and a decode-step profile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_decode.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_decode", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_decode_tiny(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    argv = ["--model", "tiny_dense", "--batch", "1", "3", "--prompt-len", "5", "--new-tokens", "4"]
+    argv += ["--warmup-new-tokens", "1", "--profile-step", "--profile-batch", "3", "--profile-new-tokens", "3"]
+    assert _tool().main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["failures"] == {}
+    cells = {(c["engine"], c["batch"]): c for c in report["cells"]}
+    assert set(cells) == {(e, b) for e in ("iso", "native", "hf") for b in (1, 3)}
+    for (engine, batch), c in cells.items():
+        assert c["generated"] == batch * 4, (engine, c)  # no early stop in any engine
+        assert c["tokens_per_s"] > 0 and c["wall_s"] > 0 and c["note"] == "", (engine, c)
+        assert 0 < c["ttft_s"] <= c["wall_s"], (engine, c)
+    assert [r["batch"] for r in report["ratios"]] == [1, 3]
+    assert all(r["iso/native"] > 0 and r["native/hf"] > 0 for r in report["ratios"])
+    profiles = {p["engine"]: p for p in report["profiles"]}
+    assert set(profiles) == {"iso", "native", "hf"}
+    assert profiles["iso"]["decode_tokens"] == 3 * 2  # 3 new tokens, the first from the prefill step
+    parts = {p["name"] for p in profiles["iso"]["parts"]}
+    assert {"engine: forward", "engine: sample", "module: decoder.layers.*.mlp"} <= parts, parts
+    assert profiles["hf"]["top_cpu_ops"], profiles["hf"]
+    printed = capsys.readouterr().out
+    assert "| iso/native |" in printed.replace("| batch ", "") and "| hf | 3 | 5 | 4 |" in printed
+
+
+def test_bench_decode_budget_skips(tmp_path):
+    out = tmp_path / "decode.json"
+    argv = ["--engines", "native", "--batch", "1", "--prompt-len", "4", "--new-tokens", "2", "--budget-seconds", "1"]
+    assert _tool().main([*argv, "--max-seconds", "5", "--out", str(out)]) == 0
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell["note"].startswith("skipped") and cell["tokens_per_s"] is None

@@ -1,0 +1,544 @@
+"""Decode throughput: the bundled decoder in the correctness (iso) and performance (native) profiles
+vs HF transformers ``generate``, all three on the same random seeded weights (issue 9, "Speed").
+
+    python tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 --new-tokens 512 \
+        --max-seconds 40 --budget-seconds 500 --out bench_decode.json
+    python tools/bench_decode.py --model tiny_dense --batch 1 4 --prompt-len 8 --new-tokens 8   # CPU
+
+Every request generates exactly ``--new-tokens`` tokens (no stop ids; HF with ``eos_token_id=None``
+and ``min_new_tokens``). Cells run batch-major (every engine at batch 1, then 8, ...) so the ratios
+of the small batches exist even when the budget ends the run early. Each cell: a short warm-up
+generate at the same batch and prompt length (Triton compiles per shape bucket), then one timed
+generate, CUDA-synchronised. A timed run longer than ``--max-seconds`` stops there and reports what
+it generated (note ``partial``); a cell that could not finish within ``--budget-seconds`` of the
+start is skipped (note ``skipped``). Rows print as they complete; ``--out`` is rewritten after each.
+
+``--profile-step``: afterwards one generate per engine at ``--profile-batch``, its decode steps
+(after every prompt is prefilled) under torch.profiler, with a range per model module (layer index
+as ``*``) and, for the decoder, per engine phase (forward, sample): prints the top ops by self CUDA
+and self CPU time and the time of each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.metadata
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ENGINES = ("iso", "native", "hf")
+PROFILES = {"iso": "correctness", "native": "performance"}
+ISO_OVER_NATIVE_TARGET = 0.9  # issue 9: iso >= 0.9x native tokens/s
+NATIVE_OVER_HF_TARGET = (64, 3.0)  # issue 9: native >= 3x HF generate at batch 64
+LABELS = ("module: ", "engine: ")  # profiler ranges this script adds (kept out of the op table)
+
+
+@dataclass
+class Run:
+    generated: int
+    wall_s: float
+    ttft_s: float | None
+    partial: bool
+
+
+@dataclass
+class Cell:
+    engine: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    wall_s: float | None = None
+    generated: int = 0
+    tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None  # tokens after each request's first / time after the last prefill
+    ttft_s: float | None = None  # until every request of the batch has its first token
+    warmup_s: float | None = None
+    peak_gb: float | None = None
+    note: str = ""
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+class EngineRunner:
+    """The bundled decoder over one built model. A fresh engine (and KV cache sized for the run)
+    per run: a run cut at its deadline leaves nothing behind, and no run gets prefix hits from an
+    earlier one."""
+
+    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+        self.model = model
+        self.args = args
+        self.vocab = int(model.config.vocab_size)
+        self.instrument = False  # profiler ranges around the engine's forward and sampler
+
+    def _engine(self, batch: int, total_len: int):
+        from megatron_iso.inference import EngineConfig, PagedKVCache, RolloutEngine
+
+        mc, bs = self.model.config, self.args.block_size
+        per = PagedKVCache.bytes_per_block(mc.num_layers, bs, mc.num_query_groups, mc.kv_channels, mc.params_dtype)
+        # +2 blocks a sequence: the shared prompt prefill's partial block and its copy on write at the fork
+        blocks = batch * (math.ceil(total_len / bs) + 2)
+        config = EngineConfig(
+            kv_cache_bytes=blocks * per,
+            block_size=bs,
+            max_num_seqs=batch,
+            max_prefill_tokens=self.args.max_prefill_tokens,
+        )
+        engine = RolloutEngine(self.model, config)
+        if self.instrument:
+            engine.forward_fn = _ranged("engine: forward", engine.forward_fn)
+            engine._sample = _ranged("engine: sample", engine._sample)  # no public hook; profiling only
+        return engine
+
+    def run(self, prompts: list[list[int]], new_tokens: int, max_seconds: float, on_prefilled=None) -> Run:
+        from megatron_iso.inference import Request, SamplingParams
+
+        engine = self._engine(len(prompts), len(prompts[0]) + new_tokens)
+        params = SamplingParams(temperature=self.args.temperature, max_new_tokens=new_tokens, seed=self.args.seed)
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(i, p, params))
+        prompt_tokens, ttft, partial = sum(map(len, prompts)), None, False
+        _sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.error:
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
+            elapsed = time.perf_counter() - t0  # step() reads its tokens on the host: already synchronised
+            s = engine.stats
+            if ttft is None and s.prefill_tokens + s.prefix_hit_tokens >= prompt_tokens:
+                ttft = elapsed  # a prompt's prefill step samples its first token
+                if on_prefilled is not None:
+                    on_prefilled()
+            if max_seconds and elapsed > max_seconds and engine.has_unfinished():
+                partial = True
+                break
+        _sync()
+        return Run(engine.stats.generated_tokens, time.perf_counter() - t0, ttft, partial)
+
+
+class _FirstLogits:
+    """A logits processor that notes when generate's first logits (the prefill's) are ready."""
+
+    def __init__(self, on_prefilled=None) -> None:
+        self.at: float | None = None
+        self.on_prefilled = on_prefilled
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.at is None:
+            _sync()
+            self.at = time.perf_counter()
+            if self.on_prefilled is not None:
+                self.on_prefilled()
+        return scores
+
+
+class HFRunner:
+    """transformers ``generate`` (dynamic KV cache, the default attention) with no early stop."""
+
+    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+        self.model = model
+        self.args = args
+        self.vocab = int(model.config.vocab_size)
+        self.instrument = False
+
+    def run(self, prompts: list[list[int]], new_tokens: int, max_seconds: float, on_prefilled=None) -> Run:
+        from transformers import LogitsProcessorList
+
+        ids = torch.tensor(prompts, device=self.model.device)
+        t = self.args.temperature
+        sampling = {"do_sample": True, "temperature": t, "top_k": 0, "top_p": 1.0} if t > 0 else {"do_sample": False}
+        first = _FirstLogits(on_prefilled)
+        torch.manual_seed(self.args.seed)
+        _sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                max_time=max_seconds or None,
+                logits_processor=LogitsProcessorList([first]),
+                **sampling,
+            )
+        _sync()
+        wall = time.perf_counter() - t0
+        per_row = out.shape[1] - ids.shape[1]
+        return Run(per_row * ids.shape[0], wall, None if first.at is None else first.at - t0, per_row < new_tokens)
+
+
+def _ranged(label: str, fn):
+    def wrapped(*a, **k):
+        with torch.profiler.record_function(label):
+            return fn(*a, **k)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def _module_ranges(model: torch.nn.Module) -> Iterator[None]:
+    """A profiler range around every computing module, named by its path with layer indices as ``*``,
+    so that key_averages totals each part of a layer over all layers."""
+    stack: list = []
+
+    def opener(label: str):
+        def hook(module, inputs):
+            rf = torch.profiler.record_function(label)
+            rf.__enter__()
+            stack.append(rf)
+
+        return hook
+
+    def close(module, inputs, output):
+        stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for name, mod in model.named_modules():
+        inert = isinstance(mod, torch.nn.ModuleList | torch.nn.Dropout) or type(mod).__name__.startswith("Identity")
+        if name and not inert:
+            label = "module: " + re.sub(r"\.\d+(?=\.|$)", ".*", name)
+            handles += [mod.register_forward_pre_hook(opener(label)), mod.register_forward_hook(close)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def build_runners(args: argparse.Namespace, failures: dict[str, str]) -> dict[str, EngineRunner | HFRunner]:
+    """All engines' models on the same HF-named random weights (call inside the launched world)."""
+    from omegaconf import OmegaConf
+
+    from megatron_iso.config import load_config
+    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.weights import random_hf_state_dict
+
+    base = load_config([f"model={args.model}", *args.overrides])
+    hf_weights = random_hf_state_dict(transformer_config(base), seed=args.seed)
+    runners: dict[str, EngineRunner | HFRunner] = {}
+    for name in args.engines:
+        try:
+            if name == "hf":
+                runners[name] = HFRunner(
+                    _hf_model(OmegaConf.to_container(base.model, resolve=True), hf_weights, args), args
+                )
+            else:
+                cfg = load_config([f"model={args.model}", f"profile={PROFILES[name]}", *args.overrides])
+                runners[name] = EngineRunner(build_model(transformer_config(cfg), hf_weights).eval(), args)
+        except Exception:  # keep the other engines; the traceback says what broke
+            failures[f"build {name}"] = traceback.format_exc()
+            print(failures[f"build {name}"], file=sys.stderr, flush=True)
+    return runners
+
+
+def _hf_model(model_cfg: dict, hf_weights: dict[str, torch.Tensor], args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+
+    from megatron_iso.models.hf_config import hf_config_from_model
+
+    hf = hf_config_from_model(model_cfg)
+    config = getattr(transformers, f"{hf['architectures'][0].removesuffix('ForCausalLM')}Config")(
+        **{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "dtype")}
+    )
+    dtype = next(iter(hf_weights.values())).dtype
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with device:  # initialise on the GPU: the random init of a CPU copy of a real-sized model is slow
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.hf_attn, dtype=dtype)
+    missing, unexpected = model.load_state_dict(hf_weights, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise KeyError(f"HF weights do not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+def run_cell(name: str, runner, batch: int, args: argparse.Namespace) -> Cell:
+    cell = Cell(name, batch, args.prompt_len, args.new_tokens)
+    # Distinct warm-up and timed prompts; the timed ones are the same for every engine.
+    warm = _prompts(batch, args.prompt_len, runner.vocab, seed=args.seed + 2 * batch + 1)
+    timed = _prompts(batch, args.prompt_len, runner.vocab, seed=args.seed + 2 * batch)
+    t0 = time.perf_counter()
+    runner.run(warm, min(args.warmup_new_tokens, args.new_tokens), args.max_seconds)
+    cell.warmup_s = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    run = runner.run(timed, args.new_tokens, args.max_seconds)
+    if torch.cuda.is_available():
+        cell.peak_gb = torch.cuda.max_memory_allocated() / 2**30
+    cell.wall_s, cell.generated, cell.ttft_s = run.wall_s, run.generated, run.ttft_s
+    cell.tokens_per_s = run.generated / run.wall_s
+    if run.ttft_s is not None and run.wall_s > run.ttft_s and run.generated > batch:
+        cell.decode_tokens_per_s = (run.generated - batch) / (run.wall_s - run.ttft_s)
+    if run.partial:
+        cell.note = f"partial: stopped at --max-seconds {args.max_seconds:g}"
+    return cell
+
+
+def profile_step(name: str, runner, args: argparse.Namespace, warm: bool = True) -> dict:
+    """Profile the decode steps of one generate (after a warm-up at the same batch unless ``warm`` is
+    False): the profiler starts once every prompt is prefilled. Top ops by self CUDA and self CPU
+    time, and the parts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, new = args.profile_batch, args.profile_new_tokens
+    prompts = _prompts(batch, args.prompt_len, runner.vocab, seed=args.seed + 7919)
+    if warm:
+        runner.run(_prompts(batch, args.prompt_len, runner.vocab, seed=args.seed + 7920), 2, args.max_seconds)
+    cuda = torch.cuda.is_available()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    started: list[float] = []
+
+    def begin() -> None:
+        prof.start()
+        started.append(time.perf_counter())
+
+    runner.instrument = True
+    try:
+        with _module_ranges(runner.model):
+            run = runner.run(prompts, new, args.max_seconds, on_prefilled=begin)
+    finally:
+        runner.instrument = False
+    if not started:
+        raise RuntimeError(f"profile {name}: the prefill did not finish within --max-seconds {args.max_seconds:g}")
+    _sync()
+    decode_s = time.perf_counter() - started[0]
+    prof.stop()
+    avgs = prof.key_averages()
+    ops = [e for e in avgs if not e.key.startswith(LABELS)]
+    parts = sorted(
+        (e for e in avgs if e.key.startswith(LABELS)),
+        key=lambda e: e.device_time_total if cuda else e.cpu_time_total,
+        reverse=True,
+    )
+
+    def top(attr: str) -> list[dict]:
+        rows = sorted(ops, key=lambda e: getattr(e, attr), reverse=True)[: args.profile_rows]
+        return [
+            {"name": e.key, "count": e.count, "self_device_ms": e.self_device_time_total / 1e3,
+             "self_cpu_ms": e.self_cpu_time_total / 1e3}
+            for e in rows
+        ]  # fmt: skip
+
+    return {
+        "engine": name,
+        "batch": batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": new,
+        "decode_wall_s": decode_s,
+        "decode_tokens": run.generated - batch,  # the first token of each request came with its prefill
+        "device_busy_s": sum(e.self_device_time_total for e in ops) / 1e6 if cuda else None,
+        "top_device_ops": top("self_device_time_total") if cuda else [],
+        "top_cpu_ops": top("self_cpu_time_total"),
+        "parts": [
+            {"name": e.key, "count": e.count, "device_ms": e.device_time_total / 1e3, "cpu_ms": e.cpu_time_total / 1e3}
+            for e in parts[: args.profile_rows]
+        ],
+    }
+
+
+def print_profile(p: dict) -> None:
+    busy = "" if p["device_busy_s"] is None else f"; kernels busy {p['device_busy_s']:.3f} s"
+    print(f"\n### profile: {p['engine']}, batch {p['batch']}, decode steps after a {p['prompt_len']}-token prefill")
+    print(f"decode {p['decode_wall_s']:.3f} s for {p['decode_tokens']} tokens (profiler on){busy}")
+    for title, rows in (("self CUDA", p["top_device_ops"]), ("self CPU", p["top_cpu_ops"])):
+        if rows:
+            print(f"\nTop ops by {title} time\n\n| op | calls | self CUDA ms | self CPU ms |\n|---|---|---|---|")
+            for o in rows:
+                print(f"| {o['name'][:90]} | {o['count']} | {o['self_device_ms']:.2f} | {o['self_cpu_ms']:.2f} |")
+    print("\n| part (inclusive) | calls | CUDA ms | CPU ms |\n|---|---|---|---|")
+    for o in p["parts"]:
+        print(f"| {o['name']} | {o['count']} | {o['device_ms']:.2f} | {o['cpu_ms']:.2f} |")
+    sys.stdout.flush()
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+TABLE_HEADER = (
+    "\n| engine | batch | prompt | new | wall s | tok/s | decode tok/s | TTFT s | warm-up s | peak GB | note |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def print_row(c: Cell) -> None:
+    print(
+        f"| {c.engine} | {c.batch} | {c.prompt_len} | {c.new_tokens} | {_fmt(c.wall_s, '.3f')} | "
+        f"{_fmt(c.tokens_per_s, '.1f')} | {_fmt(c.decode_tokens_per_s, '.1f')} | {_fmt(c.ttft_s, '.3f')} | "
+        f"{_fmt(c.warmup_s, '.2f')} | {_fmt(c.peak_gb, '.2f')} | {c.note} |",
+        flush=True,
+    )
+
+
+def ratios(cells: list[Cell]) -> list[dict]:
+    """iso/native and native/HF tokens/s per batch, with the issue's targets."""
+    by = {(c.engine, c.batch): c for c in cells if c.tokens_per_s}
+    out = []
+    for b in sorted({c.batch for c in cells}):
+        row: dict = {"batch": b}
+        for key, (num, den) in {"iso/native": ("iso", "native"), "native/hf": ("native", "hf")}.items():
+            if (num, b) in by and (den, b) in by:
+                row[key] = by[num, b].tokens_per_s / by[den, b].tokens_per_s
+                row[key + " partial"] = bool(by[num, b].note or by[den, b].note)
+        out.append(row)
+    return out
+
+
+def print_ratios(rows: list[dict]) -> None:
+    hf_batch, hf_target = NATIVE_OVER_HF_TARGET
+    print("\n| batch | iso/native | target | native/HF | target |\n|---|---|---|---|---|")
+    for r in rows:
+        iso, nat = r.get("iso/native"), r.get("native/hf")
+        t1 = "" if iso is None else ("met" if iso >= ISO_OVER_NATIVE_TARGET else "missed")
+        t2 = ""
+        if nat is not None and r["batch"] == hf_batch:
+            t2 = "met" if nat >= hf_target else "missed"
+        star1 = "*" if r.get("iso/native partial") else ""
+        star2 = "*" if r.get("native/hf partial") else ""
+        print(
+            f"| {r['batch']} | {_fmt(iso, '.3f')}{star1} | >= {ISO_OVER_NATIVE_TARGET} {t1} | "
+            f"{_fmt(nat, '.2f')}{star2} | {f'>= {hf_target:g} {t2}' if r['batch'] == hf_batch else '-'} |"
+        )
+    if any(r.get("iso/native partial") or r.get("native/hf partial") for r in rows):
+        print("(* from a partial run)")
+    sys.stdout.flush()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None  # the device machine's copy of the tree may have no .git
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny_dense", help="conf/model name (qwen3_0p6b on the GPU)")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--warmup-new-tokens", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16, help="KV block size of the decoder")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="decoder prompt tokens admitted per step")
+    p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
+    p.add_argument("--max-seconds", type=float, default=0.0, help="stop a timed run after this long (0: never)")
+    p.add_argument("--budget-seconds", type=float, default=0.0, help="skip cells that would end later (0: none)")
+    p.add_argument("--profile-step", action="store_true", help="profile one generate per engine afterwards")
+    p.add_argument("--profile-batch", type=int, default=64)
+    p.add_argument("--profile-new-tokens", type=int, default=16)
+    p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    args = p.parse_args(argv)
+    for name in ("prompt_len", "new_tokens", "warmup_new_tokens", "profile_batch", "profile_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; allowed: an int >= 1")
+    if min(args.batch) < 1:
+        p.error(f"--batch {args.batch} is invalid; allowed: ints >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.perf_counter()
+    args = parse_args(argv)
+    from megatron_iso.parallel.world import launched_world
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    cells: list[Cell] = []
+    profiles: list[dict] = []
+    failures: dict[str, str] = {}
+
+    meta = {"device": device, "torch": torch.__version__, "transformers": _version("transformers"), "commit": _commit()}
+
+    def save() -> None:
+        report = {"model": args.model, **meta, "args": vars(args) | {"out": str(args.out)}}
+        report |= {"cells": [asdict(c) for c in cells], "ratios": ratios(cells), "profiles": profiles}
+        args.out.write_text(json.dumps(report | {"failures": failures}, indent=1))
+
+    def over_budget() -> bool:
+        # a cell is a warm-up and a timed run, each cut at --max-seconds (plus the step under way)
+        left = args.budget_seconds - (time.perf_counter() - start)
+        return bool(args.budget_seconds) and left < 2 * args.max_seconds
+
+    def measure(name: str, runner, batch: int) -> Cell:
+        if over_budget():
+            return Cell(name, batch, args.prompt_len, args.new_tokens, note="skipped: --budget-seconds")
+        try:
+            return run_cell(name, runner, batch, args)
+        except torch.OutOfMemoryError:
+            return Cell(name, batch, args.prompt_len, args.new_tokens, note="out of memory")
+        except Exception:  # keep the other cells; the traceback says what broke
+            failures[f"{name} batch {batch}"] = traceback.format_exc()
+            print(failures[f"{name} batch {batch}"], file=sys.stderr, flush=True)
+            return Cell(name, batch, args.prompt_len, args.new_tokens, note="error (see failures)")
+        finally:
+            gc.collect()  # the run's engine and KV cache
+
+    def profile(name: str, runner, warm: bool) -> None:
+        if over_budget():
+            print(f"profile {name}: skipped (--budget-seconds)", flush=True)
+            return
+        try:
+            profiles.append(profile_step(name, runner, args, warm=warm))
+            print_profile(profiles[-1])
+        except Exception:
+            failures[f"profile {name}"] = traceback.format_exc()
+            print(failures[f"profile {name}"], file=sys.stderr, flush=True)
+        save()
+
+    with launched_world(seed=args.seed):
+        runners = build_runners(args, failures)
+        print(f"\n{args.model} on {device}: prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+              f"temperature {args.temperature:g}; build {time.perf_counter() - start:.1f} s")  # fmt: skip
+        for batch in args.batch:
+            print(TABLE_HEADER, flush=True)
+            for name, runner in runners.items():
+                cells.append(measure(name, runner, batch))
+                print_row(cells[-1])
+                save()
+                # Profiled right after its cell (already warm), before larger batches can use up the budget.
+                if args.profile_step and batch == args.profile_batch:
+                    profile(name, runner, warm=cells[-1].tokens_per_s is None)
+        print_ratios(ratios(cells))
+        if args.profile_step and args.profile_batch not in args.batch:
+            for name, runner in runners.items():
+                profile(name, runner, warm=True)
+    save()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
