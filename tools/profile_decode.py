@@ -126,8 +126,49 @@ def _split(engine, run, args) -> int:
     print(
         f"  {'rest of engine.step':<30s} {rest / prof_wall * 100:5.1f}%  {rest / prof_wall * wall / nsteps * 1e3:7.2f} ms/step"
     )
-    stats.sort_stats("tottime").print_stats(args.rows)
+    if args.rows:
+        stats.sort_stats("tottime").print_stats(args.rows)
+    _op_counts(run, nsteps)
     return 0
+
+
+# Innermost matching frame names the part an ATen op belongs to (a proxy for GPU kernel launches).
+_OP_PARTS = (
+    ("KV staging (PagedStepView)", "inference/kv_blocks.py", ("layer", "finish", "_stage", "__init__")),
+    ("attention kv-cache op", "/ops/attention/", ("attention_with_kv_cache",)),
+    ("model forward (rest)", "models/gpt.py", ("forward_packed",)),
+    ("sampler (_sample)", "inference/engine.py", ("_sample",)),
+    ("pack (IsoBatch)", "models/batch.py", ("pack",)),
+)
+
+
+def _op_counts(run, nsteps: int) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+
+    def part() -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            for label, path, names in _OP_PARTS:
+                if code.co_name in names and path in code.co_filename:
+                    return label
+            frame = frame.f_back
+        return "engine (rest)"
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            label = part()
+            counts[label] = counts.get(label, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run("ops_")
+    total = sum(counts.values())
+    print(f"ATen ops per step (a proxy for GPU kernel launches; views included): {total / nsteps:.0f}")
+    for label, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<30s} {n / nsteps:8.0f}")
 
 
 if __name__ == "__main__":

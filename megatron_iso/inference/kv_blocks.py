@@ -217,23 +217,28 @@ class PagedStepView:
     ) -> None:
         self.cache = cache
         bs = cache.block_size
-        ends = [s + c for s, c in zip(starts, counts, strict=True)]
-        length = max(ends)
+        n = len(tables)
+        start_t = torch.tensor(list(starts), dtype=torch.int64)
+        count_t = torch.tensor(list(counts), dtype=torch.int64)
+        length = int((start_t + count_t).max())
         width = _ceil_div(length, bs)
         padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int64)
         device = next(iter(cache.k.values())).device
         pos = torch.arange(length)
         flat = padded[:, pos // bs] * bs + pos % bs  # [n, L] row of each position in the flattened pool
-        start_t, end_t = torch.tensor(list(starts)).unsqueeze(1), torch.tensor(ends).unsqueeze(1)
-        write = (pos >= start_t) & (pos < end_t)
+        # The positions this step writes, sequence by sequence: integer indices (a boolean mask would
+        # need a nonzero(), i.e. a host sync on GPU, in every layer's write-back).
+        row = torch.repeat_interleave(torch.arange(n), count_t)
+        first = torch.cumsum(count_t, 0) - count_t
+        at = start_t[row] + torch.arange(int(count_t.sum())) - first[row]
         self.read_idx = flat.reshape(-1).to(device)
-        self.write_mask = write.to(device)
-        self.write_idx = flat[write].to(device)
-        self.shape = (len(tables), length)
+        self.write_src = (row * length + at).to(device)  # in the staged [n * L] rows
+        self.write_idx = flat[row, at].to(device)  # in the flattened pool
+        self.shape = (n, length)
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def _stage(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.flatten(0, 1)[self.read_idx].view(*self.shape, *pool.shape[2:])
+        return pool.flatten(0, 1).index_select(0, self.read_idx).view(*self.shape, *pool.shape[2:])
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.finish()
@@ -247,6 +252,6 @@ class PagedStepView:
         if self._pending is None:
             return
         index, k, v = self._pending
-        self.cache.k[index].flatten(0, 1)[self.write_idx] = k[self.write_mask]
-        self.cache.v[index].flatten(0, 1)[self.write_idx] = v[self.write_mask]
+        for pool, staged in ((self.cache.k[index], k), (self.cache.v[index], v)):
+            pool.flatten(0, 1).index_copy_(0, self.write_idx, staged.flatten(0, 1).index_select(0, self.write_src))
         self._pending = None
