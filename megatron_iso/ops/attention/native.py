@@ -74,12 +74,25 @@ def attention_with_kv_cache(
     cu = [int(c) for c in cu_seqlens_q.tolist()]
     starts = [int(s) for s in cache_seqlens.tolist()]
     slot_ids = list(range(len(starts))) if slots is None else [int(s) for s in slots.tolist()]
+    # (slot, first new cache position, end, first token, end token) of every non-empty sequence
+    spans = [(slot_ids[i], starts[i], starts[i] + b - a, a, b) for i, (a, b) in enumerate(pairwise(cu)) if b > a]
     out = torch.empty_like(q)
-    for i, (a, b) in enumerate(pairwise(cu)):
-        start, slot = starts[i], slot_ids[i]
-        end = start + (b - a)
-        if b == a:
-            continue
+    if spans and len({s[0] for s in spans}) == len(spans):
+        # Distinct slots: no sequence reads another's new keys, so every write goes first (one
+        # indexed copy per cache, not two slice copies per sequence) and the outputs are joined
+        # once: the host work per sequence is its SDPA call, which gets the same inputs as below.
+        dev = k_cache.device
+        rows = torch.tensor([slot for slot, start, end, _, _ in spans for _ in range(start, end)], device=dev)
+        cols = torch.tensor([p for _, start, end, _, _ in spans for p in range(start, end)], device=dev)
+        k_cache[rows, cols] = k[cu[0] : cu[-1]]
+        v_cache[rows, cols] = v[cu[0] : cu[-1]]
+        parts = [
+            _sdpa(q[a:b], k_cache[slot, :end], v_cache[slot, :end], start, softmax_scale)
+            for slot, start, end, a, b in spans
+        ]
+        out[cu[0] : cu[-1]] = torch.cat(parts)
+        return _gate(out, gate)
+    for slot, start, end, a, b in spans:  # a slot twice: each sequence reads what those before it wrote
         k_cache[slot, start:end] = k[a:b]
         v_cache[slot, start:end] = v[a:b]
         out[a:b] = _sdpa(q[a:b], k_cache[slot, :end], v_cache[slot, :end], start, softmax_scale)
