@@ -79,19 +79,28 @@ def pack(
         raise ValueError(f"case={case!r} is not allowed; allowed values: {list(CASES)}")
     if (kv_cache is None) != (case == "trainer_forward"):
         raise ValueError(f"case={case!r}: a kv_cache is required for prefill/decode and forbidden for trainer_forward")
-    toks = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in sequences]
-    pad = -sum(t.numel() for t in toks) % pad_to_multiple
+    if all(isinstance(s, list | tuple) for s in sequences):  # the engine's case: one tensor, not one per sequence
+        lengths = [len(s) for s in sequences]
+        toks = [torch.tensor([t for s in sequences for t in s], dtype=torch.int64)]
+    else:
+        toks = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in sequences]
+        lengths = [int(t.numel()) for t in toks]
+    pad = -sum(lengths) % pad_to_multiple
     if pad:
         if case != "trainer_forward":
             raise ValueError(f"pad_to_multiple={pad_to_multiple} is only supported for case='trainer_forward'")
         toks.append(torch.zeros(pad, dtype=torch.int64))
-    lengths = [int(t.numel()) for t in toks]
+        lengths.append(pad)
     if case == "decode" and any(n != 1 for n in lengths):
         raise ValueError(f"case='decode' takes one token per sequence, got lengths {lengths}")
-    starts = list(start_positions) if start_positions is not None else [0] * len(toks)
-    if len(starts) != len(toks):
-        raise ValueError(f"start_positions has {len(starts)} entries for {len(toks)} sequences")
-    positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, lengths, strict=True)])
+    starts = list(start_positions) if start_positions is not None else [0] * len(lengths)
+    if len(starts) != len(lengths):
+        raise ValueError(f"start_positions has {len(starts)} entries for {len(lengths)} sequences")
+    # Absolute positions without a per-sequence arange: start of its sequence + offset within it.
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    offset = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seq]
+    positions = torch.tensor(starts, dtype=torch.int64)[seq] + offset
     cu = _cu_seqlens(lengths).to(device)
     batch = IsoBatch(
         qkv_format="thd",
@@ -109,8 +118,8 @@ def pack(
     )
     if gdn_cache is not None and kv_cache is None:
         raise ValueError("gdn_cache is given without kv_cache: prefill/decode of a hybrid model needs both")
-    if batch.gdn_slots is not None and (gdn_cache is None or batch.gdn_slots.numel() != len(toks)):
+    if batch.gdn_slots is not None and (gdn_cache is None or batch.gdn_slots.numel() != len(lengths)):
         raise ValueError("gdn_slots needs a gdn_cache and one GDN slot per sequence")
-    if kv_cache is not None and (batch.slots is None or batch.slots.numel() != len(toks)):
+    if kv_cache is not None and (batch.slots is None or batch.slots.numel() != len(lengths)):
         raise ValueError("prefill/decode need one cache slot per sequence (slots=...)")
     return torch.cat(toks).unsqueeze(0).to(device), batch
