@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron_iso.contract.lockfile import tensor_digest
+from megatron_iso.rl.metrics import mismatch_metrics, peak_memory_bytes
 
 # How one layout's ranks are started: (fn, world_size, tp=, ep=, args=) -> per-rank results.
 # "gloo": one CPU process per rank (megatron_iso.parallel.launch). GPU hooks to add here: "nccl"
@@ -133,13 +133,6 @@ def bench_prompts(settings: BenchSettings, batch: int, vocab: int) -> list[list[
     return out
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory allocated, or on CPU the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def _tp_group():
     from megatron.core import parallel_state
 
@@ -209,7 +202,6 @@ def _trainer(model, seqs: list[list[int]], settings: BenchSettings) -> tuple[tor
 
 
 def _stats(rollout: torch.Tensor, trainer: torch.Tensor, clip: tuple[float, float]) -> dict[str, float]:
-    from megatron_iso.rl.metrics import mismatch_metrics
 
     m = mismatch_metrics(rollout, trainer, *clip)
     return {k.removeprefix("mismatch/").replace("abs_diff", "dlogp"): v for k, v in m.items()}
@@ -281,7 +273,7 @@ def run_layout(config: dict[str, Any], settings: BenchSettings) -> list[dict[str
             r_full = torch.cat([_rollout_full(s, vocab) for s in samples])
             diff = (r_full.double() - t_full[idx].double()).abs()
             row["full_vocab_dlogp_max"] = float(torch.nan_to_num(diff, nan=0.0).max())
-        row["peak_mem_mb"] = peak_memory_mb(device)
+        row["peak_mem_mb"] = peak_memory_bytes(device) / 2**20
         rows.append(row)
     return rows
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -24,15 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_iso.parallel.world import free_port
+
 
 class RankFailure(RuntimeError):
     """A rank raised; the message holds its traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -142,7 +137,7 @@ def run_on_ranks(
         raise ValueError(f"run_on_ranks: tp*pp={tp * pp} does not divide world_size={world_size}")
     ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, port, layout, seed, fn, tuple(args), queue), daemon=True)

@@ -28,7 +28,8 @@ def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> No
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a local rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -53,7 +54,7 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
         return
     # A private rendezvous (tcp on a free port) so the caller's MASTER_ADDR/PORT are not touched.
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         initialize_layout()
         torch.manual_seed(seed)

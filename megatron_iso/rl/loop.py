@@ -12,7 +12,6 @@ logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at e
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from megatron_iso.rl.losses import (
     overlong_penalty,
     policy_loss,
 )
-from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, write_dashboard
+from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.tasks import Prompt, make_task
 
@@ -56,12 +55,6 @@ def _loss_config(rl: Any) -> PolicyLossConfig:
         kl_coef=float(rl.kl_coef),
         tis_cap=float(rl.tis_cap),
     )
-
-
-def _peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class Trainer:
@@ -280,7 +273,7 @@ class Trainer:
             "timing/train_s": train_s,
             "timing/step_s": step_s,
             "throughput/gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
-            "memory/peak_bytes": float(_peak_memory_bytes(self.device)),
+            "memory/peak_bytes": float(peak_memory_bytes(self.device)),
         }
         return metrics
 

@@ -5,10 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import resource
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak GPU memory allocated on ``device``, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
 def mismatch_metrics(
