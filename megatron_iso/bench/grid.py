@@ -193,7 +193,7 @@ def _trainer(model, seqs: list[list[int]], settings: BenchSettings) -> tuple[tor
     try:
         ids, batch = pack(seqs, pad_to_multiple=tc.tensor_model_parallel_size if tc.sequence_parallel else 1)
         with torch.no_grad():
-            logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature)
+            logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature, with_entropy=False)
             full = _full_log_softmax(captured[0], tc, settings.temperature) if settings.full_vocab else None
     finally:
         if handle is not None:

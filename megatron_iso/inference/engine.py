@@ -10,7 +10,7 @@ samples one token for every row:
 - logits of the producing step -> ``parallel.vocab.log_softmax`` (full vocab gathered, pure
   transport) -> :func:`~megatron_iso.inference.sampler.select_tokens` with a Philox uniform keyed
   by (seed, request id, sample index, position);
-- the recorded logprob is ``models.scoring.token_scores`` on those logits and the drawn token:
+- the recorded logprob is ``models.scoring.token_logprobs`` on those logits and the drawn token:
   the trainer's function, so an iso-profile rollout logprob equals the trainer's recompute bit
   for bit.
 
@@ -48,7 +48,7 @@ from megatron_iso.inference.sampler import select_tokens, top_logprobs
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack
 from megatron_iso.models.gdn import gdn_layer_indices
-from megatron_iso.models.scoring import token_scores
+from megatron_iso.models.scoring import token_logprobs
 from megatron_iso.parallel.tree_collectives import gather_along
 from megatron_iso.parallel.vocab import log_softmax
 
@@ -382,7 +382,7 @@ class RolloutEngine:
                 top_k=torch.tensor([p.top_k for p in params], device=dev),
                 top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=dev),
             )
-            recorded, _ = token_scores(rows, tokens, mc, temperature=temp)
+            recorded = token_logprobs(rows, tokens, mc, temperature=temp)
             k = max(p.top_logprobs for p in params)
             top = top_logprobs(logp, k) if k else None
         tokens_l, logp_l = tokens.tolist(), recorded.tolist()

@@ -196,7 +196,9 @@ class Trainer:
             response_rows.append(r)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        logp, _ = score_sequences(self.ddp.module, ids, batch, temperature=float(self.rl.temperature))
+        logp, _ = score_sequences(
+            self.ddp.module, ids, batch, temperature=float(self.rl.temperature), with_entropy=False
+        )
         logp = logp.float().cpu()
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
         rollout = torch.zeros(rows, dtype=torch.float32)
@@ -205,7 +207,9 @@ class Trainer:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref, _ = score_sequences(self.ref_model, ids, batch, temperature=float(self.rl.temperature))
+                ref, _ = score_sequences(
+                    self.ref_model, ids, batch, temperature=float(self.rl.temperature), with_entropy=False
+                )
             ref = ref.float().cpu()
         loss, stats = policy_loss(
             logp, old, advantages, mask, seq_index, self.loss_cfg, rollout_logp=rollout, ref_logp=ref
