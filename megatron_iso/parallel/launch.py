@@ -20,10 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_iso.parallel.world import free_port
+from megatron_iso.parallel.world import free_port, megatron_world
 
 
 class RankFailure(RuntimeError):
@@ -68,29 +67,13 @@ def _rank_main(
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
         # Oversubscribed intra-op threads make a 2-core machine crawl; give each rank its share.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
 
-        silence_expected_cpu_warnings()
-        apply_cpu_patches()
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        from megatron_iso.parallel.world import initialize_layout
-
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        initialize_layout(layout["tp"], layout["pp"], layout["ep"], layout["etp"])
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
-        result = fn(*args)
-        queue.put((rank, True, _dumps(result)))
+        init = {"backend": "gloo", "rank": rank, "world_size": world_size}
+        with megatron_world(init, layout["tp"], layout["pp"], layout["ep"], layout["etp"], seed):
+            result = fn(*args)
+            queue.put((rank, True, _dumps(result)))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 _POLL_S = 1.0

@@ -35,11 +35,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 @contextlib.contextmanager
-def single_process_world(seed: int = 1234) -> Iterator[None]:
-    """Initialise torch.distributed (world size 1; gloo on CPU, NCCL with CUDA) and Megatron's parallel_state for the body,
-    then tear both down. If the caller already runs inside a distributed world, that world is used
-    as it is and left alone (it must then already have Megatron's parallel_state set up)."""
+def megatron_world(
+    init: dict[str, object], tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234
+) -> Iterator[None]:
+    """torch.distributed (``init_process_group(**init)``) plus Megatron's parallel_state for the
+    layout, seeded, for the body; both torn down after. Every world megatron_iso starts goes here."""
     from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
 
     silence_expected_cpu_warnings()
@@ -47,22 +52,34 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    dist.init_process_group(**init)
+    try:
+        initialize_layout(tp, pp, ep, etp)
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_world(seed: int = 1234) -> Iterator[None]:
+    """Initialise torch.distributed (world size 1; gloo on CPU, NCCL with CUDA) and Megatron's parallel_state for the body,
+    then tear both down. If the caller already runs inside a distributed world, that world is used
+    as it is and left alone (it must then already have Megatron's parallel_state set up)."""
+    from megatron.core import parallel_state
+
     if dist.is_initialized():
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("torch.distributed is initialised but Megatron's parallel_state is not")
         yield
         return
     # A private rendezvous (tcp on a free port) so the caller's MASTER_ADDR/PORT are not touched.
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        initialize_layout()
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+    init = {"backend": default_backend(), "init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
+    with megatron_world(init, seed=seed):
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -85,27 +102,13 @@ def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> I
         with single_process_world(seed):
             yield 0
         return
-    from megatron_iso.platform import apply_cpu_patches, silence_expected_cpu_warnings
-
-    silence_expected_cpu_warnings()
-    apply_cpu_patches()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     world = int(os.environ["WORLD_SIZE"])
     if world % (tp * pp):
         raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        initialize_layout(tp, pp, ep)
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+    with megatron_world({"backend": default_backend()}, tp, pp, ep, seed=seed):
         yield dist.get_rank()
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _enclosing_world(tp: int, pp: int, ep: int) -> int:
