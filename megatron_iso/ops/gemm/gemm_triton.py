@@ -148,17 +148,17 @@ def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _leaf_tree_static_kernel(
+def _static_tile(
     x_ptr, w_ptr, out_ptr, park_ptr,
-    M, N,
+    M, N, pid_m, pid_n, sub,
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_op, stride_om, stride_pl, stride_ps,
     LEAF_K, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    sub = tl.program_id(1)  # which aligned subtree of LEAVES leaves this program evaluates
+    # One output tile (pid_m, pid_n) of x[M, K] @ w[N, K].T, subtree ``sub`` of the leaf tree. A helper
+    # (inlined by Triton) so the dense and the grouped (MoE) kernels run the very same leaf code.
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows/cols load a valid neighbour (modulo) instead of masking: cheaper loads, and a
@@ -217,20 +217,18 @@ def _leaf_tree_static_kernel(
 
 
 @triton.jit
-def _leaf_tree_flat_kernel(
+def _flat_tile(
     x_ptr, w_ptr, out_ptr, park_ptr,
-    M, N,
+    M, N, pid_m, pid_n, sub,
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_op, stride_om, stride_pl, stride_ps,
     LEAF_K, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Same arithmetic as the static kernel; one software-pipelined loop runs through all K-tiles of the
+    # Same arithmetic as the static tile; one software-pipelined loop runs through all K-tiles of the
     # subtree so loads for the next leaf are already in flight while a leaf closes. Level 0 may stay in
     # registers (PARK_FROM >= 1); higher levels are parked in global scratch.
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    sub = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     am = rm % M
@@ -279,6 +277,44 @@ def _leaf_tree_flat_kernel(
                 else:
                     tl.store(park + lvl_park * stride_pl, v, mask=omask)
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+
+
+@triton.jit
+def _leaf_tree_static_kernel(
+    x_ptr, w_ptr, out_ptr, park_ptr,
+    M, N,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_op, stride_om, stride_pl, stride_ps,
+    LEAF_K, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    sub = tl.program_id(1)  # which aligned subtree of LEAVES leaves this program evaluates
+    _static_tile(
+        x_ptr, w_ptr, out_ptr, park_ptr, M, N, pid_m, pid_n, sub,
+        stride_xm, stride_xk, stride_wn, stride_wk, stride_op, stride_om, stride_pl, stride_ps,
+        LEAF_K, LEAVES, LOG2_LEAVES, PARK_FROM, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CAST_F32, IEEE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _leaf_tree_flat_kernel(
+    x_ptr, w_ptr, out_ptr, park_ptr,
+    M, N,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_op, stride_om, stride_pl, stride_ps,
+    LEAF_K, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    sub = tl.program_id(1)
+    _flat_tile(
+        x_ptr, w_ptr, out_ptr, park_ptr, M, N, pid_m, pid_n, sub,
+        stride_xm, stride_xk, stride_wn, stride_wk, stride_op, stride_om, stride_pl, stride_ps,
+        LEAF_K, LEAVES, LOG2_LEAVES, PARK_FROM, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CAST_F32, IEEE,
+    )  # fmt: skip
 
 
 @triton.jit

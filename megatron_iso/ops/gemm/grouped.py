@@ -1,0 +1,242 @@
+"""Grouped (MoE expert) leaf-tree GEMM: ``out[rows of e] = x[rows of e] @ weights[e].T`` for every expert.
+
+Rows arrive sorted by expert (contiguous; ``counts[e]`` rows for expert ``e``, in expert order), the
+way Megatron's token dispatchers hand them to the experts. Every output row is computed by the
+dense leaf-tree GEMM's arithmetic with its own expert's weight, so a row's bits depend on the row
+and that weight only: not on how many rows an expert received, nor on the other experts' rows.
+
+| device | profile      | implementation                                                        |
+|--------|--------------|-----------------------------------------------------------------------|
+| cpu    | correctness  | :func:`grouped_reference` (per-expert ``leaf_tree_linear``, readable)  |
+| cuda   | correctness  | ``grouped_triton.grouped_leaf_tree_linear_triton`` (one launch)       |
+| any    | performance  | :func:`grouped_native` (per-expert library GEMM)                      |
+
+On CUDA the grouped kernel gives, bit for bit, what a per-expert loop of
+``gemm_triton.leaf_tree_linear_triton`` gives (tests/gpu/test_grouped_gemm.py): it runs the same
+jit tile code with a tile that shares the dense kernel's BLOCK_K and K-loop order. All paths
+return fp32, as ``ops.gemm.linear`` does.
+
+The backward (training) is per expert and plain fp32 matmuls, exactly the dense op's backward
+applied to each expert's rows; it reads the counts on the host (one sync, backward only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.dispatch import import_triton_module
+from megatron_iso.ops.gemm.native import native_linear
+from megatron_iso.ops.gemm.reference import (
+    DEFAULT_LEAVES,
+    check_dtype,
+    leaf_tree_linear_forward,
+    validate_leaves,
+)
+
+OP = "grouped_gemm"
+REFERENCE_ID, REFERENCE_VERSION = "grouped_leaf_tree_gemm.reference", "1"
+NATIVE_ID, NATIVE_VERSION = "grouped_gemm.native", "1"
+TRITON_MODULE = "megatron_iso.ops.gemm.grouped_triton"
+
+Weights = Sequence[torch.Tensor] | torch.Tensor
+
+
+def expert_weights(weights: Weights) -> list[torch.Tensor]:
+    """The experts' ``[N, K]`` weights as a list (a ``[E, N, K]`` tensor is unbound, no copy), checked
+    to share shape, dtype and device."""
+    if isinstance(weights, torch.Tensor):
+        if weights.dim() != 3:
+            raise ValueError(f"grouped_gemm: stacked weights must be [E, N, K], got shape {tuple(weights.shape)}")
+        ws = list(weights.unbind(0))
+    else:
+        ws = list(weights)
+    if not ws:
+        raise ValueError("grouped_gemm: weights is empty; need at least one expert")
+    first = ws[0]
+    for i, w in enumerate(ws):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"grouped_gemm: weights[{i}] must be a 2-D [N, K] tensor, got {type(w).__name__}")
+        if w.shape != first.shape or w.dtype != first.dtype or w.device != first.device:
+            raise ValueError(
+                f"grouped_gemm: weights[{i}] is {tuple(w.shape)} {w.dtype} on {w.device}; every expert must match "
+                f"weights[0] ({tuple(first.shape)} {first.dtype} on {first.device})"
+            )
+    return ws
+
+
+def check_inputs(x: torch.Tensor, ws: list[torch.Tensor], counts: torch.Tensor, leaves: int) -> tuple[int, int, int]:
+    """Host-side checks shared by every path (no device sync). Returns ``(T, N, K)``."""
+    check_dtype(x, "x")
+    check_dtype(ws[0], "weights")
+    if x.dim() != 2:
+        raise ValueError(f"grouped_gemm: x must be [T, K] (rows sorted by expert), got shape {tuple(x.shape)}")
+    n, k = ws[0].shape
+    if x.shape[1] != k:
+        raise ValueError(f"grouped_gemm: x has K={x.shape[1]} but the expert weights [N, K] have K={k}")
+    if x.device != ws[0].device:
+        raise ValueError(f"grouped_gemm: x is on {x.device} but the weights are on {ws[0].device}")
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != len(ws):
+        shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"grouped_gemm: counts must be a 1-D tensor of {len(ws)} rows per expert, got {shape}")
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise TypeError(f"grouped_gemm: counts must be an integer tensor, got {counts.dtype}")
+    validate_leaves(leaves, k=k)
+    if counts.device.type == "cpu":
+        # Free to check here (no device sync); device-resident counts are checked asynchronously by the kernel path.
+        if bool((counts < 0).any()):
+            raise ValueError(f"grouped_gemm: counts has negative entries: {counts.tolist()}")
+        if int(counts.sum()) != x.shape[0]:
+            raise ValueError(f"grouped_gemm: counts sum to {int(counts.sum())} but x has T={x.shape[0]} rows")
+    return x.shape[0], n, k
+
+
+def grouped_by_expert(
+    dense: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    x: torch.Tensor,
+    weights: Weights,
+    counts: torch.Tensor,
+    leaves: int,
+) -> torch.Tensor:
+    """The readable definition: ``dense(x_e, w_e, leaves)`` on each expert's rows, fp32 ``[T, N]``.
+
+    Reads the counts on the host (a device sync when they live on the GPU)."""
+    ws = expert_weights(weights)
+    t, n, _ = check_inputs(x, ws, counts, leaves)
+    sizes = [int(c) for c in counts.tolist()]
+    if any(c < 0 for c in sizes) or sum(sizes) != t:
+        raise ValueError(f"grouped_gemm: counts {sizes} must be >= 0 and sum to x's T={t} rows")
+    out = torch.empty((t, n), dtype=torch.float32, device=x.device)
+    start = 0
+    for w, c in zip(ws, sizes, strict=True):
+        if c:
+            out[start : start + c] = dense(x[start : start + c], w, leaves)
+        start += c
+    return out
+
+
+def grouped_reference(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leaves: int) -> torch.Tensor:
+    """Per-expert torch reference leaf tree (``reference.leaf_tree_linear_forward``); any device."""
+    return grouped_by_expert(leaf_tree_linear_forward, x, weights, counts, leaves)
+
+
+def grouped_native(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leaves: int | None = None) -> torch.Tensor:
+    """Per-expert library GEMM in the weights' dtype, upcast to fp32 (what stock stacks compute)."""
+    return grouped_by_expert(native_linear, x, weights, counts, DEFAULT_LEAVES if leaves is None else leaves)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Invariant grouped forward; backward = the dense op's matmul backward on each expert's rows."""
+
+    @staticmethod
+    def forward(ctx, x, counts, leaves, kernel, *ws):  # type: ignore[override]
+        ctx.save_for_backward(x, counts, *ws)
+        return kernel(x, list(ws), counts, leaves)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, counts, *ws = ctx.saved_tensors
+        sizes = [int(c) for c in counts.tolist()]  # host sync: backward only
+        g = grad_out.float()
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_ws = []
+        start = 0
+        for i, (w, c) in enumerate(zip(ws, sizes, strict=True)):
+            g_e, x_e = g[start : start + c], x[start : start + c]
+            if grad_x is not None:
+                grad_x[start : start + c] = (g_e @ w.float()).to(x.dtype)
+            grad_ws.append((g_e.t() @ x_e.float()).to(w.dtype) if ctx.needs_input_grad[4 + i] else None)
+            start += c
+        return (grad_x, None, None, None, *grad_ws)
+
+
+def _triton_forward(x: torch.Tensor, ws: list[torch.Tensor], counts: torch.Tensor, leaves: int) -> torch.Tensor:
+    mod = import_triton_module(TRITON_MODULE, "the grouped leaf-tree GEMM on cuda with profile=correctness")
+    return mod.grouped_leaf_tree_linear_triton(x, ws, counts, leaves)
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weights: Weights,
+    counts: torch.Tensor,
+    *,
+    leaves: int = DEFAULT_LEAVES,
+    profile: str = "correctness",
+) -> torch.Tensor:
+    """fp32 ``[T, N]``: rows of ``x [T, K]`` (sorted by expert, ``counts[e]`` each) times their expert's
+    ``[N, K]`` weight, by the implementation serving ``x``'s device class and ``profile``.
+    Differentiable in ``x`` and the weights (a ``[E, N, K]`` tensor or a list of ``[N, K]``)."""
+    if profile == "performance":
+        return grouped_native(x, weights, counts, leaves)
+    if profile != "correctness":
+        raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
+    if x.device.type == "cpu":
+        kernel = grouped_reference
+    elif x.device.type == "cuda":
+        kernel = _triton_forward
+    else:
+        raise ValueError(f"no correctness grouped GEMM for device type {x.device.type!r}")
+    ws = expert_weights(weights)
+    check_inputs(x, ws, counts, leaves)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
+        return _GroupedLinear.apply(x, counts, leaves, kernel, *ws)
+    return kernel(x, ws, counts, leaves)
+
+
+def _probe_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4321)
+    x = torch.randn(9, 64, generator=g)
+    w = torch.randn(4, 24, 64, generator=g) / 8
+    counts = torch.tensor([3, 0, 1, 5])  # an empty expert and a one-row expert
+    return x.to(device), w.to(device), counts.to(device)
+
+
+def _probe_reference() -> dict[str, torch.Tensor]:
+    x, w, c = _probe_inputs("cpu")
+    return {
+        "fp32": grouped_reference(x, w, c, DEFAULT_LEAVES),
+        "bf16": grouped_reference(x.bfloat16(), w.bfloat16(), c, DEFAULT_LEAVES),
+    }
+
+
+def _probe_native(device: str):
+    def probe() -> dict[str, torch.Tensor]:
+        x, w, c = _probe_inputs(device)
+        return {"fp32": grouped_native(x, w, c), "bf16": grouped_native(x.bfloat16(), w.bfloat16(), c)}
+
+    return probe
+
+
+register(
+    OpImpl(
+        op=OP,
+        impl_id=REFERENCE_ID,
+        version=REFERENCE_VERSION,
+        device_class="cpu",
+        profile="correctness",
+        fn=grouped_reference,
+        constants={
+            "per_expert": "leaf_tree_gemm.reference on each expert's contiguous rows",
+            "accumulate": "fp32",
+            "row_order": "sorted by expert, counts per expert",
+        },
+        probe=_probe_reference,
+    )
+)
+for _device in ("cpu", "cuda"):
+    register(
+        OpImpl(
+            op=OP,
+            impl_id=NATIVE_ID,
+            version=NATIVE_VERSION,
+            device_class=_device,
+            profile="performance",
+            fn=grouped_native,
+            constants={"algorithm": "library_matmul per expert", "accumulate": "library"},
+            probe=_probe_native(_device),
+        )
+    )
+
+__all__ = ["OP", "expert_weights", "grouped_by_expert", "grouped_linear", "grouped_native", "grouped_reference"]
