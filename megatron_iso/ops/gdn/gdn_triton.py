@@ -1,0 +1,770 @@
+"""Gated DeltaNet in Triton: the GPU path of the correctness profile (CPR semantics, invariant).
+
+Same signatures as :mod:`megatron_iso.ops.gdn.reference`; not the reference's bits, but the same
+*structure*, which is what makes training forward == chunked prefill (any split) == token-by-token
+decode, bit for bit, for any batch composition and any subset of heads:
+
+- **Output scan** (``_scan_kernel``): one program per (segment, value head, Dv block) holds its
+  ``S[Dk, BV]`` block in registers and steps through the segment's tokens:
+  ``S *= exp(g); u = beta (v - S^T k); S += k u^T; o = S^T q``. A segment is the part of a call that
+  lies in one chunk (chunks aligned at position 0 of the sequence). Training scans every chunk from
+  its entry state; decode scans one token from the slot's running state. Same kernel, same
+  constexprs, the start state bitwise the same, so the same bits: the running state a decode step
+  loads is the register state a training program would have carried (fp32 in memory is exact).
+- **State pass** (``_prep_kernel`` + ``_chain_kernel``): chunk c's exit state from its entry state E,
+  WY form. Per chunk, in parallel: ``G = cumsum(g)``, ``A_ti = beta_t e^{G_t-G_i} k_t.k_i`` (t > i),
+  ``T^{-1}`` of ``T = I + A`` by row substitution, ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)``,
+  ``KD = e^{G_C-G} k``. Then one program per (sequence, head, Dv block) chains the chunks:
+  ``u = U0 - W E; E' = e^{G_C} E + KD^T u`` (two fp32 ``tl.dot`` with ``input_precision="ieee"``).
+  Decode, when a chunk closes, runs the same two kernels on the buffered chunk (the state cache's
+  ``buf_*`` rows, read by the prep kernel exactly as it reads packed rows) from the stored entry
+  state, and replaces the running state with the exit: the trainer's chunk state, bit for bit.
+- conv1d + SiLU, l2norm and the gates: one element (conv, gates) or one row (l2norm) per program
+  lane, fixed block sizes; nothing depends on the number of rows.
+
+Every block size and warp count is chosen from (Dk, Dv, chunk) only, never from T or the batch, and
+every input is converted to contiguous fp32 before a kernel reads it, so training and decode run
+one compiled kernel. Per-call planning (which rows form which segment/chunk) needs the sequence
+boundaries on the host: one device->host copy per distinct (cu_seqlens, starts, slots), cached
+across the layers of a forward (the model passes the same tensors to every layer).
+
+Backward (training): :func:`megatron_iso.ops.autograd.with_plain_backward` — the invariant forward,
+gradients of the native chunked torch formula (deterministic; not invariant, as the policy allows).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.autograd import with_plain_backward
+from megatron_iso.ops.gdn import native
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
+from megatron_iso.ops.gdn.state_cache import GDNLayerState
+
+VERSION = "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
+# Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
+SCAN_BV = 4 if _INTERPRET else 32
+CHAIN_BV = 4 if _INTERPRET else 32
+MIN_DOT = 1 if _INTERPRET else 16  # tl.dot needs every dimension >= 16 on the GPU
+SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 4, 4, 8
+CONV_BC = 256  # channels per conv program
+ELEM_BLOCK = 1024  # elements per gates program
+
+
+# -------------------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class GDNConfig:
+    """Everything that fixes the kernels' instruction sequences: chosen from (Dk, Dv, chunk) only."""
+
+    bk: int  # padded Dk
+    bv_full: int  # padded Dv (prep kernel: the whole value dim)
+    scan_bv: int
+    chain_bv: int
+    chunk: int
+
+
+def config_for(dk: int, dv: int, chunk: int) -> GDNConfig:
+    if chunk < MIN_DOT or chunk & (chunk - 1):
+        raise ValueError(
+            f"gated_delta_rule (triton): chunk={chunk} must be a power of two >= {MIN_DOT} "
+            "(tl.dot tiles; profile.gdn_chunk)"
+        )
+    bk = max(MIN_DOT, triton.next_power_of_2(dk))
+    bvf = max(MIN_DOT, triton.next_power_of_2(dv))
+    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk)
+
+
+# ------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _scan_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, seg_ptr, run_ptr, ex_ptr, fin_ptr,
+    scale, HK, HV, DK, DV, REP,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Per-token recurrence over one segment for one (value head, Dv block).
+
+    seg row (int32 x 7): first packed row, length, init kind (0 zeros / 1 run_ptr / 2 ex_ptr), init
+    row, final row (-1: none), final kind (0 own state / 1 ex_ptr row), final source row.
+    """
+    sid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // REP
+    row0 = tl.load(seg_ptr + sid * 7).to(tl.int64)
+    n = tl.load(seg_ptr + sid * 7 + 1)
+    init_kind = tl.load(seg_ptr + sid * 7 + 2)
+    init_row = tl.load(seg_ptr + sid * 7 + 3).to(tl.int64)
+    fin_row = tl.load(seg_ptr + sid * 7 + 4).to(tl.int64)
+    fin_kind = tl.load(seg_ptr + sid * 7 + 5)
+    fin_src = tl.load(seg_ptr + sid * 7 + 6).to(tl.int64)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    st = (h * DK + ok[:, None]) * DV + ov[None, :]  # offset of S[h] block inside one [HV, DK, DV] state
+    hsz = HV * DK * DV
+    if init_kind == 1:
+        s = tl.load(run_ptr + init_row * hsz + st, mask=m2, other=0.0)
+    elif init_kind == 2:
+        s = tl.load(ex_ptr + init_row * hsz + st, mask=m2, other=0.0)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    for t in range(n):
+        r = row0 + t
+        kt = tl.load(k_ptr + (r * HK + hk) * DK + ok, mask=mk, other=0.0)
+        qt = tl.load(q_ptr + (r * HK + hk) * DK + ok, mask=mk, other=0.0) * scale
+        vt = tl.load(v_ptr + (r * HV + h) * DV + ov, mask=mv, other=0.0)
+        gt = tl.load(g_ptr + r * HV + h)
+        bt = tl.load(b_ptr + r * HV + h)
+        s = s * tl.exp(gt)
+        u = bt * (vt - tl.sum(s * kt[:, None], axis=0))
+        s = s + kt[:, None] * u[None, :]
+        ot = tl.sum(s * qt[:, None], axis=0)
+        tl.store(o_ptr + (r * HV + h) * DV + ov, ot, mask=mv)
+    if fin_row >= 0:
+        if fin_kind == 1:  # the segment closed its chunk: the running state is the chunk's exit state
+            s = tl.load(ex_ptr + fin_src * hsz + st, mask=m2, other=0.0)
+        tl.store(fin_ptr + fin_row * hsz + st, s, mask=m2)
+
+
+@triton.jit
+def _prep_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr,
+    HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+):  # fmt: skip
+    """Per (closing chunk, value head): U0, W, KD = e^{G_C-G} k and e^{G_C} of the WY form.
+
+    chunk row (int32 x 3): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
+    ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base.
+    """
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
+    row0 = tl.load(chunk_ptr + cid * 3).to(tl.int64)
+    nbuf = tl.load(chunk_ptr + cid * 3 + 1)
+    brow0 = tl.load(chunk_ptr + cid * 3 + 2).to(tl.int64)
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BVF)
+    mk = ok < DK
+    mv = ov < DV
+    in_buf = ot < nbuf
+    rows = row0 + ot
+    brows = brow0 + ot
+    # Buffered tokens and packed rows hold the same fp32 values: both sources give the same chunk.
+    kb = tl.load(bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :], mask=in_buf[:, None] & mk[None, :], other=0.0)
+    kr = tl.load(k_ptr + (rows[:, None] * HK + hk) * DK + ok[None, :], mask=(~in_buf[:, None]) & mk[None, :], other=0.0)
+    kc = tl.where(in_buf[:, None], kb, kr)
+    vb_ = tl.load(bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :], mask=in_buf[:, None] & mv[None, :], other=0.0)
+    vr = tl.load(v_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], mask=(~in_buf[:, None]) & mv[None, :], other=0.0)
+    vc = tl.where(in_buf[:, None], vb_, vr)
+    gc = tl.where(
+        in_buf,
+        tl.load(bg_ptr + brows * HV + h, mask=in_buf, other=0.0),
+        tl.load(g_ptr + rows * HV + h, mask=~in_buf, other=0.0),
+    )
+    bc = tl.where(
+        in_buf,
+        tl.load(bb_ptr + brows * HV + h, mask=in_buf, other=0.0),
+        tl.load(b_ptr + rows * HV + h, mask=~in_buf, other=0.0),
+    )
+    cum = tl.cumsum(gc, axis=0)  # G_t
+    gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
+    lower = ot[:, None] > ot[None, :]
+    kk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
+    dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
+    a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
+    # T^{-1} for T = I + A (unit lower triangular), row by row: row t = e_t - sum_{i<t} A_ti row_i.
+    eye = tl.where(ot[:, None] == ot[None, :], 1.0, 0.0)
+    tinv = eye
+    for t in range(1, C):
+        at = tl.sum(tl.where(ot[:, None] == t, a, 0.0), axis=0)  # A[t, :]
+        row = tl.sum(at[:, None] * tinv, axis=0)
+        tinv = tl.where(ot[:, None] == t, eye - row[None, :], tinv)
+    u0 = tl.dot(tinv, bc[:, None] * vc, input_precision="ieee")
+    w = tl.dot(tinv, (bc * tl.exp(cum))[:, None] * kc, input_precision="ieee")
+    kd = tl.exp(gl - cum)[:, None] * kc
+    base = cid * HV + h
+    tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
+    tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
+    tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], kd)
+    tl.store(egc_ptr + base, tl.exp(gl))
+
+
+@triton.jit
+def _chain_kernel(
+    chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
+    HV, DK, DV,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Per (sequence, value head, Dv block): entry -> exit state over the sequence's closing chunks.
+
+    chain row (int32 x 5): first chunk index, number of chunks, entry kind (0 zeros / 1 entry_ptr
+    row), entry row (the slot), write back (1: store the last state into entry_ptr's row).
+    """
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    c0 = tl.load(chain_ptr + cid * 5).to(tl.int64)
+    nc = tl.load(chain_ptr + cid * 5 + 1)
+    ekind = tl.load(chain_ptr + cid * 5 + 2)
+    erow = tl.load(chain_ptr + cid * 5 + 3).to(tl.int64)
+    wb = tl.load(chain_ptr + cid * 5 + 4)
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    st = (h * DK + ok[:, None]) * DV + ov[None, :]
+    hsz = HV * DK * DV
+    if ekind == 1:  # noqa: SIM108  (a run-time branch inside the kernel)
+        e = tl.load(entry_ptr + erow * hsz + st, mask=m2, other=0.0)
+    else:
+        e = tl.zeros([BK, BV], dtype=tl.float32)
+    for j in range(nc):
+        base = (c0 + j) * HV + h
+        u0 = tl.load(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+        w = tl.load(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
+        kd = tl.load(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
+        egc = tl.load(egc_ptr + base)
+        u = u0 - tl.dot(w, e, input_precision="ieee")
+        e = egc * e + tl.dot(tl.trans(kd), u, input_precision="ieee")
+        tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
+    if wb == 1:
+        tl.store(entry_ptr + erow * hsz + st, e, mask=m2)
+
+
+@triton.jit
+def _buffer_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, map_ptr,
+    NK: tl.constexpr, NV: tl.constexpr, NG: tl.constexpr,
+    BLK: tl.constexpr, BLV: tl.constexpr, BLG: tl.constexpr,
+):  # fmt: skip
+    """Copy packed row ``map[i, 0]`` of k, v, g, beta into buffer row ``map[i, 1]`` (exact fp32 copies)."""
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(map_ptr + i * 2).to(tl.int64)
+    dst = tl.load(map_ptr + i * 2 + 1).to(tl.int64)
+    o = tl.arange(0, BLK)
+    tl.store(bk_ptr + dst * NK + o, tl.load(k_ptr + src * NK + o, mask=o < NK), mask=o < NK)
+    o = tl.arange(0, BLV)
+    tl.store(bv_ptr + dst * NV + o, tl.load(v_ptr + src * NV + o, mask=o < NV), mask=o < NV)
+    o = tl.arange(0, BLG)
+    tl.store(bg_ptr + dst * NG + o, tl.load(g_ptr + src * NG + o, mask=o < NG), mask=o < NG)
+    tl.store(bb_ptr + dst * NG + o, tl.load(b_ptr + src * NG + o, mask=o < NG), mask=o < NG)
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, y_ptr, sid_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD,
+    K: tl.constexpr, HAS_STATE: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """One packed row, BC channels: silu(sum_j w[:, j] x[t-K+1+j]); history from the conv state."""
+    r = tl.program_id(0).to(tl.int64)
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = oc < CD
+    sid = tl.load(sid_ptr + r)
+    a = tl.load(cu_ptr + sid).to(tl.int64)
+    p = r - a  # position inside this call's rows of the sequence
+    if HAS_STATE:
+        warm = tl.load(starts_ptr + sid) > 0
+        slot = tl.load(slots_ptr + sid).to(tl.int64)
+    else:
+        warm = False
+        slot = 0
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = p - (K - 1) + j
+        xr = tl.load(x_ptr + (r - (K - 1) + j) * CD + oc, mask=mc & (src >= 0), other=0.0).to(tl.float32)
+        hs = tl.load(cs_ptr + (slot * CD + oc) * (K - 1) + (K - 1) + src, mask=mc & (src < 0) & warm, other=0.0)
+        xv = tl.where(src >= 0, xr, hs.to(tl.float32))
+        wj = tl.load(w_ptr + oc * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc = acc + wj * xv
+    y = tl.math.div_rn(acc, 1.0 + tl.exp(-acc))
+    tl.store(y_ptr + r * CD + oc, y.to(y_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD,
+    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """conv_state[slot] = the sequence's last K-1 inputs (older ones from the state or zeros)."""
+    i = tl.program_id(0)
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = oc < CD
+    a = tl.load(cu_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1).to(tl.int64) - a
+    warm = tl.load(starts_ptr + i) > 0
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    jj = tl.arange(0, KP)
+    mj = jj < K - 1
+    idx = n - (K - 1) + jj  # row inside the call (< 0: from the old state, column K-1+idx)
+    m = mc[:, None] & mj[None, :]
+    xr = tl.load(x_ptr + (a + idx[None, :]) * CD + oc[:, None], mask=m & (idx[None, :] >= 0), other=0.0)
+    old = tl.load(
+        cs_ptr + (slot * CD + oc[:, None]) * (K - 1) + (K - 1) + idx[None, :],
+        mask=m & (idx[None, :] < 0) & warm,
+        other=0.0,
+    )
+    val = tl.where(idx[None, :] >= 0, xr.to(cs_ptr.dtype.element_ty), old)
+    tl.store(cs_ptr + (slot * CD + oc[:, None]) * (K - 1) + jj[None, :], val, mask=m)
+
+
+@triton.jit
+def _l2norm_kernel(x_ptr, y_ptr, D, eps, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BD)
+    x = tl.load(x_ptr + r * D + o, mask=o < D, other=0.0).to(tl.float32)
+    inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) + eps))
+    tl.store(y_ptr + r * D + o, x * inv, mask=o < D)
+
+
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    h = i % H
+    x = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
+    # softplus(x) = max(x, 0) + log1p(exp(-|x|)); log1p(y) = log(u) * y / (u - 1), u = 1 + y (exact for tiny y)
+    y = tl.exp(-tl.abs(x))
+    uu = 1.0 + y
+    d = uu - 1.0
+    l1p = tl.where(d == 0.0, y, tl.log(uu) * tl.math.div_rn(y, tl.where(d == 0.0, 1.0, d)))
+    sp = tl.maximum(x, 0.0) + l1p
+    al = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(g_ptr + i, -(tl.exp(al) * sp), mask=m)
+    b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + i, tl.math.div_rn(1.0, 1.0 + tl.exp(-b)), mask=m)
+
+
+# ------------------------------------------------------------------------------------ planning
+@dataclass
+class _Plan:
+    n: int
+    nseg: int
+    nchunks: int
+    seg: torch.Tensor  # [nseg, 7] int32 (device)
+    chunks: torch.Tensor  # [nchunks, 3] int32
+    chains: torch.Tensor  # [nchains, 5] int32
+    nchains: int
+    bufmap: torch.Tensor  # [nbuf, 2] int32: packed row -> buffer row
+    nbuf: int
+    scratch: bool  # finals go to a scratch tensor (some sequence has several segments)
+
+
+# [(key tensors, (versions, chunk, has_state, device), plan)], newest first; the strong references to
+# the key tensors keep their ids from being reused while an entry lives.
+_PLAN_CACHE: list = []
+
+
+def _host_lists(cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tensor | None):
+    parts = [cu.reshape(-1).to(torch.int64)]
+    for t in (starts, slots):
+        if t is not None:
+            parts.append(t.reshape(-1).to(device=cu.device, dtype=torch.int64))
+    flat = torch.cat(parts).tolist()  # the one device->host copy of a call (cached across layers)
+    n = cu.numel() - 1
+    cu_l = flat[: n + 1]
+    rest = flat[n + 1 :]
+    st = [0] * n
+    if starts is not None:
+        st, rest = rest[:n], rest[n:]
+    sl = rest[:n] if slots is not None else None
+    return cu_l, st, sl
+
+
+def _plan(
+    cu: torch.Tensor,
+    starts: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    chunk: int,
+    has_state: bool,
+    dev: torch.device,
+) -> _Plan:
+    """Segments, closing chunks, chains and buffer rows of a call, as int32 tables on ``dev``."""
+    key = (cu, starts, slots)
+    vers = tuple(None if t is None else t._version for t in key)
+    for entry in _PLAN_CACHE:
+        if all(a is b for a, b in zip(entry[0], key, strict=True)) and entry[1] == (vers, chunk, has_state, dev):
+            return entry[2]
+    cu_l, st, sl = _host_lists(cu, starts, slots)
+    n = len(cu_l) - 1
+    if len(st) != n:
+        raise ValueError(f"starts has {len(st)} entries for {n} sequences")
+    if any(s < 0 for s in st):
+        raise ValueError(f"starts must be >= 0, got {st}")
+    if not has_state and any(st):
+        raise ValueError(f"sequences starting at positions {st} need their GDN state (state=..., slots=...)")
+    if has_state and (sl is None or len(sl) != n):
+        raise ValueError("a GDN state cache needs one slot per sequence (slots=...)")
+    segs, chunks, chains, bufmap = [], [], [], []
+    fin_rows = []
+    multi = False
+    for i in range(n):
+        a, pos, end = cu_l[i], st[i], cu_l[i + 1]
+        slot = sl[i] if has_state else 0
+        first_chunk = len(chunks)
+        prev_chunk = -1
+        mine = []
+        while a < end:
+            o = pos % chunk
+            b = min(end, a + chunk - o)
+            closes = o + b - a == chunk
+            # scan start: the running state (or zeros) for the call's first segment, else the exit state
+            # of the chunk the previous segment closed
+            init = (2, prev_chunk) if prev_chunk >= 0 else (1, slot) if pos > 0 else (0, 0)
+            cidx = -1
+            if closes:
+                cidx = len(chunks)
+                chunks.append((a - o, o, slot * chunk))
+            mine.append([a, b - a, init[0], init[1], -1, 0, 0, closes, cidx, o])
+            prev_chunk = cidx
+            pos += b - a
+            a = b
+        if len(mine) > 1:
+            multi = True
+        nc = len(chunks) - first_chunk
+        if nc or (has_state and st[i] == 0):
+            chains.append((first_chunk, nc, 1 if st[i] > 0 else 0, slot, 1 if has_state else 0))
+        if has_state:
+            last = mine[-1]
+            last[4] = i  # placeholder: becomes the slot (direct) or i (scratch) below
+            last[5], last[6] = (1, last[8]) if last[7] else (0, 0)
+            fin_rows.append(last)
+            if not last[7]:
+                bufmap += [(last[0] + j, slot * chunk + last[9] + j) for j in range(last[1])]
+        segs += mine
+    for i, last in enumerate(fin_rows):
+        last[4] = i if multi else sl[i]
+
+    def tab(rows, width):
+        flat = [int(x) for r in rows for x in r[:width]]
+        return torch.tensor(flat or [0] * width, dtype=torch.int32).reshape(-1, width).to(dev)
+
+    plan = _Plan(
+        n=n,
+        nseg=len(segs),
+        nchunks=len(chunks),
+        seg=tab(segs, 7),
+        chunks=tab(chunks, 3),
+        chains=tab(chains, 5),
+        nchains=len(chains),
+        bufmap=tab(bufmap, 2),
+        nbuf=len(bufmap),
+        scratch=multi,
+    )
+    _PLAN_CACHE.insert(0, (key, (vers, chunk, has_state, dev), plan))
+    del _PLAN_CACHE[4:]
+    return plan
+
+
+# ---------------------------------------------------------------------------------- the rule
+def _rule_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None,
+    chunk: int,
+    state: GDNLayerState | None,
+    slots: torch.Tensor | None,
+    starts: torch.Tensor | None,
+) -> torch.Tensor:
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    if q.shape != k.shape or v.shape[0] != t or g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(
+            f"gated_delta_rule: shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} g{tuple(g.shape)} "
+            f"beta{tuple(beta.shape)} do not fit q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]"
+        )
+    if hv % hk:
+        raise ValueError(f"gated_delta_rule: value heads {hv} must be a multiple of key heads {hk}")
+    if state is not None and state.chunk != chunk:
+        raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
+    cfg = config_for(dk, dv, chunk)
+    scale = dk**-0.5 if scale is None else float(scale)
+    dev = q.device
+    plan = _plan(cu_seqlens, starts, slots, chunk, state is not None, dev)
+    qf, kf, vf, gf, bf = (x.float().contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty(t, hv, dv, dtype=torch.float32, device=dev)
+    if t == 0:
+        return out
+    rep = hv // hk
+    ex = torch.empty(max(plan.nchunks, 1), hv, dk, dv, dtype=torch.float32, device=dev)
+    if state is not None:
+        bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
+        for name, buf in (("buf_k", bk), ("buf_v", bvv), ("buf_g", bg), ("buf_beta", bb)):
+            if buf.dtype != torch.float32 or not buf.is_contiguous():
+                raise ValueError(f"gated_delta_rule: state.{name} must be contiguous fp32")
+        entry, running = state.entry, state.running
+    else:
+        bk, bvv, bg, bb = kf, vf, gf, bf  # never read (no buffered tokens without a state)
+        entry = running = ex
+    if plan.nchunks:
+        u0 = torch.empty(plan.nchunks, hv, chunk, cfg.bv_full, dtype=torch.float32, device=dev)
+        w = torch.empty(plan.nchunks, hv, chunk, cfg.bk, dtype=torch.float32, device=dev)
+        kd = torch.empty_like(w)
+        egc = torch.empty(plan.nchunks, hv, dtype=torch.float32, device=dev)
+        _prep_kernel[(plan.nchunks, hv)](
+            kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, hk, hv, dk, dv, rep,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, num_warps=PREP_WARPS,
+        )  # fmt: skip
+    else:
+        u0 = w = kd = egc = ex
+    if plan.nchains:
+        _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
+            plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, num_warps=CHAIN_WARPS,
+        )  # fmt: skip
+    if state is not None and plan.nbuf:
+        # After the prep kernel: a chunk closed from the buffer has been read before it is reused.
+        _buffer_kernel[(plan.nbuf,)](
+            kf, vf, gf, bf, bk, bvv, bg, bb, plan.bufmap, NK=hk * dk, NV=hv * dv, NG=hv,
+            BLK=triton.next_power_of_2(hk * dk), BLV=triton.next_power_of_2(hv * dv), BLG=triton.next_power_of_2(hv),
+        )  # fmt: skip
+    fin = running
+    if state is not None and plan.scratch:
+        fin = torch.empty(plan.n, hv, dk, dv, dtype=torch.float32, device=dev)
+    _scan_kernel[(plan.nseg, hv, triton.cdiv(dv, cfg.scan_bv))](
+        qf, kf, vf, gf, bf, out, plan.seg, running, ex, fin, scale, hk, hv, dk, dv, rep,
+        BK=cfg.bk, BV=cfg.scan_bv, num_warps=SCAN_WARPS,
+    )  # fmt: skip
+    if state is not None and plan.scratch:
+        running.index_copy_(0, slots.to(device=dev, dtype=torch.int64), fin)
+    return out
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    state: GDNLayerState | None = None,
+    slots: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring."""
+    fwd = functools.partial(
+        _rule_forward, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts
+    )
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
+    if not needs_grad:
+        return fwd(q, k, v, g, beta)
+    if state is not None:
+        raise NotImplementedError(
+            "gated_delta_rule (triton): gradients through a call with a GDN state cache (rollout) are not supported"
+        )
+    plain = functools.partial(native.gated_delta_rule, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk)
+    return with_plain_backward(fwd, plain, q, k, v, g, beta)
+
+
+# ------------------------------------------------------------------------------ conv and norms
+def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
+    t, cd = x.shape
+    kw = weight.shape[-1]
+    if weight.shape != (cd, kw):
+        raise ValueError(f"causal_conv1d: weight shape {tuple(weight.shape)} != (channels={cd}, kernel)")
+    if conv_state is not None:
+        if slots is None or slots.numel() != cu_seqlens.numel() - 1:
+            raise ValueError("a conv state needs one slot per sequence (slots=...)")
+        if conv_state.shape[1:] != (cd, kw - 1) or not conv_state.is_contiguous():
+            raise ValueError(
+                f"causal_conv1d: conv_state must be contiguous [slots, {cd}, {kw - 1}], got {tuple(conv_state.shape)}"
+            )
+    elif starts is not None and bool((starts > 0).any()):
+        raise ValueError("sequences starting at positions > 0 need their conv state (conv_state=..., slots=...)")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = cu_seqlens.numel() - 1
+    if t == 0:
+        return y
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
+    sid = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True).to(torch.int32)
+    has = conv_state is not None
+    st = (starts if starts is not None else torch.zeros(n, dtype=torch.int64)).to(device=x.device, dtype=torch.int64)
+    sl = slots.to(device=x.device, dtype=torch.int64) if has else st
+    cs = conv_state if has else x
+    grid = (t, triton.cdiv(cd, CONV_BC))
+    _conv_kernel[grid](x, weight.contiguous(), y, sid, cu, st, sl, cs, cd, K=kw, HAS_STATE=has, BC=CONV_BC)
+    if has:
+        kp = triton.next_power_of_2(max(kw - 1, 1))
+        _conv_state_kernel[(n, triton.cdiv(cd, CONV_BC))](x, cu, st, sl, conv_state, cd, K=kw, KP=kp, BC=CONV_BC)
+    return y
+
+
+def _conv_plain(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Differentiable conv + SiLU for the backward: shifted copies by pad/slice (no scatter, so the
+    gradient is deterministic), zeroed before each sequence's start."""
+    t = x.shape[0]
+    kw = weight.shape[-1]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+    ar = torch.arange(t, device=x.device)
+    pos = ar - cu[torch.searchsorted(cu[1:], ar, right=True)]
+    xf, wf = x.float(), weight.float()
+    acc = None
+    for j in range(kw):
+        shift = kw - 1 - j
+        xs = torch.nn.functional.pad(xf, (0, 0, shift, 0))[:t] * (pos >= shift)[:, None]
+        term = wf[:, j] * xs
+        acc = term if acc is None else acc + term
+    return torch.nn.functional.silu(acc).to(x.dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    conv_state: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU (``x [T, Cd]``, ``weight [Cd, K]``); updates ``conv_state`` like the reference."""
+    fwd = functools.partial(_conv_forward, conv_state=conv_state, slots=slots, starts=starts)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not needs_grad:
+        return fwd(x, weight, cu_seqlens)
+    if conv_state is not None:
+        raise NotImplementedError(
+            "causal_conv1d (triton): gradients through a call with a conv state are not supported"
+        )
+    return with_plain_backward(fwd, _conv_plain, x, weight, cu_seqlens)
+
+
+def _l2norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    rows = xc.numel() // max(d, 1)
+    if rows:
+        _l2norm_kernel[(rows,)](xc, y, d, float(eps), BD=triton.next_power_of_2(d))
+    return y
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """fp32 ``x / sqrt(sum(x^2) + eps)`` over the last dim: one row per program, fixed block."""
+    return with_plain_backward(_l2norm_forward, native.l2norm, x, eps)
+
+
+def _gates_forward(a, b, A_log, dt_bias):
+    t, h = a.shape
+    g = torch.empty(t, h, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if a.numel():
+        _gates_kernel[(triton.cdiv(a.numel(), ELEM_BLOCK),)](
+            a.contiguous(), b.contiguous(), A_log.contiguous(), dt_bias.contiguous(), g, beta, a.numel(), h,
+            BLOCK=ELEM_BLOCK,
+        )  # fmt: skip
+    return torch.stack([g, beta])
+
+
+def _gates_plain(a, b, A_log, dt_bias):
+    return torch.stack(native.gdn_gates(a, b, A_log, dt_bias))
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; elementwise fp32 (tl.exp/tl.log)."""
+    if a.shape != b.shape or a.dim() != 2 or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
+        raise ValueError(
+            f"gdn_gates: a{tuple(a.shape)} b{tuple(b.shape)} must be [T, Hv] and A_log{tuple(A_log.shape)} "
+            f"dt_bias{tuple(dt_bias.shape)} [Hv]"
+        )
+    out = with_plain_backward(_gates_forward, _gates_plain, a, b, A_log, dt_bias)
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------------- registry
+def _probe_rule() -> dict[str, torch.Tensor]:
+    from megatron_iso.ops.gdn.reference import l2norm as l2_ref
+
+    gen = torch.Generator().manual_seed(4021)
+    t, hk, hv, d = 45, 2, 4, 32
+    q = l2_ref(torch.randn(t, hk, d, generator=gen)).cuda()
+    k = l2_ref(torch.randn(t, hk, d, generator=gen)).cuda()
+    v = torch.randn(t, hv, d, generator=gen).cuda()
+    g, beta = gdn_gates(torch.randn(t, hv, generator=gen).cuda(), torch.randn(t, hv, generator=gen).cuda(),
+                        torch.zeros(hv, device="cuda"), torch.ones(hv, device="cuda"))  # fmt: skip
+    cu = torch.tensor([0, 19, 45], device="cuda")
+    return {"chunk16": gated_delta_rule(q, k, v, g, beta, cu, chunk=16).cpu()}
+
+
+def _probe_conv() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4022)
+    x, w = torch.randn(11, 300, generator=gen).cuda(), torch.randn(300, 4, generator=gen).cuda()
+    cu = torch.tensor([0, 2, 11], device="cuda")
+    return {"fp32": causal_conv1d(x, w, cu).cpu(), "bf16": causal_conv1d(x.bfloat16(), w.bfloat16(), cu).cpu()}
+
+
+def _probe_gates() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4023)
+    a, b = torch.randn(9, 4, generator=gen).cuda() * 4, torch.randn(9, 4, generator=gen).cuda()
+    g, beta = gdn_gates(a, b, torch.randn(4, generator=gen).cuda(), torch.randn(4, generator=gen).cuda())
+    return {"g": g.cpu(), "beta": beta.cpu(), "l2norm": l2norm(torch.randn(5, 3, 128, generator=gen).cuda()).cpu()}
+
+
+_RULE_CONSTANTS = {
+    "chunk_alignment": "position 0 of the sequence",
+    "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by row substitution, U0/W by fp32 ieee tl.dot; "
+    "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 ieee tl.dot), one program per (seq, head, Dv block)",
+    "output": "per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers",
+    "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
+    "scan_bv": SCAN_BV,
+    "chain_bv": CHAIN_BV,
+    "warps_scan_chain_prep": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS],
+    "block_k": "max(16, next_pow2(Dk))",
+    "exp": "tl.exp (fp32)",
+    "inputs": "converted to contiguous fp32 before every kernel",
+    "backward": "native chunked torch formula (with_plain_backward)",
+    "triton": triton.__version__,
+}
+for _op, _fn, _probe, _consts in (
+    ("gated_delta_rule", gated_delta_rule, _probe_rule, _RULE_CONSTANTS),
+    ("gdn_conv1d", causal_conv1d, _probe_conv,
+     {"sum": "sequential fp32 over K (FMA contraction allowed)", "silu": "acc / (1 + tl.exp(-acc)), div_rn",
+      "block_channels": CONV_BC, "triton": triton.__version__}),
+    ("gdn_gates", gdn_gates, _probe_gates,
+     {"formula": "fp32: -exp(A_log) * (max(x,0) + log1p(exp(-|x|))), log1p = log(u) y/(u-1); 1/(1+exp(-b)) div_rn",
+      "block": ELEM_BLOCK, "triton": triton.__version__}),
+    ("gdn_l2norm", l2norm, _probe_gates,
+     {"eps": L2NORM_EPS, "reduction": "one row per program, tl.sum over next_pow2(D)", "sqrt_div": "sqrt_rn, div_rn",
+      "triton": triton.__version__}),
+):  # fmt: skip
+    register(
+        OpImpl(
+            op=_op,
+            impl_id=f"{_op}.triton",
+            version=VERSION,
+            device_class="cuda",
+            profile="correctness",
+            fn=_fn,
+            constants=_consts,
+            equivalence_note=(
+                "training, prefill and decode run the same kernels: the per-token scan from a bitwise-equal start "
+                "state, the state-pass kernels on the same (entry, chunk) data (tests/gpu/test_gdn_triton.py)"
+            ),
+            probe=_probe,
+        )
+    )

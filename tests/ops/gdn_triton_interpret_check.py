@@ -1,0 +1,230 @@
+"""Checks of the GDN Triton kernels under TRITON_INTERPRET=1, run as a script by
+tests/ops/test_gdn_triton_interpret.py (a subprocess: the variable must be set before triton is imported).
+
+Tiny shapes (chunk 8, Dk = Dv = 8, Dv split into blocks of 4). Bitwise: training forward == prefill(P) +
+decode for P in {1, C-1, C, C+1, 2C+3}, chunked prefill pieces, packing, batch composition with
+sequences at mixed positions, a subset of heads (TP); conv, gates, l2norm. Tolerances: the rule and the
+state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
+gradients vs the reference's autograd (1e-5 relative).
+
+triton 3.6's interpreter cannot loop to a run-time bound with numpy 2.x (``int()`` of a 1-element
+array); the first lines patch that one conversion.
+"""
+
+# ruff: noqa: E402
+import triton.runtime.interpreter as ti
+
+_orig = ti._patch_lang_tensor
+
+
+def _patched(tensor, scope):
+    _orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+ti._patch_lang_tensor = _patched
+
+import time
+
+import torch
+
+from megatron_iso.ops.gdn import GDNLayerState
+from megatron_iso.ops.gdn import gdn_triton as gt
+from megatron_iso.ops.gdn import reference as ref
+
+HK, HV, D, C = 2, 4, 8, 8
+t_start = time.time()
+
+
+def bits(t):
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def same(a, b):
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def inputs(n, seed, hk=HK, hv=HV):
+    gen = torch.Generator().manual_seed(seed)
+    q = ref.l2norm(torch.randn(n, hk, D, generator=gen))
+    k = ref.l2norm(torch.randn(n, hk, D, generator=gen))
+    v = torch.randn(n, hv, D, generator=gen)
+    a, b = torch.randn(n, hv, generator=gen) * 2, torch.randn(n, hv, generator=gen)
+    g, beta = ref.gdn_gates(a, b, torch.rand(hv, generator=gen).mul(2).log(), torch.ones(hv))
+    return q, k, v, g, beta
+
+
+def cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def new_state(slots, hk=HK, hv=HV):
+    return GDNLayerState.allocate(
+        slots,
+        conv_dim=4,
+        conv_kernel=4,
+        key_heads=hk,
+        value_heads=hv,
+        key_dim=D,
+        value_dim=D,
+        chunk=C,
+        dtype=torch.float32,
+    )
+
+
+def incremental(x, pieces, slot=1, st=None):
+    st = st or new_state(slot + 1, x[0].shape[1], x[2].shape[1])
+    outs, pos = [], 0
+    for n in pieces:
+        r = slice(pos, pos + n)
+        outs.append(
+            gt.gated_delta_rule(
+                *(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([slot]), starts=torch.tensor([pos])
+            )
+        )
+        pos += n
+    return torch.cat(outs), st
+
+
+def train(x):
+    return gt.gated_delta_rule(*x, cu([x[0].shape[0]]), chunk=C)
+
+
+# accuracy vs the CPU reference (state tolerance) on packed sequences
+xs = [inputs(n, 10 + n) for n in (13, 1, 22)]
+packed = [torch.cat([x[j] for x in xs]) for j in range(5)]
+got = gt.gated_delta_rule(*packed, cu([13, 1, 22]), chunk=C)
+want = ref.gated_delta_rule(*packed, cu([13, 1, 22]), chunk=C)
+err = float((got - want).abs().max())
+assert err < 1e-5, f"vs reference {err:.2e}"
+# packing invariance
+for x, part in zip(xs, got.split([13, 1, 22]), strict=True):
+    assert same(train(x), part), "packing"
+# prefill(P) + decode == training forward, across chunk closes (resync) for P in 1, C-1, C, C+1, 2C+3
+for p in (1, C - 1, C, C + 1, 2 * C + 3):
+    total = (p // C + 1) * C + 2
+    x = inputs(total, 100 + p)
+    full = train(x)
+    inc, st = incremental(x, [p] + [1] * (total - p))
+    assert same(full, inc), f"prefill {p} + decode: max |d| {(full - inc).abs().max():.3e}"
+    assert float((full - ref.gated_delta_rule(*x, cu([total]), chunk=C)).abs().max()) < 1e-5
+# chunked prefill of any pieces, and the state cache against the reference's
+for pieces in ([3, 5, 9], [8, 8, 1, 7], [1, 1, 13, 2, 4], [2, 15, 6]):
+    x = inputs(sum(pieces), 7)
+    inc, st = incremental(x, pieces)
+    assert same(train(x), inc), f"pieces {pieces}"
+    rst = new_state(2)
+    pos = 0
+    for n in pieces:
+        r = slice(pos, pos + n)
+        ref.gated_delta_rule(
+            *(t[r] for t in x), cu([n]), chunk=C, state=rst, slots=torch.tensor([1]), starts=torch.tensor([pos])
+        )
+        pos += n
+    for name in ("running", "entry"):
+        e = float((getattr(st, name)[1] - getattr(rst, name)[1]).abs().max())
+        assert e < 1e-5, f"state.{name} vs reference {e:.2e}"
+    nb = sum(pieces) % C
+    for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):
+        assert same(getattr(st, name)[1, :nb], getattr(rst, name)[1, :nb]), name
+# batch composition: sequences at different positions (mid-chunk, closing, fresh, multi-chunk) in one call
+lens, prev = [5, 11, 1, 3, 19], [3, 0, 7, 8, 5]
+seqs = [inputs(p + n, 20 + i) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
+alone = [incremental(x, [p, n] if p else [n])[0][p:] for x, p, n in zip(seqs, prev, lens, strict=True)]
+st = new_state(5)
+for i, x in enumerate(seqs):
+    if prev[i]:
+        gt.gated_delta_rule(
+            *(t[: prev[i]] for t in x),
+            cu([prev[i]]),
+            chunk=C,
+            state=st,
+            slots=torch.tensor([i]),
+            starts=torch.tensor([0]),
+        )
+order = [2, 0, 4, 3, 1]
+cat = [torch.cat([seqs[i][j][prev[i] :] for i in order]) for j in range(5)]
+out = gt.gated_delta_rule(
+    *cat,
+    cu([lens[i] for i in order]),
+    chunk=C,
+    state=st,
+    slots=torch.tensor(order),
+    starts=torch.tensor([prev[i] for i in order]),
+)
+for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
+    assert same(part, alone[i]), f"batch composition: sequence {i}"
+# heads subset (TP: key heads [0, HK/2) and their value heads) == the same heads of the full call
+x = inputs(19, 31, hk=4, hv=8)
+full = train(x)
+half = tuple(t[:, :2] if t.dim() == 3 and t.shape[1] == 4 else t[:, :4] for t in x)
+assert same(train(half), full[:, :4]), "heads subset"
+inc, _ = incremental(half, [5, 1, 1, 1, 4, 1, 1, 5])
+assert same(inc, full[:, :4]), "heads subset, decode"
+print("rule ok", round(time.time() - t_start, 1))
+
+# conv: prefill + decode == training, batch composition, against fp64
+gen = torch.Generator().manual_seed(3)
+for dtype in (torch.float32, torch.bfloat16):
+    xc, w = torch.randn(14, 12, generator=gen).to(dtype), torch.randn(12, 4, generator=gen).to(dtype)
+    full = gt.causal_conv1d(xc, w, cu([14]))
+    cs = torch.full((2, 12, 3), float("nan"), dtype=dtype)
+    outs, pos = [], 0
+    for n in (2, 5, 1, 1, 1, 4):
+        outs.append(
+            gt.causal_conv1d(
+                xc[pos : pos + n], w, cu([n]), conv_state=cs, slots=torch.tensor([1]), starts=torch.tensor([pos])
+            )
+        )
+        pos += n
+    assert same(full, torch.cat(outs)), "conv prefill/decode"
+    assert same(cs[1], xc[-3:].t()), "conv state"
+    two = gt.causal_conv1d(torch.cat([xc[:5], xc]), w, cu([5, 14]))
+    assert same(two[5:], full) and same(two[:5], full[:5]), "conv packing"
+    r64 = torch.nn.functional.silu(
+        torch.nn.functional.conv1d(xc.double().t()[None], w.double()[:, None], padding=3, groups=12)[0, :, :14].t()
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((full.double() - r64).abs().max()) < tol, "conv accuracy"
+    rc = ref.causal_conv1d(xc, w, cu([14]))
+    assert float((full.double() - rc.double()).abs().max()) < tol
+# a sequence shorter than K-1 keeps the older history in its conv state
+cs = torch.zeros(1, 12, 3)
+xc = torch.randn(6, 12, generator=gen)
+gt.causal_conv1d(xc[:4], torch.ones(12, 4), cu([4]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([0]))
+gt.causal_conv1d(xc[4:5], torch.ones(12, 4), cu([1]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([4]))
+assert same(cs[0], xc[2:5].t()), "conv state of a short call"
+print("conv ok")
+
+# gates and l2norm: batch invariant, accurate
+a, b, xn = torch.randn(33, HV, generator=gen) * 8, torch.randn(33, HV, generator=gen), torch.randn(33, 3, 24)
+al, dt = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+g, beta = gt.gdn_gates(a, b, al, dt)
+nrm = gt.l2norm(xn)
+for i in (0, 17, 32):
+    gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
+    assert same(gi[0], g[i]) and same(bi[0], beta[i]) and same(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+rg, rb = ref.gdn_gates(a, b, al, dt)
+assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs().max()) < 1e-6
+assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
+print("ok", round(time.time() - t_start, 1))
+
+# backward: invariant forward, native formula's gradients (close to the reference's autograd)
+x = inputs(21, 9)
+w8 = torch.randn(21, HV, D, generator=gen)
+lv = [t.clone().requires_grad_(True) for t in x]
+lr = [t.clone().requires_grad_(True) for t in x]
+y = gt.gated_delta_rule(*lv, cu([13, 8]), chunk=C)
+assert same(y.detach(), gt.gated_delta_rule(*x, cu([13, 8]), chunk=C)), "forward bits under autograd"
+(y * w8).sum().backward()
+(ref.gated_delta_rule(*lr, cu([13, 8]), chunk=C) * w8).sum().backward()
+for name, p, r in zip("qkvgb", lv, lr, strict=True):
+    e = float((p.grad - r.grad).abs().max() / r.grad.abs().max())
+    assert e < 1e-5, f"grad {name}: {e:.2e}"
+xc = torch.randn(9, 12, generator=gen, requires_grad=True)
+wc = torch.randn(12, 4, generator=gen, requires_grad=True)
+xr, wr = xc.detach().clone().requires_grad_(True), wc.detach().clone().requires_grad_(True)
+(gt.causal_conv1d(xc, wc, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
+(ref.causal_conv1d(xr, wr, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
+assert float((xc.grad - xr.grad).abs().max()) < 1e-3 and float((wc.grad - wr.grad).abs().max()) < 1e-3, "conv grads"
+print("grad ok", round(time.time() - t_start, 1))
