@@ -9,7 +9,8 @@ function of that token alone (EP, TP+SP and batch invariance):
   lowest expert index) and renormalisation by ``ops.moe``; Megatron's load-balancing aux loss.
 - :class:`IsoSequentialExperts`: per-expert SwiGLU whose GEMMs are row independent (so an expert's
   result for a token does not depend on how many tokens it received); the down projection stays
-  fp32 until the combine.
+  fp32 until the combine. On CUDA both projections of all local experts run as one grouped
+  leaf-tree GEMM launch each (``ops.gemm.grouped``), bit for bit the per-expert loop's result.
 - :class:`IsoSharedExpertMLP`: the shared expert (optionally sigmoid-gated, Qwen3-Next), fp32 out.
 - :class:`IsoAlltoAllTokenDispatcher`: all-to-all over EP that only moves rows; the combine is per
   token, in routing order (ascending expert index), fp32 products and the fixed tree.
@@ -34,7 +35,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.activation.pointwise import iso_sigmoid
 from megatron_iso.ops.gemm import linear
+from megatron_iso.ops.gemm.grouped import grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
+from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 
 
 def _profile(config) -> str:
@@ -103,7 +106,40 @@ class IsoSequentialExperts(SequentialMLP):
                 "allowed values: [1]"
             )
 
+    # On CUDA, run fc1 and fc2 of all local experts as one grouped GEMM each (no per-expert launches, no
+    # host sync on the counts). False keeps the per-expert loop (benchmarks and tests compare the two).
+    grouped_on_cuda: bool = True
+
+    def _can_group(self, tokens: torch.Tensor) -> bool:
+        if not (self.grouped_on_cuda and tokens.is_cuda and len(self.local_experts) > 0):
+            return False
+        for expert in self.local_experts:
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            if not (isinstance(fc1, LeafTreeColumnParallelLinear) and isinstance(fc2, LeafTreeRowParallelLinear)):
+                return False
+            if fc1.iso_profile != "correctness" or fc2.iso_profile != "correctness":
+                return False
+            # fc1's bias is added by its _finish (fc2's forward_fp32 never adds one): keep that path as it is.
+            if fc1.bias is not None and not fc1.skip_bias_add:
+                return False
+        return True
+
+    def _grouped_fp32(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """What the per-expert loop computes, as two grouped launches. fc1: fp32 tree rounded once to the
+        input dtype (the column linear's ``_finish`` without bias); fc2: the fp32 tree over the expert's
+        local leaves (expert TP is 1, so the tree collective is the identity)."""
+        counts = tokens_per_expert.to(tokens.device, non_blocking=True)
+        fc1 = [expert.linear_fc1 for expert in self.local_experts]
+        fc2 = [expert.linear_fc2 for expert in self.local_experts]
+        h = grouped_linear(tokens, [m.weight for m in fc1], counts, leaves=fc1[0].iso_leaves, profile="correctness")
+        act = swiglu_packed(h.to(tokens.dtype), profile="correctness")
+        return grouped_linear(
+            act, [m.weight for m in fc2], counts, leaves=fc2[0].iso_local_leaves, profile="correctness"
+        )
+
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs=None):
+        if self._can_group(tokens):
+            return self._grouped_fp32(tokens, tokens_per_expert), None
         chunks = torch.split(tokens, [int(n) for n in tokens_per_expert.tolist()])
         outs = [_mlp_fp32(expert, chunk) for expert, chunk in zip(self.local_experts, chunks, strict=True)]
         return torch.cat(outs, dim=0), None
