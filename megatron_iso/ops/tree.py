@@ -13,6 +13,7 @@ by construction.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -28,23 +29,55 @@ def tree_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     return tree_sum(terms[:h]) + tree_sum(terms[h:])
 
 
-def tree_sum_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Reduce ``dim`` of ``x`` with the fixed tree; vectorised: log2(n) elementwise adds of halves.
+@functools.lru_cache(maxsize=64)
+def _plan(n: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The tree over ``n`` terms as levels of a complete binary tree of depth ``ceil(log2 n)``.
 
-    Equivalent, bit for bit, to ``tree_sum(x.unbind(dim))``.
+    Returns the term index of every bottom slot (a node of one term, carried down unchanged; empty
+    slots read term 0 and are never added) and, per level from the bottom up, a mask of the nodes
+    that have a right child (None: all of them do). A node without a right child is a single term
+    passed up as is, so every add is exactly one of the recursive tree's adds.
+    """
+    nodes = [(0, n)]
+    has_right: list[list[bool]] = []
+    while any(size > 1 for _, size in nodes):
+        has_right.append([size > 1 for _, size in nodes])
+        children = []
+        for start, size in nodes:
+            h = size // 2 if size > 1 else size
+            children += [(start, h), (start + h, size - h)]
+        nodes = children
+    bottom = torch.tensor([start if size else 0 for start, size in nodes], dtype=torch.long, device=device)
+    masks = [None if all(m) else torch.tensor(m, device=device) for m in reversed(has_right)]
+    return bottom, masks
+
+
+def tree_sum_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Reduce ``dim`` of ``x`` with the fixed tree, level by level (about log2(n) elementwise adds).
+
+    Equivalent, bit for bit, to ``tree_sum(x.unbind(dim))``: a power of two adds adjacent pairs; any
+    other n is laid out on the complete binary tree of :func:`_plan` (one gather, then per level an
+    add of the even and odd slots, keeping the lone left term where a node has no right child).
     """
     dim = dim % x.dim()
     n = x.shape[dim]
     if n == 0:
         raise ValueError("tree_sum_dim over an empty dimension")
-    if n == 1:
-        return x.squeeze(dim)
-    if n & (n - 1) == 0:  # power of two: adding adjacent pairs level by level is the balanced tree
-        idx = [slice(None)] * x.dim()
-        while x.shape[dim] > 1:
-            even, odd = list(idx), list(idx)
-            even[dim], odd[dim] = slice(0, None, 2), slice(1, None, 2)
-            x = x[tuple(even)] + x[tuple(odd)]
-        return x.squeeze(dim)
-    h = n // 2
-    return tree_sum_dim(x.narrow(dim, 0, h), dim) + tree_sum_dim(x.narrow(dim, h, n - h), dim)
+    if n & (n - 1):
+        bottom, masks = _plan(n, x.device)
+        x = x.index_select(dim, bottom)
+    else:
+        masks = [None] * (n.bit_length() - 1)
+    idx = [slice(None)] * x.dim()
+    even, odd = list(idx), list(idx)
+    even[dim], odd[dim] = slice(0, None, 2), slice(1, None, 2)
+    even, odd = tuple(even), tuple(odd)
+    shape = [1] * x.dim()
+    for mask in masks:
+        left, right = x[even], x[odd]
+        if mask is None:
+            x = left + right
+        else:
+            shape[dim] = mask.numel()
+            x = torch.where(mask.view(shape), left + right, left)
+    return x.squeeze(dim)
