@@ -16,7 +16,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
-def _loop_vs_grouped(dtype: str):
+def _loop_vs_grouped(dtype: str, overrides: tuple[str, ...] = ()):
     """Forward and backward of the first layer's experts, per-expert loop vs grouped path, on the
     device the model was built on (build_model moves it to CUDA when there is one). On CPU the
     grouped path is called directly (the CPU forward keeps the loop); on CUDA through forward."""
@@ -25,7 +25,7 @@ def _loop_vs_grouped(dtype: str):
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.weights import random_hf_state_dict
 
-    tc = transformer_config(load_config(["model=tiny_moe", f"model.params_dtype={dtype}"]))
+    tc = transformer_config(load_config(["model=tiny_moe", f"model.params_dtype={dtype}", *overrides]))
     model = build_model(tc, random_hf_state_dict(tc, seed=7, std=0.2)).train()
     experts = model.decoder.layers[0].mlp.experts
     device = experts.local_experts[0].linear_fc1.weight.device
@@ -48,11 +48,13 @@ def _loop_vs_grouped(dtype: str):
 
 
 def _loop_vs_grouped_cuda(dtype: str):
-    """The same on a GPU in a one-process Megatron world (tests/gpu/test_grouped_gemm.py)."""
+    """The same on a GPU in a one-process Megatron world (tests/gpu/test_grouped_gemm.py). The expert
+    width is raised to 512 so that fc2's leaf depth (512 / 8 leaves) is a whole number of Triton K-tiles
+    (tiny_moe's 32 / 8 is not: the dense kernel refuses it, loop or grouped)."""
     from megatron_iso.parallel.world import single_process_world
 
     with single_process_world():
-        return _loop_vs_grouped(dtype)
+        return _loop_vs_grouped(dtype, ("model.moe_ffn_hidden_size=512",))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
