@@ -6,6 +6,11 @@ the correctness (iso) and performance (native) profiles side by side, in one pro
 
 Step 0 of each profile is a warm-up (Triton compiles, allocator growth) and is excluded from the
 timing means. Prints a markdown table; writes every step's metrics to ``--out``.
+
+``--profile-step K``: step K of each profile runs under torch.profiler with a range per phase
+(``rl: rollout``, ``rl: train``, ``rl: publish``) and per model module (forward only; the backward's
+ops appear by name): top ops by self CUDA / CPU time and the parts, printed and in the JSON. That
+step's timings include the profiler's overhead and are left out of the means.
 """
 
 from __future__ import annotations
@@ -19,6 +24,28 @@ import time
 from pathlib import Path
 
 import torch
+
+from megatron_iso.bench.profiling import module_ranges, print_summary, ranged, summarize
+
+
+def _profiled_step(trainer, step: int, rows: int) -> tuple[dict, dict]:
+    """One trainer step under torch.profiler, with phase and module ranges."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    phases = {"rollout": "rl: rollout", "train_on": "rl: train", "publish_weights": "rl: publish"}
+    for attr, label in phases.items():
+        setattr(trainer, attr, ranged(label, getattr(trainer, attr)))
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            with module_ranges(trainer.model):
+                metrics = trainer.step(step)
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        for attr in phases:
+            delattr(trainer, attr)  # back to the class's methods
+    return metrics, summarize(prof, rows, device=cuda)
 
 
 def run_profile(profile: str, args: argparse.Namespace) -> dict:
@@ -46,9 +73,14 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
             build_s = time.perf_counter() - t0
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            steps = []
+            steps, profiled = [], None
             for step in range(args.steps):
-                metrics = trainer.step(step)
+                if step == args.profile_step:
+                    metrics, profiled = _profiled_step(trainer, step, args.profile_rows)
+                    print(f"\n### profile: {profile}, step {step}")
+                    print_summary(profiled)
+                else:
+                    metrics = trainer.step(step)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 steps.append(metrics)
@@ -59,7 +91,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    timed = steps[1:] or steps
+    timed = [s for i, s in enumerate(steps) if i > 0 and i != args.profile_step] or steps
 
     def mean(key: str) -> float:
         return sum(s[key] for s in timed) / len(timed)
@@ -76,6 +108,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
         "mismatch_mean": mean("mismatch/abs_diff_mean") if "mismatch/abs_diff_mean" in timed[0] else 0.0,
         "bitwise_equal_frac": min(s.get("mismatch/bitwise_equal_frac", 1.0) for s in steps),
         "steps": steps,
+        "profile_summary": profiled,
     }
 
 
@@ -89,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument("--profile-step", type=int, default=-1, help="profile this step (-1: none)")
+    parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("rl_step.json"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args(argv)
