@@ -334,18 +334,19 @@ def _l2norm_kernel(x_ptr, y_ptr, D, eps, BD: tl.constexpr):
 
 @triton.jit
 def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: tl.constexpr):
+    """g in float64 (libdevice exp/log), rounded once: softplus(x) = max(x, 0) + log1p(exp(-|x|)) with
+    log1p(y) = log(u) * y / (u - 1), u = 1 + y, accurate for tiny y; beta = 1 / (1 + exp(-b)) in fp32."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     h = i % H
-    x = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
-    # softplus(x) = max(x, 0) + log1p(exp(-|x|)); log1p(y) = log(u) * y / (u - 1), u = 1 + y (exact for tiny y)
+    x = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float64) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float64)
     y = tl.exp(-tl.abs(x))
     uu = 1.0 + y
     d = uu - 1.0
-    l1p = tl.where(d == 0.0, y, tl.log(uu) * tl.math.div_rn(y, tl.where(d == 0.0, 1.0, d)))
+    l1p = tl.where(d == 0.0, y, tl.log(uu) * (y / tl.where(d == 0.0, 1.0, d)))
     sp = tl.maximum(x, 0.0) + l1p
-    al = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)
-    tl.store(g_ptr + i, -(tl.exp(al) * sp), mask=m)
+    al = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float64)
+    tl.store(g_ptr + i, (-(tl.exp(al) * sp)).to(tl.float32), mask=m)
     b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
     tl.store(beta_ptr + i, tl.math.div_rn(1.0, 1.0 + tl.exp(-b)), mask=m)
 
@@ -686,7 +687,7 @@ def _gates_plain(a, b, A_log, dt_bias):
 def gdn_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; elementwise fp32 (tl.exp/tl.log)."""
+    """fp32 ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp64 inside) and ``beta = sigmoid(b)``; elementwise."""
     if a.shape != b.shape or a.dim() != 2 or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
         raise ValueError(
             f"gdn_gates: a{tuple(a.shape)} b{tuple(b.shape)} must be [T, Hv] and A_log{tuple(A_log.shape)} "
@@ -746,7 +747,8 @@ for _op, _fn, _probe, _consts in (
      {"sum": "sequential fp32 over K (FMA contraction allowed)", "silu": "acc / (1 + tl.exp(-acc)), div_rn",
       "block_channels": CONV_BC, "triton": triton.__version__}),
     ("gdn_gates", gdn_gates, _probe_gates,
-     {"formula": "fp32: -exp(A_log) * (max(x,0) + log1p(exp(-|x|))), log1p = log(u) y/(u-1); 1/(1+exp(-b)) div_rn",
+     {"formula": "g: fp64 -exp(A_log) * (max(x,0) + log1p(exp(-|x|))), log1p = log(u) y/(u-1), rounded once; "
+                 "beta: fp32 1/(1+exp(-b)) div_rn",
       "block": ELEM_BLOCK, "triton": triton.__version__}),
     ("gdn_l2norm", l2norm, _probe_gates,
      {"eps": L2NORM_EPS, "reduction": "one row per program, tl.sum over next_pow2(D)", "sqrt_div": "sqrt_rn, div_rn",

@@ -1,0 +1,288 @@
+"""GDN Triton kernels (CPR, GPU correctness profile) on a CUDA device.
+
+Bitwise (int32 views): training forward == prefill(P) + decode for P in {1, C-1, C, C+1, 2C+3}, chunked
+prefill pieces, packing, batch composition at mixed positions, a subset of heads (TP), at a small shape
+(C=16, Dk=Dv=32) and Qwen3-Next's per-head shape (C=64, Dk=Dv=128); conv/gates/l2norm invariance; a
+tiny_hybrid model's training-forward logits == its prefill + decode logits. With tolerances (stated in
+each test): outputs and cached states against an fp64 recurrence and the CPU reference, gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+pytest.importorskip("triton")
+
+HK, HV = 2, 4
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double().to(a.device)).abs().max())
+
+
+@pytest.fixture(scope="module")
+def gt():
+    from megatron_iso.ops.gdn import gdn_triton
+
+    return gdn_triton
+
+
+def inputs(n: int, seed: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda"):
+    from megatron_iso.ops.gdn.reference import gdn_gates, l2norm
+
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(n, hk, d, generator=gen))
+    k = l2norm(torch.randn(n, hk, d, generator=gen))
+    v = torch.randn(n, hv, d, generator=gen)
+    a, b = torch.randn(n, hv, generator=gen) * 2, torch.randn(n, hv, generator=gen)
+    g, beta = gdn_gates(a, b, torch.rand(hv, generator=gen).mul(2).log(), torch.ones(hv))
+    return tuple(t.to(device) for t in (q, k, v, g, beta))
+
+
+def cu(lengths: list[int], device: str = "cuda") -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+
+
+def new_state(slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda"):
+    from megatron_iso.ops.gdn import GDNLayerState
+
+    st = GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=hk, value_heads=hv, key_dim=d,
+                                value_dim=d, chunk=chunk, dtype=torch.float32, device=device)  # fmt: skip
+    for t in (st.running, st.entry, st.buf_k, st.buf_v, st.buf_g, st.buf_beta):
+        t.fill_(float("nan"))  # stale slot content must never be read
+    return st
+
+
+def incremental(gt, x, pieces, chunk, slot=1, st=None, **kw):
+    st = st or new_state(slot + 1, chunk, x[2].shape[-1], x[0].shape[1], x[2].shape[1], device=x[0].device.type)
+    outs, pos = [], 0
+    dev = x[0].device
+    for n in pieces:
+        r = slice(pos, pos + n)
+        outs.append(
+            gt.gated_delta_rule(*(t[r] for t in x), cu([n], dev.type), chunk=chunk, state=st,
+                                slots=torch.tensor([slot], device=dev), starts=torch.tensor([pos], device=dev), **kw)
+        )  # fmt: skip
+        pos += n
+    return torch.cat(outs), st
+
+
+def train(gt, x, chunk):
+    return gt.gated_delta_rule(*x, cu([x[0].shape[0]], x[0].device.type), chunk=chunk)
+
+
+def naive64(q, k, v, g, beta):
+    """FLA's naive recurrence in float64 (decay, delta update, read), on the CPU."""
+    q, k, v, g, beta = (t.double().cpu() for t in (q, k, v, g, beta))
+    rep = v.shape[1] // k.shape[1]
+    q = q.repeat_interleave(rep, 1) * q.shape[-1] ** -0.5
+    k = k.repeat_interleave(rep, 1)
+    s = torch.zeros(v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float64)
+    out = []
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        u = (v[t] - (s * k[t, :, :, None]).sum(1)) * beta[t][:, None]
+        s = s + k[t, :, :, None] * u[:, None, :]
+        out.append((s * q[t, :, :, None]).sum(1))
+    return torch.stack(out), s
+
+
+SHAPES = [(16, 32), (64, 128)]  # (chunk, Dk = Dv)
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+@pytest.mark.parametrize("p_of", [(0, 1), (1, -1), (1, 0), (1, 1), (2, 3)])  # P = a*C + b: 1, C-1, C, C+1, 2C+3
+def test_prefill_then_decode_equals_training_forward(gt, chunk, d, p_of):
+    p = p_of[0] * chunk + p_of[1]
+    total = (p // chunk + 1) * chunk + 3  # decode crosses the next chunk boundary (a resync)
+    x = inputs(total, 100 + p, d)
+    full = train(gt, x, chunk)
+    inc, st = incremental(gt, x, [p] + [1] * (total - p), chunk)
+    assert same(full, inc), f"P={p}: max |d| {maxdiff(full, inc):.3e}"
+    ref, s64 = naive64(*x)
+    # Accuracy (fp32 chunk/scan vs fp64 recurrence): outputs O(1), 2e-5 absolute; running state 2e-5.
+    assert maxdiff(full, ref) < 2e-5, f"vs fp64 {maxdiff(full, ref):.2e}"
+    assert maxdiff(st.running[1], s64) < 2e-5, f"running state vs fp64 {maxdiff(st.running[1], s64):.2e}"
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+@pytest.mark.parametrize("pieces", [[3, 5, 9], [16, 16, 1, 7], [1, 1, 40, 2, 4], [70], [2, 63, 6, 64, 1]])
+def test_chunked_prefill_any_pieces(gt, chunk, d, pieces):
+    x = inputs(sum(pieces), 7, d)
+    inc, _ = incremental(gt, x, pieces, chunk)
+    full = train(gt, x, chunk)
+    assert same(full, inc), f"max |d| {maxdiff(full, inc):.3e}"
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+def test_state_cache_matches_cpu_reference(gt, chunk, d):
+    from megatron_iso.ops.gdn import reference as ref
+
+    pieces = [chunk + 5, 3, chunk - 1, 1, 1]
+    x = inputs(sum(pieces), 8, d)
+    out, st = incremental(gt, x, pieces, chunk)
+    xc = tuple(t.cpu() for t in x)
+    rout, rst = incremental(ref, xc, pieces, chunk)
+    # fp32 GPU kernels vs the CPU reference's tree sums: 2e-5 absolute (outputs and states O(1)).
+    assert maxdiff(out, rout) < 2e-5
+    assert maxdiff(st.running[1], rst.running[1]) < 2e-5 and maxdiff(st.entry[1], rst.entry[1]) < 2e-5
+    nb = sum(pieces) % chunk
+    for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):  # the buffered tokens are exact copies
+        assert same(getattr(st, name)[1, :nb].cpu(), getattr(rst, name)[1, :nb]), name
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+def test_batch_composition_and_packing(gt, chunk, d):
+    """Sequences at mixed positions (mid-chunk, closing a chunk, fresh, several chunks) in one call ==
+    each alone; a decode step of a sequence alone == inside a batch of 7."""
+    c = chunk
+    lens, prev = [5, 2 * c + 3, 1, 3, 1, 1, c], [3, 0, c - 1, 2 * c, 7, c + 2, 5]
+    seqs = [inputs(p + n, 20 + i, d) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
+    alone = [incremental(gt, x, [p, n] if p else [n], c)[0][p:] for x, p, n in zip(seqs, prev, lens, strict=True)]
+    st = new_state(len(lens), c, d)
+    for i, x in enumerate(seqs):
+        if prev[i]:
+            r = slice(0, prev[i])
+            gt.gated_delta_rule(*(t[r] for t in x), cu([prev[i]]), chunk=c, state=st,
+                                slots=torch.tensor([i], device="cuda"), starts=torch.tensor([0], device="cuda"))  # fmt: skip
+    order = [2, 0, 6, 4, 3, 1, 5]
+    cat = [torch.cat([seqs[i][j][prev[i] :] for i in order]) for j in range(5)]
+    out = gt.gated_delta_rule(*cat, cu([lens[i] for i in order]), chunk=c, state=st,
+                              slots=torch.tensor(order, device="cuda"),
+                              starts=torch.tensor([prev[i] for i in order], device="cuda"))  # fmt: skip
+    for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
+        assert same(part, alone[i]), f"sequence {i}: max |d| {maxdiff(part, alone[i]):.3e}"
+    xs = [inputs(n, 40 + n, d) for n in (13, 1, 2 * c + 5, c)]
+    packed = gt.gated_delta_rule(*(torch.cat([x[j] for x in xs]) for j in range(5)), cu([13, 1, 2 * c + 5, c]), chunk=c)
+    for x, part in zip(xs, packed.split([13, 1, 2 * c + 5, c]), strict=True):
+        assert same(train(gt, x, c), part)
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+def test_heads_subset_tp_sharding(gt, chunk, d):
+    """A TP rank's heads (key heads [0, 2), their value heads) give the same bits as in the full call."""
+    x = inputs(2 * chunk + 9, 31, d, hk=4, hv=8)
+    full = train(gt, x, chunk)
+    for lo in (0, 2):
+        shard = (x[0][:, lo : lo + 2], x[1][:, lo : lo + 2], x[2][:, 2 * lo : 2 * lo + 4], x[3][:, 2 * lo : 2 * lo + 4],
+                 x[4][:, 2 * lo : 2 * lo + 4])  # fmt: skip
+        assert same(train(gt, shard, chunk), full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.."
+        inc, _ = incremental(gt, shard, [chunk - 2, 1, 1, 1, chunk, 1, 1, 1, 1, 1, 1, 1, 1], chunk)
+        assert same(inc, full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.., decode"
+
+
+def test_conv_gates_l2norm_invariance_and_accuracy(gt):
+    from megatron_iso.ops.gdn import reference as ref
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(40, 600, generator=gen).to(dtype).cuda()
+        w = torch.randn(600, 4, generator=gen).to(dtype).cuda()
+        full = gt.causal_conv1d(x, w, cu([40]))
+        cs = torch.full((3, 600, 3), float("nan"), dtype=dtype, device="cuda")
+        outs, pos = [], 0
+        for n in (2, 17, 1, 1, 1, 18):
+            outs.append(gt.causal_conv1d(x[pos : pos + n], w, cu([n]), conv_state=cs,
+                                         slots=torch.tensor([2], device="cuda"),
+                                         starts=torch.tensor([pos], device="cuda")))  # fmt: skip
+            pos += n
+        assert same(full, torch.cat(outs)), f"conv prefill/decode {dtype}"
+        assert same(cs[2], x[-3:].t()), "conv state"
+        two = gt.causal_conv1d(torch.cat([x[:5], x]), w, cu([5, 40]))
+        assert same(two[5:], full) and same(two[:5], full[:5]), "conv packing"
+        rc = ref.causal_conv1d(x.cpu(), w.cpu(), cu([40], "cpu"))
+        tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: one output rounding
+        assert maxdiff(full, rc) < tol, f"conv vs reference {maxdiff(full, rc):.2e}"
+    a, b = (torch.randn(300, 32, generator=gen) * 8).cuda(), torch.randn(300, 32, generator=gen).cuda()
+    al, dt = torch.randn(32, generator=gen).cuda(), torch.randn(32, generator=gen).cuda()
+    xn = torch.randn(300, 16, 128, generator=gen).cuda()
+    g, beta = gt.gdn_gates(a, b, al, dt)
+    nrm = gt.l2norm(xn)
+    for i in (0, 17, 299):
+        gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
+        assert same(gi[0], g[i]) and same(bi[0], beta[i]) and same(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+    rg, rb = ref.gdn_gates(a.cpu(), b.cpu(), al.cpu(), dt.cpu())
+    # fp32 tl.exp/tl.log vs the fp64-composed reference: 2e-6 relative on g, 1e-6 absolute on beta.
+    assert float(((g.cpu() - rg).abs() / rg.abs()).max()) < 2e-6 and maxdiff(beta, rb) < 1e-6
+    assert maxdiff(nrm, ref.l2norm(xn.cpu())) < 1e-6
+
+
+def test_backward_deterministic_and_close_to_reference(gt):
+    from megatron_iso.ops.gdn import reference as ref
+
+    x = inputs(50, 9, 32)
+    w = torch.randn(50, HV, 32, generator=torch.Generator().manual_seed(1)).cuda()
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_(True) for t in x]
+        y = gt.gated_delta_rule(*leaves, cu([21, 29]), chunk=16)
+        assert same(y.detach(), gt.gated_delta_rule(*x, cu([21, 29]), chunk=16))
+        (y * w).sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert all(same(a, b) for a, b in zip(*grads, strict=True)), "backward not deterministic"
+    lr = [t.cpu().clone().requires_grad_(True) for t in x]
+    (ref.gated_delta_rule(*lr, cu([21, 29], "cpu"), chunk=16) * w.cpu()).sum().backward()
+    for name, a, r in zip("qkvgb", grads[0], lr, strict=True):
+        rel = maxdiff(a, r.grad) / float(r.grad.abs().max())
+        assert rel < 1e-4, f"grad {name}: relative error {rel:.2e}"  # fp32 chunked (cuBLAS) vs fp32 tree reference
+
+
+def test_dispatch_selects_triton():
+    from megatron_iso.contract.registry import lookup
+    from megatron_iso.ops import gdn
+
+    x = inputs(5, 1, 32)
+    out = gdn.gated_delta_rule(*x, cu([5]), chunk=16)
+    assert out.is_cuda and lookup("gated_delta_rule", "cuda", "correctness").impl_id == "gated_delta_rule.triton"
+    for op in ("gdn_conv1d", "gdn_gates", "gdn_l2norm"):
+        assert lookup(op, "cuda", "correctness").impl_id == f"{op}.triton"
+
+
+def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int):
+    from megatron_iso.config import load_config
+    from megatron_iso.models.batch import pack
+    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.gdn import allocate_gdn_cache
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.ops.attention.kv_cache import KVCache
+
+    tc = transformer_config(load_config(["model=tiny_hybrid", "profile.gdn_chunk=16"]))
+    model = build_model(tc, random_hf_state_dict(tc, seed=7)).eval()
+    seq = torch.randint(0, tc.vocab_size, (prompt_len + decode,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model.forward_packed(*pack([seq], device="cuda"))
+        kv = KVCache.allocate(tc.num_layers, 2, 128, tc.num_query_groups, tc.kv_channels, dtype=tc.params_dtype,
+                              device="cuda")  # fmt: skip
+        gdn = allocate_gdn_cache(tc, 2, device="cuda")
+        out, pos = [], 0
+        for n in [*pieces, *([1] * (len(seq) - sum(pieces)))]:
+            case = "decode" if n == 1 and pos >= prompt_len else "prefill"
+            ids, batch = pack([seq[pos : pos + n]], start_positions=[pos], case=case, kv_cache=kv, gdn_cache=gdn,
+                              slots=[1], device="cuda")  # fmt: skip
+            out.append(model.forward_packed(ids, batch))
+            kv.advance([1], [n])
+            pos += n
+    return full, torch.cat(out)
+
+
+@pytest.mark.parametrize(("prompt_len", "pieces"), [(15, [15]), (16, [16]), (21, [5, 11, 5])])
+def test_tiny_hybrid_training_forward_equals_prefill_decode(prompt_len, pieces):
+    from megatron_iso.parallel.world import single_process_world
+
+    with single_process_world():
+        full, cached = _hybrid_prefill_decode(prompt_len, pieces, 20)
+    assert same(full, cached), f"max |dlogit| {maxdiff(full, cached):.3e}"
