@@ -82,7 +82,8 @@ def _is_pow2(n: Any) -> bool:
 def row_parallel_ks(model: Mapping[str, Any]) -> dict[str, int]:
     """Contraction sizes that are cut into leaves (row-parallel GEMMs, SP reduce, vocab log-sum-exp)."""
     ks: dict[str, int] = {}
-    for key in ("hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+    # Not moe_ffn_hidden_size: routed experts are never tensor-parallel; profile.expert_leaves cuts it.
+    for key in ("hidden_size", "ffn_hidden_size", "shared_expert_ffn_hidden_size"):
         if isinstance(model.get(key), int):
             ks[f"model.{key}"] = model[key]
     if isinstance(model.get("num_attention_heads"), int) and isinstance(model.get("kv_channels"), int):
@@ -117,6 +118,14 @@ def _validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> N
                 f"profile.tp_domain contains {tp}, which does not divide profile.leaves={leaves}; "
                 "each rank must own a whole subtree"
             )
+    expert_leaves = profile.get("expert_leaves", 1)
+    moe_ffn = model.get("moe_ffn_hidden_size")
+    if not _is_pow2(expert_leaves):
+        raise ContractValidationError(f"profile.expert_leaves={expert_leaves!r} must be a power of two (1, 2, 4, ...)")
+    if isinstance(moe_ffn, int) and model.get("num_experts") and moe_ffn % expert_leaves:
+        raise ContractValidationError(
+            f"profile.expert_leaves={expert_leaves} does not divide model.moe_ffn_hidden_size={moe_ffn}"
+        )
     for field_name, k in row_parallel_ks(model).items():
         if k % leaves:
             raise ContractValidationError(

@@ -22,6 +22,7 @@ class IsoTransformerConfig(TransformerConfig):
     iso_profile: str = "correctness"  # correctness = invariant ops; performance = stock ops
     iso_leaves: int = 8  # leaves of row-parallel GEMMs and of the vocab log-sum-exp
     iso_column_leaves: int = 1  # column-parallel GEMMs never split K across ranks
+    iso_expert_leaves: int = 1  # routed experts' down projection: expert TP is 1, K never split
     iso_kv_block: int = 64  # attention reduces keys in blocks of this many positions
     rope_theta: float = 1_000_000.0
     rotary_fraction: float = 1.0  # share of head_dim rotated (Qwen3-Next: 0.25)
@@ -117,6 +118,7 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
         init_method_std=float(_get(model, "init_std", 0.02)),
         iso_profile=name,
         iso_leaves=int(_get(profile, "leaves", 8)) if name == "correctness" else 1,
+        iso_expert_leaves=int(_get(profile, "expert_leaves", 1)) if name == "correctness" else 1,
         iso_kv_block=int(_get(profile, "attention_kv_block", 64)) or 64,
         rope_theta=float(model.rope_theta),
         rotary_fraction=float(_get(model, "rotary_fraction", 1.0)),

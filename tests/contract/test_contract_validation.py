@@ -33,6 +33,12 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
             ["profile.name=fast"],
             r"profile\.name='fast' is not allowed; allowed values: \['correctness', 'performance'\]",
         ),
+        (["profile.expert_leaves=3"], r"profile\.expert_leaves=3 must be a power of two"),
+        (
+            ["model=tiny_moe", "profile.expert_leaves=64"],
+            r"profile\.expert_leaves=64 does not divide model\.moe_ffn_hidden_size=32",
+        ),
+        (["model=tiny_moe", "model.shared_expert_ffn_hidden_size=36"], r"model\.shared_expert_ffn_hidden_size=36"),
         (["contract.max_batch=0"], r"contract\.max_batch=0 must be a positive integer"),
         (["contract.invalidation=[{state: kv_cache}]"], r"contract\.invalidation\[0\].*keys state, event"),
         (["contract.max_seq_len=4096"], r"contract\.max_seq_len=4096 exceeds model\.max_position_embeddings=512"),
