@@ -1,5 +1,6 @@
 """Training attention: the invariant forward, and as the plain backward formula (see
-``ops/autograd.py``) causal GQA attention in differentiable fp32 torch ops, per sequence."""
+``ops/autograd.py``) causal GQA attention in differentiable fp32 torch ops, sequences batched with padding
+(one launch sequence per group of sequences instead of per sequence: the backward was host-bound)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,38 @@ import torch
 
 from megatron_iso.ops.autograd import with_plain_backward
 
+# Padded score tensors of one batched call stay below this many bytes; more sequences go in several calls.
+_SCORES_BYTES = 1 << 30
+
+
+def _plain_padded(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
+    """Causal GQA attention of consecutive packed sequences as one padded batch: ``[sum(lens), Hq, D]`` fp32.
+
+    Rows are gathered into ``[B, L, H, D]`` through an index whose padding points at an appended zero row,
+    so every real row is read once and its gradient is a plain copy (no accumulation into shared rows).
+    """
+    longest, total = max(lens), sum(lens)
+    dev = q.device
+    lens_t = torch.tensor(lens, device=dev)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    pos = torch.arange(longest, device=dev)
+    valid = pos[None, :] < lens_t[:, None]  # [B, L]
+    rows = torch.where(valid, starts[:, None] + pos[None, :], torch.full_like(valid, total, dtype=torch.long))
+    group = q.shape[1] // k.shape[1]
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # [total, H, D] -> [B, H, L, D] fp32
+        ext = torch.cat([t.float(), t.new_zeros(1, *t.shape[1:], dtype=torch.float32)])
+        return ext[rows].transpose(1, 2)
+
+    qp = padded(q)
+    kp = padded(k).repeat_interleave(group, dim=1)
+    vp = padded(v).repeat_interleave(group, dim=1)
+    scores = (qp @ kp.transpose(-1, -2)) * scale  # [B, H, L, L]
+    allowed = torch.ones(longest, longest, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :]
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+    out = (probs @ vp).transpose(1, 2)  # [B, L, H, D]
+    return out[valid]  # packed order: sequence by sequence, position by position
+
 
 def _plain_varlen(
     q: torch.Tensor,
@@ -20,17 +53,30 @@ def _plain_varlen(
     scale: float,
     gate: torch.Tensor | None,
 ) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    outs = []
-    for a, b in itertools.pairwise(cu_seqlens):
-        qs = q[a:b].float().transpose(0, 1)  # [H, n, D]
-        ks = k[a:b].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = v[a:b].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = (qs @ ks.transpose(1, 2)) * scale
-        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        outs.append((probs @ vs).transpose(0, 1))
-    out = torch.cat(outs)
+    """Causal GQA attention over packed sequences in differentiable fp32 torch ops: sequences batched
+    (padded) in groups whose score tensors fit ``_SCORES_BYTES``. Deterministic; not invariant (backward only)."""
+    heads = q.shape[1]
+    lens = [b - a for a, b in itertools.pairwise(cu_seqlens)]
+    outs, group, first = [], [], cu_seqlens[0]
+
+    def flush() -> None:
+        nonlocal first
+        if group:
+            size = sum(group)
+            outs.append(_plain_padded(q[first : first + size], k[first : first + size], v[first : first + size],
+                                      group, scale))  # fmt: skip
+            first += size
+            group.clear()
+
+    for n in lens:
+        if n == 0:
+            continue
+        longest = max([n, *group])
+        if group and (len(group) + 1) * heads * longest * longest * 4 > _SCORES_BYTES:
+            flush()
+        group.append(n)
+    flush()
+    out = torch.cat(outs) if outs else q.new_zeros(0, *q.shape[1:], dtype=torch.float32)
     if gate is not None:
         out = out * torch.sigmoid(gate.float())
     return out
