@@ -3,17 +3,22 @@
 Shapes: one Qwen3-Next GDN layer (conf/model/qwen3_next_80b_a3b.yaml: Hk=16, Hv=32, Dk=Dv=128; CPR chunk 64).
 
 Timings (median ms, ``triton.testing.do_bench``; Python wrapper time included, no CUDA graphs):
-- ``train``: packed batch x T tokens, forward + backward (ours: the invariant forward, the native chunked
-  torch formula's backward; FLA: ``chunk_gated_delta_rule`` forward + backward, bf16 q/k/v).
+- ``train``: packed batch x T tokens. ``ours_fwd_ms`` / ``fla_fwd_ms``: the training forward (inputs that
+  require grad, as in a training step; ours: the invariant forward; FLA: ``chunk_gated_delta_rule``, bf16
+  q/k/v). ``ours_fwd_bwd_ms``: forward + backward (ours: the native chunked torch formula's backward).
+  ``fla_fwd_bwd_ms``: FLA's forward + backward, or ``fla_fwd_bwd`` = ``"unavailable: <reason>"`` where FLA
+  refuses it (fla-core 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4, < 3.7.1).
 - ``prefill``: one sequence of T tokens from a fresh state, forward only, final state kept (ours: into the
   GDN state cache; FLA: ``chunk_gated_delta_rule(output_final_state=True)``).
 - ``decode``: one token for each of B sequences, each mid-chunk, from its cached state (ours: the scan kernel
-  from the running state; FLA: ``fused_recurrent_gated_delta_rule`` with ``initial_state``). Ours is timed
-  with its per-call plan cached, as in a model forward where every GDN layer reuses the plan of the first.
+  from the running state; FLA: ``fused_recurrent_gated_delta_rule`` with ``initial_state`` [B, Hv, Dk, Dv]
+  fp32). Ours is timed with its per-call plan cached, as in a model forward where every GDN layer reuses
+  the plan of the first.
 
 Mismatch (``mismatch`` in the JSON), on one sequence of ``--mm-prompt`` prompt + ``--mm-decode`` decoded
-tokens, random inputs shaped like the model's (q, k l2-normalised; v ~ N(0, 1); g from A_log = log U(1, 16),
-dt_bias = 1; beta = sigmoid(N(0, 1))), all value heads, outputs o of the rule (before the gated norm):
+tokens, random inputs shaped like the model's (q, k l2-normalised; v ~ N(0, 1); g = -exp(A_log) *
+softplus(a + 1) with A_log = log U(1, 16), a ~ N(0, 1); beta = sigmoid(N(0, 1))), all value heads, outputs o
+of the rule (before the gated norm):
 - ``fla_train_vs_rollout``: FLA's training forward (``chunk_gated_delta_rule`` over the whole sequence) vs
   FLA's rollout (chunk prefill of the prompt, then ``fused_recurrent_gated_delta_rule`` one token at a time from
   the carried state), on the decoded tokens' outputs: max |d| and mean |d| over tokens x heads x Dv, in the
@@ -24,8 +29,17 @@ dt_bias = 1; beta = sigmoid(N(0, 1))), all value heads, outputs o of the rule (b
   and whether all bits are equal.
 - ``*_vs_fp64``: each output vs an fp64 recurrence on the same (bf16-rounded) inputs: max / mean |d|.
 
+Every case runs in its own subprocess (this script with ``--case``) under ``--case-timeout`` seconds, so a
+crash (a CUDA illegal access poisons the whole context) or a hang costs that one case only; each row is
+printed when it completes and the JSON is rewritten after every row (a failed case is under ``errors``).
+
 Usage: ``python3 tools/bench_gdn.py --out $OUT/bench_gdn.json`` (``--quick`` for a short run). FLA is used
 when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why they are missing.
+
+CPU dry run of the same case logic (no timings worth reading): ``--device cpu`` runs our Triton kernels and
+FLA's fused recurrent kernel under ``TRITON_INTERPRET=1`` (set for the child processes) at the shapes given by
+``--shape``; FLA's chunk kernels do not run under the interpreter, so there a stand-in with the chunk
+function's call contract (built on FLA's fused recurrent kernel) takes their place.
 """
 
 from __future__ import annotations
@@ -33,6 +47,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -40,124 +56,248 @@ from pathlib import Path
 
 import torch
 
+# Overridden by --shape (the CPU dry run uses tiny heads).
 HK, HV, D, CHUNK = 16, 32, 128, 64
+DEVICE = "cuda"
+RESULT_TAG = "BENCH_GDN_CASE_RESULT "
 
 
-def _inputs(b: int, t: int, seed: int, device: str = "cuda"):
+def _set_shape(spec: str) -> None:
+    global HK, HV, D, CHUNK
+    try:
+        HK, HV, D, CHUNK = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--shape {spec!r}: expected Hk,Hv,D,chunk (four integers)") from None
+    if HV % HK:
+        raise SystemExit(f"--shape {spec!r}: Hv={HV} must be a multiple of Hk={HK}")
+
+
+def _interpreter_setup() -> None:
+    """Under TRITON_INTERPRET=1 (CPU dry run): triton 3.6's interpreter cannot loop to a run-time bound
+    with numpy 2.x (``int()`` of a 1-element array), and autotuners would time configs on a GPU driver
+    that is not there; patch the one conversion and make every config time the same."""
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles=None: [1.0, 1.0, 1.0])
+
+
+def _rule():
+    """Our gated delta rule: the dispatching op on CUDA; on CPU the Triton module itself (interpreter)."""
+    if DEVICE == "cuda":
+        from megatron_iso.ops.gdn import gated_delta_rule
+    else:
+        from megatron_iso.ops.gdn.gdn_triton import gated_delta_rule
+    return gated_delta_rule
+
+
+def _inputs(b: int, t: int, seed: int):
     """q, k (l2-normalised fp32), v (fp32), g, beta (fp32), shaped [b, t, H, D] / [b, t, H]."""
     from megatron_iso.ops.gdn import native
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = native.l2norm(torch.randn(b, t, HK, D, device=device, generator=gen))
-    k = native.l2norm(torch.randn(b, t, HK, D, device=device, generator=gen))
-    v = torch.randn(b, t, HV, D, device=device, generator=gen)
-    a = torch.randn(b, t, HV, device=device, generator=gen)
-    a_log = torch.empty(HV, device=device).uniform_(1, 16, generator=gen).log()
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = native.l2norm(torch.randn(b, t, HK, D, device=DEVICE, generator=gen))
+    k = native.l2norm(torch.randn(b, t, HK, D, device=DEVICE, generator=gen))
+    v = torch.randn(b, t, HV, D, device=DEVICE, generator=gen)
+    a = torch.randn(b, t, HV, device=DEVICE, generator=gen)
+    a_log = torch.empty(HV, device=DEVICE).uniform_(1, 16, generator=gen).log()
     g = -a_log.exp() * torch.nn.functional.softplus(a + 1.0)
-    beta = torch.sigmoid(torch.randn(b, t, HV, device=device, generator=gen))
+    beta = torch.sigmoid(torch.randn(b, t, HV, device=DEVICE, generator=gen))
     return q, k, v, g, beta
 
 
 def _bench(fn, quick: bool) -> float:
-    from triton.testing import do_bench
+    if DEVICE != "cuda":  # dry run: one call after the warm-up call, wall time
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench  # warmup and rep are in ms of GPU time
 
     return float(do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median"))
 
 
 def _fla():
+    """(chunk, fused_recurrent, error): FLA's two entry points, or why they are missing."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-
-        return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, None
     except Exception:  # report why, keep our rows
         return None, None, traceback.format_exc(limit=3)
+    if DEVICE == "cuda":
+        return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, None
+
+    def chunk_standin(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+        # Same call contract as chunk_gated_delta_rule (positional q, k, v, g, beta; [B, T, H, D]).
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state)  # fmt: skip
+
+    return chunk_standin, fused_recurrent_gated_delta_rule, None
+
+
+def _fla_version() -> str | None:
+    try:
+        import fla
+
+        return fla.__version__
+    except Exception:
+        return None
+
+
+def _fla_bwd_unavailable(exc: BaseException) -> str | None:
+    """The reason string when ``exc`` is FLA refusing a backward it cannot run correctly here; else None.
+
+    fla-core 0.6.0 raises RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect
+    results for gated chunk_bwd_dqkwg (see #640) ...") before launching anything; its fused recurrent
+    kernel (the CPU dry run's stand-in) has no backward at all (NotImplementedError)."""
+    msg = str(exc)
+    known = isinstance(exc, RuntimeError) and ("chunk_bwd_dqkwg" in msg or "upgrade Triton" in msg)
+    if known or (isinstance(exc, NotImplementedError) and "Backward" in msg):
+        return "unavailable: " + msg.strip().splitlines()[0]
+    return None
+
+
+def _fla_bwd_refused() -> str | None:
+    """Why FLA will refuse its chunk backward here, read from the flags its own check uses (fla-core 0.6.0,
+    ``fla.ops.common.chunk_o.chunk_bwd_dqkwg``), so the bench does not compile and run the backward's first
+    kernels only to hit that refusal. None when the flags allow it (or tilelang, FLA's other backend for
+    that function, is installed): then the backward is attempted and a refusal is still caught."""
+    import importlib.util
+
+    try:
+        from fla.ops.common import chunk_o
+    except Exception:
+        return None
+    hopper = getattr(chunk_o, "IS_NVIDIA_HOPPER", False)
+    bad_triton = getattr(chunk_o, "TRITON_ABOVE_3_4_0", False) and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+    if DEVICE == "cuda" and hopper and bad_triton and importlib.util.find_spec("tilelang") is None:
+        return (
+            "unavailable: fla-core refuses gated chunk_bwd_dqkwg on Hopper with 3.4.0 <= Triton < 3.7.1 "
+            "(fla issue #640) and tilelang is not installed; not attempted"
+        )
+    return None
 
 
 def _state(slots: int):
     from megatron_iso.ops.gdn import GDNLayerState
 
     return GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D,
-                                  value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+                                  value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device=DEVICE)  # fmt: skip
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
-def bench_train(b: int, t: int, quick: bool, fla_chunk) -> dict:
-    from megatron_iso.ops.gdn import gated_delta_rule
-
+def bench_train(b: int, t: int, quick: bool) -> dict:
+    rule = _rule()
+    fla_chunk, _, fla_err = _fla()
     q, k, v, g, beta = _inputs(b, t, 1)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
     flat[2] = flat[2].bfloat16()  # the model's v is in the model dtype; q, k come from l2norm in fp32
     cu = _cu([t] * b)
-    dout = torch.randn(b * t, HV, D, device="cuda")
-    row = {"case": "train_fwd_bwd", "batch": b, "T": t}
+    dout = torch.randn(b * t, HV, D, device=DEVICE)
+    row: dict = {"case": "train", "batch": b, "T": t}
 
-    def ours():
-        leaves = [x.detach().requires_grad_(True) for x in flat]
-        gated_delta_rule(*leaves, cu, chunk=CHUNK).backward(dout)
+    def ours_fwd():
+        return rule(*[x.detach().requires_grad_(True) for x in flat], cu, chunk=CHUNK)
 
-    row["ours_ms"] = _bench(ours, quick)
-    if fla_chunk is not None:
-        fq, fk, fv = (x.bfloat16() for x in (q, k, v))
-        fdo = dout.reshape(b, t, HV, D).bfloat16()
+    row["ours_fwd_ms"] = _bench(ours_fwd, quick)
+    row["ours_fwd_bwd_ms"] = _bench(lambda: ours_fwd().backward(dout), quick)
+    if fla_chunk is None:
+        row["fla"] = "unavailable: " + (fla_err or "").strip().splitlines()[-1]
+        return row
+    fq, fk, fv = (x.bfloat16() for x in (q, k, v))
+    fdo = dout.reshape(b, t, HV, D).bfloat16()
 
-        def fla():
-            leaves = [x.detach().requires_grad_(True) for x in (fq, fk, fv, g, beta)]
-            o, _ = fla_chunk(*leaves, scale=D**-0.5)
-            o.backward(fdo)
+    def fla_fwd():
+        return fla_chunk(*[x.detach().requires_grad_(True) for x in (fq, fk, fv, g, beta)], scale=D**-0.5)[0]
 
-        row["fla_ms"] = _bench(fla, quick)
+    row["fla_fwd_ms"] = _bench(fla_fwd, quick)
+    row["ours_over_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
+    refused = _fla_bwd_refused()
+    if refused is not None:
+        row["fla_fwd_bwd"] = refused
+        return row
+    try:
+        fla_fwd().backward(fdo)  # once outside the timer: FLA may refuse its backward on this GPU/Triton
+    except (RuntimeError, NotImplementedError) as exc:
+        reason = _fla_bwd_unavailable(exc)
+        if reason is None:
+            raise
+        row["fla_fwd_bwd"] = reason
+        return row
+    row["fla_fwd_bwd_ms"] = _bench(lambda: fla_fwd().backward(fdo), quick)
+    row["ours_over_fla_fwd_bwd"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
     return row
 
 
-def bench_prefill(t: int, quick: bool, fla_chunk) -> dict:
-    from megatron_iso.ops.gdn import gated_delta_rule
-
+def bench_prefill(t: int, quick: bool) -> dict:
+    rule = _rule()
+    fla_chunk, _, _ = _fla()
     q, k, v, g, beta = (x[0] for x in _inputs(1, t, 2))
     st = _state(1)
-    cu, slots, starts = _cu([t]), torch.tensor([0], device="cuda"), torch.tensor([0], device="cuda")
+    cu, slots, starts = _cu([t]), torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE)
     vb = v.bfloat16()
-    row = {"case": "prefill", "T": t}
+    row: dict = {"case": "prefill", "T": t}
     with torch.no_grad():
         row["ours_ms"] = _bench(
-            lambda: gated_delta_rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts), quick
+            lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts), quick
         )
         if fla_chunk is not None:
-            args = [x[None].bfloat16() for x in (q, k, v)] + [g[None], beta[None]]
+            args = [x[None].bfloat16() for x in (q, k, v)] + [g[None], beta[None]]  # [1, T, H(, D)]
             row["fla_ms"] = _bench(lambda: fla_chunk(*args, scale=D**-0.5, output_final_state=True), quick)
+            row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
     return row
 
 
-def bench_decode(n: int, quick: bool, fla_rec) -> dict:
-    from megatron_iso.ops.gdn import gated_delta_rule
+def decode_starts(n: int) -> torch.Tensor:
+    """Positions of n decoding sequences, all mid-chunk (1 .. C-2 tokens buffered, past two chunks), so
+    one more token never closes a chunk."""
+    return 2 * CHUNK + 1 + torch.arange(n, device=DEVICE) % max(CHUNK - 2, 1)
 
-    q, k, v, g, beta = (x[:, 0] for x in _inputs(n, 1, 3))
+
+def bench_decode(n: int, quick: bool) -> dict:
+    rule = _rule()
+    _, fla_rec, _ = _fla()
+    q, k, v, g, beta = (x[:, 0] for x in _inputs(n, 1, 3))  # [n, H(, D)]: one token per sequence
     st = _state(n)
     st.running.normal_()
     cu = _cu([1] * n)
-    slots = torch.arange(n, device="cuda")
-    starts = 100 + torch.arange(n, device="cuda") % 20  # mid-chunk positions: no chunk closes
+    slots = torch.arange(n, device=DEVICE)  # one slot per sequence, all inside the n-slot cache
+    starts = decode_starts(n)
+    assert int(slots.max()) < st.running.shape[0] and bool(((starts % CHUNK) + 1 < CHUNK).all())
     vb = v.bfloat16()
-    row = {"case": "decode", "batch": n}
+    row: dict = {"case": "decode", "batch": n}
     with torch.no_grad():
         row["ours_ms"] = _bench(
-            lambda: gated_delta_rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts), quick
+            lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts), quick
         )
         if fla_rec is not None:
-            args = [x[:, None].bfloat16() for x in (q, k, v)] + [g[:, None], beta[:, None]]
-            h0 = torch.randn(n, HV, D, D, device="cuda")
+            # FLA 0.6.0: fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...): the 5th positional is
+            # gk (per-key decay [B, T, Hv, Dk]), so beta goes by keyword. q, k [B, 1, Hk, D]; v [B, 1, Hv, D];
+            # g, beta [B, 1, Hv]; initial_state [B, Hv, Dk, Dv] fp32 (the K-first layout, state_v_first=False).
+            fq, fk, fv = (x[:, None].bfloat16().contiguous() for x in (q, k, v))
+            fg, fb = g[:, None].contiguous(), beta[:, None].contiguous()
+            h0 = torch.randn(n, HV, D, D, device=DEVICE)
             row["fla_ms"] = _bench(
-                lambda: fla_rec(*args, scale=D**-0.5, initial_state=h0, output_final_state=True), quick
+                lambda: fla_rec(fq, fk, fv, fg, beta=fb, scale=D**-0.5, initial_state=h0, output_final_state=True),
+                quick,
             )
+            row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
     return row
 
 
 def _naive64(q, k, v, g, beta):
-    """fp64 recurrence on the GPU: q, k [T, HK, D]; v [T, HV, D]; g, beta [T, HV] -> [T, HV, D]."""
+    """fp64 recurrence: q, k [T, HK, D]; v [T, HV, D]; g, beta [T, HV] -> [T, HV, D]."""
     rep = HV // HK
-    q, k = (x.double().repeat_interleave(rep, 1) for x in (q, k))
+    q, k = (x.double().repeat_interleave(rep, 1) for x in (q, k))  # value head h reads key head h // rep
     q = q * D**-0.5
     v, g, beta = v.double(), g.double(), beta.double()
     s = torch.zeros(HV, D, D, dtype=torch.float64, device=q.device)
@@ -175,24 +315,24 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
 
 
-def mismatch(prompt: int, decode: int, fla_chunk, fla_rec) -> dict:
-    from megatron_iso.ops.gdn import gated_delta_rule
-
+def mismatch(prompt: int, decode: int) -> dict:
+    rule = _rule()
+    fla_chunk, fla_rec, _ = _fla()
     t = prompt + decode
     q, k, v, g, beta = (x[0] for x in _inputs(1, t, 4))
     q, k, v = (x.bfloat16() for x in (q, k, v))  # the same rounded inputs for every path
-    res: dict = {"prompt": prompt, "decode": decode}
+    res: dict = {"case": "mismatch", "prompt": prompt, "decode": decode}
     with torch.no_grad():
         ref = _naive64(q, k, v, g, beta)
         res["mean_abs_o_fp64"] = float(ref.abs().mean())
-        full = gated_delta_rule(q, k, v, g, beta, _cu([t]), chunk=CHUNK)
+        full = rule(q, k, v, g, beta, _cu([t]), chunk=CHUNK)
         st = _state(1)
         outs, pos = [], 0
         for n in [prompt] + [1] * decode:
             r = slice(pos, pos + n)
-            outs.append(gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], _cu([n]), chunk=CHUNK, state=st,
-                                         slots=torch.tensor([0], device="cuda"),
-                                         starts=torch.tensor([pos], device="cuda")))  # fmt: skip
+            outs.append(rule(q[r], k[r], v[r], g[r], beta[r], _cu([n]), chunk=CHUNK, state=st,
+                             slots=torch.tensor([0], device=DEVICE),
+                             starts=torch.tensor([pos], device=DEVICE)))  # fmt: skip
             pos += n
         inc = torch.cat(outs)
         res["ours_train_vs_rollout"] = {
@@ -201,13 +341,19 @@ def mismatch(prompt: int, decode: int, fla_chunk, fla_rec) -> dict:
         }
         res["ours_vs_fp64"] = _diff(full, ref)
         if fla_chunk is not None:
-            a5 = [x[None] for x in (q, k, v, g, beta)]
-            f_full, _ = fla_chunk(*a5, scale=D**-0.5)
-            f_rec_all, _ = fla_rec(*a5, scale=D**-0.5)
-            _, h = fla_chunk(*(x[:, :prompt] for x in a5), scale=D**-0.5, output_final_state=True)
+            q5, k5, v5, g5, b5 = (x[None].contiguous() for x in (q, k, v, g, beta))  # [1, T, H(, D)]
+
+            def rec(sl: slice, h0=None):
+                return fla_rec(q5[:, sl], k5[:, sl], v5[:, sl], g5[:, sl], beta=b5[:, sl], scale=D**-0.5,
+                               initial_state=h0, output_final_state=h0 is not None)  # fmt: skip
+
+            f_full, _ = fla_chunk(q5, k5, v5, g5, b5, scale=D**-0.5)
+            f_rec_all, _ = rec(slice(0, t))
+            _, h = fla_chunk(q5[:, :prompt], k5[:, :prompt], v5[:, :prompt], g5[:, :prompt], b5[:, :prompt],
+                             scale=D**-0.5, output_final_state=True)  # fmt: skip
             dec = []
             for i in range(prompt, t):
-                o, h = fla_rec(*(x[:, i : i + 1] for x in a5), scale=D**-0.5, initial_state=h, output_final_state=True)
+                o, h = rec(slice(i, i + 1), h)
                 dec.append(o)
             f_dec = torch.cat(dec, 1)[0]
             res["fla_train_vs_rollout"] = _diff(f_full[0, prompt:], f_dec)
@@ -218,73 +364,137 @@ def mismatch(prompt: int, decode: int, fla_chunk, fla_rec) -> dict:
     return res
 
 
+def run_case(spec: str, args: argparse.Namespace) -> dict:
+    """One case, in this process: ``train:BxT``, ``prefill:T``, ``decode:B``, ``mismatch:PxD``."""
+    kind, _, size = spec.partition(":")
+    if kind == "train":
+        b, t = (int(x) for x in size.split("x"))
+        return bench_train(b, t, args.quick)
+    if kind == "prefill":
+        return bench_prefill(int(size), args.quick)
+    if kind == "decode":
+        return bench_decode(int(size), args.quick)
+    if kind == "mismatch":
+        p, d = (int(x) for x in size.split("x"))
+        return mismatch(p, d)
+    raise SystemExit(f"--case {spec!r}: expected train:BxT, prefill:T, decode:B or mismatch:PxD")
+
+
+def _child(args: argparse.Namespace) -> int:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("bench_gdn needs a CUDA device (or --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    if DEVICE == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--device cpu needs TRITON_INTERPRET=1 (the parent process sets it)", file=sys.stderr)
+            return 2
+        _interpreter_setup()
+    row = run_case(args.case, args)
+    row["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)"
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # an asynchronous fault surfaces here, inside this case
+    print(RESULT_TAG + json.dumps(row), flush=True)
+    return 0
+
+
+def _meta(args: argparse.Namespace) -> dict:
+    import importlib.metadata as md
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    # The parent never initialises CUDA; each row carries the device name its child saw.
+    return {"device_kind": args.device, "torch": torch.__version__, "triton": version("triton"),
+            "fla": version("fla-core") or version("flash-linear-attention"),
+            "shape": {"Hk": HK, "Hv": HV, "Dk": D, "Dv": D, "chunk": CHUNK}}  # fmt: skip
+
+
+def _print_row(row: dict) -> None:
+    case = row["case"]
+    if case == "train":
+        bwd = row.get("fla_fwd_bwd_ms", row.get("fla_fwd_bwd", row.get("fla", "-")))
+        bwd = f"{bwd:.3f}" if isinstance(bwd, float) else bwd
+        print(f"train {row['batch']}x{row['T']}: fwd ours {row['ours_fwd_ms']:.3f} ms, fla "
+              f"{row.get('fla_fwd_ms', math.nan):.3f} ms | fwd+bwd ours {row['ours_fwd_bwd_ms']:.3f} ms, "
+              f"fla {bwd}", flush=True)  # fmt: skip
+    elif case in ("prefill", "decode"):
+        shape = f"T={row['T']}" if case == "prefill" else f"B={row['batch']}"
+        fla_ms = row.get("fla_ms", math.nan)
+        print(f"{case} {shape}: ours {row['ours_ms']:.3f} ms, fla {fla_ms:.3f} ms, ours/fla "
+              f"{row['ours_ms'] / fla_ms:.2f}", flush=True)  # fmt: skip
+    else:
+        print(f"mismatch prompt={row['prompt']} decode={row['decode']}:", flush=True)
+        for key in ("ours_train_vs_rollout", "ours_vs_fp64", "fla_train_vs_rollout", "fla_chunk_vs_recurrent",
+                    "fla_chunk_vs_fp64", "fla_recurrent_vs_fp64"):  # fmt: skip
+            if key in row:
+                print(f"  {key:<26} max |d| {row[key]['max_abs']:.3e}  mean |d| {row[key]['mean_abs']:.3e}")
+        print(f"  {'mean |o| (fp64)':<26} {row['mean_abs_o_fp64']:.3e}", flush=True)
+
+
+def _parent(args: argparse.Namespace) -> int:
+    b, t = (int(x) for x in args.train.split("x"))
+    cases = [f"train:{b}x{t}"]
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    cases += [f"prefill:{n}" for n in (prefills[:2] if args.quick else prefills)]
+    cases += [f"decode:{int(n)}" for n in args.decode.split(",") if n]
+    cases.append(f"mismatch:{args.mm_prompt}x{args.mm_decode}")
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    result = {**_meta(args), "cases": cases, "rows": [], "errors": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    base = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
+            "--shape", f"{HK},{HV},{D},{CHUNK}"] + (["--quick"] if args.quick else [])  # fmt: skip
+    t_all = time.time()
+    for spec in cases:
+        t0 = time.time()
+        try:
+            res = subprocess.run([*base, "--case", spec], env=env, capture_output=True, text=True,
+                                 timeout=args.case_timeout)  # fmt: skip
+            lines = [x for x in res.stdout.splitlines() if x.startswith(RESULT_TAG)]
+            if res.returncode == 0 and lines:
+                row = json.loads(lines[-1][len(RESULT_TAG) :])
+                row["wall_s"] = round(time.time() - t0, 1)
+                result["rows"].append(row)
+                _print_row(row)
+            else:
+                result["errors"][spec] = f"exit {res.returncode}\n" + (res.stdout + res.stderr)[-6000:]
+                print(f"{spec}: FAILED (exit {res.returncode})\n{(res.stdout + res.stderr)[-3000:]}", flush=True)
+        except subprocess.TimeoutExpired as exc:
+            tail = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
+            result["errors"][spec] = f"timeout after {args.case_timeout}s\n" + tail[-6000:]
+            print(f"{spec}: TIMEOUT after {args.case_timeout}s\n{tail[-3000:]}", flush=True)
+        print(f"  ({spec}: {time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
+        result["wall_s"] = round(time.time() - t_all, 1)
+        out.write_text(json.dumps(result, indent=1))  # after every case: a later crash keeps what is done
+    print(f"wrote {out} ({len(result['rows'])} rows, {len(result['errors'])} errors, {result['wall_s']}s)")
+    return 1 if result["errors"] else 0
+
+
 def main() -> int:
+    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_gdn.json")
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions and shapes")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, the first two prefill lengths")
     ap.add_argument("--train", default="8x4096", help="BxT of the training case")
     ap.add_argument("--prefill", default="512,1024,2048,4096,8192")
     ap.add_argument("--decode", default="1,64,256")
     ap.add_argument("--mm-prompt", type=int, default=1000)
     ap.add_argument("--mm-decode", type=int, default=200)
+    ap.add_argument("--case-timeout", type=float, default=240.0, help="seconds per case (its subprocess)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: interpreter dry run")
+    ap.add_argument("--shape", default=f"{HK},{HV},{D},{CHUNK}", help="Hk,Hv,D,chunk")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_gdn needs a CUDA device", file=sys.stderr)
-        return 2
-    import triton
-
-    fla_chunk, fla_rec, fla_err = _fla()
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "shape": {"Hk": HK, "Hv": HV, "Dk": D, "Dv": D, "chunk": CHUNK},
-        "fla": None if fla_chunk is None else __import__("fla").__version__,
-        "fla_error": fla_err,
-        "rows": [],
-        "errors": {},
-    }
-    b, t = (int(x) for x in args.train.split("x"))
-    jobs = [(f"train {b}x{t}", lambda: bench_train(b, t, args.quick, fla_chunk))]
-    prefills = [int(x) for x in args.prefill.split(",")][: 2 if args.quick else None]
-    jobs += [(f"prefill {n}", lambda n=n: bench_prefill(n, args.quick, fla_chunk)) for n in prefills]
-    jobs += [
-        (f"decode {n}", lambda n=n: bench_decode(n, args.quick, fla_rec)) for n in map(int, args.decode.split(","))
-    ]
-    for name, job in jobs:
-        t0 = time.time()
-        try:
-            row = job()
-            if "fla_ms" in row:
-                row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
-            result["rows"].append(row)
-        except Exception:
-            result["errors"][name] = traceback.format_exc()
-            print(result["errors"][name], file=sys.stderr)
-        torch.cuda.empty_cache()
-        print(f"{name}: {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
-    try:
-        result["mismatch"] = mismatch(args.mm_prompt, args.mm_decode, fla_chunk, fla_rec)
-    except Exception:
-        result["errors"]["mismatch"] = traceback.format_exc()
-        print(result["errors"]["mismatch"], file=sys.stderr)
-    print(f"\nGDN layer, Hk={HK} Hv={HV} Dk=Dv={D}, {result['device']}, fla {result['fla']}")
-    print(f"{'case':<16}{'shape':>12}{'ours ms':>12}{'fla ms':>12}{'ours/fla':>10}")
-    for r in result["rows"]:
-        shape = f"{r.get('batch', 1)}x{r.get('T', 1)}"
-        fla_ms = r.get("fla_ms", math.nan)
-        print(f"{r['case']:<16}{shape:>12}{r['ours_ms']:>12.3f}{fla_ms:>12.3f}{r['ours_ms'] / fla_ms:>10.2f}")
-    mm = result.get("mismatch", {})
-    for key in ("ours_train_vs_rollout", "ours_vs_fp64", "fla_train_vs_rollout", "fla_chunk_vs_recurrent",
-                "fla_chunk_vs_fp64", "fla_recurrent_vs_fp64"):  # fmt: skip
-        if key in mm:
-            print(f"{key:<26} max |d| {mm[key]['max_abs']:.3e}  mean |d| {mm[key]['mean_abs']:.3e}")
-    if "mean_abs_o_fp64" in mm:
-        print(f"{'mean |o| (fp64)':<26} {mm['mean_abs_o_fp64']:.3e}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
-    return 1 if result["errors"] else 0
+    if args.mm_prompt < 1 or args.mm_decode < 0:
+        ap.error("--mm-prompt must be >= 1 and --mm-decode >= 0")
+    DEVICE = args.device
+    _set_shape(args.shape)
+    return _child(args) if args.case else _parent(args)
 
 
 if __name__ == "__main__":

@@ -262,7 +262,12 @@ def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int):
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.ops.attention.kv_cache import KVCache
 
-    tc = transformer_config(load_config(["model=tiny_hybrid", "profile.gdn_chunk=16"]))
+    # tiny_hybrid is fp32, and the fp32 leaf-tree GEMM on the GPU needs K/leaves to be a multiple of its
+    # block_k (32). Its column-parallel GEMMs (one leaf) have K = hidden = 64; its row-parallel ones
+    # (attention out, MLP fc2, GDN out) all have K = 128, so 4 leaves (32 deep) instead of the default 8.
+    overrides = ["model=tiny_hybrid", "profile.gdn_chunk=16", "profile.leaves=4", "profile.tp_domain=[1,2,4]"]
+    tc = transformer_config(load_config(overrides))
+    assert tc.iso_leaves == 4
     model = build_model(tc, random_hf_state_dict(tc, seed=7)).eval()
     seq = torch.randint(0, tc.vocab_size, (prompt_len + decode,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
