@@ -12,19 +12,24 @@ from megatron_iso.ops.activation import native, reference  # noqa: F401  (import
 from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.dispatch import select
 
+TRITON_MODULE = "megatron_iso.ops.activation.activation_triton"
+
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
     """``silu(gate) * up``."""
-    fn = select("swiglu", gate, profile)
+    fn = select("swiglu", gate, profile, TRITON_MODULE)
     return with_plain_backward(fn, native.swiglu, gate, up) if profile == "correctness" else fn(gate, up)
 
 
 def swiglu_packed(x: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
-    """Megatron's fused layout: ``x = [gate | up]`` along the last dim (``torch.chunk(x, 2, -1)``)."""
+    """Megatron's fused layout: ``x = [gate | up]`` along the last dim (``torch.chunk(x, 2, -1)``).
+
+    The halves are views, so on CUDA the one SwiGLU kernel reads them in place; output in ``x.dtype``.
+    """
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu_packed: last dim {x.shape[-1]} is odd")
     gate, up = torch.chunk(x, 2, dim=-1)
     return swiglu(gate, up, profile=profile)
 
 
-__all__ = ["swiglu", "swiglu_packed"]
+__all__ = ["TRITON_MODULE", "swiglu", "swiglu_packed"]

@@ -13,18 +13,20 @@ from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.rope import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.rope.reference import inv_frequencies, rotary_dim_for
 
+TRITON_MODULE = "megatron_iso.ops.rope.rope_triton"
+
 
 def rope_cos_sin(
     positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0, *, profile: str = "correctness"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos, sin`` of shape ``[*positions.shape, rotary_dim]`` for absolute integer positions."""
-    return select("rope_cos_sin", positions, profile)(positions, rotary_dim, theta)
+    return select("rope_cos_sin", positions, profile, TRITON_MODULE)(positions, rotary_dim, theta)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
     """Rotate ``x`` ``[tokens, heads, head_dim]``'s first ``cos.shape[-1]`` channels."""
-    fn = select("rope", x, profile)
+    fn = select("rope", x, profile, TRITON_MODULE)
     return with_plain_backward(fn, native.apply_rope, x, cos, sin) if profile == "correctness" else fn(x, cos, sin)
 
 
-__all__ = ["apply_rope", "inv_frequencies", "rope_cos_sin", "rotary_dim_for"]
+__all__ = ["TRITON_MODULE", "apply_rope", "inv_frequencies", "rope_cos_sin", "rotary_dim_for"]

@@ -120,42 +120,37 @@ def _probe_cos_sin() -> dict[str, torch.Tensor]:
     return {"cos": cos, "sin": sin}
 
 
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="rope_cos_sin",
-            impl_id="rope_cos_sin.reference",
-            version="1",
-            device_class=_device,
-            profile="correctness",
-            fn=rope_cos_sin,
-            constants={
-                "inv_freq": "fp64 python theta ** (-2i/rotary_dim)",
-                "angle": "fp64 position * inv_freq",
-                "sincos": "fp64 cody-waite pi/2 (2 parts) + taylor deg 17/16, rounded to fp32",
-                "layout": "hf rotate_half: cat(f, f)",
-            },
-            # The reference is pure elementwise torch: the same bits on CUDA tensors (checked on an H200);
-            # its probe builds CPU inputs, so only the CPU entry carries it.
-            probe=_probe_cos_sin if _device == "cpu" else None,
-        )
+# CPU only: on CUDA the correctness profile runs ``rope_triton`` (the same bits in one kernel each).
+register(
+    OpImpl(
+        op="rope_cos_sin",
+        impl_id="rope_cos_sin.reference",
+        version="1",
+        device_class="cpu",
+        profile="correctness",
+        fn=rope_cos_sin,
+        constants={
+            "inv_freq": "fp64 python theta ** (-2i/rotary_dim)",
+            "angle": "fp64 position * inv_freq",
+            "sincos": "fp64 cody-waite pi/2 (2 parts) + taylor deg 17/16, rounded to fp32",
+            "layout": "hf rotate_half: cat(f, f)",
+        },
+        probe=_probe_cos_sin,
     )
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="rope",
-            impl_id="rope.reference",
-            version="1",
-            device_class=_device,
-            profile="correctness",
-            fn=apply_rope,
-            constants={
-                "accumulate_dtype": "fp32",
-                "layout": "hf rotate_half (non-interleaved)",
-                "output_rounding": "once",
-            },
-            # The reference is pure elementwise torch: the same bits on CUDA tensors (checked on an H200);
-            # its probe builds CPU inputs, so only the CPU entry carries it.
-            probe=_probe_apply if _device == "cpu" else None,
-        )
+)
+register(
+    OpImpl(
+        op="rope",
+        impl_id="rope.reference",
+        version="1",
+        device_class="cpu",
+        profile="correctness",
+        fn=apply_rope,
+        constants={
+            "accumulate_dtype": "fp32",
+            "layout": "hf rotate_half (non-interleaved)",
+            "output_rounding": "once",
+        },
+        probe=_probe_apply,
     )
+)

@@ -1,0 +1,28 @@
+"""SwiGLU / RoPE Triton kernels and their float64 helpers under TRITON_INTERPRET=1, bit for bit
+against the torch references (skipped without triton).
+
+Under the interpreter numpy evaluates every float64 operation (IEEE, correctly rounded, no FMA), so
+equality with the CPU reference checks that the kernels perform the reference's operation sequence
+with its constants; the GPU run (tests/gpu/test_pointwise_triton.py) adds the compiler and hardware.
+The checks themselves live in pointwise_triton_interpret_check.py, shared with the GPU test.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = pathlib.Path(__file__).with_name("pointwise_triton_interpret_check.py")
+
+
+def test_pointwise_kernels_bitwise_under_interpreter():
+    # A subprocess: TRITON_INTERPRET must be set before triton is first imported.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
