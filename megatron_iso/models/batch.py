@@ -15,13 +15,14 @@ It travels through Megatron's ``GPTModel -> TransformerBlock -> TransformerLayer
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_iso.ops.attention.kv_cache import KVCache
+from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan
 from megatron_iso.ops.gdn.state_cache import GDNStateCache
 
 CASES = ("trainer_forward", "prefill", "decode")
@@ -36,6 +37,12 @@ class IsoBatch(PackedSeqParams):
     cache_seqlens: torch.Tensor | None = None  # [n] tokens already in the cache per sequence
     gdn_cache: GDNStateCache | None = None  # conv/recurrent state of GDN layers (hybrid models)
     gdn_slots: torch.Tensor | None = None  # [n] GDN state row of each sequence (None: the same as ``slots``)
+    # Host copy of cu_seqlens_q / cache_seqlens / slots (pack knows them as lists): the attention
+    # layers read it instead of syncing on the tensors, and share index tensors built from it.
+    kv_plan: KVStepPlan | None = None
+    # Per-call values every layer would compute the same way (RoPE cos/sin of ``positions``), built
+    # by the first layer that needs them: the same function of the same inputs, so the same bits.
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -102,6 +109,12 @@ def pack(
     offset = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seq]
     positions = torch.tensor(starts, dtype=torch.int64)[seq] + offset
     cu = _cu_seqlens(lengths).to(device)
+    plan = None
+    if kv_cache is not None:
+        if slots is None or len(slots) != len(lengths):
+            raise ValueError("prefill/decode need one cache slot per sequence (slots=...)")
+        bounds = [0, *itertools.accumulate(lengths)]
+        plan = KVStepPlan(bounds, [int(s) for s in starts], [int(s) for s in slots])
     batch = IsoBatch(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -115,6 +128,7 @@ def pack(
         cache_seqlens=None if kv_cache is None else torch.as_tensor(starts, dtype=torch.int64, device=device),
         gdn_cache=gdn_cache,
         gdn_slots=None if gdn_slots is None else torch.as_tensor(list(gdn_slots), dtype=torch.int64, device=device),
+        kv_plan=plan,
     )
     if gdn_cache is not None and kv_cache is None:
         raise ValueError("gdn_cache is given without kv_cache: prefill/decode of a hybrid model needs both")

@@ -63,7 +63,16 @@ class PackedCoreAttention(MegatronModule):
             return attention_varlen(q, k, v, batch.cu_seqlens_q, **common)
         k_cache, v_cache = batch.kv_cache.layer(self.layer_index)
         return attention_with_kv_cache(
-            q, k, v, k_cache, v_cache, batch.cache_seqlens, batch.cu_seqlens_q, slots=batch.slots, **common
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            batch.cache_seqlens,
+            batch.cu_seqlens_q,
+            slots=batch.slots,
+            plan=batch.kv_plan,
+            **common,
         )
 
 
@@ -99,7 +108,11 @@ class CachedSelfAttention(SelfAttention):
         gate = qkv[3].squeeze(1) if gated else None
         # [T, 1, heads, D] -> [T, heads, D]: the packed layout has batch dimension 1.
         query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-        cos, sin = rope_cos_sin(batch.positions, self.rotary_dim, self.rope_theta, profile=self.profile)
+        # The same positions in every layer: cos/sin once per forward (HF computes them once too).
+        rope_key = ("rope_cos_sin", self.rotary_dim, self.rope_theta, self.profile)
+        if rope_key not in batch.memo:
+            batch.memo[rope_key] = rope_cos_sin(batch.positions, self.rotary_dim, self.rope_theta, profile=self.profile)
+        cos, sin = batch.memo[rope_key]
         query = apply_rope(query, cos, sin, profile=self.profile)
         key = apply_rope(key, cos, sin, profile=self.profile)
         out = self.core_attention(query, key, value, batch, gate=gate)

@@ -16,7 +16,7 @@ import torch
 
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
-from megatron_iso.ops.attention.kv_cache import KVCache
+from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
 from megatron_iso.ops.dispatch import select
 
@@ -62,8 +62,13 @@ def attention_with_kv_cache(
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
     profile: str = "correctness",
+    plan: KVStepPlan | None = None,
 ) -> torch.Tensor:
-    """Prefill/decode: write new k/v at ``cache_seqlens[i]..`` of cache row ``slots[i]``, then attend."""
+    """Prefill/decode: write new k/v at ``cache_seqlens[i]..`` of cache row ``slots[i]``, then attend.
+
+    ``plan``: the same layout as host lists, shared by the step's layers (:class:`KVStepPlan`); with
+    it no implementation reads the layout tensors back from the device.
+    """
     fn = select("attention_kvcache", q, profile, TRITON_MODULE)
     return fn(
         q,
@@ -77,6 +82,7 @@ def attention_with_kv_cache(
         softmax_scale=softmax_scale,
         gate=gate,
         kv_block=kv_block,
+        plan=plan,
     )
 
 
@@ -112,4 +118,11 @@ def attention_decode(
     )
 
 
-__all__ = ["DEFAULT_KV_BLOCK", "KVCache", "attention_decode", "attention_varlen", "attention_with_kv_cache"]
+__all__ = [
+    "DEFAULT_KV_BLOCK",
+    "KVCache",
+    "KVStepPlan",
+    "attention_decode",
+    "attention_varlen",
+    "attention_with_kv_cache",
+]

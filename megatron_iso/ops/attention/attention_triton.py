@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 from megatron_iso.ops.attention.reference import (
     DEFAULT_KV_BLOCK,
     _bounds,
@@ -177,6 +178,16 @@ def _plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tu
     return tab[0], tab[1]
 
 
+def _tables(
+    cu: list[int], starts: list[int], kv_offsets: list[int], group: int, block_m: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch's device-side inputs: tile table (sequence, first row) and the [3, n+1] table of
+    token offsets, start positions and key-0 rows."""
+    tile_seq, tile_row = _plan([b - a for a, b in pairwise(cu)], group, block_m, device)
+    meta = torch.tensor([cu, [*starts, 0], [*kv_offsets, 0]], dtype=torch.int64).to(device, non_blocking=True)
+    return tile_seq, tile_row, meta
+
+
 def prepare(
     q: torch.Tensor,
     k_src: torch.Tensor,
@@ -188,10 +199,13 @@ def prepare(
     scale: float,
     kv_block: int,
     config: AttentionTileConfig | None,
+    tables: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[Callable[[], object], torch.Tensor]:
     """The kernel launch as a closure (host planning done) and its output tensor; the benchmark times the closure.
 
     k_src/v_src ``[rows, Hkv, D]`` (packed tokens or a flattened cache); key 0 of sequence i is row kv_offsets[i].
+    ``tables(group, block_m)``: the :func:`_tables` of these lists, from a cache shared by a step's
+    layers (the same values, so the same launch); without it they are built here.
     """
     T, hq, dim = q.shape
     hkv = k_src.shape[1]
@@ -205,8 +219,10 @@ def prepare(
         raise ValueError(f"attention_triton: kv_block={kv_block} must be a power of two >= 16")
     if k_src.stride(-1) != 1 or v_src.stride() != k_src.stride() or q.stride(-1) != 1:
         raise ValueError("attention_triton: q/k/v (or the cache) need a contiguous last dim and equal k/v strides")
-    tile_seq, tile_row = _plan(lens, group, cfg.block_m, q.device)
-    meta = torch.tensor([cu, [*starts, 0], [*kv_offsets, 0]], dtype=torch.int64).to(q.device, non_blocking=True)
+    if tables is None:
+        tile_seq, tile_row, meta = _tables(cu, starts, kv_offsets, group, cfg.block_m, q.device)
+    else:
+        tile_seq, tile_row, meta = tables(group, cfg.block_m)
     gated = gate is not None
     g = gate if gated else q
     if gated and gate.stride(-1) != 1:
@@ -260,6 +276,18 @@ def attention_varlen(
     return _launch(q, k, v, gate, cu, [0] * n, cu[:-1], _scale(softmax_scale, q.shape[-1]), kv_block, config)
 
 
+def write_index(
+    cu: list[int], starts: list[int], slot_ids: list[int], max_len: int, device: torch.device
+) -> torch.Tensor:
+    """Row of every new token in the flattened ``[slots * max_len]`` cache (int64, on ``device``)."""
+    lens = torch.tensor([b - a for a, b in pairwise(cu)], dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    first = torch.cumsum(lens, 0) - lens
+    base = torch.tensor(starts, dtype=torch.int64) + torch.tensor(slot_ids, dtype=torch.int64) * max_len
+    dst = base[seq] + torch.arange(int(lens.sum())) - first[seq]
+    return dst.to(device, non_blocking=True)
+
+
 def write_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -268,16 +296,13 @@ def write_cache(
     cu: list[int],
     starts: list[int],
     slot_ids: list[int],
+    dst: torch.Tensor | None = None,
 ) -> None:
-    """Append each sequence's new k/v at ``starts[i]..`` of cache row ``slot_ids[i]`` (one scatter, exact copy)."""
-    max_len = k_cache.shape[1]
-    dst = torch.cat(
-        [
-            torch.arange(s, s + (b - a)) + slot * max_len
-            for (a, b), s, slot in zip(pairwise(cu), starts, slot_ids, strict=False)
-        ]
-    )
-    dst = dst.to(k.device, non_blocking=True)
+    """Append each sequence's new k/v at ``starts[i]..`` of cache row ``slot_ids[i]`` (one scatter, exact copy).
+
+    ``dst``: :func:`write_index` of these lists, if the caller already has it."""
+    if dst is None:
+        dst = write_index(cu, starts, slot_ids, k_cache.shape[1], k.device)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, dst, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dst, v)
 
@@ -296,9 +321,13 @@ def attention_with_kv_cache(
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
     config: AttentionTileConfig | None = None,
+    plan: KVStepPlan | None = None,
 ) -> torch.Tensor:
     """Prefill (any chunk) and decode: write k/v into the cache, then attend from the cache with the
-    kernel of :func:`attention_varlen`; see ``reference.attention_with_kv_cache``."""
+    kernel of :func:`attention_varlen`; see ``reference.attention_with_kv_cache``.
+
+    With a ``plan`` (the step's layout as host lists) nothing is read back from the device, and the
+    write indices and tile tables are built by the step's first layer and reused by the others."""
     _check_qkv(q, k, v, gate)
     _check_block(kv_block)
     if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
@@ -307,35 +336,35 @@ def attention_with_kv_cache(
         raise ValueError(f"kv cache must be [slots, max_len, {k.shape[1]}, {k.shape[2]}], got {tuple(k_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_triton: the kv cache must be contiguous")
-    cu = _bounds(cu_seqlens_q)
-    starts = [int(s) for s in cache_seqlens.tolist()]
-    if len(starts) != len(cu) - 1 or cu[-1] != q.shape[0]:
-        raise ValueError(f"cache_seqlens ({len(starts)}) / cu_seqlens_q ({cu}) do not match q ({q.shape[0]} tokens)")
-    slot_ids = list(range(len(starts))) if slots is None else [int(s) for s in slots.tolist()]
-    if len(slot_ids) != len(starts):
-        raise ValueError(f"slots has {len(slot_ids)} entries for {len(starts)} sequences")
-    max_len = k_cache.shape[1]
-    for i, ((a, b), s, slot) in enumerate(zip(pairwise(cu), starts, slot_ids, strict=True)):
-        if s + (b - a) > max_len:
-            raise ValueError(
-                f"sequence {i} (slot {slot}) needs {s + b - a} cache positions, cache max_len is {max_len}"
-            )
+    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
+    cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
+    max_len, dev = k_cache.shape[1], q.device
+
+    def fits() -> bool:
+        for i, ((a, b), s, slot) in enumerate(zip(pairwise(cu), starts, slot_ids, strict=True)):
+            if s + (b - a) > max_len:
+                raise ValueError(
+                    f"sequence {i} (slot {slot}) needs {s + b - a} cache positions, cache max_len is {max_len}"
+                )
+        return True
+
+    plan.memo(("fits", max_len), fits)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    write_cache(k, v, k_cache, v_cache, cu, starts, slot_ids)
+    dst = plan.memo(("write_index", max_len, dev), lambda: write_index(cu, starts, slot_ids, max_len, dev))
+    write_cache(k, v, k_cache, v_cache, cu, starts, slot_ids, dst=dst)
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
-    return _launch(
-        q,
-        kc,
-        vc,
-        gate,
-        cu,
-        starts,
-        [s * max_len for s in slot_ids],
-        _scale(softmax_scale, q.shape[-1]),
-        kv_block,
-        config,
+    kv_offsets = [s * max_len for s in slot_ids]
+
+    def tables(group: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = ("triton_tables", group, block_m, max_len, dev)
+        return plan.memo(key, lambda: _tables(cu, starts, kv_offsets, group, block_m, dev))
+
+    call, out = prepare(
+        q, kc, vc, gate, cu, starts, kv_offsets, _scale(softmax_scale, q.shape[-1]), kv_block, config, tables
     )
+    call()
+    return out
 
 
 def _probe_inputs() -> tuple[torch.Tensor, ...]:
@@ -419,4 +448,11 @@ register(
     )
 )
 
-__all__ = ["CONFIGS", "AttentionTileConfig", "attention_varlen", "attention_with_kv_cache", "write_cache"]
+__all__ = [
+    "CONFIGS",
+    "AttentionTileConfig",
+    "attention_varlen",
+    "attention_with_kv_cache",
+    "write_cache",
+    "write_index",
+]

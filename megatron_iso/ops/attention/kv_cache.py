@@ -8,7 +8,9 @@ every layer has written and attended), which is why the kernels never touch ``le
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,3 +59,70 @@ class KVCache:
     def reset(self, slot: int) -> None:
         """Free a slot for a new sequence (stale contents stay and are masked by the length)."""
         self.lengths[slot] = 0
+
+
+@dataclass
+class KVStepPlan:
+    """Host copy of one model step's cache layout, shared by every attention layer of the step.
+
+    ``cu`` (token offsets, ``[n + 1]``), ``starts`` (tokens already cached per sequence) and
+    ``slots`` (cache row per sequence) are what ``cu_seqlens_q``/``cache_seqlens``/``slots`` hold;
+    whoever builds the step (``models.batch.pack``) knows them as Python lists, so the attention
+    implementations need not read them back from the device (a host sync per tensor and layer on
+    GPU). Device tensors derived from them (tile tables, write indices, masks) are built by the
+    first layer that needs them and reused by the others (:meth:`memo`): a schedule/indexing
+    input, never arithmetic, so the bits are those of building them per layer.
+    """
+
+    cu: list[int]
+    starts: list[int]
+    slots: list[int]
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.cu) - 1
+        if n < 0 or self.cu[0] != 0 or any(b < a for a, b in zip(self.cu, self.cu[1:], strict=False)):
+            raise ValueError(f"KVStepPlan: cu_seqlens must start at 0 and be non-decreasing, got {self.cu}")
+        if len(self.starts) != n or len(self.slots) != n:
+            raise ValueError(
+                f"KVStepPlan: {n} sequences in cu but {len(self.starts)} starts and {len(self.slots)} slots"
+            )
+
+    @classmethod
+    def from_tensors(
+        cls, cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor, slots: torch.Tensor | None
+    ) -> KVStepPlan:
+        """The plan read back from the tensors (what a call without a plan does: syncs on GPU)."""
+        starts = [int(s) for s in cache_seqlens.tolist()]
+        return cls(
+            [int(c) for c in cu_seqlens_q.tolist()],
+            starts,
+            list(range(len(starts))) if slots is None else [int(s) for s in slots.tolist()],
+        )
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.cu, self.cu[1:], strict=False)]
+
+    def memo(self, key: object, build: Callable[[], Any]) -> Any:
+        """``build()`` once per plan and ``key`` (the key names everything the value depends on besides the plan)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+
+def resolve_plan(
+    plan: KVStepPlan | None,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> KVStepPlan:
+    """The given plan (checked against q's token count) or one read back from the tensors."""
+    if plan is None:
+        plan = KVStepPlan.from_tensors(cu_seqlens_q, cache_seqlens, slots)
+    if plan.cu[-1] != q.shape[0] or len(plan.cu) != cu_seqlens_q.numel():
+        raise ValueError(
+            f"cache_seqlens ({len(plan.starts)}) / cu_seqlens_q ({plan.cu}) do not match q ({q.shape[0]} tokens)"
+        )
+    return plan

@@ -1,7 +1,7 @@
 """Causal attention native path: ``torch.nn.functional.scaled_dot_product_attention`` the way stock
-stacks call it: ``is_causal`` over each packed sequence for training, and for the KV-cache cases an
-SDPA call over the cache prefix (no mask for a single decode token, an offset causal mask for a
-chunk). ATen picks the kernel and its key split from the shapes, so a token's bits can depend on
+stacks call it: ``is_causal`` over each packed sequence for training, and for the KV-cache cases
+(an engine step) one masked SDPA call per layer over all sequences' cache rows, read in place (a
+per-sequence call over the cache prefix where slots repeat or padding would double the work). ATen picks the kernel and its key split from the shapes, so a token's bits can depend on
 the case and on the chunking: the baseline the reference path removes. ``kv_block`` is accepted
 for signature parity and ignored.
 """
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None) -> torch.Tensor:
@@ -56,6 +57,77 @@ def attention_varlen(
     return _gate(out, gate)
 
 
+def _batched_index(plan: KVStepPlan, max_len: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The step's index tensors for :func:`_attend_batched` (built once per step, shared by the layers).
+
+    Sequence i's tokens sit at rows ``i * width + t`` of a ``[n * width]`` padded query layout (width =
+    the longest new chunk); ``cache_row`` is each new token's row in the flattened cache; ``visible``
+    says which of the first ``keys`` cache positions a query at padded position (i, t) sees (those up
+    to its absolute position; padded positions see key 0 only, so no row is fully masked). Cache
+    contents past a sequence's length but before ``keys`` enter SDPA with probability 0; like any
+    dense-masked SDPA this assumes they are finite (stale keys of earlier tokens always are).
+    """
+    lens = torch.tensor(plan.lengths, dtype=torch.int64)
+    n, width = len(plan.lengths), max(plan.lengths)
+    seq = torch.repeat_interleave(torch.arange(n), lens)
+    offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+    starts = torch.tensor(plan.starts, dtype=torch.int64)
+    t = torch.arange(width)
+    key_end = torch.where(t < lens.unsqueeze(1), starts.unsqueeze(1) + t + 1, 1)  # [n, width]
+    keys = int((starts + lens).max())  # the longest sequence's cache length: no key past it is read
+    slots = torch.tensor(plan.slots, dtype=torch.int64)
+    out = {
+        "cache_row": slots[seq] * max_len + starts[seq] + offset,
+        "padded_row": seq * width + offset,
+        # [n, width, keys] visibility, the mask SDPA takes (True = attend)
+        "visible": torch.arange(keys) < key_end.unsqueeze(-1),
+    }
+    if plan.slots != list(range(n)):
+        out["slots"] = slots
+    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
+
+
+def _attend_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: KVStepPlan,
+    index: dict[str, torch.Tensor],
+    scale: float | None,
+) -> torch.Tensor:
+    """ONE masked SDPA call for all sequences of the step, reading the cache rows in place.
+
+    GQA the way decode kernels batch it: a kv head's query heads (and, for a chunk, its tokens) are
+    the query rows of one attention problem, so SDPA sees no GQA and k/v are never repeated.
+    """
+    n, width = len(plan.lengths), max(plan.lengths)
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    visible = index["visible"]
+    keys = visible.shape[-1]
+    # Slot i = sequence i (the engine's staged view): the cache rows are read in place; other slot
+    # orders gather the rows first (tests and direct callers).
+    kc = k_cache if "slots" not in index else k_cache.index_select(0, index["slots"])
+    vc = v_cache if "slots" not in index else v_cache.index_select(0, index["slots"])
+    kt, vt = kc[:n, :keys].transpose(1, 2), vc[:n, :keys].transpose(1, 2)  # [n, Hkv, keys, D] views
+    if width == 1:  # decode: q [n, Hq, D] is already [n, Hkv, G, D] (heads of a kv group are adjacent)
+        qb = q.reshape(n, hkv, group, d)
+        mask = visible.view(n, 1, 1, keys)
+    else:
+        padded = q.new_zeros(n * width, hq, d).index_copy_(0, index["padded_row"], q)
+        qb = padded.view(n, width, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, width * group, d)
+        mask = plan.memo(
+            ("native_chunk_mask", group, visible.device),
+            lambda: visible.unsqueeze(2).expand(n, width, group, keys).reshape(n, 1, width * group, keys),
+        )
+    o = F.scaled_dot_product_attention(qb, kt, vt, attn_mask=mask, scale=scale)
+    if width == 1:
+        return o.reshape(n, hq, d)
+    o = o.view(n, hkv, width, group, d).permute(0, 2, 1, 3, 4).reshape(n * width, hq, d)
+    return o.index_select(0, index["padded_row"])
+
+
 def attention_with_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,29 +141,37 @@ def attention_with_kv_cache(
     softmax_scale: float | None = None,
     gate: torch.Tensor | None = None,
     kv_block: int = 0,
+    plan: KVStepPlan | None = None,
 ) -> torch.Tensor:
-    """Append to the cache, then SDPA over each sequence's cache prefix."""
-    cu = [int(c) for c in cu_seqlens_q.tolist()]
-    starts = [int(s) for s in cache_seqlens.tolist()]
-    slot_ids = list(range(len(starts))) if slots is None else [int(s) for s in slots.tolist()]
+    """Append to the cache, then attend over each sequence's cache prefix.
+
+    Distinct slots (every engine step): one indexed write per cache and ONE masked SDPA call for the
+    whole step (decode, and prefill chunks while padding them to the longest costs at most twice the
+    real tokens), as stock servers run one batched attention kernel per layer and step. Otherwise an
+    SDPA call per sequence.
+    """
+    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
+    cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
     # (slot, first new cache position, end, first token, end token) of every non-empty sequence
     spans = [(slot_ids[i], starts[i], starts[i] + b - a, a, b) for i, (a, b) in enumerate(pairwise(cu)) if b > a]
     out = torch.empty_like(q)
-    if spans and len({s[0] for s in spans}) == len(spans):
-        # Distinct slots: no sequence reads another's new keys, so every write goes first (one
-        # indexed copy per cache, not two slice copies per sequence) and the outputs are joined
-        # once: the host work per sequence is its SDPA call, which gets the same inputs as below.
+    max_len = k_cache.shape[1]
+    if any(end > max_len for _, _, end, _, _ in spans):
+        raise ValueError(f"kv cache max_len {max_len} is too short for this step (ends {[s[2] for s in spans]})")
+    lengths = plan.lengths
+    if spans and len(spans) == len(lengths) and len(set(slot_ids)) == len(slot_ids):
+        # Distinct slots: no sequence reads another's new keys, so every write goes first.
         dev = k_cache.device
-        rows = torch.tensor([slot for slot, start, end, _, _ in spans for _ in range(start, end)], device=dev)
-        cols = torch.tensor([p for _, start, end, _, _ in spans for p in range(start, end)], device=dev)
-        k_cache[rows, cols] = k[cu[0] : cu[-1]]
-        v_cache[rows, cols] = v[cu[0] : cu[-1]]
+        index = plan.memo(("native_index", max_len, dev), lambda: _batched_index(plan, max_len, dev))
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, index["cache_row"], k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, index["cache_row"], v)
+        if len(lengths) * max(lengths) <= 2 * cu[-1]:
+            return _gate(_attend_batched(q, k_cache, v_cache, plan, index, softmax_scale), gate)
         parts = [
             _sdpa(q[a:b], k_cache[slot, :end], v_cache[slot, :end], start, softmax_scale)
             for slot, start, end, a, b in spans
         ]
-        out[cu[0] : cu[-1]] = torch.cat(parts)
-        return _gate(out, gate)
+        return _gate(torch.cat(parts), gate)
     for slot, start, end, a, b in spans:  # a slot twice: each sequence reads what those before it wrote
         k_cache[slot, start:end] = k[a:b]
         v_cache[slot, start:end] = v[a:b]

@@ -30,6 +30,7 @@ import torch
 
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.activation.pointwise import iso_exp, iso_sigmoid
+from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 from megatron_iso.ops.tree import tree_sum_dim
 
 DEFAULT_KV_BLOCK = 64
@@ -195,13 +196,16 @@ def attention_with_kv_cache(
     softmax_scale: float | None = None,
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
+    plan: KVStepPlan | None = None,
 ) -> torch.Tensor:
     """Prefill (any chunk length) and decode: append k/v to the cache, then attend from the cache.
 
     Sequence ``i`` owns tokens ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q/k/v, cache row ``slots[i]``
     (default ``i``), and already has ``cache_seqlens[i]`` cached tokens; its new tokens take positions
     ``cache_seqlens[i] ..``. The cache (``[slots, max_len, Hkv, D]``, same dtype as k) is written in
-    place before it is read; the caller advances the lengths after the model step.
+    place before it is read; the caller advances the lengths after the model step. ``plan``: the same
+    layout as host lists (:class:`~megatron_iso.ops.attention.kv_cache.KVStepPlan`), read instead of
+    the tensors.
     """
     _check_qkv(q, k, v, gate)
     _check_block(kv_block)
@@ -210,13 +214,8 @@ def attention_with_kv_cache(
         raise TypeError(f"kv cache dtype {k_cache.dtype}/{v_cache.dtype} must equal k/v dtype {k.dtype}")
     if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"kv cache must be [slots, max_len, {k.shape[1]}, {k.shape[2]}], got {tuple(k_cache.shape)}")
-    cu = _bounds(cu_seqlens_q)
-    starts = [int(s) for s in cache_seqlens.tolist()]
-    if len(starts) != len(cu) - 1 or cu[-1] != q.shape[0]:
-        raise ValueError(f"cache_seqlens ({len(starts)}) / cu_seqlens_q ({cu}) do not match q ({q.shape[0]} tokens)")
-    slot_ids = list(range(len(starts))) if slots is None else [int(s) for s in slots.tolist()]
-    if len(slot_ids) != len(starts):
-        raise ValueError(f"slots has {len(slot_ids)} entries for {len(starts)} sequences")
+    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
+    cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
     scale = _scale(softmax_scale, q.shape[-1])
     max_len = k_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
