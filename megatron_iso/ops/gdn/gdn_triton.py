@@ -394,6 +394,7 @@ def _plan(
     chunk: int,
     has_state: bool,
     dev: torch.device,
+    slot_count: int = 0,
 ) -> _Plan:
     """Segments, closing chunks, chains and buffer rows of a call, as int32 tables on ``dev``."""
     key = (cu, starts, slots)
@@ -403,6 +404,11 @@ def _plan(
             return entry[2]
     cu_l, st, sl = _host_lists(cu, starts, slots)
     n = len(cu_l) - 1
+    empty = [i for i in range(n) if cu_l[i + 1] <= cu_l[i]]
+    if empty:
+        raise ValueError(f"gated_delta_rule: sequences {empty} have no tokens in cu_seqlens={cu_l}; drop them")
+    if has_state and sl is not None and any(not 0 <= s < slot_count for s in sl):
+        raise ValueError(f"gated_delta_rule: slots {sl} outside the state cache's {slot_count} slots")
     if len(st) != n:
         raise ValueError(f"starts has {len(st)} entries for {n} sequences")
     if any(s < 0 for s in st):
@@ -501,7 +507,8 @@ def _rule_forward(
     cfg = config_for(dk, dv, chunk)
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
-    plan = _plan(cu_seqlens, starts, slots, chunk, state is not None, dev)
+    slot_count = 0 if state is None else state.running.shape[0]
+    plan = _plan(cu_seqlens, starts, slots, chunk, state is not None, dev, slot_count)
     qf, kf, vf, gf, bf = (x.float().contiguous() for x in (q, k, v, g, beta))
     out = torch.empty(t, hv, dv, dtype=torch.float32, device=dev)
     if t == 0:

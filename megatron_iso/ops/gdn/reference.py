@@ -238,6 +238,9 @@ def gated_delta_rule(
     """
     cu, st = _starts(cu_seqlens, starts)
     _check_state(state, slots, st)
+    empty = [i for i in range(len(cu) - 1) if cu[i + 1] <= cu[i]]
+    if empty:
+        raise ValueError(f"gated_delta_rule: sequences {empty} have no tokens in cu_seqlens={cu}; drop them")
     if chunk <= 0:
         raise ValueError(f"gated_delta_rule: chunk must be a positive int, got {chunk}")
     if state is not None and state.chunk != chunk:
