@@ -2,6 +2,7 @@
 
 python tools/profile_decode.py --model qwen3_0p6b --profile correctness --prompts 8 --group 8 --new-tokens 8
 python tools/profile_decode.py --split --profile performance --prompts 8 --group 8 --new-tokens 32
+python tools/profile_decode.py --split --model qwen3_0p6b --set model.num_layers=2 --profile performance
 
 Default: torch.profiler's top ops. ``--split``: wall time of uninstrumented runs (best of
 ``--repeat``), then one cProfile run attributing that time to the model forward, the KV staging
@@ -50,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override, e.g. --set model.num_layers=2 (Qwen3-0.6B shapes with few layers on CPU)",
+    )
     parser.add_argument("--split", action="store_true", help="time split (forward / KV staging / sampler / rest)")
     parser.add_argument("--repeat", type=int, default=2, help="--split: uninstrumented runs (best is reported)")
     args = parser.parse_args(argv)
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.parallel.world import launched_world
 
-    cfg = load_config([f"model={args.model}", f"profile={args.profile}"])
+    cfg = load_config([f"model={args.model}", f"profile={args.profile}", *args.set])
     with launched_world(seed=0):
         tc = transformer_config(cfg)
         model = build_model(tc, random_hf_state_dict(tc, seed=0)).eval()

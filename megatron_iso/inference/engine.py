@@ -299,8 +299,8 @@ class RolloutEngine:
         self.stats.decode_tokens += sum(counts[: len(self._running)])
         for s, c in zip(batch_seqs, counts, strict=True):
             s.num_cached += c
-        last = batch.cu_seqlens_q[1:].long() - 1
-        self._sample(batch_seqs, logits[last])
+        # Each sequence's last row; a decode step has one row per sequence already (no gather copy).
+        self._sample(batch_seqs, logits if case == "decode" else logits[batch.cu_seqlens_q[1:].long() - 1])
         running = []
         for s in batch_seqs:
             if s.sample is None:
@@ -356,12 +356,34 @@ class RolloutEngine:
             else:
                 src.append(j)
                 meta.append((s, s.sample))
-        rows = logits[torch.tensor(src, device=logits.device)]
         params = [s.group.request.params for s, _ in meta]
-        dev = rows.device
-        greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
-        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
-        temp = temp.to(dev).unsqueeze(-1)
+        dev = logits.device
+        # Every per-row input in ONE host tensor and one non-blocking copy (a blocking copy per
+        # tensor is a host sync each on GPU). float64 holds each value exactly: int64 ids/counts
+        # below 2**53, the fp32 temperature/top_p/uniform after their fp32 rounding.
+        u_host = uniforms(
+            torch.tensor([as_int64(p.seed) for p in params]),
+            torch.tensor([as_int64(s.group.key) for s, _ in meta]),
+            torch.tensor([i for _, i in meta]),
+            torch.tensor([len(s.tokens) for s, _ in meta]),  # position of the drawn token
+        )
+        host = torch.stack(
+            (
+                torch.tensor(src, dtype=torch.float64),
+                torch.tensor([float(p.temperature == 0) for p in params], dtype=torch.float64),
+                torch.tensor(
+                    [p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32
+                ).double(),
+                torch.tensor([p.top_k for p in params], dtype=torch.float64),
+                torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).double(),
+                u_host.double(),
+            )
+        )
+        on_dev = host.to(dev, non_blocking=True)
+        # A decode step samples every row once, in order: the logits rows are used as they are.
+        rows = logits if src == list(range(logits.shape[0])) else logits.index_select(0, on_dev[0].long())
+        greedy = on_dev[1] != 0
+        temp = on_dev[2].float().unsqueeze(-1)
         mc = self.model.config
         group = (
             parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
@@ -369,23 +391,15 @@ class RolloutEngine:
         common = {"group": group, "leaves": mc.iso_leaves, "profile": self.profile}
         with torch.no_grad():
             logp = gather_along(log_softmax(rows, temperature=temp, **common), group, dim=-1)
-            u = uniforms(
-                torch.tensor([as_int64(p.seed) for p in params]),
-                torch.tensor([as_int64(s.group.key) for s, _ in meta]),
-                torch.tensor([i for _, i in meta]),
-                torch.tensor([len(s.tokens) for s, _ in meta]),  # position of the drawn token
-            ).to(dev)
             tokens = select_tokens(
-                logp,
-                u,
-                greedy=greedy,
-                top_k=torch.tensor([p.top_k for p in params], device=dev),
-                top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=dev),
+                logp, on_dev[5].float(), greedy=greedy, top_k=on_dev[3].long(), top_p=on_dev[4].float()
             )
             recorded = token_logprobs(rows, tokens, mc, temperature=temp)
             k = max(p.top_logprobs for p in params)
             top = top_logprobs(logp, k) if k else None
-        tokens_l, logp_l = tokens.tolist(), recorded.tolist()
+        # One device-to-host read for both (float64 holds the ids and the fp32 logprobs exactly).
+        tokens_f, logp_l = torch.stack((tokens.double(), recorded.double())).tolist()
+        tokens_l = [int(t) for t in tokens_f]
         for r, ((s, i), p) in enumerate(zip(meta, params, strict=True)):
             out = s.group.output.samples[i]
             out.tokens.append(tokens_l[r])

@@ -231,9 +231,10 @@ class PagedStepView:
         row = torch.repeat_interleave(torch.arange(n), count_t)
         first = torch.cumsum(count_t, 0) - count_t
         at = start_t[row] + torch.arange(int(count_t.sum())) - first[row]
-        self.read_idx = flat.reshape(-1).to(device)
-        self.write_src = (row * length + at).to(device)  # in the staged [n * L] rows
-        self.write_idx = flat[row, at].to(device)  # in the flattened pool
+        # non_blocking: a blocking host-to-device copy is a host sync on GPU
+        self.read_idx = flat.reshape(-1).to(device, non_blocking=True)
+        self.write_src = (row * length + at).to(device, non_blocking=True)  # in the staged [n * L] rows
+        self.write_idx = flat[row, at].to(device, non_blocking=True)  # in the flattened pool
         self.shape = (n, length)
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 

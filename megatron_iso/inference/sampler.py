@@ -14,14 +14,22 @@ from megatron_iso.ops.activation.pointwise import iso_exp
 
 
 def inclusive_scan(x: torch.Tensor) -> torch.Tensor:
-    """Prefix sums along the last dim with a fixed (row-local, batch-independent) addition order."""
-    out = x.clone()
+    """Prefix sums along the last dim with a fixed (row-local, batch-independent) addition order.
+
+    Round r (shift 2^r): ``y[i] = x[i] + x[i - shift]`` for ``i >= shift``, else ``x[i]``. Two
+    buffers take turns (the sum is written straight into the other buffer and only the first
+    ``shift`` entries are copied), so a round is one add and one short copy over the row instead of
+    a clone, an add and a copy: the same additions, so the same bits, with about a third of the
+    memory traffic on a full-vocab row.
+    """
+    src = x.clone()
+    dst = torch.empty_like(src)
     shift = 1
-    while shift < out.shape[-1]:
-        nxt = out.clone()
-        nxt[..., shift:] = out[..., shift:] + out[..., :-shift]
-        out, shift = nxt, shift * 2
-    return out
+    while shift < src.shape[-1]:
+        dst[..., :shift] = src[..., :shift]
+        torch.add(src[..., shift:], src[..., :-shift], out=dst[..., shift:])
+        src, dst, shift = dst, src, shift * 2
+    return src
 
 
 def sort_desc(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,6 +53,10 @@ class IsoBatch(PackedSeqParams):
         return self.kv_cache is not None
 
 
+def _to(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     if any(n <= 0 for n in lengths):
         raise ValueError(f"every sequence needs at least one token, got lengths {list(lengths)}")
@@ -108,7 +112,9 @@ def pack(
     seq = torch.repeat_interleave(torch.arange(len(lengths)), counts)
     offset = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seq]
     positions = torch.tensor(starts, dtype=torch.int64)[seq] + offset
-    cu = _cu_seqlens(lengths).to(device)
+    # non_blocking: a blocking host-to-device copy is a host sync on GPU (pageable sources are
+    # staged by the driver before the call returns, so the temporaries may go).
+    cu = _cu_seqlens(lengths).to(device, non_blocking=True)
     plan = None
     if kv_cache is not None:
         if slots is None or len(slots) != len(lengths):
@@ -121,13 +127,13 @@ def pack(
         cu_seqlens_kv=cu,
         max_seqlen_q=max(lengths),
         max_seqlen_kv=max(lengths),
-        positions=positions.to(device),
+        positions=positions.to(device, non_blocking=True),
         case=case,
         kv_cache=kv_cache,
-        slots=None if slots is None else torch.as_tensor(list(slots), dtype=torch.int64, device=device),
-        cache_seqlens=None if kv_cache is None else torch.as_tensor(starts, dtype=torch.int64, device=device),
+        slots=None if slots is None else _to(list(slots), device),
+        cache_seqlens=None if kv_cache is None else _to(starts, device),
         gdn_cache=gdn_cache,
-        gdn_slots=None if gdn_slots is None else torch.as_tensor(list(gdn_slots), dtype=torch.int64, device=device),
+        gdn_slots=None if gdn_slots is None else _to(list(gdn_slots), device),
         kv_plan=plan,
     )
     if gdn_cache is not None and kv_cache is None:
@@ -136,4 +142,4 @@ def pack(
         raise ValueError("gdn_slots needs a gdn_cache and one GDN slot per sequence")
     if kv_cache is not None and (batch.slots is None or batch.slots.numel() != len(lengths)):
         raise ValueError("prefill/decode need one cache slot per sequence (slots=...)")
-    return torch.cat(toks).unsqueeze(0).to(device), batch
+    return torch.cat(toks).unsqueeze(0).to(device, non_blocking=True), batch

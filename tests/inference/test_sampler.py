@@ -74,6 +74,27 @@ def test_inclusive_scan_matches_exact_sums():
     assert torch.equal(inclusive_scan(x), torch.cumsum(x, -1))
 
 
+def test_inclusive_scan_is_hillis_steele_bit_for_bit():
+    """The two-buffer scan performs the additions of the plain Hillis-Steele rounds (clone, shifted
+    add): same bits on random floats, where any other order would differ."""
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        out, shift = x.clone(), 1
+        while shift < out.shape[-1]:
+            nxt = out.clone()
+            nxt[..., shift:] = out[..., shift:] + out[..., :-shift]
+            out, shift = nxt, shift * 2
+        return out
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((4, 1), (3, 2), (5, 37), (2, 1000), (1, 4099)):
+        x = torch.rand(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+        got, want = inclusive_scan(x), plain(x)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), shape
+    x = torch.rand(2, 5000, generator=g)
+    assert not torch.equal(plain(x), torch.cumsum(x, -1))  # the check above can tell orders apart
+
+
 def _logp(rows: int, vocab: int, seed: int) -> torch.Tensor:
     z = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
     return torch.log_softmax(z, -1)
