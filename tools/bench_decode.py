@@ -22,27 +22,25 @@ and self CPU time and the time of each part.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.metadata
 import json
 import math
-import re
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_iso.bench.profiling import module_ranges, print_summary, ranged, summarize
+
 ENGINES = ("iso", "native", "hf")
 PROFILES = {"iso": "correctness", "native": "performance"}
 ISO_OVER_NATIVE_TARGET = 0.9  # issue 9: iso >= 0.9x native tokens/s
 NATIVE_OVER_HF_TARGET = (64, 3.0)  # issue 9: native >= 3x HF generate at batch 64
-LABELS = ("module: ", "engine: ")  # profiler ranges this script adds (kept out of the op table)
 
 
 @dataclass
@@ -105,8 +103,8 @@ class EngineRunner:
         )
         engine = RolloutEngine(self.model, config)
         if self.instrument:
-            engine.forward_fn = _ranged("engine: forward", engine.forward_fn)
-            engine._sample = _ranged("engine: sample", engine._sample)  # no public hook; profiling only
+            engine.forward_fn = ranged("engine: forward", engine.forward_fn)
+            engine._sample = ranged("engine: sample", engine._sample)  # no public hook; profiling only
         return engine
 
     def run(self, prompts: list[list[int]], new_tokens: int, max_seconds: float, on_prefilled=None) -> Run:
@@ -187,44 +185,6 @@ class HFRunner:
         wall = time.perf_counter() - t0
         per_row = out.shape[1] - ids.shape[1]
         return Run(per_row * ids.shape[0], wall, None if first.at is None else first.at - t0, per_row < new_tokens)
-
-
-def _ranged(label: str, fn):
-    def wrapped(*a, **k):
-        with torch.profiler.record_function(label):
-            return fn(*a, **k)
-
-    return wrapped
-
-
-@contextlib.contextmanager
-def _module_ranges(model: torch.nn.Module) -> Iterator[None]:
-    """A profiler range around every computing module, named by its path with layer indices as ``*``,
-    so that key_averages totals each part of a layer over all layers."""
-    stack: list = []
-
-    def opener(label: str):
-        def hook(module, inputs):
-            rf = torch.profiler.record_function(label)
-            rf.__enter__()
-            stack.append(rf)
-
-        return hook
-
-    def close(module, inputs, output):
-        stack.pop().__exit__(None, None, None)
-
-    handles = []
-    for name, mod in model.named_modules():
-        inert = isinstance(mod, torch.nn.ModuleList | torch.nn.Dropout) or type(mod).__name__.startswith("Identity")
-        if name and not inert:
-            label = "module: " + re.sub(r"\.\d+(?=\.|$)", ".*", name)
-            handles += [mod.register_forward_pre_hook(opener(label)), mod.register_forward_hook(close)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def build_runners(args: argparse.Namespace, failures: dict[str, str]) -> dict[str, EngineRunner | HFRunner]:
@@ -316,7 +276,7 @@ def profile_step(name: str, runner, args: argparse.Namespace, warm: bool = True)
 
     runner.instrument = True
     try:
-        with _module_ranges(runner.model):
+        with module_ranges(runner.model):
             run = runner.run(prompts, new, args.max_seconds, on_prefilled=begin)
     finally:
         runner.instrument = False
@@ -325,22 +285,6 @@ def profile_step(name: str, runner, args: argparse.Namespace, warm: bool = True)
     _sync()
     decode_s = time.perf_counter() - started[0]
     prof.stop()
-    avgs = prof.key_averages()
-    ops = [e for e in avgs if not e.key.startswith(LABELS)]
-    parts = sorted(
-        (e for e in avgs if e.key.startswith(LABELS)),
-        key=lambda e: e.device_time_total if cuda else e.cpu_time_total,
-        reverse=True,
-    )
-
-    def top(attr: str) -> list[dict]:
-        rows = sorted(ops, key=lambda e: getattr(e, attr), reverse=True)[: args.profile_rows]
-        return [
-            {"name": e.key, "count": e.count, "self_device_ms": e.self_device_time_total / 1e3,
-             "self_cpu_ms": e.self_cpu_time_total / 1e3}
-            for e in rows
-        ]  # fmt: skip
-
     return {
         "engine": name,
         "batch": batch,
@@ -348,13 +292,7 @@ def profile_step(name: str, runner, args: argparse.Namespace, warm: bool = True)
         "new_tokens": new,
         "decode_wall_s": decode_s,
         "decode_tokens": run.generated - batch,  # the first token of each request came with its prefill
-        "device_busy_s": sum(e.self_device_time_total for e in ops) / 1e6 if cuda else None,
-        "top_device_ops": top("self_device_time_total") if cuda else [],
-        "top_cpu_ops": top("self_cpu_time_total"),
-        "parts": [
-            {"name": e.key, "count": e.count, "device_ms": e.device_time_total / 1e3, "cpu_ms": e.cpu_time_total / 1e3}
-            for e in parts[: args.profile_rows]
-        ],
+        **summarize(prof, args.profile_rows, device=cuda),
     }
 
 
@@ -362,15 +300,7 @@ def print_profile(p: dict) -> None:
     busy = "" if p["device_busy_s"] is None else f"; kernels busy {p['device_busy_s']:.3f} s"
     print(f"\n### profile: {p['engine']}, batch {p['batch']}, decode steps after a {p['prompt_len']}-token prefill")
     print(f"decode {p['decode_wall_s']:.3f} s for {p['decode_tokens']} tokens (profiler on){busy}")
-    for title, rows in (("self CUDA", p["top_device_ops"]), ("self CPU", p["top_cpu_ops"])):
-        if rows:
-            print(f"\nTop ops by {title} time\n\n| op | calls | self CUDA ms | self CPU ms |\n|---|---|---|---|")
-            for o in rows:
-                print(f"| {o['name'][:90]} | {o['count']} | {o['self_device_ms']:.2f} | {o['self_cpu_ms']:.2f} |")
-    print("\n| part (inclusive) | calls | CUDA ms | CPU ms |\n|---|---|---|---|")
-    for o in p["parts"]:
-        print(f"| {o['name']} | {o['count']} | {o['device_ms']:.2f} | {o['cpu_ms']:.2f} |")
-    sys.stdout.flush()
+    print_summary(p)
 
 
 def _fmt(x: float | None, spec: str) -> str:
