@@ -134,6 +134,43 @@ def _validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> N
             )
 
 
+def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Refuse, before anything is built, a correctness-profile run on CUDA whose GEMM shapes the Triton
+    leaf-tree kernels cannot walk: each leaf is read in whole K tiles, so every GEMM's K / leaves must be a
+    multiple of the BLOCK_K of the model's dtype (row-parallel: profile.leaves; experts' down projection:
+    profile.expert_leaves; column-parallel, whose K is the hidden size: one leaf). A capability of the GPU
+    kernels, not a policy: the contract itself does not depend on it. No-op for other profiles."""
+    from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
+
+    c = _plain(cfg)
+    profile, model = c["profile"], c["model"]
+    if profile.get("name") != "correctness":
+        return
+
+    dtype = str(model.get("params_dtype", "fp32"))
+    block_k = TRITON_BLOCK_K.get(dtype)
+    if block_k is None:
+        raise ContractValidationError(
+            f"model.params_dtype={dtype!r} has no GPU GEMM; allowed values: {sorted(TRITON_BLOCK_K)}"
+        )
+    # Row-parallel GEMM contractions only: hidden_size (an SP reduction size) and the vocab are no GEMM's K here.
+    not_gemm = ("model.vocab_size", "model.hidden_size")
+    depths: dict[str, tuple[int, int]] = {
+        name: (k, profile["leaves"]) for name, k in row_parallel_ks(model).items() if name not in not_gemm
+    }
+    if isinstance(model.get("hidden_size"), int):
+        depths["model.hidden_size (column-parallel K)"] = (model["hidden_size"], 1)
+    if isinstance(model.get("moe_ffn_hidden_size"), int) and model.get("num_experts"):
+        depths["model.moe_ffn_hidden_size"] = (model["moe_ffn_hidden_size"], profile.get("expert_leaves", 1))
+    for name, (k, leaves) in depths.items():
+        if (k // leaves) % block_k:
+            raise ContractValidationError(
+                f"device=cuda: {name}={k} over {leaves} leaves gives leaf depth {k // leaves}, not a multiple of the "
+                f"{dtype} GEMM's K tile {block_k}; use sizes whose K / leaves is a multiple of {block_k} "
+                "(or fewer leaves)"
+            )
+
+
 def _pow2_divisors(ks: Mapping[str, int]) -> list[int]:
     out, g = [], 1
     while all(k % g == 0 for k in ks.values()) and g <= 1024:

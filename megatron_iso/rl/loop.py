@@ -89,6 +89,13 @@ class Trainer:
         # Contract: the rollout side (the decoder) and the trainer must agree before anything runs.
         load_op_implementations()
         self.contract = build_contract(cfg)
+        if self.contract.numerical_policy.device_class == "cuda":
+            from megatron_iso.contract.build import check_gpu_gemm_shapes
+
+            try:
+                check_gpu_gemm_shapes(cfg)
+            except ContractValidationError as exc:
+                raise RunSetupError(str(exc)) from exc
         world = dist.get_world_size() if dist.is_initialized() else 1
         try:
             rollout_par = rollout_parallel(cfg, world)

@@ -98,3 +98,29 @@ def test_plain_dict_config_works_and_auto_device_resolves(cfg_for):
     plain = OmegaConf.to_container(cfg_for("device=auto"), resolve=True)
     c = build_contract(plain)
     assert c.numerical_policy.device_class in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        ([], r"device=cuda: model\.ffn_hidden_size=128 over 8 leaves gives leaf depth 16.*K tile 32"),
+        (
+            ["model.params_dtype=bf16", "model.ffn_hidden_size=1024", "model.kv_channels=128", "model.hidden_size=96"],
+            r"device=cuda: model\.hidden_size \(column-parallel K\)=96 over 1 leaves.*K tile 64",
+        ),
+        (["model=tiny_moe", "model.ffn_hidden_size=256", "model.kv_channels=32"], r"shared_expert_ffn_hidden_size=64"),
+    ],
+)
+def test_gpu_gemm_shapes_refused_before_a_cuda_run(cfg_for, overrides, pattern):
+    from megatron_iso.contract.build import check_gpu_gemm_shapes
+
+    with pytest.raises(ContractValidationError, match=pattern):
+        check_gpu_gemm_shapes(cfg_for(*overrides))
+
+
+@pytest.mark.parametrize("model", ["qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b", "qwen3_next_80b_a3b", "qwen3p5_35b_a3b"])
+def test_real_shapes_fit_the_gpu_gemm_tiles(cfg_for, model):
+    from megatron_iso.contract.build import check_gpu_gemm_shapes
+
+    check_gpu_gemm_shapes(cfg_for(f"model={model}"))
+    check_gpu_gemm_shapes(cfg_for("profile=performance"))  # no Triton GEMM there: nothing to check

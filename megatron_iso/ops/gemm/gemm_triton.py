@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
 
 IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "2"  # 2: tile chosen by (dtype, M bucket, leaves) among bitwise-equivalent tiles
@@ -65,19 +66,23 @@ class GemmTileConfig:
 # equivalence of tiles with the same BLOCK_K (tests/gpu/test_gemm_tiles.py, tools/bench_ops.py
 # ``gemm_tile_equivalence``) is what allows choosing the tile from (M bucket, leaves per program):
 # a row's bits are the same whichever of these tiles computes it.
+_BK16 = TRITON_BLOCK_K["bf16"]
+assert TRITON_BLOCK_K["fp16"] == _BK16  # bf16 and fp16 share their tiles
 CONFIGS: dict[torch.dtype, GemmTileConfig] = {
-    torch.bfloat16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-    torch.float16: GemmTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-    torch.float32: GemmTileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, loop="static"),
+    torch.bfloat16: GemmTileConfig(block_m=128, block_n=128, block_k=_BK16, num_warps=8, num_stages=4),
+    torch.float16: GemmTileConfig(block_m=128, block_n=128, block_k=_BK16, num_warps=8, num_stages=4),
+    torch.float32: GemmTileConfig(
+        block_m=64, block_n=64, block_k=TRITON_BLOCK_K["fp32"], num_warps=4, num_stages=3, loop="static"
+    ),
 }
 # Buckets picked from the H200 candidate sweep of 2026-11-29 (docs/PERFORMANCE.md, ``gemm_candidates``);
 # every tile here was in the bitwise tile-equivalence experiment (all equal to the default's bits).
 _BF16_TILES = {
     # (M bucket, one leaf in the kernel?) -> tile
-    ("small", True): GemmTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6),
-    ("small", False): GemmTileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-    ("mid", True): GemmTileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-    ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    ("small", True): GemmTileConfig(block_m=64, block_n=64, block_k=_BK16, num_warps=4, num_stages=6),
+    ("small", False): GemmTileConfig(block_m=64, block_n=128, block_k=_BK16, num_warps=4, num_stages=4),
+    ("mid", True): GemmTileConfig(block_m=64, block_n=128, block_k=_BK16, num_warps=4, num_stages=4),
+    ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=_BK16, num_warps=8, num_stages=3),
 }
 SMALL_M = 64  # M <= 64: decode, weight streaming
 MID_M = 256  # 64 < M <= 256: too few 128-row tiles to fill 132 SMs
