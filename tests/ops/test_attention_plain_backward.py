@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from megatron_iso.ops.attention import autograd as attn_autograd
 def _per_sequence(q, k, v, cu, scale):
     group = q.shape[1] // k.shape[1]
     outs = []
-    for a, b in zip(cu[:-1], cu[1:], strict=True):
+    for a, b in itertools.pairwise(cu):
         qs = q[a:b].double().transpose(0, 1)
         ks = k[a:b].double().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[a:b].double().repeat_interleave(group, 1).transpose(0, 1)
