@@ -195,19 +195,25 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
-def bench_train(b: int, t: int, quick: bool) -> dict:
+def _train_ours(b: int, t: int):
+    """(ours_fwd, inputs): our training forward on a packed b x t batch (inputs that require grad)."""
     rule = _rule()
-    fla_chunk, _, fla_err = _fla()
     q, k, v, g, beta = _inputs(b, t, 1)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
     flat[2] = flat[2].bfloat16()  # the model's v is in the model dtype; q, k come from l2norm in fp32
     cu = _cu([t] * b)
-    dout = torch.randn(b * t, HV, D, device=DEVICE)
-    row: dict = {"case": "train", "batch": b, "T": t}
 
     def ours_fwd():
         return rule(*[x.detach().requires_grad_(True) for x in flat], cu, chunk=CHUNK)
 
+    return ours_fwd, (q, k, v, g, beta)
+
+
+def bench_train(b: int, t: int, quick: bool) -> dict:
+    fla_chunk, _, fla_err = _fla()
+    ours_fwd, (q, k, v, g, beta) = _train_ours(b, t)
+    dout = torch.randn(b * t, HV, D, device=DEVICE)
+    row: dict = {"case": "train", "batch": b, "T": t}
     row["ours_fwd_ms"] = _bench(ours_fwd, quick)
     row["ours_fwd_bwd_ms"] = _bench(lambda: ours_fwd().backward(dout), quick)
     if fla_chunk is None:
@@ -238,18 +244,22 @@ def bench_train(b: int, t: int, quick: bool) -> dict:
     return row
 
 
-def bench_prefill(t: int, quick: bool) -> dict:
+def _prefill_ours(t: int):
+    """(ours, inputs): our prefill of one t-token sequence from a fresh state (call under no_grad)."""
     rule = _rule()
-    fla_chunk, _, _ = _fla()
     q, k, v, g, beta = (x[0] for x in _inputs(1, t, 2))
     st = _state(1)
     cu, slots, starts = _cu([t]), torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE)
     vb = v.bfloat16()
+    return (lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts)), (q, k, v, g, beta)
+
+
+def bench_prefill(t: int, quick: bool) -> dict:
+    fla_chunk, _, _ = _fla()
+    ours, (q, k, v, g, beta) = _prefill_ours(t)
     row: dict = {"case": "prefill", "T": t}
     with torch.no_grad():
-        row["ours_ms"] = _bench(
-            lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts), quick
-        )
+        row["ours_ms"] = _bench(ours, quick)
         if fla_chunk is not None:
             args = [x[None].bfloat16() for x in (q, k, v)] + [g[None], beta[None]]  # [1, T, H(, D)]
             row["fla_ms"] = _bench(lambda: fla_chunk(*args, scale=D**-0.5, output_final_state=True), quick)
@@ -263,9 +273,9 @@ def decode_starts(n: int) -> torch.Tensor:
     return 2 * CHUNK + 1 + torch.arange(n, device=DEVICE) % max(CHUNK - 2, 1)
 
 
-def bench_decode(n: int, quick: bool) -> dict:
+def _decode_ours(n: int):
+    """(ours, inputs): one decode step of n mid-chunk sequences from their cached states (under no_grad)."""
     rule = _rule()
-    _, fla_rec, _ = _fla()
     q, k, v, g, beta = (x[:, 0] for x in _inputs(n, 1, 3))  # [n, H(, D)]: one token per sequence
     st = _state(n)
     st.running.normal_()
@@ -274,11 +284,15 @@ def bench_decode(n: int, quick: bool) -> dict:
     starts = decode_starts(n)
     assert int(slots.max()) < st.running.shape[0] and bool(((starts % CHUNK) + 1 < CHUNK).all())
     vb = v.bfloat16()
+    return (lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts)), (q, k, v, g, beta)
+
+
+def bench_decode(n: int, quick: bool) -> dict:
+    _, fla_rec, _ = _fla()
+    ours, (q, k, v, g, beta) = _decode_ours(n)
     row: dict = {"case": "decode", "batch": n}
     with torch.no_grad():
-        row["ours_ms"] = _bench(
-            lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts), quick
-        )
+        row["ours_ms"] = _bench(ours, quick)
         if fla_rec is not None:
             # FLA 0.6.0: fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...): the 5th positional is
             # gk (per-key decay [B, T, Hv, Dk]), so beta goes by keyword. q, k [B, 1, Hk, D]; v [B, 1, Hv, D];
@@ -380,6 +394,126 @@ def run_case(spec: str, args: argparse.Namespace) -> dict:
     raise SystemExit(f"--case {spec!r}: expected train:BxT, prefill:T, decode:B or mismatch:PxD")
 
 
+def profile_case(spec: str, iters: int) -> dict:
+    """Our forward of one case (``train:BxT``, ``prefill:T``, ``decode:B``) under torch.profiler, after two
+    warm calls (Triton compiles, plan cache filled): per-kernel device time, calls, launch shapes, and host
+    vs device time of the ``iters`` profiled calls.
+
+    ``host_ms_per_call``: wall time until the call returns (launches only, no sync); ``wall_ms_per_call``:
+    with a device sync after the calls; ``device_busy_ms_per_call``: sum of self device time of all ops.
+    Device busy far below wall means the host (or gaps between kernels) is the bottleneck; device busy
+    close to wall means the kernels themselves are slow, and the kernel table says which."""
+    from megatron_iso.bench.profiling import kernel_launches, print_kernel_launches, print_summary, summarize
+
+    kind, _, size = spec.partition(":")
+    if kind == "train":
+        b, t = (int(x) for x in size.split("x"))
+        fn, _ = _train_ours(b, t)
+    elif kind == "prefill":
+        fn, _ = _prefill_ours(int(size))
+    elif kind == "decode":
+        fn, _ = _decode_ours(int(size))
+    else:
+        raise SystemExit(f"--profile {spec!r}: expected train:BxT, prefill:T or decode:B")
+    cuda = DEVICE == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    grad = kind == "train"  # the training forward runs with inputs that require grad, as in the bench
+    with torch.set_grad_enabled(grad):
+        for _ in range(2):
+            fn()
+        sync()
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        host = 0.0
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                t1 = time.perf_counter()
+                fn()
+                host += time.perf_counter() - t1
+            sync()
+            wall = time.perf_counter() - t0
+    summary = summarize(prof, 15, device=cuda)
+    kernels = kernel_launches(prof) if cuda else []
+    busy = summary["device_busy_s"]
+    row = {
+        "case": "profile", "spec": spec, "iters": iters, "shape": {"Hk": HK, "Hv": HV, "D": D, "chunk": CHUNK},
+        "host_ms_per_call": 1e3 * host / iters, "wall_ms_per_call": 1e3 * wall / iters,
+        "device_busy_ms_per_call": None if busy is None else 1e3 * busy / iters,
+        "kernels": kernels, "summary": summary,
+    }  # fmt: skip
+    print(f"profile {spec} ({iters} calls): host {row['host_ms_per_call']:.3f} ms/call, wall (synced) "
+          f"{row['wall_ms_per_call']:.3f} ms/call, device busy {row['device_busy_ms_per_call']} ms/call")  # fmt: skip
+    if kernels:
+        print_kernel_launches(kernels)
+    print_summary(summary)
+    return row
+
+
+def kernel_resources() -> dict:
+    """Registers, spills and shared memory of the GDN state-pass and scan kernels at the bench shape,
+    compiled for sm_90a on this machine (no GPU needed: Triton's bundled ptxas). The numbers ptxas reports
+    are static (per kernel), not dynamic counts; a kernel that spills keeps its tiles in local memory."""
+    import re
+    import subprocess as sp
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_iso.ops.gdn import gdn_triton as G
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    cfg = G.config_for(D, D, CHUNK)
+    int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
+    kernels = {
+        "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS),
+        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full}, G.PREP_WARPS),
+        "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv},
+                          G.CHAIN_WARPS),
+    }  # fmt: skip
+    out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
+    for name, (fn, consts, warps) in kernels.items():
+        sig = {}
+        for p in fn.params:
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+            elif p.name.endswith("_ptr"):
+                sig[p.name] = "*i32" if p.name in int_tables else "*fp32"
+            else:
+                sig[p.name] = "fp32" if p.name in ("scale", "eps") else "i32"
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / f"{name}.ptx"
+            src.write_text(k.asm["ptx"])
+            log = sp.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
+                         capture_output=True, text=True, check=True).stderr  # fmt: skip
+
+        def num(pattern: str, log: str = log) -> int | None:
+            m = re.search(pattern, log)
+            return int(m.group(1)) if m else None
+
+        ptx = k.asm["ptx"]
+        out["kernels"][name] = {
+            "constexprs": consts, "num_warps": warps, "registers": num(r"Used (\d+) registers"),
+            "stack_bytes": num(r"(\d+) bytes stack frame"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": num(r"(\d+) bytes spill loads"), "shared_bytes": k.metadata.shared,
+            "ptx_fma_f32": ptx.count("fma.rn.f32"), "ptx_bar_sync": ptx.count("bar.sync"),
+        }  # fmt: skip
+        r = out["kernels"][name]
+        print(f"{name} {consts} warps={warps}: {r['registers']} regs, stack {r['stack_bytes']} B, spill "
+              f"st/ld {r['spill_store_bytes']}/{r['spill_load_bytes']} B, shared {r['shared_bytes']} B, "
+              f"{r['ptx_fma_f32']} fma.f32, {r['ptx_bar_sync']} bar.sync (PTX)", flush=True)  # fmt: skip
+    return out
+
+
 def _child(args: argparse.Namespace) -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_gdn needs a CUDA device (or --device cpu for a dry run)", file=sys.stderr)
@@ -389,7 +523,7 @@ def _child(args: argparse.Namespace) -> int:
             print("--device cpu needs TRITON_INTERPRET=1 (the parent process sets it)", file=sys.stderr)
             return 2
         _interpreter_setup()
-    row = run_case(args.case, args)
+    row = profile_case(args.case, args.profile_iters) if args.profile else run_case(args.case, args)
     row["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)"
     if DEVICE == "cuda":
         torch.cuda.synchronize()  # an asynchronous fault surfaces here, inside this case
@@ -475,6 +609,27 @@ def _parent(args: argparse.Namespace) -> int:
     return 1 if result["errors"] else 0
 
 
+def _profile_parent(args: argparse.Namespace) -> int:
+    """--profile CASE: the case in its own subprocess (like the bench), its row written to --out."""
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--shape", f"{HK},{HV},{D},{CHUNK}",
+           "--case", args.profile, "--profile", args.profile, "--profile-iters", str(args.profile_iters)]  # fmt: skip
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.case_timeout)
+    print("\n".join(x for x in res.stdout.splitlines() if not x.startswith(RESULT_TAG)), flush=True)
+    lines = [x for x in res.stdout.splitlines() if x.startswith(RESULT_TAG)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {**_meta(args), "profile": json.loads(lines[-1][len(RESULT_TAG) :]) if lines else None}
+    if res.returncode or not lines:
+        result["error"] = f"exit {res.returncode}\n" + (res.stdout + res.stderr)[-6000:]
+        print(result["error"][-3000:], file=sys.stderr)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 1 if "error" in result else 0
+
+
 def main() -> int:
     global DEVICE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -488,12 +643,24 @@ def main() -> int:
     ap.add_argument("--case-timeout", type=float, default=240.0, help="seconds per case (its subprocess)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: interpreter dry run")
     ap.add_argument("--shape", default=f"{HK},{HV},{D},{CHUNK}", help="Hk,Hv,D,chunk")
+    ap.add_argument("--profile", metavar="CASE", help="profile our forward of one case (train:BxT, prefill:T, "
+                    "decode:B) under torch.profiler; writes the kernel table to --out")  # fmt: skip
+    ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
+    ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
+                    "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
     if args.mm_prompt < 1 or args.mm_decode < 0:
         ap.error("--mm-prompt must be >= 1 and --mm-decode >= 0")
     DEVICE = args.device
     _set_shape(args.shape)
+    if args.resources:
+        res = kernel_resources()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**_meta(args), "resources": res}, indent=1))
+        return 0
+    if args.profile and not args.case:  # the child (--case) runs the profile itself
+        return _profile_parent(args)
     return _child(args) if args.case else _parent(args)
 
 

@@ -7,13 +7,18 @@ step goes, per model part and per op.
 - :func:`summarize`: a profiler's top ops by self device and self CPU time, the ranges as parts,
   and the device-busy time (sum of self device time: far below wall time means host bound).
 - :func:`print_summary`: the same as markdown tables.
+- :func:`kernel_launches`: every device kernel of a profile, grouped by name, with its launch shape
+  (grid, block, registers per thread, shared memory, estimated occupancy) read from the trace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -100,4 +105,53 @@ def print_summary(summary: dict[str, Any]) -> None:
     print("\n| part (inclusive) | calls | CUDA ms | CPU ms |\n|---|---|---|---|")
     for o in summary["parts"]:
         print(f"| {o['name']} | {o['count']} | {o['device_ms']:.2f} | {o['cpu_ms']:.2f} |")
+    sys.stdout.flush()
+
+
+def kernel_launches(prof: torch.profiler.profile) -> list[dict[str, Any]]:
+    """Device kernels of ``prof`` by name, most device time first: calls, total and mean ms, and the
+    launch shapes the trace records (distinct grids; block, registers per thread, static + dynamic
+    shared bytes, est. achieved occupancy % of the first launch). The grid is not in
+    ``key_averages()``; the exported Chrome trace carries it in each kernel event's ``args``."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    rows: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        if ev.get("cat") != "kernel":
+            continue
+        a = ev.get("args", {})
+        r = rows.setdefault(ev["name"], {
+            "name": ev["name"], "calls": 0, "device_ms": 0.0, "grids": [], "block": a.get("block"),
+            "registers_per_thread": a.get("registers per thread"), "shared_bytes": a.get("shared memory"),
+            "est_occupancy_pct": a.get("est. achieved occupancy %"),
+        })  # fmt: skip
+        r["calls"] += 1
+        r["device_ms"] += ev.get("dur", 0.0) / 1e3
+        grid = a.get("grid")
+        if grid is not None and grid not in r["grids"] and len(r["grids"]) < 4:
+            r["grids"].append(grid)
+    out = sorted(rows.values(), key=lambda r: r["device_ms"], reverse=True)
+    for r in out:
+        r["mean_ms"] = r["device_ms"] / r["calls"]
+    return out
+
+
+def print_kernel_launches(kernels: list[dict[str, Any]]) -> None:
+    """Markdown table of :func:`kernel_launches`."""
+    print(
+        "\n| kernel | calls | CUDA ms | mean ms | grid(s) | block | regs | shared B | occ % |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for k in kernels:
+        grids = " ".join("x".join(str(d) for d in g) for g in k["grids"])
+        block = "x".join(str(d) for d in k["block"]) if k["block"] else "-"
+        print(
+            f"| {k['name'][:60]} | {k['calls']} | {k['device_ms']:.3f} | {k['mean_ms']:.3f} | {grids} | {block} | "
+            f"{k['registers_per_thread']} | {k['shared_bytes']} | {k['est_occupancy_pct']} |"
+        )
     sys.stdout.flush()
