@@ -16,19 +16,26 @@ from megatron_iso.ops.autograd import with_plain_backward
 _SCORES_BYTES = 1 << 30
 
 
+def padded_index(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For consecutive packed sequences of ``lens``: ``rows [B, L]`` (packed row of each padded slot; padding
+    points at row ``sum(lens)``, an appended zero row) and ``valid [B, L]`` (real slots)."""
+    lens_t = torch.tensor(lens, device=device)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    pos = torch.arange(max(lens), device=device)
+    valid = pos[None, :] < lens_t[:, None]
+    rows = torch.where(valid, starts[:, None] + pos[None, :], torch.full_like(valid, sum(lens), dtype=torch.long))
+    return rows, valid
+
+
 def _plain_padded(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
     """Causal GQA attention of consecutive packed sequences as one padded batch: ``[sum(lens), Hq, D]`` fp32.
 
     Rows are gathered into ``[B, L, H, D]`` through an index whose padding points at an appended zero row,
     so every real row is read once and its gradient is a plain copy (no accumulation into shared rows).
     """
-    longest, total = max(lens), sum(lens)
+    longest = max(lens)
     dev = q.device
-    lens_t = torch.tensor(lens, device=dev)
-    starts = torch.cumsum(lens_t, 0) - lens_t
-    pos = torch.arange(longest, device=dev)
-    valid = pos[None, :] < lens_t[:, None]  # [B, L]
-    rows = torch.where(valid, starts[:, None] + pos[None, :], torch.full_like(valid, total, dtype=torch.long))
+    rows, valid = padded_index(lens, dev)
     group = q.shape[1] // k.shape[1]
 
     def padded(t: torch.Tensor) -> torch.Tensor:  # [total, H, D] -> [B, H, L, D] fp32

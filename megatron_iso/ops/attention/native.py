@@ -1,5 +1,5 @@
 """Causal attention native path: ``torch.nn.functional.scaled_dot_product_attention`` the way stock
-stacks call it: ``is_causal`` over each packed sequence for training, and for the KV-cache cases
+stacks call it: one masked call over the packed sequences padded to the longest for training, and for the KV-cache cases
 (an engine step) one masked SDPA call per layer over all sequences' cache rows, read in place (a
 per-sequence call over the cache prefix where slots repeat or padding would double the work). ATen picks the kernel and its key split from the shapes, so a token's bits can depend on
 the case and on the chunking: the baseline the reference path removes. ``kv_block`` is accepted
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.attention.autograd import padded_index
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 
 
@@ -48,13 +49,35 @@ def attention_varlen(
     gate: torch.Tensor | None = None,
     kv_block: int = 0,
 ) -> torch.Tensor:
-    """Per-sequence causal SDPA over packed sequences; output gate in the input dtype."""
+    """Causal SDPA over packed sequences, output gate in the input dtype: one masked call over the
+    sequences padded to the longest (what a varlen kernel does in one launch), or one call per sequence
+    where padding would more than double the work."""
     cu = [int(c) for c in cu_seqlens.tolist()]
+    lens = [b - a for a, b in pairwise(cu)]
     out = torch.empty_like(q)
+    real = [n for n in lens if n > 0]
+    if len(real) > 1 and len(real) == len(lens) and len(lens) * max(lens) <= 2 * sum(lens):
+        a, b = cu[0], cu[-1]
+        out[a:b] = _sdpa_padded(q[a:b], k[a:b], v[a:b], lens, softmax_scale)
+        return _gate(out, gate)
     for a, b in pairwise(cu):
         if b > a:
             out[a:b] = _sdpa(q[a:b], k[a:b], v[a:b], 0, softmax_scale)
     return _gate(out, gate)
+
+
+def _sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float | None):
+    """Consecutive sequences of ``lens`` as one padded batch: causal + key-padding mask, one SDPA call."""
+    rows, valid = padded_index(lens, q.device)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # [total, H, D] -> [B, H, L, D]
+        return torch.cat([t, t.new_zeros(1, *t.shape[1:])])[rows].transpose(1, 2)
+
+    longest = rows.shape[1]
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=q.device).tril()
+    mask = (causal[None] & valid[:, None, :]).unsqueeze(1)  # [B, 1, L, L]; key 0 is always visible
+    o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)[valid]
 
 
 def _batched_index(plan: KVStepPlan, max_len: int, device: torch.device) -> dict[str, torch.Tensor]:
