@@ -4,7 +4,7 @@ python tools/profile_decode.py --model qwen3_0p6b --profile correctness --prompt
 python tools/profile_decode.py --split --profile performance --prompts 8 --group 8 --new-tokens 32
 python tools/profile_decode.py --split --model qwen3_0p6b --set model.num_layers=2 --profile performance
 
-Default: torch.profiler's top ops. ``--split``: wall time of uninstrumented runs (best of
+Default: torch.profiler's top ops and per-module parts (``megatron_iso.bench.profiling``). ``--split``: wall time of uninstrumented runs (best of
 ``--repeat``), then one cProfile run attributing that time to the model forward, the KV staging
 inside it (``PagedStepView``), the sampler and the rest of the engine's host work.
 """
@@ -19,6 +19,8 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from megatron_iso.bench.profiling import module_ranges, print_summary, summarize
 
 # (label, module path suffix, function name): cumulative cProfile time of each part of a step.
 _PARTS = (
@@ -92,12 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             run("warm")
             if args.split:
                 return _split(engine, run, args)
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            with profile(activities=acts) as prof:
+            cuda = torch.cuda.is_available()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts) as prof, module_ranges(model):
                 run("")
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print_summary(summarize(prof, args.rows, device=cuda))
     return 0
 
 
