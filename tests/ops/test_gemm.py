@@ -147,3 +147,27 @@ def test_native_path_differs(dtype: torch.dtype) -> None:
     assert all(d > 0 for d in tp.values())
     ref = leaf_tree_linear(x, w, 8)
     assert _max_diff(ref, full) > 0  # the two policies are different numbers, hence different digests
+
+
+def test_linear_runs_the_registered_implementation():
+    """A registry swap (what iso-gate does with a candidate kernel) reaches every linear() call."""
+    import dataclasses
+
+    from megatron_iso.contract.registry import lookup, swapped
+    from megatron_iso.ops.gemm.reference import leaf_tree_linear_forward
+
+    seen = []
+
+    def candidate(x2d, w, leaves):
+        seen.append((tuple(x2d.shape), leaves))
+        return leaf_tree_linear_forward(x2d, w, leaves)
+
+    x, w = torch.randn(2, 3, 16), torch.randn(8, 16)
+    before = linear(x, w, leaves=4)
+    with swapped(dataclasses.replace(lookup("gemm", "cpu", "correctness"), fn=candidate)):
+        during = linear(x, w, leaves=4)
+    assert seen == [((6, 16), 4)]
+    assert torch.equal(during.view(torch.int32), before.view(torch.int32))
+    assert during.shape == (2, 3, 8)
+    linear(x, w, leaves=4)
+    assert len(seen) == 1  # the incumbent is back

@@ -2,7 +2,7 @@
 
 | device | profile      | implementation                                              |
 |--------|--------------|-------------------------------------------------------------|
-| cpu    | correctness  | ``reference.leaf_tree_linear`` (elementwise tree, invariant) |
+| cpu    | correctness  | ``reference.leaf_tree_linear_forward`` (elementwise tree, invariant) |
 | cuda   | correctness  | ``gemm_triton.leaf_tree_linear_triton`` (imported lazily)    |
 | any    | performance  | ``native.native_linear`` (library GEMM in the input dtype)   |
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.dispatch import import_triton_module
+from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,
@@ -42,34 +42,30 @@ __all__ = [
 ]
 
 
-def _triton_forward(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
-    # Imported here: Triton exists only on GPU machines, and CPU runs must not need it.
-    leaf_tree_linear_triton = import_triton_module(
-        "megatron_iso.ops.gemm.gemm_triton", "the leaf-tree GEMM on cuda with profile=correctness"
-    ).leaf_tree_linear_triton
-
-    check_dtype(x, "x")
-    check_dtype(weight, "weight")
-    validate_leaves(leaves, k=weight.shape[1])
-    n, k = weight.shape
-    out = leaf_tree_linear_triton(x.reshape(-1, k), weight, leaves)
-    return out.reshape(*x.shape[:-1], n)
+TRITON_MODULE = "megatron_iso.ops.gemm.gemm_triton"
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, *, leaves: int = DEFAULT_LEAVES, profile: str = "correctness"
 ) -> torch.Tensor:
-    """fp32 ``x @ weight.T`` (weight in Megatron layout [N, K]) by the implementation serving
-    ``x``'s device class and ``profile``. Differentiable (deterministic matmul backward)."""
-    if profile == "performance":
-        return native_linear(x, weight)
-    if profile != "correctness":
+    """fp32 ``x @ weight.T`` (weight in Megatron layout [N, K]) by the registered implementation serving
+    ``x``'s device class and ``profile`` (so a registry swap, e.g. by iso-gate, reaches every linear layer).
+    Differentiable: correctness kernels get the deterministic matmul backward."""
+    if profile not in ("correctness", "performance"):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
-    if x.device.type == "cpu":
-        return leaf_tree_linear(x, weight, leaves)
-    if x.device.type == "cuda":
-        return apply_with_matmul_backward(_triton_forward, x, weight, leaves)
-    raise ValueError(f"no correctness GEMM for device type {x.device.type!r}")
+    kernel = select(OP, x, profile, TRITON_MODULE)
+    if profile == "performance":
+        return kernel(x, weight)  # library matmul, its own autograd
+    check_dtype(x, "x")
+    check_dtype(weight, "weight")
+    validate_leaves(leaves, k=weight.shape[1])
+
+    def forward(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
+        # Registered correctness kernels take 2-D rows: fp32 [M, K] x [N, K] -> [M, N].
+        n, k = weight.shape
+        return kernel(x.reshape(-1, k), weight, leaves).reshape(*x.shape[:-1], n)
+
+    return apply_with_matmul_backward(forward, x, weight, leaves)
 
 
 def _probe_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +98,7 @@ register(
         version=REFERENCE_VERSION,
         device_class="cpu",
         profile="correctness",
-        fn=leaf_tree_linear,
+        fn=leaf_tree_linear_forward,
         # The leaves count itself is a per-layer setting (config.iso_leaves), recorded by the contract.
         constants={
             "default_leaves": DEFAULT_LEAVES,
