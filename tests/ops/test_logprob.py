@@ -174,3 +174,16 @@ def test_native_path_differs(dtype: torch.dtype) -> None:
     )
     assert any(d > 0 for d in tp.values())
     assert not same_bits(ref, full)
+
+
+def test_cuda_contract_names_what_scoring_runs():
+    """Scoring on CUDA runs ``vocab_scores`` (the torch reference): the registry, hence the contract, says so
+    even when the unwired Triton logprob kernel is importable."""
+    from megatron_iso.contract import load_op_implementations
+    from megatron_iso.contract.registry import lookup
+    from megatron_iso.ops.logprob import vocab_scores
+
+    load_op_implementations()  # imports the *_triton modules too where triton is installed (CI)
+    impl = lookup("logprob", "cuda", "correctness")
+    assert impl.ref == "vocab_logprob.reference@1"
+    assert impl.fn is vocab_scores

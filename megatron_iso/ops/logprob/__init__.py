@@ -4,7 +4,7 @@
 |--------|-------------|--------------------------------------------------------------------|
 | cpu    | correctness | ``reference.VocabScores`` (leaf tree over vocab, invariant)         |
 | cuda   | correctness | ``reference.VocabScores`` too: elementwise torch ops + the tree are |
-|        |             | invariant on GPU as well (a Triton kernel may replace it later)     |
+|        |             | invariant on GPU as well (``logprob_triton`` is not wired in yet)   |
 | any    | performance | ``native.NativeScores`` (torch.log_softmax over the gathered vocab)  |
 
 The public, group-aware scoring API is ``megatron_iso.parallel.vocab`` (token_logprobs, ...).
@@ -94,25 +94,27 @@ def _nat(x, temperature=1.0):
     return NativeScores(x, LocalShards(1), temperature=temperature)
 
 
-register(
-    OpImpl(
-        op=OP,
-        impl_id="vocab_logprob.reference",
-        version="1",
-        device_class="cpu",
-        profile="correctness",
-        fn=vocab_scores,
-        constants={
-            "default_leaves": DEFAULT_LEAVES,
-            "accumulate": "fp32",
-            "temperature": "fp32_true_division",
-            "max": "exact_all_reduce_max",
-            "exp_sum": "leaf_balanced_tree",
-            "entropy": "neg_sum_p_logp_leaf_tree",
-        },
-        probe=_probe(_ref),
+for _device in ("cpu", "cuda"):
+    # The same torch function serves both device classes (``logprob_triton`` is not wired into scoring yet).
+    register(
+        OpImpl(
+            op=OP,
+            impl_id="vocab_logprob.reference",
+            version="1",
+            device_class=_device,
+            profile="correctness",
+            fn=vocab_scores,
+            constants={
+                "default_leaves": DEFAULT_LEAVES,
+                "accumulate": "fp32",
+                "temperature": "fp32_true_division",
+                "max": "exact_all_reduce_max",
+                "exp_sum": "leaf_balanced_tree",
+                "entropy": "neg_sum_p_logp_leaf_tree",
+            },
+            probe=_probe(_ref) if _device == "cpu" else None,
+        )
     )
-)
 for _device in ("cpu", "cuda"):
     register(
         OpImpl(

@@ -10,6 +10,11 @@ leaf's values, never on which shard holds it or on how many rows share the launc
 vocab-parallel (TP) invariance both hold. With one shard the max and the sums run in one program (the
 row is re-read from L2); with several shards the global max is taken first (a max, so exact).
 Signature matches ``reference.token_logprobs_shards``.
+
+Not registered as the CUDA correctness ``logprob`` implementation: scoring (``parallel.vocab``) needs a
+backward, entropy and the full log-softmax, which this forward-only kernel does not provide yet, so CUDA
+runs ``reference.VocabScores`` (elementwise torch ops + the tree, invariant on the GPU too) and the
+contract says so. Wiring it in means a scores class around this kernel with ``with_plain_backward``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.tree import tree_sum_dim
 
 BLOCK = 2048
@@ -143,31 +147,3 @@ def vocab_parallel_check(logits: torch.Tensor, target_ids: torch.Tensor, tempera
     one = token_logprobs_triton([logits], target_ids, temperature=temperature, leaves=leaves)
     many = token_logprobs_triton(list(logits.chunk(world, dim=-1)), target_ids, temperature=temperature, leaves=leaves)
     return bool(torch.equal(one.view(torch.int32), many.view(torch.int32)))
-
-
-def _probe() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(5001)
-    logits = (torch.randn(4, 4096, generator=g) * 3).to(torch.bfloat16).cuda()
-    ids = torch.randint(0, 4096, (4,), generator=g).cuda()
-    return {"bf16_4x4096_g8_t07": token_logprobs_triton([logits], ids, temperature=0.7, leaves=8).cpu()}
-
-
-register(
-    OpImpl(
-        op="logprob",
-        impl_id="logprob.triton",
-        version="1",
-        device_class="cuda",
-        profile="correctness",
-        fn=token_logprobs_triton,
-        constants={
-            "accumulate_dtype": "fp32",
-            "temperature": "div_rn(logits.float(), t)",
-            "leaf_sum": f"{BLOCK}-lane fp32 accumulator over the leaf's blocks, then tl.sum; num_warps={NUM_WARPS}",
-            "leaf_tree": "tree_sum_dim over all leaves (balanced, left = lower)",
-            "exp_log": "tl.exp in kernel; torch.log on the tree sum",
-            "triton": triton.__version__,
-        },
-        probe=_probe,
-    )
-)
