@@ -473,13 +473,14 @@ def kernel_resources() -> dict:
     cfg = G.config_for(D, D, CHUNK)
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
     kernels = {
-        "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS),
-        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full}, G.PREP_WARPS),
-        "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv},
-                          G.CHAIN_WARPS),
+        "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
+        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb}, G.PREP_WARPS,
+                         G.PREP_STAGES),
+        "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
+                                            "KB": cfg.kb}, G.CHAIN_WARPS, G.CHAIN_STAGES),
     }  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
-    for name, (fn, consts, warps) in kernels.items():
+    for name, (fn, consts, warps, stages) in kernels.items():
         sig = {}
         for p in fn.params:
             if p.is_constexpr:
@@ -489,7 +490,7 @@ def kernel_resources() -> dict:
             else:
                 sig[p.name] = "fp32" if p.name in ("scale", "eps") else "i32"
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})  # fmt: skip
+                           options={"num_warps": warps, "num_stages": stages})  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.ptx"
             src.write_text(k.asm["ptx"])
@@ -502,13 +503,13 @@ def kernel_resources() -> dict:
 
         ptx = k.asm["ptx"]
         out["kernels"][name] = {
-            "constexprs": consts, "num_warps": warps, "registers": num(r"Used (\d+) registers"),
+            "constexprs": consts, "num_warps": warps, "num_stages": stages, "registers": num(r"Used (\d+) registers"),
             "stack_bytes": num(r"(\d+) bytes stack frame"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
             "spill_load_bytes": num(r"(\d+) bytes spill loads"), "shared_bytes": k.metadata.shared,
             "ptx_fma_f32": ptx.count("fma.rn.f32"), "ptx_bar_sync": ptx.count("bar.sync"),
         }  # fmt: skip
         r = out["kernels"][name]
-        print(f"{name} {consts} warps={warps}: {r['registers']} regs, stack {r['stack_bytes']} B, spill "
+        print(f"{name} {consts} warps={warps} stages={stages}: {r['registers']} regs, stack {r['stack_bytes']} B, spill "
               f"st/ld {r['spill_store_bytes']}/{r['spill_load_bytes']} B, shared {r['shared_bytes']} B, "
               f"{r['ptx_fma_f32']} fma.f32, {r['ptx_bar_sync']} bar.sync (PTX)", flush=True)  # fmt: skip
     return out

@@ -28,6 +28,20 @@ one compiled kernel. Per-call planning (which rows form which segment/chunk) nee
 boundaries on the host: one device->host copy per distinct (cu_seqlens, starts, slots), cached
 across the layers of a forward (the model passes the same tensors to every layer).
 
+K-blocked dots: every fp32 ieee ``tl.dot`` of the state pass runs over K in blocks of ``DOT_KB`` (16),
+``acc = tl.dot(a_blk, b_blk, acc)`` over ascending blocks, operand blocks loaded from memory (T^{-1} and
+beta e^G through a per-program scratch, E's row blocks from the state the chain stored last). One dot
+over all of K held both operands' whole K extent per thread and spilled (sm_90a: prep 29 KB, chain
+14 KB per thread); the blocked kernels do not spill. Bit-neutral BY CONSTRUCTION, not yet by a GPU run:
+Triton 3.6 lowers an fp32 ieee dot to FMAs (``lib/Conversion/TritonGPUToLLVM/DotOpToLLVM/
+FMADotUtility.cpp``, ``parametricConvertFMADot`` + ``GenericFMAVectorMultiplier``: per output element
+``acc = c; for k in 0..K-1: acc = fma(a[k], b[k], acc)``), so chaining blocks through ``c`` makes the
+same fmas in the same order. The previous ``egc * e + tl.dot(KD^T, u)`` was folded into the dot's ``c``
+(TTIR), so the chain's accumulator starts at ``egc * e``; ``u = U0 - W E`` sums from zero, then subtracts.
+The layout-dependent reductions (cumsum, row substitution) keep their layouts, and the pipelining depth
+(``*_STAGES``) only moves loads. VERSION stays "1" on that argument; tests/gpu/test_gdn_triton_blocked.py
+compares against a frozen copy of the previous kernels on the GPU and must pass before this is trusted.
+
 Backward (training): :func:`megatron_iso.ops.autograd.with_plain_backward` — the invariant forward,
 gradients of the native chunked torch formula (deterministic; not invariant, as the policy allows).
 """
@@ -55,7 +69,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SCAN_BV = 4 if _INTERPRET else 32
 CHAIN_BV = 4 if _INTERPRET else 32
 MIN_DOT = 1 if _INTERPRET else 16  # tl.dot needs every dimension >= 16 on the GPU
+# K block of the state-pass dots (module docstring, "K-blocked dots"); small under the interpreter so tiny shapes still
+# run several blocks.
+DOT_KB = 4 if _INTERPRET else 16
 SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 4, 4, 8
+# Software-pipelining depth of the K-block loops (bit-neutral: it only moves loads). Chosen with
+# ``tools/bench_gdn.py --resources`` (sm_90a, Dk=Dv=128, chunk 64): the default 3 spills in both kernels.
+PREP_STAGES, CHAIN_STAGES = 1, 2
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
 
@@ -70,6 +90,7 @@ class GDNConfig:
     scan_bv: int
     chain_bv: int
     chunk: int
+    kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: module docstring)
 
 
 def config_for(dk: int, dv: int, chunk: int) -> GDNConfig:
@@ -80,7 +101,7 @@ def config_for(dk: int, dv: int, chunk: int) -> GDNConfig:
         )
     bk = max(MIN_DOT, triton.next_power_of_2(dk))
     bvf = max(MIN_DOT, triton.next_power_of_2(dv))
-    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk)
+    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk, min(DOT_KB, chunk, bk))
 
 
 # ------------------------------------------------------------------------------------- kernels
@@ -140,14 +161,18 @@ def _scan_kernel(
 @triton.jit
 def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
-    u0_ptr, w_ptr, kd_ptr, egc_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr, tinv_ptr, bce_ptr,
     HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     """Per (closing chunk, value head): U0, W, KD = e^{G_C-G} k and e^{G_C} of the WY form.
 
     chunk row (int32 x 3): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
     ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base.
+
+    The three dots run over K in blocks of KB with the accumulator carried in ascending k order (module
+    docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
+    same fp32 values), T^{-1} and beta e^G from this program's scratch rows ``tinv_ptr``/``bce_ptr``.
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -158,18 +183,13 @@ def _prep_kernel(
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
+    ob = tl.arange(0, KB)
     mk = ok < DK
     mv = ov < DV
     in_buf = ot < nbuf
     rows = row0 + ot
     brows = brow0 + ot
     # Buffered tokens and packed rows hold the same fp32 values: both sources give the same chunk.
-    kb = tl.load(bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :], mask=in_buf[:, None] & mk[None, :], other=0.0)
-    kr = tl.load(k_ptr + (rows[:, None] * HK + hk) * DK + ok[None, :], mask=(~in_buf[:, None]) & mk[None, :], other=0.0)
-    kc = tl.where(in_buf[:, None], kb, kr)
-    vb_ = tl.load(bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :], mask=in_buf[:, None] & mv[None, :], other=0.0)
-    vr = tl.load(v_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], mask=(~in_buf[:, None]) & mv[None, :], other=0.0)
-    vc = tl.where(in_buf[:, None], vb_, vr)
     gc = tl.where(
         in_buf,
         tl.load(bg_ptr + brows * HV + h, mask=in_buf, other=0.0),
@@ -183,7 +203,22 @@ def _prep_kernel(
     cum = tl.cumsum(gc, axis=0)  # G_t
     gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
     lower = ot[:, None] > ot[None, :]
-    kk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
+    base = cid * HV + h
+    dkd = tl.exp(gl - cum)
+    # K K^T over column blocks of k (K = BK); KD = e^{G_C-G} k is stored block by block on the way.
+    kk = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(BK // KB):
+        okb = kb * KB + ob
+        mkb = okb < DK
+        kbb = tl.load(
+            bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :], mask=in_buf[:, None] & mkb[None, :], other=0.0
+        )
+        krb = tl.load(
+            k_ptr + (rows[:, None] * HK + hk) * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
+        )
+        kcb = tl.where(in_buf[:, None], kbb, krb)
+        kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision="ieee")
+        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
     # T^{-1} for T = I + A (unit lower triangular), row by row: row t = e_t - sum_{i<t} A_ti row_i.
@@ -193,13 +228,39 @@ def _prep_kernel(
         at = tl.sum(tl.where(ot[:, None] == t, a, 0.0), axis=0)  # A[t, :]
         row = tl.sum(at[:, None] * tinv, axis=0)
         tinv = tl.where(ot[:, None] == t, eye - row[None, :], tinv)
-    u0 = tl.dot(tinv, bc[:, None] * vc, input_precision="ieee")
-    w = tl.dot(tinv, (bc * tl.exp(cum))[:, None] * kc, input_precision="ieee")
-    kd = tl.exp(gl - cum)[:, None] * kc
-    base = cid * HV + h
+    # T^{-1} and beta e^G to scratch: the dots below read them in K blocks (columns / rows).
+    tl.store(tinv_ptr + (base * C + ot[:, None]) * C + ot[None, :], tinv)
+    tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
+    tl.debug_barrier()  # other threads' scratch stores are read below
+    # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
+    u0 = tl.zeros([C, BVF], dtype=tl.float32)
+    for tb in range(C // KB):
+        otb = tb * KB + ob  # this block's tokens: the dot's K index
+        ibb = otb < nbuf
+        rb = row0 + otb
+        bb = brow0 + otb
+        ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
+        vbb = tl.load(bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :], mask=ibb[:, None] & mv[None, :], other=0.0)
+        vrb = tl.load(v_ptr + (rb[:, None] * HV + h) * DV + ov[None, :], mask=(~ibb[:, None]) & mv[None, :], other=0.0)
+        bcb = tl.where(
+            ibb,
+            tl.load(bb_ptr + bb * HV + h, mask=ibb, other=0.0),
+            tl.load(b_ptr + rb * HV + h, mask=~ibb, other=0.0),
+        )
+        u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb), u0, input_precision="ieee")
     tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
+    w = tl.zeros([C, BK], dtype=tl.float32)
+    for tb in range(C // KB):
+        otb = tb * KB + ob
+        ibb = otb < nbuf
+        rb = row0 + otb
+        bb = brow0 + otb
+        ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
+        kbb = tl.load(bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :], mask=ibb[:, None] & mk[None, :], other=0.0)
+        krb = tl.load(k_ptr + (rb[:, None] * HK + hk) * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0)
+        bce = tl.load(bce_ptr + base * C + otb)
+        w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb), w, input_precision="ieee")
     tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
-    tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], kd)
     tl.store(egc_ptr + base, tl.exp(gl))
 
 
@@ -207,12 +268,17 @@ def _prep_kernel(
 def _chain_kernel(
     chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
     HV, DK, DV,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     """Per (sequence, value head, Dv block): entry -> exit state over the sequence's closing chunks.
 
     chain row (int32 x 5): first chunk index, number of chunks, entry kind (0 zeros / 1 entry_ptr
     row), entry row (the slot), write back (1: store the last state into entry_ptr's row).
+
+    Per chunk, u is made in row blocks of KB: ``u_b = U0_b - W_b E`` (K = BK in blocks of KB, E's
+    row blocks read back from the state this program stored last: the entry row or the previous
+    chunk's exit row), then ``E' = dot(KD_b^T, u_b, E')`` over ascending blocks from ``e^{G_C} E``
+    (module docstring, "K-blocked dots").
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -222,8 +288,8 @@ def _chain_kernel(
     ekind = tl.load(chain_ptr + cid * 5 + 2)
     erow = tl.load(chain_ptr + cid * 5 + 3).to(tl.int64)
     wb = tl.load(chain_ptr + cid * 5 + 4)
-    ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
+    ob = tl.arange(0, KB)
     ov = vb * BV + tl.arange(0, BV)
     mk = ok < DK
     mv = ov < DV
@@ -236,13 +302,27 @@ def _chain_kernel(
         e = tl.zeros([BK, BV], dtype=tl.float32)
     for j in range(nc):
         base = (c0 + j) * HV + h
-        u0 = tl.load(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
-        w = tl.load(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
-        kd = tl.load(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
         egc = tl.load(egc_ptr + base)
-        u = u0 - tl.dot(w, e, input_precision="ieee")
-        e = egc * e + tl.dot(tl.trans(kd), u, input_precision="ieee")
+        first = j == 0
+        acc = egc * e
+        for mb in range(C // KB):
+            om = mb * KB + ob
+            d = tl.zeros([KB, BV], dtype=tl.float32)
+            for kb in range(BK // KB):
+                okb = kb * KB + ob
+                wblk = tl.load(w_ptr + (base * C + om[:, None]) * BK + okb[None, :])
+                sb = (h * DK + okb[:, None]) * DV + ov[None, :]
+                mb2 = (okb[:, None] < DK) & mv[None, :]
+                # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
+                e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
+                e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
+                d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision="ieee")
+            u0 = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+            kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
+            acc = tl.dot(tl.trans(kd), u0 - d, acc, input_precision="ieee")
+        e = acc
         tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
+        tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
     if wb == 1:
         tl.store(entry_ptr + erow * hsz + st, e, mask=m2)
 
@@ -529,16 +609,19 @@ def _rule_forward(
         w = torch.empty(plan.nchunks, hv, chunk, cfg.bk, dtype=torch.float32, device=dev)
         kd = torch.empty_like(w)
         egc = torch.empty(plan.nchunks, hv, dtype=torch.float32, device=dev)
+        tinv = torch.empty(plan.nchunks, hv, chunk, chunk, dtype=torch.float32, device=dev)  # prep scratch
+        bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
-            kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, hk, hv, dk, dv, rep,
-            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, num_warps=PREP_WARPS,
+            kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, hk, hv, dk, dv, rep,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
         u0 = w = kd = egc = ex
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
-            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, num_warps=CHAIN_WARPS,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, num_warps=CHAIN_WARPS,
+            num_stages=CHAIN_STAGES,
         )  # fmt: skip
     if state is not None and plan.nbuf:
         # After the prep kernel: a chunk closed from the buffer has been read before it is reused.
