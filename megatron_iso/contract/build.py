@@ -179,8 +179,30 @@ def _pow2_divisors(ks: Mapping[str, int]) -> list[int]:
     return out
 
 
-def _axis_claims(profile: Mapping[str, Any], parallel: Mapping[str, Any], max_batch: int) -> list[AxisClaim]:
-    """Per-axis claims. Invariant and neutral axes keep their actual value out of the policy (deployment)."""
+# Model sizes a TP / EP degree must divide for Megatron to shard the model at all.
+_SPLIT_BY = {
+    "tp": ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"),
+    "ep": ("num_experts",),
+}
+
+
+def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
+    """Why ``model`` cannot run at ``parallel.<axis>=degree`` (the first size it does not divide), or None."""
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        return None
+    for key in _SPLIT_BY.get(axis, ()):
+        size = model.get(key)
+        if isinstance(size, int) and size > 0 and size % degree:
+            return f"model.{key}={size}"
+    return None
+
+
+def _axis_claims(
+    profile: Mapping[str, Any], parallel: Mapping[str, Any], max_batch: int, model: Mapping[str, Any]
+) -> list[AxisClaim]:
+    """Per-axis claims. Invariant and neutral axes keep their actual value out of the policy (deployment).
+    An invariance domain is narrowed to the degrees the model can be sharded at: a claim over a layout
+    that cannot run is no claim."""
     bitwise = profile["name"] == "correctness"
     claims: list[AxisClaim] = []
     for axis in sorted(parallel):
@@ -195,6 +217,12 @@ def _axis_claims(profile: Mapping[str, Any], parallel: Mapping[str, Any], max_ba
                     f"parallel.{axis}={value!r} is outside profile.{axis}_domain={domain} of profile "
                     f"'{profile['name']}'; allowed values: {domain}"
                 )
+            blocker = _runnable(axis, value, model)
+            if blocker:
+                raise ContractValidationError(
+                    f"parallel.{axis}={value} does not divide {blocker}: Megatron cannot shard this model that way"
+                )
+            domain = [d for d in domain if not _runnable(axis, d, model)]
             claims.append(AxisClaim(axis, "invariant", domain=domain, tolerance=0 if bitwise else None))
         else:
             # No invariance claimed (or none proven, e.g. pp): the layout is part of the policy.
@@ -314,7 +342,7 @@ def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] 
 
     cases = _cases(c, model)
     max_batch = cases[0].max_batch
-    axes = _axis_claims(profile, parallel, max_batch)
+    axes = _axis_claims(profile, parallel, max_batch, model)
     invalidation = _invalidation((c.get("contract") or {}).get("invalidation"))
     parity: dict[str, Any] = (
         {"kind": "bitwise", "quantity": "logprob_full_vocab", "equal_cases": sorted(CASES), "tolerance": 0}

@@ -39,6 +39,14 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
             r"profile\.expert_leaves=64 does not divide model\.moe_ffn_hidden_size=32",
         ),
         (["model=tiny_moe", "model.shared_expert_ffn_hidden_size=36"], r"model\.shared_expert_ffn_hidden_size=36"),
+        (
+            ["model=qwen3_next_80b_a3b", "parallel.tp=4"],
+            r"parallel\.tp=4 does not divide model\.num_query_groups=2: Megatron cannot shard",
+        ),
+        (
+            ["model=tiny_moe", "model.num_experts=12", "parallel.ep=8"],
+            r"parallel\.ep=8 does not divide model\.num_experts=12",
+        ),
         (["contract.max_batch=0"], r"contract\.max_batch=0 must be a positive integer"),
         (["contract.invalidation=[{state: kv_cache}]"], r"contract\.invalidation\[0\].*keys state, event"),
         (["contract.max_seq_len=4096"], r"contract\.max_seq_len=4096 exceeds model\.max_position_embeddings=512"),
@@ -124,3 +132,11 @@ def test_real_shapes_fit_the_gpu_gemm_tiles(cfg_for, model):
 
     check_gpu_gemm_shapes(cfg_for(f"model={model}"))
     check_gpu_gemm_shapes(cfg_for("profile=performance"))  # no Triton GEMM there: nothing to check
+
+
+def test_invariance_domain_is_narrowed_to_layouts_the_model_can_run(cfg_for):
+    claims = build_contract(cfg_for("model=qwen3_next_80b_a3b")).to_dict()["numerical_policy"]["claims"]["axes"]
+    assert claims["tp"]["domain"] == [1, 2]  # 2 KV groups: TP 4 and 8 cannot shard attention
+    assert claims["ep"]["domain"] == [1, 2, 4, 8]
+    dense = build_contract(cfg_for()).to_dict()["numerical_policy"]["claims"]["axes"]
+    assert dense["tp"]["domain"] == [1, 2, 4]  # tiny_dense: 4 KV groups
