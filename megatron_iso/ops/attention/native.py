@@ -223,7 +223,10 @@ for _dev in ("cpu", "cuda"):
             device_class=_dev,
             profile="performance",
             fn=attention_varlen,
-            constants={"kernel": "torch sdpa, is_causal per sequence (ATen chooses the backend)"},
+            constants={
+                "kernel": "torch sdpa: one masked call over the sequences padded to the longest (per-sequence "
+                "is_causal where padding would more than double the work); ATen chooses the backend"
+            },
             cases=("trainer_forward", "trainer_score"),
             probe=functools.partial(_probe, _dev),
         )
