@@ -371,6 +371,16 @@ def _moe_fields(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str,
     }
 
 
+def _gated_shared_moe_fields(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`_moe_fields` plus the sigmoid-gated shared expert of Qwen3-Next / Qwen3.5-MoE."""
+    shared = int(hf.get("shared_expert_intermediate_size", 512))
+    if shared < 1:
+        raise UnsupportedHFConfig(
+            f"config.json shared_expert_intermediate_size={shared} is not supported with experts; it must be >= 1"
+        )
+    return _moe_fields(hf, defaults) | {"shared_expert_ffn_hidden_size": shared, "shared_expert_gate": True}
+
+
 def _hf_moe_fields(model: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "decoder_sparse_step": 1,
@@ -485,16 +495,7 @@ def _qwen3_next_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
     }
     if _num_experts(hf, _QWEN3_NEXT_DEFAULTS) == 0:  # HF then builds a dense MLP (intermediate_size) in every layer
         return out
-    shared = int(hf.get("shared_expert_intermediate_size", 512))
-    if shared < 1:
-        raise UnsupportedHFConfig(
-            f"config.json shared_expert_intermediate_size={shared} is not supported with experts; it must be >= 1"
-        )
-    return (
-        out
-        | _moe_fields(hf, _QWEN3_NEXT_DEFAULTS)
-        | {"shared_expert_ffn_hidden_size": shared, "shared_expert_gate": True}
-    )
+    return out | _gated_shared_moe_fields(hf, _QWEN3_NEXT_DEFAULTS)
 
 
 def _qwen3_next_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -598,16 +599,7 @@ def _qwen3_5_moe_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
     experts = _num_experts(hf, _QWEN3_5_MOE_DEFAULTS)
     if experts < 1:
         raise UnsupportedHFConfig(f"config.json num_experts={experts} is not supported; qwen3_5_moe needs >= 1")
-    shared = int(hf.get("shared_expert_intermediate_size", 512))
-    if shared < 1:
-        raise UnsupportedHFConfig(
-            f"config.json shared_expert_intermediate_size={shared} is not supported; it must be >= 1"
-        )
-    return (
-        out
-        | _moe_fields(hf, _QWEN3_5_MOE_DEFAULTS)
-        | {"shared_expert_ffn_hidden_size": shared, "shared_expert_gate": True}
-    )
+    return out | _gated_shared_moe_fields(hf, _QWEN3_5_MOE_DEFAULTS)
 
 
 def _qwen3_5_vl_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
