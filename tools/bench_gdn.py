@@ -77,15 +77,10 @@ def _interpreter_setup() -> None:
     with numpy 2.x (``int()`` of a 1-element array), and autotuners would time configs on a GPU driver
     that is not there; patch the one conversion and make every config time the same."""
     import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interp
 
-    orig = interp._patch_lang_tensor
+    from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
+    allow_runtime_loop_bounds()
     autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles=None: [1.0, 1.0, 1.0])
 
 

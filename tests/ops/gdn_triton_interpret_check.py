@@ -12,17 +12,9 @@ array); the first lines patch that one conversion.
 """
 
 # ruff: noqa: E402
-import triton.runtime.interpreter as ti
+from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
 
-_orig = ti._patch_lang_tensor
-
-
-def _patched(tensor, scope):
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-ti._patch_lang_tensor = _patched
+allow_runtime_loop_bounds()
 
 import time
 

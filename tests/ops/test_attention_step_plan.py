@@ -116,12 +116,8 @@ def test_plan_errors() -> None:
 
 
 TRITON_SCRIPT = """
-import triton.runtime.interpreter as ti
-_orig = ti._patch_lang_tensor
-def _patched(tensor, scope):
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-ti._patch_lang_tensor = _patched
+from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
+allow_runtime_loop_bounds()
 import torch
 from megatron_iso.ops.attention import KVStepPlan
 from megatron_iso.ops.attention import attention_triton as at
@@ -150,10 +146,7 @@ def test_triton_wrapper_plan_interpreter() -> None:
     """The Triton wrapper with a plan (layout tensors on the meta device, so unread) launches the same
     kernel on the same tables: same bits and cache as without, tables built once for two layers."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
+    from megatron_iso.testing.triton_interpret import run_interpreted
 
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    res = run_interpreted(TRITON_SCRIPT, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

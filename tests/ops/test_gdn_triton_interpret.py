@@ -9,19 +9,16 @@ tests/gpu/test_gdn_triton.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+from megatron_iso.testing.triton_interpret import run_interpreted
+
 
 def test_gdn_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = Path(__file__).with_name("gdn_triton_interpret_check.py")
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    res = run_interpreted(script=Path(__file__).with_name("gdn_triton_interpret_check.py"), timeout=900)
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "grad ok" in res.stdout, out[-4000:]

@@ -12,26 +12,19 @@ cannot loop to a run-time bound with numpy 2.x; the subprocess patches that one 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
 
+from megatron_iso.testing.triton_interpret import run_interpreted
+
 SCRIPT = textwrap.dedent(
     """
-    import triton.runtime.interpreter as ti
+    from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
 
-    _orig = ti._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = _patched
+    allow_runtime_loop_bounds()
 
     import torch
     from megatron_iso.ops.gemm.gemm_triton import INTERPRET_CONFIG, GemmTileConfig, leaf_tree_linear_triton
@@ -71,7 +64,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_grouped_kernel_under_interpreter():
-    # A subprocess: TRITON_INTERPRET must be set before triton is first imported.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    res = run_interpreted(SCRIPT, timeout=900)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

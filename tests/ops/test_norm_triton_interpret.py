@@ -7,14 +7,13 @@ checked bit for bit on a GPU by tests/gpu.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
+
+from megatron_iso.testing.triton_interpret import run_interpreted
 
 SCRIPT = textwrap.dedent(
     """
@@ -38,7 +37,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernels_under_interpreter():
-    # A subprocess: TRITON_INTERPRET must be set before triton is first imported.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    res = run_interpreted(SCRIPT, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

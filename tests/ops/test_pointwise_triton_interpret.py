@@ -9,20 +9,17 @@ The checks themselves live in pointwise_triton_interpret_check.py, shared with t
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("triton")
 
+from megatron_iso.testing.triton_interpret import run_interpreted
+
 CHECK = pathlib.Path(__file__).with_name("pointwise_triton_interpret_check.py")
 
 
 def test_pointwise_kernels_bitwise_under_interpreter():
-    # A subprocess: TRITON_INTERPRET must be set before triton is first imported.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=900)
+    res = run_interpreted(script=CHECK, timeout=900)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
