@@ -41,15 +41,9 @@ def gt():
 
 
 def inputs(n: int, seed: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda"):
-    from megatron_iso.ops.gdn.reference import gdn_gates, l2norm
+    from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 
-    gen = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(n, hk, d, generator=gen))
-    k = l2norm(torch.randn(n, hk, d, generator=gen))
-    v = torch.randn(n, hv, d, generator=gen)
-    a, b = torch.randn(n, hv, generator=gen) * 2, torch.randn(n, hv, generator=gen)
-    g, beta = gdn_gates(a, b, torch.rand(hv, generator=gen).mul(2).log(), torch.ones(hv))
-    return tuple(t.to(device) for t in (q, k, v, g, beta))
+    return random_gdn_inputs(n, seed, hk=hk, hv=hv, dk=d, dv=d, device=device)
 
 
 def cu(lengths: list[int], device: str = "cuda") -> torch.Tensor:

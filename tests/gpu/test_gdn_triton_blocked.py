@@ -21,6 +21,7 @@ import contextlib
 import pytest
 import torch
 
+from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 from tests.gpu import gdn_triton_v1 as v1
 
 
@@ -58,18 +59,6 @@ def _frozen_kernels(gt):
         gt._prep_kernel, gt._chain_kernel = prep, chain
 
 
-def _inputs(n, seed, hk, hv, dk, dv, device):
-    from megatron_iso.ops.gdn.reference import gdn_gates, l2norm
-
-    gen = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(n, hk, dk, generator=gen))
-    k = l2norm(torch.randn(n, hk, dk, generator=gen))
-    v = torch.randn(n, hv, dv, generator=gen)
-    a, b = torch.randn(n, hv, generator=gen) * 2, torch.randn(n, hv, generator=gen)
-    g, beta = gdn_gates(a, b, torch.rand(hv, generator=gen).mul(2).log(), torch.ones(hv))
-    return tuple(t.to(device) for t in (q, k, v, g, beta))
-
-
 def _forward_all(gt, x, chunk, lengths, pieces):
     """Training forward over packed ``lengths``, then sequence 0 again as chunked prefill ``pieces``
     through a state cache (decode steps close chunks from the buffer). Returns every tensor produced."""
@@ -105,7 +94,7 @@ CASES = [
 
 def run_case(gt, case, device: str, exact: bool) -> None:
     chunk, dk, dv, hk, hv, lengths, pieces = case
-    x = _inputs(sum(lengths), 31 + chunk + dk, hk, hv, dk, dv, device)
+    x = random_gdn_inputs(sum(lengths), 31 + chunk + dk, hk=hk, hv=hv, dk=dk, dv=dv, device=device)
     new = _forward_all(gt, x, chunk, lengths, pieces)
     with _frozen_kernels(gt):
         old = _forward_all(gt, x, chunk, lengths, pieces)

@@ -23,6 +23,7 @@ import torch
 from megatron_iso.ops.gdn import GDNLayerState
 from megatron_iso.ops.gdn import gdn_triton as gt
 from megatron_iso.ops.gdn import reference as ref
+from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 
 HK, HV, D, C = 2, 4, 8, 8
 t_start = time.time()
@@ -37,13 +38,7 @@ def same(a, b):
 
 
 def inputs(n, seed, hk=HK, hv=HV):
-    gen = torch.Generator().manual_seed(seed)
-    q = ref.l2norm(torch.randn(n, hk, D, generator=gen))
-    k = ref.l2norm(torch.randn(n, hk, D, generator=gen))
-    v = torch.randn(n, hv, D, generator=gen)
-    a, b = torch.randn(n, hv, generator=gen) * 2, torch.randn(n, hv, generator=gen)
-    g, beta = ref.gdn_gates(a, b, torch.rand(hv, generator=gen).mul(2).log(), torch.ones(hv))
-    return q, k, v, g, beta
+    return random_gdn_inputs(n, seed, hk=hk, hv=hv, dk=D, dv=D)
 
 
 def cu(lengths):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_iso.ops.gdn import GDNLayerState, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
+from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 
 HK, HV, D = 2, 4, 8
 
@@ -22,13 +23,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _inputs(n: int, seed: int, dk: int = D, dv: int = D):
-    gen = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(n, HK, dk, generator=gen))
-    k = l2norm(torch.randn(n, HK, dk, generator=gen))
-    v = torch.randn(n, HV, dv, generator=gen)
-    a, b = torch.randn(n, HV, generator=gen) * 2, torch.randn(n, HV, generator=gen)
-    g, beta = gdn_gates(a, b, torch.rand(HV, generator=gen).mul(2).log(), torch.ones(HV))
-    return q, k, v, g, beta
+    return random_gdn_inputs(n, seed, hk=HK, hv=HV, dk=dk, dv=dv)
 
 
 def _state(slots: int, chunk: int, dk: int = D, dv: int = D) -> GDNLayerState:
