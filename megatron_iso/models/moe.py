@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.activation.pointwise import iso_sigmoid
-from megatron_iso.ops.gemm import linear, validate_leaves
+from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
@@ -105,15 +105,6 @@ class IsoSequentialExperts(SequentialMLP):
                 f"expert_tensor_parallel_size={self.tp_group.size()} is not supported by the invariant experts; "
                 "allowed values: [1]"
             )
-        # An expert's down projection is never split across ranks (expert TP is 1), so the leaf tree has
-        # no rank partials to join there: profile.expert_leaves (default 1, like a column GEMM). It also
-        # keeps the leaf depth a whole number of the GPU kernels' K tiles (Qwen3-30B-A3B: 768 / 8 = 96 is not).
-        leaves = getattr(config, "iso_expert_leaves", 1)
-        for expert in self.local_experts:
-            fc2 = expert.linear_fc2
-            if isinstance(fc2, LeafTreeRowParallelLinear):
-                validate_leaves(leaves, k=fc2.input_size)
-                fc2.iso_leaves = fc2.iso_local_leaves = leaves
 
     # On CUDA, run fc1 and fc2 of all local experts as one grouped GEMM each (no per-expert launches, no
     # host sync on the counts). False keeps the per-expert loop (benchmarks and tests compare the two).

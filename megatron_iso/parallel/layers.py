@@ -5,6 +5,7 @@ Config attributes read from the TransformerConfig (set by the model builder; def
   used for this model, dividing the layer's input size. The contract records it.
 - ``iso_column_leaves`` (int, 1): leaves of column-parallel GEMMs. Their K is never split across
   ranks, so batch invariance is all they need; 1 leaf is the cheapest on GPU.
+- ``iso_expert_leaves`` (int, 1): leaves of a routed expert's row-parallel (down) projection (``is_expert``).
 - ``iso_profile`` ("correctness" | "performance"): "performance" runs stock Megatron forward.
 
 Row-parallel at TP=C: rank i holds K columns [iK/C, (i+1)K/C) = leaves [iG/C, (i+1)G/C). It
@@ -102,6 +103,11 @@ class LeafTreeRowParallelLinear(RowParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs) -> None:
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         self.iso_leaves, _, self.iso_profile = iso_settings(config)
+        if self.is_expert:
+            # A routed expert's down projection is never split across ranks (expert TP is 1): its own
+            # leaf count (profile.expert_leaves, default 1) also keeps the leaf depth a whole number of the
+            # GPU kernels' K tiles (Qwen3-30B-A3B: 768 / 8 = 96 is not).
+            self.iso_leaves = getattr(config, "iso_expert_leaves", 1)
         tp = self.tp_group.size() if self.tp_group is not None else 1
         if self.iso_profile == "correctness":
             _check_supported(config, type(self).__name__)
