@@ -446,7 +446,7 @@ class _Plan:
     scratch: bool  # finals go to a scratch tensor (some sequence has several segments)
 
 
-# [(key tensors, (versions, chunk, has_state, device), plan)], newest first; the strong references to
+# [(key tensors, (versions, chunk, has_state, device, slot count), plan)], newest first; the strong references to
 # the key tensors keep their ids from being reused while an entry lives.
 _PLAN_CACHE: list = []
 
@@ -474,13 +474,14 @@ def _plan(
     chunk: int,
     has_state: bool,
     dev: torch.device,
-    slot_count: int = 0,
+    slot_count: int,
 ) -> _Plan:
     """Segments, closing chunks, chains and buffer rows of a call, as int32 tables on ``dev``."""
     key = (cu, starts, slots)
-    vers = tuple(None if t is None else t._version for t in key)
+    # The slot count is part of the entry: the bounds check below depends on it.
+    stamp = (tuple(None if t is None else t._version for t in key), chunk, has_state, dev, slot_count)
     for entry in _PLAN_CACHE:
-        if all(a is b for a, b in zip(entry[0], key, strict=True)) and entry[1] == (vers, chunk, has_state, dev):
+        if all(a is b for a, b in zip(entry[0], key, strict=True)) and entry[1] == stamp:
             return entry[2]
     cu_l, st, sl = _host_lists(cu, starts, slots)
     n = len(cu_l) - 1
@@ -553,7 +554,7 @@ def _plan(
         nbuf=len(bufmap),
         scratch=multi,
     )
-    _PLAN_CACHE.insert(0, (key, (vers, chunk, has_state, dev), plan))
+    _PLAN_CACHE.insert(0, (key, stamp, plan))
     del _PLAN_CACHE[4:]
     return plan
 
