@@ -1,8 +1,9 @@
 """The one place that makes Megatron-Core 0.16.1 run on a CPU with gloo.
 
 Megatron-Core assumes CUDA in a handful of spots. On a machine without CUDA (development and
-CI) :func:`apply_cpu_patches` replaces exactly those spots; with CUDA it does nothing. Each patch
-says why it exists. No other module in megatron_iso patches Megatron.
+CI) :func:`apply_cpu_patches` replaces exactly those spots; with CUDA it only gives Megatron's
+optional Transformer Engine names a None value when TE is absent (Megatron's own MoE router
+otherwise fails with a NameError on a GPU without TE). Each patch says why it exists. No other module in megatron_iso patches Megatron.
 """
 
 from __future__ import annotations
@@ -181,12 +182,25 @@ def _cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = original
 
 
+def define_absent_te_kernels() -> None:
+    """Without Transformer Engine, moe_utils leaves its optional TE kernels undefined instead of None,
+    and its router GEMM tests ``te_general_gemm is not None`` (NameError). Needed on a GPU without TE
+    too, so this one runs on every machine."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_permute", "fused_permute_with_probs", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
 def apply_cpu_patches() -> bool:
     """Patch Megatron-Core for CPU execution when CUDA is absent. Idempotent.
 
-    Returns True if patches were applied (now or earlier), False on a CUDA machine.
+    On every machine it first calls :func:`define_absent_te_kernels`. Returns True if the CPU
+    patches were applied (now or earlier), False on a CUDA machine.
     """
     global _APPLIED
+    define_absent_te_kernels()
     if torch.cuda.is_available():
         return False
     if _APPLIED:
@@ -238,14 +252,6 @@ def apply_cpu_patches() -> bool:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
     # Its device-to-host step runs on CUDA streams; on CPU only its effect remains: numpy split sizes.
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _moe_splits_to_numpy
-
-    # Without Transformer Engine, moe_utils leaves its optional TE kernels undefined instead of None,
-    # and its router GEMM tests ``te_general_gemm is not None`` (NameError).
-    from megatron.core.transformer.moe import moe_utils
-
-    for name in ("te_general_gemm", "fused_permute", "fused_permute_with_probs", "fused_unpermute"):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
 
     _APPLIED = True
     return True
