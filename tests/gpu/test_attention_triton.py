@@ -29,9 +29,9 @@ def _same(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
-def _qkvg(T, dtype, seed, hq=HQ, hkv=HKV):
+def _qkvg(T, dtype, seed, hq=HQ, hkv=HKV, d=D):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(T, h, D, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)]
+    return [torch.randn(T, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)]
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,14 @@ def at():
     return attention_triton
 
 
-def _cache(slots, max_len, dtype, hkv=HKV):
+def _cache(slots, max_len, dtype, hkv=HKV, d=D):
     # NaN-poisoned: keys past a sequence's length must never reach a product.
-    return [torch.full((slots, max_len, hkv, D), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
+    return [torch.full((slots, max_len, hkv, d), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
 
 
 def _run_chunks(at, q, k, v, gate, chunks, slot=1, slots=3):
     """Feed one sequence through the cache in the given chunk lengths; returns the concatenated output."""
-    kc, vc = _cache(slots, q.shape[0] + 8, q.dtype, k.shape[1])
+    kc, vc = _cache(slots, q.shape[0] + 8, q.dtype, k.shape[1], q.shape[-1])
     outs, pos = [], 0
     for n in chunks:
         sl = slice(pos, pos + n)
@@ -78,6 +78,18 @@ def test_prefill_then_decode_equals_varlen(at, dtype, prefill):
     train = at.attention_varlen(q, k, v, cu, gate=gate)[29:]
     got = _run_chunks(at, q[29:], k[29:], v[29:], gate[29:], [prefill] + [1] * 70)
     assert _same(got, train)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_head_prefill_then_decode_equals_varlen(at, dtype):
+    # Head dim 256 (Qwen3.5 attention) runs the narrower wide-head tiles, which fit in shared memory.
+    q, k, v, gate = _qkvg(200, dtype, 11, d=256)
+    train = at.attention_varlen(q, k, v, torch.tensor([0, 200]), gate=gate)
+    got = _run_chunks(at, q, k, v, gate, [65] + [1] * 135)
+    assert _same(got, train)
+    ref = _dense_fp64(q, k, v, torch.tensor([0, 200]), gate, 1 / math.sqrt(256))
+    rel = float((train.double() - ref).norm() / ref.norm())
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-6), rel
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -67,11 +67,20 @@ class AttentionTileConfig:
     num_stages: int
 
 
-# Per input dtype only: never chosen from the batch.
+# Per input dtype and head width only: never chosen from the batch.
 CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.bfloat16: AttentionTileConfig(block_m=128, num_warps=8, num_stages=3),
     torch.float16: AttentionTileConfig(block_m=128, num_warps=8, num_stages=3),
     torch.float32: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2),
+}
+# Heads wider than 128 (Qwen3.5 / Qwen3-Next attention: 256). The tiles above need 256 KB of shared
+# memory at head dim 256 (an H200 has 227 KB per block), so fewer rows and stages.
+WIDE_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
+WIDE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
+    torch.bfloat16: AttentionTileConfig(block_m=64, num_warps=8, num_stages=2),
+    torch.float16: AttentionTileConfig(block_m=64, num_warps=8, num_stages=2),
+    torch.float32: AttentionTileConfig(block_m=32, num_warps=4, num_stages=1),
 }
 INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
 
@@ -160,8 +169,14 @@ def _attend_kernel(
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _config(dtype: torch.dtype, config: AttentionTileConfig | None) -> AttentionTileConfig:
-    return config or (INTERPRET_CONFIG if _INTERPRET else CONFIGS[dtype])
+def _config(dtype: torch.dtype, head_dim: int, config: AttentionTileConfig | None) -> AttentionTileConfig:
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"attention_triton: head dim {head_dim} is not supported (at most {MAX_HEAD_DIM})")
+    if config is not None:
+        return config
+    if _INTERPRET:
+        return INTERPRET_CONFIG
+    return (WIDE_CONFIGS if head_dim > WIDE_HEAD_DIM else CONFIGS)[dtype]
 
 
 def _plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +225,7 @@ def prepare(
     T, hq, dim = q.shape
     hkv = k_src.shape[1]
     group = hq // hkv
-    cfg = _config(q.dtype, config)
+    cfg = _config(q.dtype, dim, config)
     out = torch.empty_like(q)
     lens = [b - a for a, b in pairwise(cu)]
     if T == 0 or not any(lens):
@@ -411,7 +426,9 @@ def _constants() -> dict[str, object]:
     }
     for dt, cfg in CONFIGS.items():
         name = str(dt).removeprefix("torch.")
+        wide = WIDE_CONFIGS[dt]
         c[f"{name}_tile"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
+        c[f"{name}_tile_head_dim_gt_{WIDE_HEAD_DIM}"] = [wide.block_m, wide.num_warps, wide.num_stages]
     return c
 
 
