@@ -61,3 +61,18 @@ def test_selected_configs_row_bits_independent_of_m():
         full = f(x, w, leaves).view(torch.int32)  # wide (leaves=1) or default tile
         for m in (1, 3, 64, 65, 200):  # small-M tile up to 64, then the large-M tile
             assert torch.equal(f(x[:m], w, leaves).view(torch.int32), full[:m]), (leaves, m)
+
+
+@pytest.mark.parametrize("leaves", [1, 2])
+def test_output_past_2_pow_31_elements(leaves):
+    # An LM head over 14k tokens writes 14336 x 151936 > 2^31 logits; int32 offsets wrapped to an
+    # illegal address (hybrid RL step on the H200). The last rows must be the rows computed alone.
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton
+
+    M, N, K = 14336, 151936, 128
+    x = _rand((M, K), torch.bfloat16, 41)
+    w = _rand((N, K), torch.bfloat16, 42)
+    out = leaf_tree_linear_triton(x, w, leaves)
+    for rows in (slice(M - 3, M), slice(0, 2)):
+        alone = leaf_tree_linear_triton(x[rows], w, leaves)
+        assert torch.equal(out[rows].view(torch.int32), alone.view(torch.int32))

@@ -164,13 +164,15 @@ def _static_tile(
 ):  # fmt: skip
     # One output tile (pid_m, pid_n) of x[M, K] @ w[N, K].T, subtree ``sub`` of the leaf tree. A helper
     # (inlined by Triton) so the dense and the grouped (MoE) kernels run the very same leaf code.
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Indices are int64: an LM head's logits (14k tokens x 152k vocab) pass 2^31 elements, and int32
+    # offsets wrapped into an illegal address. Addresses only: the arithmetic is unchanged.
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows/cols load a valid neighbour (modulo) instead of masking: cheaper loads, and a
     # row's arithmetic never sees another row anyway. Stores are masked.
     am = rm % M
     bn = rn % N
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     k_base = sub * (LEAVES * LEAF_K)
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     o_off = rm[:, None] * stride_om + rn[None, :]
@@ -234,11 +236,11 @@ def _flat_tile(
     # Same arithmetic as the static tile; one software-pipelined loop runs through all K-tiles of the
     # subtree so loads for the next leaf are already in flight while a leaf closes. Level 0 may stay in
     # registers (PARK_FROM >= 1); higher levels are parked in global scratch.
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: see _static_tile
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     am = rm % M
     bn = rn % N
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     k_base = sub * (LEAVES * LEAF_K)
     a_ptrs = x_ptr + am[:, None] * stride_xm + (k_base + rk)[None, :] * stride_xk
     b_ptrs = w_ptr + bn[None, :] * stride_wn + (k_base + rk)[:, None] * stride_wk
@@ -253,8 +255,8 @@ def _flat_tile(
             i = t // LEAF_TILES  # the leaf that just closed
             # Tile-shaped pointers and masks are built here, not before the loop: held across the loop they
             # cost 2 registers per element each and made the 8-leaf kernel spill.
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
             omask = (rm[:, None] < M) & (rn[None, :] < N)
             o_off = rm[:, None] * stride_om + rn[None, :]
             park = park_ptr + sub * stride_ps + o_off
@@ -325,7 +327,7 @@ def _leaf_tree_flat_kernel(
 @triton.jit
 def _tree_combine_kernel(p_ptr, out_ptr, numel, stride_p, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     # Finishes the tree over PARTS aligned subtree nodes: adjacent pairs, level by level (balanced).
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # numel may pass 2^31
     mask = offs < numel
     if PARTS == 2:
         v = tl.load(p_ptr + offs, mask=mask) + tl.load(p_ptr + stride_p + offs, mask=mask)
