@@ -212,3 +212,24 @@ def test_native_gap_is_measured():
     gap, ref_gap = float((full - inc).abs().max()), float((iso - _naive64(*x)).abs().max())
     print(f"native GDN training vs prefill+decode max |d| {gap:.3e} (fp32; iso: 0; iso vs fp64 {ref_gap:.2e})")
     assert gap > 0.0
+
+
+def test_native_batches_sequences_like_one_at_a_time():
+    # The native path runs a call's multi-token sequences as one zero-padded batch and its decode
+    # steps as another; each sequence (output and state) must be what it is when run alone.
+    lens, starts = [13, 1, 40, 1, 0, 7], [0, 5, 0, 9, 3, 2]
+    x = _inputs(sum(lens), seed=21)
+    cu = _cu(lens)
+    slots = torch.tensor([4, 0, 2, 1, 5, 3])
+    batched, alone = _state(6, 8), _state(6, 8)
+    gen = torch.Generator().manual_seed(5)
+    for st in (batched, alone):
+        st.running.copy_(torch.randn(st.running.shape, generator=gen.manual_seed(5)))
+    out = gated_delta_rule(*x, cu, chunk=8, state=batched, slots=slots, starts=torch.tensor(starts),
+                           profile="performance")  # fmt: skip
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        one = gated_delta_rule(*(t[a:b] for t in x), _cu([b - a]), chunk=8, state=alone, slots=slots[i : i + 1],
+                               starts=torch.tensor([starts[i]]), profile="performance")  # fmt: skip
+        torch.testing.assert_close(out[a:b], one, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batched.running, alone.running, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(batched.running[5], torch.zeros_like(batched.running[5]))  # zero-length: untouched

@@ -9,9 +9,11 @@ Only ``state.running`` and ``state.conv`` of the cache are used.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _check_state, _starts
@@ -60,14 +62,15 @@ def gdn_gates(
 
 
 def _chunked(q, k, v, g, beta, s, chunk):
-    """One sequence, heads first (q/k ``[H, L, Dk]``, v ``[H, L, Dv]``, g/beta ``[H, L]``), from state s."""
-    h, n, _ = k.shape
+    """Sequences and heads first (q/k ``[B, H, L, Dk]``, v ``[B, H, L, Dv]``, g/beta ``[B, H, L]``), from
+    states s ``[B, H, Dk, Dv]``. Zero-padded tokens (g = beta = k = 0) leave a state as it was."""
+    b, h, n, _ = k.shape
     pad = -n % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     nc = (n + pad) // chunk
-    q, k, v = (x.reshape(h, nc, chunk, -1) for x in (q, k, v))
-    g, beta = g.reshape(h, nc, chunk), beta.reshape(h, nc, chunk)
+    q, k, v = (x.reshape(b, h, nc, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(b, h, nc, chunk), beta.reshape(b, h, nc, chunk)
     gc = g.cumsum(-1)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)
     dec = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
@@ -79,24 +82,24 @@ def _chunked(q, k, v, g, beta, s, chunk):
     attn = (q @ k.transpose(-1, -2)) * dec
     out = torch.empty_like(v)
     for c in range(nc):
-        u = u0[:, c] - w[:, c] @ s
-        out[:, c] = (q[:, c] * gc[:, c, :, None].exp()) @ s + attn[:, c] @ u
+        u = u0[:, :, c] - w[:, :, c] @ s
+        out[:, :, c] = (q[:, :, c] * gc[:, :, c, :, None].exp()) @ s + attn[:, :, c] @ u
         s = (
-            s * gc[:, c, -1, None, None].exp()
-            + (k[:, c] * (gc[:, c, -1:] - gc[:, c]).exp()[..., None]).transpose(-1, -2) @ u
+            s * gc[:, :, c, -1, None, None].exp()
+            + (k[:, :, c] * (gc[:, :, c, -1:] - gc[:, :, c]).exp()[..., None]).transpose(-1, -2) @ u
         )
-    return out.reshape(h, nc * chunk, -1)[:, :n], s
+    return out.reshape(b, h, nc * chunk, -1)[:, :, :n], s
 
 
 def _recurrent(q, k, v, g, beta, s):
-    """The plain per-token recurrence (HF ``torch_recurrent_gated_delta_rule``), heads first."""
+    """The plain per-token recurrence (HF ``torch_recurrent_gated_delta_rule``), layout as :func:`_chunked`."""
     outs = []
-    for t in range(k.shape[1]):
-        s = s * g[:, t].exp()[:, None, None]
-        u = (v[:, t] - (s * k[:, t, :, None]).sum(-2)) * beta[:, t, None]
-        s = s + k[:, t, :, None] * u[:, None, :]
-        outs.append((s * q[:, t, :, None]).sum(-2))
-    return torch.stack(outs, 1), s
+    for t in range(k.shape[-2]):
+        s = s * g[..., t].exp()[..., None, None]
+        u = (v[..., t, :] - (s * k[..., t, :, None]).sum(-2)) * beta[..., t, None]
+        s = s + k[..., t, :, None] * u[..., None, :]
+        outs.append((s * q[..., t, :, None]).sum(-2))
+    return torch.stack(outs, -2), s
 
 
 def gated_delta_rule(
@@ -113,7 +116,10 @@ def gated_delta_rule(
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps."""
+    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps.
+
+    All decode steps of a call run as one batch, and all multi-token sequences as another
+    (zero-padded to the longest), so the cost in launches does not grow with the number of sequences."""
     cu, st = _starts(cu_seqlens, starts)
     _check_state(state, slots, st)
     hk, dk = k.shape[1:]
@@ -123,17 +129,29 @@ def gated_delta_rule(
     qh = q.float().repeat_interleave(rep, 1) * scale
     kh = k.float().repeat_interleave(rep, 1)
     out = torch.empty(q.shape[0], hv, dv, dtype=torch.float32, device=q.device)
-    for i in range(len(cu) - 1):
-        rows = slice(cu[i], cu[i + 1])
-        s0 = torch.zeros(hv, dk, dv, device=q.device) if st[i] == 0 else state.running[int(slots[i])]
-        args = [x[rows].transpose(0, 1).float() for x in (qh, kh, v, g, beta)]
-        if st[i] > 0 and cu[i + 1] - cu[i] == 1:
-            o, s = _recurrent(*args, s0)
-        else:
-            o, s = _chunked(*args, s0, chunk)
-        out[rows] = o.transpose(0, 1)
+    lens = [b - a for a, b in itertools.pairwise(cu)]
+    decode = [i for i, n in enumerate(lens) if st[i] > 0 and n == 1]
+    chunked = [i for i, n in enumerate(lens) if n > 1 or (n == 1 and st[i] == 0)]
+    for group, rule in ((decode, _recurrent), (chunked, functools.partial(_chunked, chunk=chunk))):
+        if not group:
+            continue
+        longest = max(lens[i] for i in group)
+        # [B, H, L, ...] per input, sequences zero-padded to the longest.
+        args = [
+            pad_sequence([x[cu[i] : cu[i + 1]] for i in group], batch_first=True).transpose(1, 2).float()
+            for x in (qh, kh, v, g, beta)
+        ]
+        s0 = torch.zeros(len(group), hv, dk, dv, device=q.device)
         if state is not None:
-            state.running[int(slots[i])] = s.detach()
+            slot_ids = slots[group].to(device=q.device, dtype=torch.long)
+            resumed = torch.tensor([st[i] > 0 for i in group], device=q.device)
+            s0 = torch.where(resumed[:, None, None, None], state.running[slot_ids], s0)
+        o, s = rule(*args, s0)
+        src = torch.cat([torch.arange(lens[i]) + j * longest for j, i in enumerate(group)]).to(q.device)
+        dst = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group]).to(q.device)
+        out[dst] = o.transpose(1, 2).reshape(-1, hv, dv)[src]
+        if state is not None:
+            state.running[slot_ids] = s.detach()
     return out
 
 
