@@ -177,13 +177,36 @@ def test_native_path_differs(dtype: torch.dtype) -> None:
 
 
 def test_cuda_contract_names_what_scoring_runs():
-    """Scoring on CUDA runs ``vocab_scores`` (the torch reference): the registry, hence the contract, says so
+    """Scoring on CUDA runs the torch reference (``VocabScores``): the registry, hence the contract, says so
     even when the unwired Triton logprob kernel is importable."""
     from megatron_iso.contract import load_op_implementations
     from megatron_iso.contract.registry import lookup
-    from megatron_iso.ops.logprob import vocab_scores
+    from megatron_iso.ops import logprob
 
     load_op_implementations()  # imports the *_triton modules too where triton is installed (CI)
     impl = lookup("logprob", "cuda", "correctness")
     assert impl.ref == "vocab_logprob.reference@1"
-    assert impl.fn is vocab_scores
+    assert impl.fn is logprob._reference_scores
+
+
+def test_scoring_runs_the_registered_implementation() -> None:
+    """A registry swap (what iso-gate does with a candidate kernel) reaches trainer/rollout scoring."""
+    import dataclasses
+
+    from megatron_iso.contract.registry import swapped
+    from megatron_iso.ops.logprob import VocabScores
+
+    seen = []
+
+    def candidate(logits, comm, *, temperature, leaves, valid_vocab):
+        seen.append((tuple(logits.shape), leaves))
+        return VocabScores(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
+
+    logits, ids = torch.randn(5, 64), torch.randint(0, 64, (5,))
+    before = token_logprobs(logits, ids)
+    with swapped(dataclasses.replace(lookup("logprob", "cpu", "correctness"), fn=candidate)):
+        during = token_logprobs(logits, ids)
+    assert len(seen) == 1 and seen[0][0][-1] == 64
+    assert torch.equal(during.view(torch.int32), before.view(torch.int32))
+    token_logprobs(logits, ids)
+    assert len(seen) == 1  # the incumbent is back

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob.native import NativeScores, entropy_native, log_softmax_native, token_logprobs_native
 from megatron_iso.ops.logprob.reference import (
@@ -55,14 +56,26 @@ def vocab_scores(
     valid_vocab: int | None = None,
     profile: str = "correctness",
 ) -> VocabScores | NativeScores:
-    """Row statistics of ``logits`` [R, ..., V/C] (R local vocab shards) by the implementation
-    serving the device class and profile; query ``.token_logprobs(ids)``, ``.entropy()``,
-    ``.log_softmax()``."""
-    if profile == "performance":
-        return NativeScores(logits, comm, temperature=temperature, valid_vocab=valid_vocab)
-    if profile != "correctness":
+    """Row statistics of ``logits`` [R, ..., V/C] (R local vocab shards) by the registered implementation
+    for the device class and profile (``ops.dispatch.select``, so a registry swap reaches scoring); query
+    ``.token_logprobs(ids)``, ``.entropy()``, ``.log_softmax()``."""
+    if profile not in ("correctness", "performance"):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
+    fn = select(OP, logits, profile)
+    return fn(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
+
+
+def _reference_scores(
+    logits: torch.Tensor, comm: Comm, *, temperature: float | torch.Tensor, leaves: int, valid_vocab: int | None
+) -> VocabScores:
     return VocabScores(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
+
+
+def _native_scores(
+    logits: torch.Tensor, comm: Comm, *, temperature: float | torch.Tensor, leaves: int, valid_vocab: int | None
+) -> NativeScores:
+    del leaves  # torch.log_softmax has no leaf tree
+    return NativeScores(logits, comm, temperature=temperature, valid_vocab=valid_vocab)
 
 
 def _probe_inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +116,7 @@ for _device in ("cpu", "cuda"):
             version="1",
             device_class=_device,
             profile="correctness",
-            fn=vocab_scores,
+            fn=_reference_scores,
             constants={
                 "default_leaves": DEFAULT_LEAVES,
                 "accumulate": "fp32",
@@ -123,7 +136,7 @@ for _device in ("cpu", "cuda"):
             version="1",
             device_class=_device,
             profile="performance",
-            fn=vocab_scores,
+            fn=_native_scores,
             constants={"algorithm": "torch_log_softmax_gathered_vocab"},
             probe=_probe(_nat) if _device == "cpu" else None,
         )
