@@ -35,9 +35,10 @@ from megatron_iso.contract.lockfile import tensor_digest
 from megatron_iso.rl.metrics import mismatch_metrics, peak_memory_bytes
 
 # How one layout's ranks are started: (fn, world_size, tp=, ep=, args=) -> per-rank results.
-# "gloo": one CPU process per rank (megatron_iso.parallel.launch). GPU hooks to add here: "nccl"
-# (one process per GPU, same call shape) and "simulated" (all ranks of a layout in one process on
-# a single GPU); the rank function below does not care how its world was made.
+# "gloo": forked CPU processes, one per rank (megatron_iso.parallel.launch).
+# "torchrun": ranks started by `torchrun --nproc-per-node world_size` (megatron_iso.parallel.torchrun),
+# one per GPU on cuda:<LOCAL_RANK> over NCCL when CUDA is available, gloo CPU ranks otherwise.
+# The rank function below does not care how its world was made.
 LAUNCHERS: dict[str, Callable[..., list[Any]]] = {}
 
 
@@ -47,7 +48,21 @@ def _gloo_launcher(fn: Callable[..., Any], world_size: int, *, tp: int, ep: int,
     return run_on_ranks(fn, world_size, tp=tp, ep=ep, args=args)
 
 
+def _torchrun_launcher(fn: Callable[..., Any], world_size: int, *, tp: int, ep: int, args: Sequence[Any]) -> list[Any]:
+    from megatron_iso.parallel.torchrun import run_under_torchrun
+
+    return run_under_torchrun(fn, world_size, tp=tp, ep=ep, args=args)
+
+
 LAUNCHERS["gloo"] = _gloo_launcher
+LAUNCHERS["torchrun"] = _torchrun_launcher
+
+
+def check_launcher(launcher: str, field: str = "bench.launcher") -> str:
+    """``launcher`` if it names one of :data:`LAUNCHERS`; else a ValueError naming the field."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"{field}={launcher!r} is not allowed; allowed values: {sorted(LAUNCHERS)}")
+    return launcher
 
 
 @dataclass(frozen=True)
@@ -286,9 +301,7 @@ def run_grid(
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every layout in its own process group; rows in grid order (layout-major, then batch)."""
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"bench.launcher={launcher!r} is not allowed; allowed values: {sorted(LAUNCHERS)}")
-    launch = LAUNCHERS[launcher]
+    launch = LAUNCHERS[check_launcher(launcher)]
     rows = []
     for lay in layouts_:
         config = layout_config(settings.config, lay)

@@ -7,6 +7,9 @@ initialises ``torch.distributed`` (gloo), applies the CPU platform patches, init
 Megatron's ``parallel_state`` with the requested TP/PP/EP sizes, seeds Megatron's RNG tracker,
 calls ``fn(*args)`` and returns the per-rank results in rank order. A failure on any rank is
 re-raised here with that rank's traceback.
+
+:func:`megatron_iso.parallel.torchrun.run_under_torchrun` is its twin for GPUs: the same call shape
+and per-rank setup, with the ranks started by ``torchrun`` (one process per GPU, NCCL).
 """
 
 from __future__ import annotations
@@ -65,8 +68,7 @@ def _rank_main(
 ) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-        # Oversubscribed intra-op threads make a 2-core machine crawl; give each rank its share.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
 
         init = {"backend": "gloo", "rank": rank, "world_size": world_size}
         with megatron_world(init, layout["tp"], layout["pp"], layout["ep"], layout["etp"], seed):
@@ -74,6 +76,21 @@ def _rank_main(
             queue.put((rank, True, _dumps(result)))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Intra-op threads for one of ``world_size`` CPU ranks on this machine: its share of the cores
+    (oversubscribed threads make a 2-core machine crawl). Every launcher sets it the same way."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def check_layout(who: str, world_size: int, tp: int, pp: int, ep: int, etp: int) -> None:
+    """Refuse a layout no launcher can start, naming the field (``who`` names the launcher)."""
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{who}: {name}={value!r} must be a positive int")
+    if world_size % (tp * pp):
+        raise ValueError(f"{who}: tp*pp={tp * pp} does not divide world_size={world_size}")
 
 
 _POLL_S = 1.0
@@ -113,11 +130,7 @@ def run_on_ranks(
     data-parallel-times-TP product as Megatron requires. ``etp`` is the expert tensor-parallel size
     (1, as ``models.config`` configures MoE models: an expert lives whole on one EP rank).
     """
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"run_on_ranks: {name}={value!r} must be a positive int")
-    if world_size % (tp * pp):
-        raise ValueError(f"run_on_ranks: tp*pp={tp * pp} does not divide world_size={world_size}")
+    check_layout("run_on_ranks", world_size, tp, pp, ep, etp)
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()

@@ -83,11 +83,12 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterator[int]:
+def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, etp: int = 1) -> Iterator[int]:
     """The world of a launch: torchrun's (``RANK``/``WORLD_SIZE`` in the environment; gloo on CPU,
-    NCCL on CUDA) or, without torchrun, one local process. Megatron's parallel_state is initialised
-    with the given layout; yields this process's global rank. Inside an already initialised world
-    (e.g. a ``run_on_ranks`` rank) that world is used as it is, if its layout is the one asked for."""
+    NCCL on CUDA with this process on ``cuda:<LOCAL_RANK>``) or, without torchrun, one local process.
+    Megatron's parallel_state is initialised with the given layout; yields this process's global
+    rank. Inside an already initialised world (e.g. a ``run_on_ranks`` rank) that world is used as it
+    is, if its layout is the one asked for."""
     import os
 
     if dist.is_initialized():
@@ -106,9 +107,23 @@ def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> I
     if world % (tp * pp):
         raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}")
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    with megatron_world({"backend": default_backend()}, tp, pp, ep, seed=seed):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} CUDA devices: "
+                "start at most one process per GPU (torchrun --nproc-per-node <= GPU count)"
+            )
+        # Before the process group: NCCL binds this rank's communicator to the current device.
+        torch.cuda.set_device(local)
+    with megatron_world({"backend": default_backend()}, tp, pp, ep, etp, seed=seed):
         yield dist.get_rank()
+
+
+def config_world(cfg) -> contextlib.AbstractContextManager[int]:
+    """:func:`launched_world` for a root config: its ``parallel.tp/pp/ep`` sizes and ``seed``. The
+    one way a config-driven launch (iso-train, tools/bench_rl_step.py) opens its world."""
+    p = cfg.parallel
+    return launched_world(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)), int(cfg.seed))
 
 
 def _enclosing_world(tp: int, pp: int, ep: int) -> int:

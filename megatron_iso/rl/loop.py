@@ -312,7 +312,7 @@ TIMING_PREFIXES = ("timing/", "throughput/", "memory/")
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run ``cfg.rl.steps`` RL steps (resuming from the latest checkpoint when ``cfg.resume``)."""
-    from megatron_iso.parallel.world import launched_world
+    from megatron_iso.parallel.world import config_world
     from megatron_iso.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
@@ -324,8 +324,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         raise RunSetupError(
             f"out_dir={run_dir} already holds a run; pass resume=true to continue it or choose a new out_dir"
         )
-    p = cfg.parallel
-    with launched_world(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)), int(cfg.seed)) as rank:
+    with config_world(cfg) as rank:
         trainer = Trainer(cfg, rank)
         start = 0
         if resume and existing is not None:
