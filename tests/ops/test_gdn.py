@@ -233,3 +233,19 @@ def test_native_batches_sequences_like_one_at_a_time():
         torch.testing.assert_close(out[a:b], one, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(batched.running, alone.running, rtol=1e-5, atol=1e-6)
     assert not torch.equal(batched.running[5], torch.zeros_like(batched.running[5]))  # zero-length: untouched
+
+
+def test_native_conv_batches_sequences_like_one_at_a_time():
+    # Mixed lengths (shorter than the kernel's history, zero-length, resumed and fresh) in one batched call.
+    lens, starts = [13, 1, 2, 0, 6], [0, 5, 9, 3, 0]
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(sum(lens), 12, generator=gen), torch.randn(12, 4, generator=gen)
+    cu, slots = _cu(lens), torch.tensor([3, 0, 4, 1, 2])
+    batched = torch.randn(5, 12, 3, generator=gen)
+    alone = batched.clone()
+    out = causal_conv1d(x, w, cu, conv_state=batched, slots=slots, starts=torch.tensor(starts), profile="performance")
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        one = causal_conv1d(x[a:b], w, _cu([b - a]), conv_state=alone, slots=slots[i : i + 1],
+                            starts=torch.tensor([starts[i]]), profile="performance")  # fmt: skip
+        torch.testing.assert_close(out[a:b], one, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batched, alone, rtol=0, atol=0)  # state rows are copies of inputs

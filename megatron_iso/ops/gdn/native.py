@@ -29,23 +29,34 @@ def causal_conv1d(
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.conv1d`` (depthwise, history from ``conv_state``) + ``F.silu`` per sequence, in x's dtype."""
+    """``F.conv1d`` (depthwise, history from ``conv_state``) + ``F.silu``, in x's dtype; the call's
+    sequences run as one zero-padded batch."""
     cu, st = _starts(cu_seqlens, starts)
     _check_state(conv_state, slots, st)
     cd, kw = weight.shape
-    outs = []
-    for i in range(len(cu) - 1):
-        seg = x[cu[i] : cu[i + 1]].t()[None]  # [1, Cd, n]
-        prev = (
-            torch.zeros(1, cd, kw - 1, dtype=x.dtype, device=x.device)
-            if st[i] == 0
-            else conv_state[int(slots[i])][None].to(x.dtype)
-        )
-        ext = torch.cat([prev, seg], -1)
-        outs.append(F.silu(F.conv1d(ext, weight[:, None], groups=cd))[0].t())
-        if conv_state is not None:
-            conv_state[int(slots[i])] = ext[0, :, -(kw - 1) :].detach()
-    return torch.cat(outs)
+    lens = [b - a for a, b in itertools.pairwise(cu)]
+    if not lens:
+        return x[:0]
+    longest = max(lens)
+    segs = pad_sequence([x[a:b] for a, b in itertools.pairwise(cu)], batch_first=True)  # [B, L, Cd]
+    prev = torch.zeros(len(lens), kw - 1, cd, dtype=x.dtype, device=x.device)
+    if conv_state is not None:
+        slot_ids = slots.to(device=x.device, dtype=torch.long)
+        resumed = torch.tensor([s > 0 for s in st], device=x.device)
+        prev = torch.where(resumed[:, None, None], conv_state[slot_ids].transpose(1, 2).to(x.dtype), prev)
+    ext = torch.cat([prev, segs], 1)  # [B, K-1+L, Cd]
+    y = (
+        F.silu(F.conv1d(ext.transpose(1, 2), weight[:, None], groups=cd)).transpose(1, 2)  # [B, L, Cd]
+        if longest
+        else ext[:, :0]  # only empty sequences: no output rows (F.conv1d refuses an input shorter than K)
+    )
+    src = torch.cat([torch.arange(n) + j * longest for j, n in enumerate(lens)]).to(x.device)
+    if conv_state is not None:
+        # Each sequence's last K-1 inputs (its history when it had fewer tokens than that).
+        last = (torch.tensor(lens)[:, None] + torch.arange(kw - 1)).to(x.device)
+        tail = ext.gather(1, last[..., None].expand(-1, -1, cd))
+        conv_state[slot_ids] = tail.transpose(1, 2).detach().to(conv_state.dtype)
+    return y.reshape(-1, cd)[src]
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
