@@ -7,6 +7,11 @@ the correctness (iso) and performance (native) profiles side by side, in one pro
 Step 0 of each profile is a warm-up (Triton compiles, allocator growth) and is excluded from the
 timing means. Prints a markdown table; writes every step's metrics to ``--out``.
 
+Multi-GPU: under ``torchrun --nproc-per-node N`` with ``parallel.tp=N`` (and ``parallel.sp=true``)
+every rank runs its share on ``cuda:<LOCAL_RANK>`` over NCCL; rank 0 prints and writes ``--out``.
+
+    torchrun --nproc-per-node 2 tools/bench_rl_step.py --model qwen3_0p6b --out rl_step_tp2.json parallel.tp=2
+
 ``--profile-step K``: step K of each profile runs under torch.profiler with a range per phase
 (``rl: rollout``, ``rl: train``, ``rl: publish``) and per model module (forward only; the backward's
 ops appear by name): top ops by self CUDA / CPU time and the parts, printed and in the JSON. That
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +32,10 @@ from pathlib import Path
 import torch
 
 from megatron_iso.bench.profiling import module_ranges, print_summary, ranged, summarize
+
+# torchrun's rank (0 without torchrun): rank 0 alone prints and writes; every rank runs every step.
+RANK = int(os.environ.get("RANK", "0"))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _profiled_step(trainer, step: int, rows: int) -> tuple[dict, dict]:
@@ -48,26 +58,48 @@ def _profiled_step(trainer, step: int, rows: int) -> tuple[dict, dict]:
     return metrics, summarize(prof, rows, device=cuda)
 
 
-def run_profile(profile: str, args: argparse.Namespace) -> dict:
+def _config(profile: str, args: argparse.Namespace, out_dir: str):
     from megatron_iso.config import load_config
-    from megatron_iso.parallel.world import launched_world
+
+    return load_config(
+        [
+            f"model={args.model}",
+            f"profile={profile}",
+            f"rl.group_size={args.group}",
+            f"rl.max_new_tokens={args.new_tokens}",
+            f"task.prompts_per_step={args.prompts}",
+            f"task.prompt_len={args.prompt_len}",
+            f"rollout.kv_cache_mb={args.kv_cache_mb}",
+            f"out_dir={out_dir}",
+            *args.overrides,
+        ]
+    )
+
+
+def _layout() -> dict[str, int]:
+    """The running world's size and Megatron layout: what the timings were measured on."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def run_profile(profile: str, args: argparse.Namespace) -> dict:
+    from megatron_iso.parallel.world import config_world, seed_ranks
     from megatron_iso.rl.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(
-            [
-                f"model={args.model}",
-                f"profile={profile}",
-                f"rl.group_size={args.group}",
-                f"rl.max_new_tokens={args.new_tokens}",
-                f"task.prompts_per_step={args.prompts}",
-                f"task.prompt_len={args.prompt_len}",
-                f"rollout.kv_cache_mb={args.kv_cache_mb}",
-                f"out_dir={tmp}",
-                *args.overrides,
-            ]
-        )
-        with launched_world(seed=int(cfg.seed)) as rank:
+        cfg = _config(profile, args, tmp)
+        # Inside main's world (its layout checked against this config's); seeded afresh so each
+        # profile starts from the state a world of its own would give it.
+        with config_world(cfg) as rank:
+            seed_ranks(int(cfg.seed))
+            layout = _layout()
             t0 = time.perf_counter()
             trainer = Trainer(cfg, rank)
             build_s = time.perf_counter() - t0
@@ -77,16 +109,17 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
             for step in range(args.steps):
                 if step == args.profile_step:
                     metrics, profiled = _profiled_step(trainer, step, args.profile_rows)
-                    print(f"\n### profile: {profile}, step {step}")
-                    print_summary(profiled)
+                    if rank == 0:
+                        print(f"\n### profile: {profile}, step {step}")
+                        print_summary(profiled)
                 else:
                     metrics = trainer.step(step)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 steps.append(metrics)
-                print(
-                    f"[{profile}] step {step}: " + json.dumps({k: round(v, 6) for k, v in metrics.items()}), flush=True
-                )
+                if rank == 0:
+                    line = json.dumps({k: round(v, 6) for k, v in metrics.items()})
+                    print(f"[{profile}] step {step}: {line}", flush=True)
             del trainer
     gc.collect()
     if torch.cuda.is_available():
@@ -98,6 +131,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
 
     return {
         "profile": profile,
+        **layout,
         "build_s": build_s,
         "gen_s": mean("timing/gen_s"),
         "train_s": mean("timing/train_s"),
@@ -127,16 +161,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("rl_step.json"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args(argv)
-    results, failures = [], {}
-    for profile in args.profiles:
-        try:
-            results.append(run_profile(profile, args))
-        except Exception:  # keep the other profile's numbers; the traceback says what broke
-            import traceback
+    from megatron_iso.parallel.world import config_world
 
-            failures[profile] = traceback.format_exc()
-            print(failures[profile], file=sys.stderr, flush=True)
+    results, failures = [], {}
+    # One world for every profile: the config's layout (parallel.tp/pp/ep; under torchrun each rank
+    # on cuda:<LOCAL_RANK> over NCCL). torchrun's rendezvous store cannot host a second world in the
+    # same processes (the re-init finds the first world's stale addresses).
+    with config_world(_config(args.profiles[0], args, tempfile.gettempdir())):
+        for profile in args.profiles:
+            try:
+                results.append(run_profile(profile, args))
+            except Exception:  # keep the other profile's numbers; the traceback says what broke
+                import traceback
+
+                failures[profile] = traceback.format_exc()
+                print(f"[rank {RANK}] {failures[profile]}", file=sys.stderr, flush=True)
+                if WORLD_SIZE > 1:
+                    raise  # the other ranks may wait in a collective: exit so torchrun stops them all
+    if RANK != 0:
+        return 0
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if WORLD_SIZE > 1:
+        device = f"{WORLD_SIZE} x {device}"
     print(f"\n{args.model} on {device}: {args.prompts} prompts x {args.group} samples, {args.new_tokens} new tokens")
     print("| profile | gen s | train s | step s | gen tok/s | peak GB | max abs dlogp | bitwise frac |")
     print("|---|---|---|---|---|---|---|---|")

@@ -39,6 +39,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def seed_ranks(seed: int) -> None:
+    """torch's RNG and Megatron's model-parallel RNG tracker from ``seed``, as a new world seeds
+    them; a run that starts over inside a world it keeps (tools/bench_rl_step.py) calls it again."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
 @contextlib.contextmanager
 def megatron_world(
     init: dict[str, object], tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234
@@ -50,13 +59,11 @@ def megatron_world(
     silence_expected_cpu_warnings()
     apply_cpu_patches()
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     dist.init_process_group(**init)
     try:
         initialize_layout(tp, pp, ep, etp)
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+        seed_ranks(seed)
         yield
     finally:
         if parallel_state.model_parallel_is_initialized():
