@@ -24,6 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan
 from megatron_iso.ops.gdn.state_cache import GDNStateCache
+from megatron_iso.ops.rope import check_position
 
 CASES = ("trainer_forward", "prefill", "decode")
 
@@ -40,6 +41,9 @@ class IsoBatch(PackedSeqParams):
     # Host copy of cu_seqlens_q / cache_seqlens / slots (pack knows them as lists): the attention
     # layers read it instead of syncing on the tensors, and share index tensors built from it.
     kv_plan: KVStepPlan | None = None
+    # Largest |position| (pack knows it from host ints and range-checks it there): RoPE's range
+    # check uses it instead of reading ``positions`` back (a host sync on GPU). None: RoPE reads them.
+    max_position: int | None = None
     # Per-call values every layer would compute the same way (RoPE cos/sin of ``positions``), built
     # by the first layer that needs them: the same function of the same inputs, so the same bits.
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -107,6 +111,13 @@ def pack(
     starts = list(start_positions) if start_positions is not None else [0] * len(lengths)
     if len(starts) != len(lengths):
         raise ValueError(f"start_positions has {len(starts)} entries for {len(lengths)} sequences")
+    # RoPE's exact range, checked on the host ints (the largest |position| of a sequence is at one
+    # of its ends); the forward then never reads positions back to check them.
+    max_position = 0
+    for i, (a, n) in enumerate(zip(starts, lengths, strict=True)):
+        top = max(abs(int(a)), abs(int(a) + n - 1))
+        check_position(top, where=f"pack: sequence {i} (start_positions[{i}]={a}, {n} tokens): ")
+        max_position = max(max_position, top)
     # Absolute positions without a per-sequence arange: start of its sequence + offset within it.
     counts = torch.tensor(lengths, dtype=torch.int64)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), counts)
@@ -135,6 +146,7 @@ def pack(
         gdn_cache=gdn_cache,
         gdn_slots=None if gdn_slots is None else _to(list(gdn_slots), device),
         kv_plan=plan,
+        max_position=max_position,
     )
     if gdn_cache is not None and kv_cache is None:
         raise ValueError("gdn_cache is given without kv_cache: prefill/decode of a hybrid model needs both")

@@ -111,7 +111,13 @@ class CachedSelfAttention(SelfAttention):
         # The same positions in every layer: cos/sin once per forward (HF computes them once too).
         rope_key = ("rope_cos_sin", self.rotary_dim, self.rope_theta, self.profile)
         if rope_key not in batch.memo:
-            batch.memo[rope_key] = rope_cos_sin(batch.positions, self.rotary_dim, self.rope_theta, profile=self.profile)
+            batch.memo[rope_key] = rope_cos_sin(
+                batch.positions,
+                self.rotary_dim,
+                self.rope_theta,
+                profile=self.profile,
+                max_position=batch.max_position,  # host bound from pack: no read-back to check the range
+            )
         cos, sin = batch.memo[rope_key]
         query = apply_rope(query, cos, sin, profile=self.profile)
         key = apply_rope(key, cos, sin, profile=self.profile)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_iso.contract.registry import lookup
-from megatron_iso.ops.rope import apply_rope, inv_frequencies, rope_cos_sin, rotary_dim_for
+from megatron_iso.ops.rope import MAX_POSITION, apply_rope, inv_frequencies, rope_cos_sin, rotary_dim_for
+from megatron_iso.ops.rope import reference as rope_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 MS = [1, 2, 3, 7, 8, 64]
@@ -102,6 +103,48 @@ def test_errors_and_registry() -> None:
         impl = lookup(op, "cpu", "correctness")
         a, b = impl.probe(), impl.probe()
         assert all(same_bits(a[k], b[k]) for k in a)
+
+
+def test_range_check_on_host_bound() -> None:
+    """The limit is exact (inv_freq[0] = 1: the largest angle is the largest position); with a host
+    bound the positions are never read (meta tensors: any read fails) and the bits are the same."""
+    assert MAX_POSITION < rope_ref.MAX_ANGLE < MAX_POSITION + 1
+    ok = torch.tensor([0, 5, MAX_POSITION])
+    for p in ([MAX_POSITION + 1], [-MAX_POSITION - 1]):
+        with pytest.raises(ValueError, match=f"position {abs(p[0])} beyond the exact reduction range"):
+            rope_cos_sin(torch.tensor(p), 8)
+    with pytest.raises(ValueError, match=f"<= {MAX_POSITION}"):
+        rope_cos_sin(ok, 8, max_position=MAX_POSITION + 1)
+    full, full_s = rope_cos_sin(ok, 64, 1e6)
+    hinted, hinted_s = rope_cos_sin(ok, 64, 1e6, max_position=MAX_POSITION)
+    assert same_bits(full, hinted) and same_bits(full_s, hinted_s)
+    cos, _ = rope_cos_sin(torch.zeros(3, dtype=torch.int64, device="meta"), 8, max_position=7)
+    assert cos.shape == (3, 8) and cos.device.type == "meta"
+    with pytest.raises(RuntimeError, match="meta"):  # without the bound the check reads the meta tensor
+        rope_cos_sin(torch.zeros(3, dtype=torch.int64, device="meta"), 8)
+    # inv_freq: one device copy per (rotary_dim, theta, device), the reference's values.
+    a = rope_ref.inv_frequencies_on(64, 1e6, torch.device("cpu"))
+    assert a is rope_ref.inv_frequencies_on(64, 1e6, torch.device("cpu"))
+    assert torch.equal(a.view(torch.int64), inv_frequencies(64, 1e6).view(torch.int64))
+
+
+def test_pack_checks_positions_on_host() -> None:
+    """pack knows the positions as host ints: it checks the range (naming the sequence) and records
+    the bound the forward's RoPE uses instead of reading the positions back."""
+    from megatron_iso.models.batch import pack
+    from megatron_iso.ops.attention.kv_cache import KVCache
+
+    _, batch = pack([[1, 2, 3], [4]])
+    assert batch.max_position == int(batch.positions.abs().max()) == 2
+    for case, starts in (("prefill", [10, MAX_POSITION - 2]), ("decode", [MAX_POSITION, 7])):
+        seqs = [[1, 2], [3, 4, 5]] if case == "prefill" else [[1], [2]]
+        kv = KVCache.allocate(1, 2, 4, 1, 2)
+        _, batch = pack(seqs, start_positions=starts, case=case, kv_cache=kv, slots=[0, 1])
+        assert batch.max_position == int(batch.positions.abs().max()) == MAX_POSITION
+        bad = [starts[0], starts[1] + 1] if case == "prefill" else [starts[0] + 1, starts[1]]
+        i = 1 if case == "prefill" else 0
+        with pytest.raises(ValueError, match=rf"sequence {i} \(start_positions\[{i}\]={bad[i]}.*<= {MAX_POSITION}"):
+            pack(seqs, start_positions=bad, case=case, kv_cache=kv, slots=[0, 1])
 
 
 def test_native_differences_measured() -> None:

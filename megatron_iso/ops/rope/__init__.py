@@ -11,16 +11,25 @@ import torch
 from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.dispatch import select
 from megatron_iso.ops.rope import native, reference  # noqa: F401  (imports register the implementations)
-from megatron_iso.ops.rope.reference import inv_frequencies, rotary_dim_for
+from megatron_iso.ops.rope.reference import MAX_POSITION, check_position, inv_frequencies, rotary_dim_for
 
 TRITON_MODULE = "megatron_iso.ops.rope.rope_triton"
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0, *, profile: str = "correctness"
+    positions: torch.Tensor,
+    rotary_dim: int,
+    theta: float = 10000.0,
+    *,
+    profile: str = "correctness",
+    max_position: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin`` of shape ``[*positions.shape, rotary_dim]`` for absolute integer positions."""
-    return select("rope_cos_sin", positions, profile, TRITON_MODULE)(positions, rotary_dim, theta)
+    """float32 ``cos, sin`` of shape ``[*positions.shape, rotary_dim]`` for absolute integer positions.
+
+    ``max_position``: a host bound on ``|positions|`` (``IsoBatch.max_position``, from ``pack``); with
+    it the correctness profile's range check reads nothing back from the device."""
+    fn = select("rope_cos_sin", positions, profile, TRITON_MODULE)
+    return fn(positions, rotary_dim, theta, max_position=max_position)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
@@ -29,4 +38,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile
     return with_plain_backward(fn, native.apply_rope, x, cos, sin) if profile == "correctness" else fn(x, cos, sin)
 
 
-__all__ = ["TRITON_MODULE", "apply_rope", "inv_frequencies", "rope_cos_sin", "rotary_dim_for"]
+__all__ = [
+    "MAX_POSITION",
+    "TRITON_MODULE",
+    "apply_rope",
+    "check_position",
+    "inv_frequencies",
+    "rope_cos_sin",
+    "rotary_dim_for",
+]

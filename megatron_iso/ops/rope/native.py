@@ -10,8 +10,13 @@ import torch
 from megatron_iso.contract.registry import OpImpl, register
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF ``RotaryEmbedding``: fp32 ``inv_freq``, fp32 angles, ``torch.cos``/``torch.sin``."""
+def rope_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0, *, max_position: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``RotaryEmbedding``: fp32 ``inv_freq``, fp32 angles, ``torch.cos``/``torch.sin``.
+
+    ``max_position`` is accepted for the dispatch's common signature and unused: the fp32 formula
+    has no exact range to check (HF does not check either)."""
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim
     inv_freq = 1.0 / (theta**exponent)
     freqs = positions.float().unsqueeze(-1) * inv_freq

@@ -14,6 +14,7 @@ halves); a partial rotary factor rotates the first ``rotary_dim`` channels and p
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,6 +30,22 @@ _TWO_OVER_PI = 2.0 / math.pi
 _SIN_COEFFS = [(-1.0) ** n / math.factorial(2 * n + 1) for n in range(9)]
 _COS_COEFFS = [(-1.0) ** n / math.factorial(2 * n) for n in range(9)]
 MAX_ANGLE = float(2**20) * _PIO2_HI
+# inv_freq[0] = theta ** 0 = 1 exactly, so a call's largest |angle| is its largest |position|: the
+# range check needs only that integer, which whoever builds the positions knows on the host.
+MAX_POSITION = int(MAX_ANGLE)
+
+
+def check_position(position: int, where: str = "") -> None:
+    """Raise if ``|position|`` is beyond the exact angle reduction (``MAX_POSITION``); host ints only.
+
+    ``where`` prefixes the message (e.g. which sequence of a pack). Training and rollout positions
+    are checked once, where they are built (``models.batch.pack``), so no forward reads them back.
+    """
+    if abs(int(position)) > MAX_POSITION:
+        raise ValueError(
+            f"{where}position {int(position)} beyond the exact reduction range of RoPE: |position| <= {MAX_POSITION} "
+            f"(angle limit {MAX_ANGLE:.10g} rad at inv_freq[0] = 1)"
+        )
 
 
 def inv_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -39,6 +56,13 @@ def inv_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     return torch.tensor([1.0 / (theta ** (2 * i / rotary_dim)) for i in range(rotary_dim // 2)], dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def inv_frequencies_on(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """:func:`inv_frequencies` on ``device``, cached: one host-to-device copy per (config, device), not
+    one per call (on CUDA a blocking copy is a host sync). Shared; never modify it in place."""
+    return inv_frequencies(rotary_dim, theta).to(device)
 
 
 def rotary_dim_for(head_dim: int, fraction: float = 1.0) -> int:
@@ -71,14 +95,24 @@ def _sincos64(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sin, cos
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, float32, shape ``[*positions.shape, rotary_dim]``, for absolute integer positions."""
+def max_abs_position(positions: torch.Tensor) -> int:
+    """``max |positions|`` read back from the tensor (a host sync on GPU; 0 when empty)."""
+    return int(positions.abs().max()) if positions.numel() else 0
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0, *, max_position: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, float32, shape ``[*positions.shape, rotary_dim]``, for absolute integer positions.
+
+    ``max_position``: the caller's host bound on ``|positions|`` (``IsoBatch.max_position``); given,
+    the range check uses it and the tensor is not read back.
+    """
     if positions.is_floating_point():
         raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
-    inv = inv_frequencies(rotary_dim, theta).to(positions.device)
+    check_position(max_abs_position(positions) if max_position is None else max_position)
+    inv = inv_frequencies_on(int(rotary_dim), float(theta), positions.device)
     angle = positions.to(torch.float64).unsqueeze(-1) * inv
-    if angle.numel() and float(angle.abs().max()) > MAX_ANGLE:
-        raise ValueError(f"rope angle {float(angle.abs().max()):.3g} beyond the exact reduction range {MAX_ANGLE:.3g}")
     sin, cos = _sincos64(angle)
     cos = torch.cat([cos, cos], dim=-1).float()
     sin = torch.cat([sin, sin], dim=-1).float()

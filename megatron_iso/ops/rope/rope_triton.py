@@ -6,12 +6,11 @@ a sum, each rounded; ``rotate_half``'s negation is a sign flip), rounded to ``x.
 pass-through channels copied. Compiled without FMA contraction, so ``a * b + c`` keeps its two
 roundings. ``rope_cos_sin``: the float64 angle ``position * inv_freq`` and the Cody-Waite + Taylor
 ``_sincos64`` of the reference, through ``activation.pointwise_triton.sincos64``, rounded to float32.
-The per-config ``inv_freq`` table is the reference's (Python floats), cached per device.
+The per-config ``inv_freq`` table is the reference's (Python floats), cached per device; the range
+check is the reference's, on a host bound when the caller has one (no host sync then).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.activation.pointwise_triton import NO_FMA, f32_to, neg, sincos64, to_f32
-from megatron_iso.ops.rope.reference import MAX_ANGLE, inv_frequencies
+from megatron_iso.ops.rope.reference import check_position, inv_frequencies_on, max_abs_position
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 2048  # elements per program (heads x head_dim); launch shape only, never changes a bit
@@ -103,29 +102,23 @@ def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, P, HALF: tl.constex
     tl.store(sin_ptr + base + HALF, s32, mask=mask)
 
 
-@functools.lru_cache(maxsize=64)
-def _inv_freq_on(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    # A function of the config only; one host-to-device copy per (config, device).
-    return inv_frequencies(rotary_dim, theta).to(device)
-
-
 def rope_cos_sin_triton(
-    positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0
+    positions: torch.Tensor, rotary_dim: int, theta: float = 10000.0, *, max_position: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin`` of shape ``[*positions.shape, rotary_dim]``; same bits as ``reference.rope_cos_sin``."""
+    """float32 ``cos, sin`` of shape ``[*positions.shape, rotary_dim]``; same bits as ``reference.rope_cos_sin``.
+
+    ``max_position``: host bound on ``|positions|`` (``IsoBatch.max_position``); without it the
+    range check reads the positions back (one host sync).
+    """
     if positions.is_floating_point():
         raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
-    inv = _inv_freq_on(int(rotary_dim), float(theta), positions.device)
+    check_position(max_abs_position(positions) if max_position is None else max_position)
+    inv = inv_frequencies_on(int(rotary_dim), float(theta), positions.device)
     shape = (*positions.shape, rotary_dim)
     cos = torch.empty(shape, dtype=torch.float32, device=positions.device)
     sin = torch.empty(shape, dtype=torch.float32, device=positions.device)
     if positions.numel() == 0:
         return cos, sin
-    # The reference's range check without its fp64 angle tensor: the largest inv_freq is theta^0 = 1
-    # exactly, so max |angle| is max |position|. One host sync, once per forward (cos/sin are memoised).
-    top = float(positions.to(torch.float64).abs().max())
-    if top > MAX_ANGLE:
-        raise ValueError(f"rope angle {top:.3g} beyond the exact reduction range {MAX_ANGLE:.3g}")
     flat = positions.reshape(-1).contiguous()
     half = rotary_dim // 2
     block_f = triton.next_power_of_2(half)
