@@ -1,6 +1,9 @@
-"""A one-process Megatron world (TP=PP=EP=1 over a single gloo rank), for tools that build a model
-in the calling process: conversion checks, notebooks, CLIs. Multi-rank work goes through
-``megatron_iso.testing.harness.run_on_ranks`` (tests) or torchrun (launches) instead."""
+"""The worlds megatron_iso opens: torch.distributed plus Megatron's parallel_state for a layout.
+
+``megatron_world`` (one world, any init), ``single_process_world`` (TP=PP=EP=1 in the calling process:
+conversion checks, notebooks, CLIs), ``launched_world`` / ``config_world`` (a torchrun launch: gloo on CPU,
+NCCL on ``cuda:<LOCAL_RANK>``). Multi-rank tests start their ranks with ``parallel.launch.run_on_ranks``
+(forked gloo ranks) or ``parallel.torchrun.run_under_torchrun`` (torchrun; NCCL on GPUs)."""
 
 from __future__ import annotations
 
