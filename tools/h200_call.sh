@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call on the lent H200 machine(s), run from the repo root: named steps, each with its own time
+# limit, logs and JSON under $OUT, a short tail of each log on stdout. Carry [".whl", ".pydeps"] (the wheels
+# the device image lacks: megatron-core, hydra-core, fla-core, einops; omegaconf/antlr4 sources).
+#
+#   bash tools/h200_call.sh gputests gdn rl            # steps in the order given
+#   STEP_LIMIT_SCALE=0.5 bash tools/h200_call.sh ...   # scale every step's limit (a shorter call)
+#
+# Steps (seconds are each step's limit; a step cut by its limit still leaves its log and partial JSON):
+#   gputests 300   pytest tests/gpu (every single-GPU bitwise test)
+#   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
+#   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
+#   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
+#   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run
+#   decode   200   bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens (cut per run)
+#   moe      100   bench_ops --moe: grouped expert GEMM vs cuBLAS per-expert loop
+#   nccl     300   needs 2 GPUs (nvidia-h200-x2): tests/multigpu over NCCL
+#   rltp2    420   needs 2 GPUs: bench_rl_step at TP=2 under torchrun
+# Commands and the numbers they produced: docs/PERFORMANCE.md.
+set -u
+: "${OUT:?OUT must name the folder results are written to}"
+steps="gputests gdn gdnprof rl rlhybrid decode moe nccl rltp2"
+for s in "$@"; do
+  case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD/.pydeps:$PWD" PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+scale=${STEP_LIMIT_SCALE:-1}
+
+step() {  # step NAME LIMIT_S TAIL_LINES CMD...
+  local name=$1 limit tail_n=$3 t0=$SECONDS
+  limit=$(python3 -c "print(max(1, int($2 * $scale)))")
+  shift 3
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$? in $((SECONDS - t0)) s"
+  grep -v -e "Warning" -e "warnings.warn" -e "Unknown MLP type" "$OUT/$name.log" | tail -n "$tail_n"
+}
+
+for s in "$@"; do
+  case $s in
+    gputests) step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE tests/gpu ;;
+    gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
+    gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
+    rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
+      --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
+    rlhybrid) step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
+      --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --out "$OUT/rl_step_hybrid.json" ;;
+    decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
+      --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
+    moe) step moe 100 20 python3 tools/bench_ops.py --moe --skip-gemm --skip-mem --out "$OUT/bench_moe.json" ;;
+    nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu/test_nccl_invariance.py ;;
+    rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
+      --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \
+      --out "$OUT/rl_step_tp2.json" parallel.tp=2 ;;
+  esac
+done
