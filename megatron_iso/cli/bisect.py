@@ -6,6 +6,7 @@ weights and tokens, each in its own process group. Examples::
     iso-bisect --a "profile=correctness" --b "profile=performance"
     iso-bisect --a "profile=performance" --b "profile=performance case=prefill_decode"
     iso-bisect --a "parallel.tp=1" --b "parallel.tp=2 parallel.sp=true"
+    iso-bisect --launcher torchrun --a "parallel.tp=1" --b "parallel.tp=2"   # ranks by torchrun (NCCL on GPUs)
 
 Exit codes: 0 no divergence; 1 a divergence (printed: layer, op, case, max |diff|, the op's
 implementation ids on both sides); 2 bad input.
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=3, help="token seed")
     p.add_argument("--weights-seed", type=int, default=7)
     p.add_argument("--json", dest="json_out", default=None, help="also write every compared op to this file")
+    p.add_argument(
+        "--launcher", default="gloo", help="how each side's ranks start: gloo (forked CPU ranks) or torchrun"
+    )
     return p
 
 
@@ -39,12 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``iso-bisect``; returns the exit code."""
     args = _parser().parse_args(argv)
     from megatron_iso.bench.bisect import BisectInput, bisect, format_result, parse_side
+    from megatron_iso.bench.grid import check_launcher
 
     try:
+        launcher = check_launcher(args.launcher, "--launcher")
         a, b = parse_side(args.a), parse_side(args.b)
         inp = BisectInput(args.num_seqs, args.prompt_len, args.total_len, args.seed, args.weights_seed)
         inp.sequences(2)  # validate before starting any rank
-        result = bisect(a, b, inp)
+        result = bisect(a, b, inp, launcher=launcher)
     except ValueError as exc:
         print(f"iso-bisect: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
