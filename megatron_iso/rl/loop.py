@@ -276,6 +276,11 @@ class Trainer:
         metrics |= mismatch_metrics(rollout_all, trainer_all, self.loss_cfg.clip_low, self.loss_cfg.clip_high)
         gen_tokens = sum(len(s.tokens) for s in samples) * self.dp_size
         step_s = time.perf_counter() - t0
+        peak = peak_memory_bytes(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # the largest rank's, not rank 0's
+            peak_t = torch.tensor([peak], dtype=torch.int64, device=self.device)
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            peak = int(peak_t.item())
         metrics |= {
             "reward/mean": float(rewards_all.mean()),
             "reward/std": float(rewards_all.std(unbiased=False)),
@@ -284,7 +289,7 @@ class Trainer:
             "timing/train_s": train_s,
             "timing/step_s": step_s,
             "throughput/gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
-            "memory/peak_bytes": float(peak_memory_bytes(self.device)),
+            "memory/peak_bytes": float(peak),
         }
         return metrics
 
