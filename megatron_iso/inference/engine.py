@@ -49,6 +49,7 @@ from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.scoring import token_logprobs
+from megatron_iso.ops.logprob import host_checked_temperature
 from megatron_iso.parallel.tree_collectives import gather_along
 from megatron_iso.parallel.vocab import log_softmax
 
@@ -383,7 +384,9 @@ class RolloutEngine:
         # A decode step samples every row once, in order: the logits rows are used as they are.
         rows = logits if src == list(range(logits.shape[0])) else logits.index_select(0, on_dev[0].long())
         greedy = on_dev[1] != 0
-        temp = on_dev[2].float().unsqueeze(-1)
+        # The temperatures are host values (validated, greedy rows at 1.0): checked here, so the
+        # scoring ops do not read them back from the device (2 host syncs per step on GPU).
+        temp = host_checked_temperature(on_dev[2].float().unsqueeze(-1), host[2].float().unsqueeze(-1))
         mc = self.model.config
         group = (
             parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
@@ -397,15 +400,20 @@ class RolloutEngine:
             recorded = token_logprobs(rows, tokens, mc, temperature=temp)
             k = max(p.top_logprobs for p in params)
             top = top_logprobs(logp, k) if k else None
-        # One device-to-host read for both (float64 holds the ids and the fp32 logprobs exactly).
-        tokens_f, logp_l = torch.stack((tokens.double(), recorded.double())).tolist()
-        tokens_l = [int(t) for t in tokens_f]
+        # One device-to-host read for all of it, top logprobs included (were 2 reads per row that
+        # asked for them): float64 holds the ids and the fp32 logprobs exactly.
+        parts = [tokens.double().unsqueeze(-1), recorded.double().unsqueeze(-1)]
+        if top is not None:
+            parts += [top[0].double(), top[1].double()]
+        rows_l = torch.cat(parts, dim=-1).tolist()
+        tokens_l = [int(row[0]) for row in rows_l]
         for r, ((s, i), p) in enumerate(zip(meta, params, strict=True)):
             out = s.group.output.samples[i]
             out.tokens.append(tokens_l[r])
-            out.logprobs.append(logp_l[r])
+            out.logprobs.append(rows_l[r][1])
             if p.top_logprobs:
-                ids, vals = top[0][r, : p.top_logprobs].tolist(), top[1][r, : p.top_logprobs].tolist()
+                ids = [int(t) for t in rows_l[r][2 : 2 + p.top_logprobs]]
+                vals = rows_l[r][2 + k : 2 + k + p.top_logprobs]
                 out.top_logprobs = (out.top_logprobs or []) + [list(zip(ids, vals, strict=True))]
             self.stats.generated_tokens += 1
             out.finish_reason = _finish_reason(p, out, len(s.group.request.prompt), self.max_model_len)

@@ -131,6 +131,39 @@ def test_bad_target_and_dtype() -> None:
         token_logprobs_shards(list(logits.chunk(16, -1)), torch.tensor([0, 1]))
 
 
+def test_temperature_checks_and_host_checked_tensors() -> None:
+    """The range check runs on the fp32-rounded temperature; a Python number is checked on the
+    host, a device tensor is read back once, and a tensor marked by ``host_checked_temperature``
+    (values checked on the host before the upload) is not read at all. Same bits every way."""
+    from megatron_iso.ops.logprob import host_checked_temperature
+    from megatron_iso.testing.host_reads import HostReadCounter
+
+    logits, _ = make(3, 64, torch.float32)
+    for bad in (1e-50, 1e39, float("nan"), -1.0, torch.tensor([[1.0], [0.0], [2.0]]), torch.tensor(1e39).double()):
+        with pytest.raises(ValueError, match="finite and > 0"):
+            scale_logits(logits, bad)
+    host = torch.tensor([[0.5], [1.0], [1.7]])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        host_checked_temperature(host.clone(), torch.tensor([[0.5], [float("inf")], [1.0]]))
+    with pytest.raises(ValueError, match="CPU tensor of t's shape"):
+        host_checked_temperature(host.clone(), host[:2])
+    reads = []
+    with HostReadCounter() as c:
+        c.seed(logits)
+        for marked in (False, True):
+            t = host.to("cpu", non_blocking=True)  # the device copy
+            if marked:
+                host_checked_temperature(t, host)
+            c.clear()
+            out = scale_logits(logits, t)
+            reads.append(len(c.reads))
+            assert same_bits(out, logits / host)
+        c.clear()
+        scale_logits(logits, 0.7)
+        reads.append(len(c.reads))
+    assert reads == [1, 0, 0], reads
+
+
 def test_backward_matches_softmax_minus_onehot() -> None:
     logits, targets = make(5, 64, torch.float32)
     grads = []

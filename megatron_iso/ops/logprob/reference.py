@@ -24,9 +24,35 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES, check_dtype, validate_leaves
 from megatron_iso.ops.tree import tree_sum_dim
+
+# Temperature tensors whose values were checked on the host before they were uploaded
+# (:func:`host_checked_temperature`): :func:`scale_logits` does not read them back, a host sync
+# per call on GPU. Weak keys: an entry goes with its tensor.
+_HOST_CHECKED = WeakIdKeyDictionary()
+
+
+def _check_temperature(t32: torch.Tensor, given: object) -> None:
+    # On the fp32-rounded values (what divides): one read for both conditions (NaN fails isfinite).
+    if bool(((t32 <= 0) | ~torch.isfinite(t32)).any()):
+        raise ValueError(f"temperature must be finite and > 0 (after rounding to fp32), got {given!r}")
+
+
+def host_checked_temperature(t: torch.Tensor, host_values: torch.Tensor) -> torch.Tensor:
+    """``t``, marked as a valid temperature: the caller vouches that ``t`` holds ``host_values`` (a
+    CPU tensor, checked here after rounding to fp32: finite and > 0), e.g. its device copy.
+    ``scale_logits`` then skips its range check's read-back of ``t``. Returns ``t``."""
+    if host_values.device.type != "cpu" or host_values.shape != t.shape:
+        raise ValueError(
+            f"host_values must be a CPU tensor of t's shape {tuple(t.shape)}, got "
+            f"{tuple(host_values.shape)} on {host_values.device}"
+        )
+    _check_temperature(host_values.float(), host_values)
+    _HOST_CHECKED[t] = True
+    return t
 
 
 def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -34,12 +60,16 @@ def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) 
 
     A 0-dim tensor divisor on the logits' device is used on purpose: dividing by a Python scalar
     lets some backends multiply by a reciprocal instead (a different rounding). A tensor
-    temperature (e.g. per sequence, shape [..., 1]) broadcasts.
+    temperature (e.g. per sequence, shape [..., 1]) broadcasts. The range check reads a tensor
+    temperature back once (a host sync on GPU) unless it was checked on the host already
+    (:func:`host_checked_temperature`); a Python number is checked on the host.
     """
     check_dtype(logits, "logits")
     t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-    if bool((t <= 0).any()) or not bool(torch.isfinite(t).all()):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    if not isinstance(temperature, torch.Tensor):
+        _check_temperature(torch.tensor(temperature, dtype=torch.float32), temperature)
+    elif temperature not in _HOST_CHECKED:
+        _check_temperature(t, temperature)
     return logits.float() / t
 
 
