@@ -30,6 +30,7 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_edge_suite_vs_cpu_reference():
     """Helpers (fp64 bits), SwiGLU, rope_cos_sin, apply_rope: every check of the interpreter suite, on CUDA."""
     suite.helper_checks("cuda")
+    suite.iso_checks("cuda")
     suite.swiglu_checks("cuda")
     suite.rope_checks("cuda")
 
@@ -103,6 +104,30 @@ def test_dispatch_and_plain_backward():
     (gq,) = torch.autograd.grad(out, q, go)
     (want,) = torch.autograd.grad(rope_native.apply_rope(q, cos, sin), q, go)
     _same(gq, want)
+
+
+def test_iso_exp_sigmoid_one_launch_and_chain_gradients():
+    """pointwise.iso_exp / iso_sigmoid of a CUDA tensor: one Triton launch, the chain's bits (forward, vs the
+    same torch chain on CUDA) and the chain's gradient bits (with_plain_backward)."""
+    from megatron_iso.bench.profiling import kernel_launches
+    from megatron_iso.ops.activation import pointwise
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = (torch.randn(64, 151, device="cuda", generator=g) * 20).requires_grad_()
+    for fn, chain in ((pointwise.iso_exp, pointwise._exp_chain), (pointwise.iso_sigmoid, pointwise._sigmoid_chain)):
+        with torch.no_grad():
+            fn(x.detach())  # compile outside the profile
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn(x.detach())
+                torch.cuda.synchronize()
+            launches = sum(row["calls"] for row in kernel_launches(prof))
+            _same(fn(x.detach()), chain(x.detach()))
+        assert launches <= 2, launches  # the kernel (+ at most one contiguous copy), not ~30 chain ops
+        y = fn(x)
+        gy = torch.randn_like(y)
+        (gx,) = torch.autograd.grad(y, x, gy)
+        (want,) = torch.autograd.grad(chain(x), x, gy)
+        _same(gx, want)
 
 
 @pytest.mark.parametrize("op", ["swiglu", "rope", "rope_cos_sin"])

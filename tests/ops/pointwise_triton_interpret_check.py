@@ -18,7 +18,7 @@ import torch
 from megatron_iso.ops.activation import pointwise
 from megatron_iso.ops.activation import reference as act_ref
 from megatron_iso.ops.activation.activation_triton import swiglu_triton
-from megatron_iso.ops.activation.pointwise_triton import eval64
+from megatron_iso.ops.activation.pointwise_triton import eval64, iso_eval
 from megatron_iso.ops.rope import reference as rope_ref
 from megatron_iso.ops.rope.rope_triton import apply_rope_triton, rope_cos_sin_triton
 
@@ -77,6 +77,22 @@ def helper_checks(device: str) -> None:
     s, c = rope_ref._sincos64(a)
     check("sin64", eval64("sin64", a.to(device)), s, a)
     check("cos64", eval64("cos64", a.to(device)), c, a)
+
+
+def iso_checks(device: str) -> None:
+    """The one-launch iso_exp / iso_sigmoid (float32 results from 16/32-bit inputs) against the torch chain,
+    and, on a GPU, that ``pointwise.iso_exp`` / ``iso_sigmoid`` of a device tensor returns the same bits."""
+    g = torch.Generator().manual_seed(14)
+    gate, _ = swiglu_inputs(torch.float32)  # fp32 edges: +-0, inf, nan, subnormals, exp over/underflow
+    x = torch.cat([gate, torch.randn(3000, generator=g) * 40, torch.randn(500, generator=g) * 1e-3])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xs = x.to(dtype)
+        want_exp, want_sig = pointwise._exp_chain(xs), pointwise._sigmoid_chain(xs)
+        check(f"iso_eval exp {dtype}", iso_eval("exp", xs.to(device)), want_exp, xs)
+        check(f"iso_eval sigmoid {dtype}", iso_eval("sigmoid", xs.reshape(2, -1).to(device)), want_sig.reshape(2, -1))
+        if device != "cpu":
+            check(f"pointwise.iso_exp {dtype} on {device}", pointwise.iso_exp(xs.to(device)), want_exp, xs)
+            check(f"pointwise.iso_sigmoid {dtype} on {device}", pointwise.iso_sigmoid(xs.to(device)), want_sig, xs)
 
 
 def swiglu_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +178,7 @@ def rope_checks(device: str) -> None:
 
 def main(device: str = "cpu") -> None:
     helper_checks(device)
+    iso_checks(device)
     swiglu_checks(device)
     rope_checks(device)
     print("ok")

@@ -50,14 +50,37 @@ def sigmoid64(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + exp64(-x))
 
 
-def iso_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) as float32, computed in float64 and rounded once; same bits for any shape."""
+def _exp_chain(x: torch.Tensor) -> torch.Tensor:
     return exp64(x.double()).float()
 
 
-def iso_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid(x) as float32, computed in float64 and rounded once; same bits for any shape."""
+def _sigmoid_chain(x: torch.Tensor) -> torch.Tensor:
     return sigmoid64(x.double()).float()
+
+
+def _on_device(name: str, chain, x: torch.Tensor) -> torch.Tensor:
+    """On CUDA, one Triton launch with the chain's bits instead of ~30 torch launches (the MoE router,
+    the shared-expert gate and the sampler call these per layer or per step); gradients stay the
+    chain's (``with_plain_backward``). Elsewhere, and for float64 inputs, the torch chain itself."""
+    if not x.is_cuda:
+        return chain(x)
+    from megatron_iso.ops.activation import pointwise_triton  # triton ships with every CUDA torch
+
+    if x.dtype not in pointwise_triton.ISO_DTYPES:
+        return chain(x)
+    from megatron_iso.ops.autograd import with_plain_backward
+
+    return with_plain_backward(lambda t: pointwise_triton.iso_eval(name, t), chain, x)
+
+
+def iso_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) as float32, computed in float64 and rounded once; same bits for any shape and device."""
+    return _on_device("exp", _exp_chain, x)
+
+
+def iso_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) as float32, computed in float64 and rounded once; same bits for any shape and device."""
+    return _on_device("sigmoid", _sigmoid_chain, x)
 
 
 def iso_silu(x: torch.Tensor) -> torch.Tensor:

@@ -189,6 +189,40 @@ def _eval64_kernel(x_ptr, y_ptr, N, FN: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, y, mask=mask)
 
 
+_ISO = {"exp": 0, "sigmoid": 1}
+# Inputs the one-launch iso_exp / iso_sigmoid take; float64 inputs stay on the torch chain.
+ISO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _iso_kernel(x_ptr, y_ptr, N, FN: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0)).to(tl.float64)  # x.double(): exact widenings
+    if FN == 0:  # noqa: SIM108 - a constexpr branch: Triton compiles only the chosen one
+        y = exp64(x)
+    else:
+        y = sigmoid64(x)
+    tl.store(y_ptr + offs, y.to(tl.float32), mask=mask)  # .float(): one rounding, to nearest even
+
+
+def iso_eval(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``pointwise.iso_exp`` / ``iso_sigmoid`` of a float32/bfloat16/float16 tensor in one launch: float32
+    result with the torch chain's bits (the same float64 operations, FMA contraction off)."""
+    if name not in _ISO:
+        raise ValueError(f"iso_eval: name={name!r}, allowed {sorted(_ISO)}")
+    if x.dtype not in ISO_DTYPES:
+        raise TypeError(f"iso_eval: dtype {x.dtype} not supported; supported {ISO_DTYPES}")
+    flat = x.reshape(-1).contiguous()
+    y = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
+    if flat.numel():
+        block = 1024
+        _iso_kernel[(triton.cdiv(flat.numel(), block),)](
+            flat, y, flat.numel(), FN=_ISO[name], BLOCK=block, num_warps=4, **NO_FMA
+        )
+    return y.reshape(x.shape)
+
+
 def eval64(name: str, x: torch.Tensor) -> torch.Tensor:
     """One helper applied elementwise to a float64 tensor (``name`` in ``exp64, sigmoid64, silu64, sin64,
     cos64``): the helpers' own float64 bits, checked against ``pointwise``/``rope.reference`` by the tests."""
