@@ -180,7 +180,23 @@ def _config(dtype: torch.dtype, head_dim: int, config: AttentionTileConfig | Non
 
 
 def _plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tile table (sequence, first row): a schedule, never arithmetic. Later (longer) tiles go first."""
+    """Tile table (sequence, first row): a schedule, never arithmetic. Later (longer) tiles go first.
+
+    A pure-decode step (one row per sequence) has the table of its batch size: built once per
+    (batch, group, block_m, device) and shared by every such step (no host sort, no copy per step;
+    a fixed device tensor, as a captured CUDA graph needs). The kernel only reads it.
+    """
+    if all(n == 1 for n in lens):
+        return _decode_plan(len(lens), group, block_m, device)
+    return _build_plan(lens, group, block_m, device)
+
+
+@functools.lru_cache(maxsize=512)
+def _decode_plan(n: int, group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _build_plan([1] * n, group, block_m, device)
+
+
+def _build_plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     seqs: list[int] = []
     rows: list[int] = []
     for i, n in enumerate(lens):
