@@ -2,7 +2,8 @@
 
 Bitwise (int32 views): training forward == prefill(P) + decode for P in {1, C-1, C, C+1, 2C+3}, chunked
 prefill pieces, packing, batch composition at mixed positions, a subset of heads (TP), at a small shape
-(C=16, Dk=Dv=32) and Qwen3-Next's per-head shape (C=64, Dk=Dv=128); conv/gates/l2norm invariance; a
+(C=16, Dk=Dv=32) and Qwen3-Next's per-head shape (C=64, Dk=Dv=128), bf16 strided inputs read in-kernel == their
+fp32 copies; conv/gates/l2norm invariance; a
 tiny_hybrid model's training-forward logits == its prefill + decode logits. With tolerances (stated in
 each test): outputs and cached states against an fp64 recurrence and the CPU reference, gradients.
 """
@@ -119,6 +120,25 @@ def test_chunked_prefill_any_pieces(gt, chunk, d, pieces):
     inc, _ = incremental(gt, x, pieces, chunk)
     full = train(gt, x, chunk)
     assert same(full, inc), f"max |d| {maxdiff(full, inc):.3e}"
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+def test_bf16_strided_inputs_read_in_kernel(gt, chunk, d):
+    """v as the model passes it (a bf16 column slice of the conv output, row stride > Hv*Dv) and bf16 q/k are
+    read and widened in-kernel: the same bits as their fp32 copies (a kernel compiled for other pointer dtypes
+    and strides), in training and in prefill + decode; the decode step's buffer rows are the exact values."""
+    x = inputs(2 * chunk + 5, 51, d)
+    t = x[0].shape[0]
+    wide = torch.cat([torch.zeros(t, 24, device="cuda"), x[2].reshape(t, -1)], 1).bfloat16()
+    v16 = wide[:, 24:].reshape(x[2].shape)
+    q16, k16 = x[0].bfloat16(), x[1].bfloat16()
+    x16 = (q16, k16, v16, x[3], x[4])
+    full = train(gt, (q16.float(), k16.float(), v16.float(), x[3], x[4]), chunk)
+    assert same(train(gt, x16, chunk), full), f"train: max |d| {maxdiff(train(gt, x16, chunk), full):.3e}"
+    inc, st = incremental(gt, x16, [chunk - 3] + [1] * (t - chunk + 3), chunk)
+    assert same(inc, full), f"prefill + decode: max |d| {maxdiff(inc, full):.3e}"
+    nb = t % chunk
+    assert same(st.buf_v[1, :nb], v16[-nb:].float()) and same(st.buf_k[1, :nb], k16[-nb:].float())
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)

@@ -3,7 +3,8 @@ tests/ops/test_gdn_triton_interpret.py (a subprocess: the variable must be set b
 
 Tiny shapes (chunk 8, Dk = Dv = 8, Dv split into blocks of 4). Bitwise: training forward == prefill(P) +
 decode for P in {1, C-1, C, C+1, 2C+3}, chunked prefill pieces, packing, batch composition with
-sequences at mixed positions, a subset of heads (TP); conv, gates, l2norm. Tolerances: the rule and the
+sequences at mixed positions, a subset of heads (TP), a bf16 strided v (read in-kernel) == its fp32 copy;
+conv, gates, l2norm. Launches: a mid-chunk decode step launches the scan kernel only. Tolerances: the rule and the
 state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
 gradients vs the reference's autograd (1e-5 relative).
 
@@ -77,6 +78,44 @@ def train(x):
     return gt.gated_delta_rule(*x, cu([x[0].shape[0]]), chunk=C)
 
 
+def count_launches(fn) -> dict[str, int]:
+    """What ``fn`` would launch on a GPU: Triton kernels by name, plus any torch op that is not an allocation
+    or a view (a cast or copy is a kernel launch on the device). The interpreter's own copies inside a
+    launch are not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    counts: dict[str, int] = {}
+    inside = [False]
+    free = ("aten.empty", "aten.view", "aten.slice", "aten.select", "aten.alias", "aten.detach", "aten.as_strided",
+            "aten._reshape_alias", "aten.unsqueeze", "aten.expand", "aten.t.", "aten.lift_fresh")  # fmt: skip
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if not inside[0] and not name.startswith(free):
+                counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    orig = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        counts[self.fn.__name__] = counts.get(self.fn.__name__, 0) + 1
+        inside[0] = True
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    InterpretedFunction.run = run
+    try:
+        with Ops():
+            fn()
+    finally:
+        InterpretedFunction.run = orig
+    return counts
+
+
 # accuracy vs the CPU reference (state tolerance) on packed sequences
 xs = [inputs(n, 10 + n) for n in (13, 1, 22)]
 packed = [torch.cat([x[j] for x in xs]) for j in range(5)]
@@ -148,6 +187,29 @@ half = tuple(t[:, :2] if t.dim() == 3 and t.shape[1] == 4 else t[:, :4] for t in
 assert same(train(half), full[:, :4]), "heads subset"
 inc, _ = incremental(half, [5, 1, 1, 1, 4, 1, 1, 5])
 assert same(inc, full[:, :4]), "heads subset, decode"
+# inputs as the model passes them: v a bf16 view with a row stride (a column slice of the conv output), q, k, g,
+# beta fp32. Read in-kernel (bf16 -> fp32 is exact): the same bits as the fp32 copy, in training and decode.
+x = inputs(2 * C + 5, 41)
+wide = torch.cat([torch.zeros(2 * C + 5, 3), x[2].reshape(2 * C + 5, -1)], 1).bfloat16()
+v16 = wide[:, 3:].reshape(x[2].shape)
+assert not v16.is_contiguous()
+x16 = (x[0], x[1], v16, x[3], x[4])
+full = train((x[0], x[1], v16.float(), x[3], x[4]))
+assert same(train(x16), full), "bf16 strided v vs its fp32 copy"
+inc, st = incremental(x16, [C - 3, 1, 1, 1, 1, 1, C - 1, 1, 1, 1, 1])
+assert same(inc, full), "bf16 strided v: prefill + decode"
+nb = (2 * C + 5) % C
+assert same(st.buf_v[1, :nb], v16[-nb:].float()), "buffer rows of a bf16 v"
+# a decode step (mid-chunk) launches the scan kernel only: no host-side cast/copy, the chunk-buffer write in the
+# scan (before: v's cast, _buffer_kernel, _scan_kernel). The plan is cached first, as for every layer but the first.
+step = [t[-1:].clone() for t in x16]
+step[2] = wide[-1:, 3:].reshape(1, HV, D)  # the strided bf16 view again
+c1, s1, p1 = cu([1]), torch.tensor([1]), torch.tensor([2 * C + 4])
+stc = GDNLayerState(*(t.clone() for t in vars(st).values()))
+gt.gated_delta_rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
+counts = count_launches(lambda: gt.gated_delta_rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
+assert counts == {"_scan_kernel": 1}, f"decode step launches {counts}"
+print("decode step launches", counts)
 print("rule ok", round(time.time() - t_start, 1))
 
 # conv: prefill + decode == training, batch composition, against fp64

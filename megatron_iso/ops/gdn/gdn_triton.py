@@ -22,9 +22,17 @@ decode, bit for bit, for any batch composition and any subset of heads:
 - conv1d + SiLU, l2norm and the gates: one element (conv, gates) or one row (l2norm) per program
   lane, fixed block sizes; nothing depends on the number of rows.
 
-Every block size and warp count is chosen from (Dk, Dv, chunk) only, never from T or the batch, and
-every input is converted to contiguous fp32 before a kernel reads it, so training and decode run
-one compiled kernel. Per-call planning (which rows form which segment/chunk) needs the sequence
+Every block size and warp count is chosen from (Dk, Dv, chunk) only, never from T or the batch. q, k,
+v, g, beta are read in their own dtype (fp32, bf16, fp16) at their row stride and widened to fp32
+in-kernel, which is exact, so a bf16 v gives the kernels the same fp32 values the host-side copy used to
+(other dtypes, or inner dims that are not contiguous, are still copied to contiguous fp32 first). The
+kernels are compiled per pointer dtype, alignment and stride divisibility; that changes how a load is
+vectorised, not the fp32 operations on the values, and training and decode pass the same dtypes anyway
+(the model's v is the conv output in the activation dtype on both sides); a GPU test holds bf16 strided
+inputs bitwise equal to their fp32 copies. A decode step that does not close a chunk
+launches the scan kernel only: the scan copies the tokens of a chunk the call leaves open into the state's
+``buf_*`` rows (after the prep kernel of the same call has read any chunk the call closes from them).
+Per-call planning (which rows form which segment/chunk) needs the sequence
 boundaries on the host: one device->host copy per distinct (cu_seqlens, starts, slots), cached
 across the layers of a forward (the model passes the same tensors to every layer).
 
@@ -108,30 +116,42 @@ def config_for(dk: int, dv: int, chunk: int) -> GDNConfig:
 @triton.jit
 def _scan_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, seg_ptr, run_ptr, ex_ptr, fin_ptr,
-    scale, HK, HV, DK, DV, REP,
+    bk_ptr, bv_ptr, bg_ptr, bb_ptr,
+    scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per-token recurrence over one segment for one (value head, Dv block).
 
-    seg row (int32 x 7): first packed row, length, init kind (0 zeros / 1 run_ptr / 2 ex_ptr), init
-    row, final row (-1: none), final kind (0 own state / 1 ex_ptr row), final source row.
+    seg row (int32 x 8): first packed row, length, init kind (0 zeros / 1 run_ptr / 2 ex_ptr), init
+    row, final row (-1: none), final kind (0 own state / 1 ex_ptr row), final source row, buffer row of
+    the segment's first token (-1: none; else the segment leaves its chunk open and its tokens are copied
+    into the state cache's ``buf_*`` rows from there on).
+
+    q/k/v/g/beta are read in their own dtype (fp32, bf16 or fp16: exact to fp32) at row strides
+    SQ..SB (inner dims contiguous). The buffer copy stores the fp32 values this program already loaded:
+    v's Dv block by every program, g and beta by the Dv block 0 program, k's key head by the Dv block 0
+    program of the first value head reading it, so every buffer element has one writer.
     """
     sid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     hk = h // REP
-    row0 = tl.load(seg_ptr + sid * 7).to(tl.int64)
-    n = tl.load(seg_ptr + sid * 7 + 1)
-    init_kind = tl.load(seg_ptr + sid * 7 + 2)
-    init_row = tl.load(seg_ptr + sid * 7 + 3).to(tl.int64)
-    fin_row = tl.load(seg_ptr + sid * 7 + 4).to(tl.int64)
-    fin_kind = tl.load(seg_ptr + sid * 7 + 5)
-    fin_src = tl.load(seg_ptr + sid * 7 + 6).to(tl.int64)
+    row0 = tl.load(seg_ptr + sid * 8).to(tl.int64)
+    n = tl.load(seg_ptr + sid * 8 + 1)
+    init_kind = tl.load(seg_ptr + sid * 8 + 2)
+    init_row = tl.load(seg_ptr + sid * 8 + 3).to(tl.int64)
+    fin_row = tl.load(seg_ptr + sid * 8 + 4).to(tl.int64)
+    fin_kind = tl.load(seg_ptr + sid * 8 + 5)
+    fin_src = tl.load(seg_ptr + sid * 8 + 6).to(tl.int64)
+    brow0 = tl.load(seg_ptr + sid * 8 + 7).to(tl.int64)
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
     mk = ok < DK
     mv = ov < DV
     m2 = mk[:, None] & mv[None, :]
+    wbuf = brow0 >= 0
+    wgb = wbuf & (vb == 0)
+    wk = wgb & (h % REP == 0)
     st = (h * DK + ok[:, None]) * DV + ov[None, :]  # offset of S[h] block inside one [HV, DK, DV] state
     hsz = HV * DK * DV
     if init_kind == 1:
@@ -142,11 +162,16 @@ def _scan_kernel(
         s = tl.zeros([BK, BV], dtype=tl.float32)
     for t in range(n):
         r = row0 + t
-        kt = tl.load(k_ptr + (r * HK + hk) * DK + ok, mask=mk, other=0.0)
-        qt = tl.load(q_ptr + (r * HK + hk) * DK + ok, mask=mk, other=0.0) * scale
-        vt = tl.load(v_ptr + (r * HV + h) * DV + ov, mask=mv, other=0.0)
-        gt = tl.load(g_ptr + r * HV + h)
-        bt = tl.load(b_ptr + r * HV + h)
+        kt = tl.load(k_ptr + r * SK + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+        qt = tl.load(q_ptr + r * SQ + hk * DK + ok, mask=mk, other=0.0).to(tl.float32) * scale
+        vt = tl.load(v_ptr + r * SV + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+        gt = tl.load(g_ptr + r * SG + h).to(tl.float32)
+        bt = tl.load(b_ptr + r * SB + h).to(tl.float32)
+        br = brow0 + t  # buffer row (only stored to when wbuf)
+        tl.store(bv_ptr + (br * HV + h) * DV + ov, vt, mask=mv & wbuf)
+        tl.store(bk_ptr + (br * HK + hk) * DK + ok, kt, mask=mk & wk)
+        tl.store(bg_ptr + br * HV + h, gt, mask=wgb)
+        tl.store(bb_ptr + br * HV + h, bt, mask=wgb)
         s = s * tl.exp(gt)
         u = bt * (vt - tl.sum(s * kt[:, None], axis=0))
         s = s + kt[:, None] * u[None, :]
@@ -162,7 +187,7 @@ def _scan_kernel(
 def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
     u0_ptr, w_ptr, kd_ptr, egc_ptr, tinv_ptr, bce_ptr,
-    HK, HV, DK, DV, REP,
+    SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     """Per (closing chunk, value head): U0, W, KD = e^{G_C-G} k and e^{G_C} of the WY form.
@@ -173,6 +198,8 @@ def _prep_kernel(
     The three dots run over K in blocks of KB with the accumulator carried in ascending k order (module
     docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
     same fp32 values), T^{-1} and beta e^G from this program's scratch rows ``tinv_ptr``/``bce_ptr``.
+    Packed k/v/g/beta are read in their own dtype at row strides SK..SB and converted exactly to fp32 (the
+    buffer is fp32).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -193,12 +220,12 @@ def _prep_kernel(
     gc = tl.where(
         in_buf,
         tl.load(bg_ptr + brows * HV + h, mask=in_buf, other=0.0),
-        tl.load(g_ptr + rows * HV + h, mask=~in_buf, other=0.0),
+        tl.load(g_ptr + rows * SG + h, mask=~in_buf, other=0.0).to(tl.float32),
     )
     bc = tl.where(
         in_buf,
         tl.load(bb_ptr + brows * HV + h, mask=in_buf, other=0.0),
-        tl.load(b_ptr + rows * HV + h, mask=~in_buf, other=0.0),
+        tl.load(b_ptr + rows * SB + h, mask=~in_buf, other=0.0).to(tl.float32),
     )
     cum = tl.cumsum(gc, axis=0)  # G_t
     gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
@@ -214,8 +241,8 @@ def _prep_kernel(
             bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :], mask=in_buf[:, None] & mkb[None, :], other=0.0
         )
         krb = tl.load(
-            k_ptr + (rows[:, None] * HK + hk) * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
-        )
+            k_ptr + rows[:, None] * SK + hk * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
+        ).to(tl.float32)
         kcb = tl.where(in_buf[:, None], kbb, krb)
         kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision="ieee")
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
@@ -241,13 +268,13 @@ def _prep_kernel(
         bb = brow0 + otb
         ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
         vbb = tl.load(bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :], mask=ibb[:, None] & mv[None, :], other=0.0)
-        vrb = tl.load(v_ptr + (rb[:, None] * HV + h) * DV + ov[None, :], mask=(~ibb[:, None]) & mv[None, :], other=0.0)
+        vrb = tl.load(v_ptr + rb[:, None] * SV + h * DV + ov[None, :], mask=(~ibb[:, None]) & mv[None, :], other=0.0)
         bcb = tl.where(
             ibb,
             tl.load(bb_ptr + bb * HV + h, mask=ibb, other=0.0),
-            tl.load(b_ptr + rb * HV + h, mask=~ibb, other=0.0),
+            tl.load(b_ptr + rb * SB + h, mask=~ibb, other=0.0).to(tl.float32),
         )
-        u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb), u0, input_precision="ieee")
+        u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb.to(tl.float32)), u0, input_precision="ieee")
     tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
     w = tl.zeros([C, BK], dtype=tl.float32)
     for tb in range(C // KB):
@@ -257,9 +284,9 @@ def _prep_kernel(
         bb = brow0 + otb
         ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
         kbb = tl.load(bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :], mask=ibb[:, None] & mk[None, :], other=0.0)
-        krb = tl.load(k_ptr + (rb[:, None] * HK + hk) * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0)
+        krb = tl.load(k_ptr + rb[:, None] * SK + hk * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0)
         bce = tl.load(bce_ptr + base * C + otb)
-        w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb), w, input_precision="ieee")
+        w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb.to(tl.float32)), w, input_precision="ieee")
     tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
     tl.store(egc_ptr + base, tl.exp(gl))
 
@@ -325,25 +352,6 @@ def _chain_kernel(
         tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
     if wb == 1:
         tl.store(entry_ptr + erow * hsz + st, e, mask=m2)
-
-
-@triton.jit
-def _buffer_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, map_ptr,
-    NK: tl.constexpr, NV: tl.constexpr, NG: tl.constexpr,
-    BLK: tl.constexpr, BLV: tl.constexpr, BLG: tl.constexpr,
-):  # fmt: skip
-    """Copy packed row ``map[i, 0]`` of k, v, g, beta into buffer row ``map[i, 1]`` (exact fp32 copies)."""
-    i = tl.program_id(0).to(tl.int64)
-    src = tl.load(map_ptr + i * 2).to(tl.int64)
-    dst = tl.load(map_ptr + i * 2 + 1).to(tl.int64)
-    o = tl.arange(0, BLK)
-    tl.store(bk_ptr + dst * NK + o, tl.load(k_ptr + src * NK + o, mask=o < NK), mask=o < NK)
-    o = tl.arange(0, BLV)
-    tl.store(bv_ptr + dst * NV + o, tl.load(v_ptr + src * NV + o, mask=o < NV), mask=o < NV)
-    o = tl.arange(0, BLG)
-    tl.store(bg_ptr + dst * NG + o, tl.load(g_ptr + src * NG + o, mask=o < NG), mask=o < NG)
-    tl.store(bb_ptr + dst * NG + o, tl.load(b_ptr + src * NG + o, mask=o < NG), mask=o < NG)
 
 
 @triton.jit
@@ -437,12 +445,10 @@ class _Plan:
     n: int
     nseg: int
     nchunks: int
-    seg: torch.Tensor  # [nseg, 7] int32 (device)
+    seg: torch.Tensor  # [nseg, 8] int32 (device; columns: _scan_kernel's docstring)
     chunks: torch.Tensor  # [nchunks, 3] int32
     chains: torch.Tensor  # [nchains, 5] int32
     nchains: int
-    bufmap: torch.Tensor  # [nbuf, 2] int32: packed row -> buffer row
-    nbuf: int
     scratch: bool  # finals go to a scratch tensor (some sequence has several segments)
 
 
@@ -476,7 +482,8 @@ def _plan(
     dev: torch.device,
     slot_count: int,
 ) -> _Plan:
-    """Segments, closing chunks, chains and buffer rows of a call, as int32 tables on ``dev``."""
+    """Segments (with the buffer rows of a chunk left open), closing chunks and chains of a call, as int32
+    tables on ``dev``."""
     key = (cu, starts, slots)
     # The slot count is part of the entry: the bounds check below depends on it.
     stamp = (tuple(None if t is None else t._version for t in key), chunk, has_state, dev, slot_count)
@@ -498,7 +505,7 @@ def _plan(
         raise ValueError(f"sequences starting at positions {st} need their GDN state (state=..., slots=...)")
     if has_state and (sl is None or len(sl) != n):
         raise ValueError("a GDN state cache needs one slot per sequence (slots=...)")
-    segs, chunks, chains, bufmap = [], [], [], []
+    segs, chunks, chains = [], [], []
     fin_rows = []
     multi = False
     for i in range(n):
@@ -518,7 +525,8 @@ def _plan(
             if closes:
                 cidx = len(chunks)
                 chunks.append((a - o, o, slot * chunk))
-            mine.append([a, b - a, init[0], init[1], -1, 0, 0, closes, cidx, o])
+            # columns 0-6 and 10 go to the table (_scan_kernel's seg row); 7-9 are planning notes
+            mine.append([a, b - a, init[0], init[1], -1, 0, 0, closes, cidx, o, -1])
             prev_chunk = cidx
             pos += b - a
             a = b
@@ -532,26 +540,24 @@ def _plan(
             last[4] = i  # placeholder: becomes the slot (direct) or i (scratch) below
             last[5], last[6] = (1, last[8]) if last[7] else (0, 0)
             fin_rows.append(last)
-            if not last[7]:
-                bufmap += [(last[0] + j, slot * chunk + last[9] + j) for j in range(last[1])]
+            if not last[7]:  # the call leaves this chunk open: the scan copies its tokens into the buffer
+                last[10] = slot * chunk + last[9]
         segs += mine
     for i, last in enumerate(fin_rows):
         last[4] = i if multi else sl[i]
 
-    def tab(rows, width):
-        flat = [int(x) for r in rows for x in r[:width]]
-        return torch.tensor(flat or [0] * width, dtype=torch.int32).reshape(-1, width).to(dev)
+    def tab(rows, cols):
+        flat = [int(r[c]) for r in rows for c in cols]
+        return torch.tensor(flat or [0] * len(cols), dtype=torch.int32).reshape(-1, len(cols)).to(dev)
 
     plan = _Plan(
         n=n,
         nseg=len(segs),
         nchunks=len(chunks),
-        seg=tab(segs, 7),
-        chunks=tab(chunks, 3),
-        chains=tab(chains, 5),
+        seg=tab(segs, (0, 1, 2, 3, 4, 5, 6, 10)),
+        chunks=tab(chunks, range(3)),
+        chains=tab(chains, range(5)),
         nchains=len(chains),
-        bufmap=tab(bufmap, 2),
-        nbuf=len(bufmap),
         scratch=multi,
     )
     _PLAN_CACHE.insert(0, (key, stamp, plan))
@@ -560,6 +566,24 @@ def _plan(
 
 
 # ---------------------------------------------------------------------------------- the rule
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read in-kernel, widened exactly to fp32
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` as a kernel reads it, and its row stride: as it is when its dtype widens exactly to fp32 and its
+    dims after the first are contiguous (a view of the model's split q/k/v projection is), else an fp32
+    contiguous copy. Saves the host-side cast/copy launch of a decode step."""
+    inner = x.shape[1:]
+    want, step = [], 1
+    for n in reversed(inner):
+        want.append(step)
+        step *= n
+    ok = all(n == 1 or st == w for n, st, w in zip(inner, x.stride()[1:], reversed(want), strict=True))
+    if x.dtype not in _KERNEL_DTYPES or not ok:
+        x = x.float().contiguous()
+    return x, x.stride(0)
+
+
 def _rule_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -590,7 +614,7 @@ def _rule_forward(
     dev = q.device
     slot_count = 0 if state is None else state.running.shape[0]
     plan = _plan(cu_seqlens, starts, slots, chunk, state is not None, dev, slot_count)
-    qf, kf, vf, gf, bf = (x.float().contiguous() for x in (q, k, v, g, beta))
+    (qf, sq), (kf, sk), (vf, sv), (gf, sg), (bf, sb) = (_rows(x) for x in (q, k, v, g, beta))
     out = torch.empty(t, hv, dv, dtype=torch.float32, device=dev)
     if t == 0:
         return out
@@ -603,7 +627,9 @@ def _rule_forward(
                 raise ValueError(f"gated_delta_rule: state.{name} must be contiguous fp32")
         entry, running = state.entry, state.running
     else:
-        bk, bvv, bg, bb = kf, vf, gf, bf  # never read (no buffered tokens without a state)
+        # Never read or written (no buffered tokens, no buffer rows without a state); fp32 like the real
+        # buffers, so training and decode launch the same compiled kernels.
+        bk = bvv = bg = bb = ex
         entry = running = ex
     if plan.nchunks:
         u0 = torch.empty(plan.nchunks, hv, chunk, cfg.bv_full, dtype=torch.float32, device=dev)
@@ -613,8 +639,8 @@ def _rule_forward(
         tinv = torch.empty(plan.nchunks, hv, chunk, chunk, dtype=torch.float32, device=dev)  # prep scratch
         bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
-            kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, hk, hv, dk, dv, rep,
-            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
+            kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
         u0 = w = kd = egc = ex
@@ -624,18 +650,15 @@ def _rule_forward(
             C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, num_warps=CHAIN_WARPS,
             num_stages=CHAIN_STAGES,
         )  # fmt: skip
-    if state is not None and plan.nbuf:
-        # After the prep kernel: a chunk closed from the buffer has been read before it is reused.
-        _buffer_kernel[(plan.nbuf,)](
-            kf, vf, gf, bf, bk, bvv, bg, bb, plan.bufmap, NK=hk * dk, NV=hv * dv, NG=hv,
-            BLK=triton.next_power_of_2(hk * dk), BLV=triton.next_power_of_2(hv * dv), BLG=triton.next_power_of_2(hv),
-        )  # fmt: skip
     fin = running
     if state is not None and plan.scratch:
         fin = torch.empty(plan.n, hv, dk, dv, dtype=torch.float32, device=dev)
+    # The scan also writes the tokens of chunks this call leaves open into the state's buffer (seg column 7).
+    # Ordering: it runs after the prep kernel, so a chunk closed from the buffer has been read before the
+    # buffer rows are reused (a sequence whose call closes a chunk restarts its buffer at row 0).
     _scan_kernel[(plan.nseg, hv, triton.cdiv(dv, cfg.scan_bv))](
-        qf, kf, vf, gf, bf, out, plan.seg, running, ex, fin, scale, hk, hv, dk, dv, rep,
-        BK=cfg.bk, BV=cfg.scan_bv, num_warps=SCAN_WARPS,
+        qf, kf, vf, gf, bf, out, plan.seg, running, ex, fin, bk, bvv, bg, bb, scale, sq, sk, sv, sg, sb,
+        hk, hv, dk, dv, rep, BK=cfg.bk, BV=cfg.scan_bv, num_warps=SCAN_WARPS,
     )  # fmt: skip
     if state is not None and plan.scratch:
         running.index_copy_(0, slots.to(device=dev, dtype=torch.int64), fin)
@@ -828,7 +851,9 @@ _RULE_CONSTANTS = {
     "warps_scan_chain_prep": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS],
     "block_k": "max(16, next_pow2(Dk))",
     "exp": "tl.exp (fp32)",
-    "inputs": "converted to contiguous fp32 before every kernel",
+    "inputs": "read in their own dtype (fp32/bf16/fp16, widened in-kernel) at their row stride; other dtypes or "
+    "non-contiguous inner dims copied to contiguous fp32",
+    "chunk_buffer": "written by the scan kernel (after prep)",
     "backward": "native chunked torch formula (with_plain_backward)",
     "triton": triton.__version__,
 }
