@@ -11,7 +11,8 @@ recorded with the innermost ``megatron_iso`` frame that made it:
 
 - a scalar read (``item``/``bool``/``int``/``float``/indexing by a 0-d tensor: ``_local_scalar_dense``;
   any op of device tensors that returns a Python number, e.g. ``torch.equal``);
-- ``tolist``/``numpy``/``cpu``, and a ``copy_`` from a device tensor into a host one;
+- ``tolist``/``numpy``/``cpu``, and a ``copy_`` from a device tensor into a host one (one made by a
+  Python factory call without a device);
 - an op whose output size depends on the data (``nonzero``, boolean indexing, ``masked_select``,
   ``unique``, ``repeat_interleave`` without ``output_size``): on CUDA those read a count back.
 
@@ -81,6 +82,10 @@ class HostReadCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._device = WeakIdKeyDictionary()
+        # Tensors made on the host on purpose (a Python factory call without a device, a download):
+        # a copy into one of them from a device tensor is a download. A tensor that ATen makes
+        # inside a composite op (pad_sequence's output) is neither; a copy into it stays on the device.
+        self._host = WeakIdKeyDictionary()
         self.reads: list[HostRead] = []
         self._saved: list[tuple[object, str, object]] = []
 
@@ -113,7 +118,7 @@ class HostReadCounter(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         dev_in = [t for t in inputs if t in self._device]
         if dev_in:
-            if func is _aten.copy_.default and args[1] in self._device and args[0] not in self._device:
+            if func is _aten.copy_.default and args[1] in self._device and args[0] in self._host:
                 self._record("copy_to_host")
             elif func in _DATA_DEPENDENT or (
                 func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
@@ -129,8 +134,16 @@ class HostReadCounter(TorchDispatchMode):
                 self._record("item")
             elif isinstance(out, bool | int | float):
                 self._record(f"scalar:{func.overloadpacket.__name__}")
-            for t in _tensors(out):
-                self._device[t] = True
+            # Outputs, and tensors written in place (a view's base too: pad_sequence fills slices
+            # of a buffer ATen made) hold device values from now on.
+            written = [
+                a
+                for a, spec in zip(args, func._schema.arguments, strict=False)
+                if isinstance(a, torch.Tensor) and spec.alias_info is not None and spec.alias_info.is_write
+            ]
+            for t in (*_tensors(out), *written, *(w._base for w in written if w._base is not None)):
+                if t not in self._host:  # a download's destination stays a host tensor
+                    self._device[t] = True
         return out
 
     # --- Python level: reads and uploads that never reach the dispatcher on CPU ---------------
@@ -172,8 +185,7 @@ class HostReadCounter(TorchDispatchMode):
         def factory(original):
             def make(*a, **k):
                 out = original(*a, **k)
-                if k.get("device") is not None:
-                    counter._device[out] = True
+                (counter._device if k.get("device") is not None else counter._host)[out] = True
                 return out
 
             return make
@@ -186,6 +198,7 @@ class HostReadCounter(TorchDispatchMode):
                 # A real download is a host copy: untracked, so reading it is not a second read.
                 out = original(t, *a, **k).clone()
                 del counter._device[out]
+                counter._host[out] = True
                 return out
 
             return cpu

@@ -104,7 +104,10 @@ def test_counter_tells_device_from_host() -> None:
         int(y[0]), bool(y.any()), float(z.sum()), y.tolist()
         buf = torch.empty(3, dtype=torch.int64)
         buf.copy_(y)
+        assert not c.on_device(buf) and buf.tolist() == [7, 1, 5]  # downloaded: reading it is free
         y.nonzero(), y[y > 3], torch.equal(y, y)
+        padded = torch.nn.utils.rnn.pad_sequence([y, y[:1]])  # made inside ATen from device rows: no read
+        assert c.on_device(padded)
         back = y.cpu()
         assert not c.on_device(back) and back.tolist() == [7, 1, 5]
         kinds = [r.kind for r in c.reads]
