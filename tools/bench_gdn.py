@@ -36,6 +36,12 @@ printed when it completes and the JSON is rewritten after every row (a failed ca
 Usage: ``python3 tools/bench_gdn.py --out $OUT/bench_gdn.json`` (``--quick`` for a short run). FLA is used
 when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why they are missing.
 
+Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``; docs/GDN.md, "GPU speed"):
+``--dot-precision ieee tf32x3 tf32`` runs, per variant, the training forward, the first ``--prefill`` length
+and the mismatch case (our rule called with ``dot_precision=P``), then prints one summary line per variant:
+forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|, bitwise). Exit status 1 if a variant's
+train vs rollout is not bitwise. A case spec may also name one directly: ``--profile train:8x4096@tf32x3``.
+
 CPU dry run of the same case logic (no timings worth reading): ``--device cpu`` runs our Triton kernels and
 FLA's fused recurrent kernel under ``TRITON_INTERPRET=1`` (set for the child processes) at the shapes given by
 ``--shape``; FLA's chunk kernels do not run under the interpreter, so there a stand-in with the chunk
@@ -59,6 +65,9 @@ import torch
 # Overridden by --shape (the CPU dry run uses tiny heads).
 HK, HV, D, CHUNK = 16, 32, 128, 64
 DEVICE = "cuda"
+# The state pass's dot precision of this case (a case spec's "@P" suffix); None: the dispatching op (registered
+# default).
+DOT_PRECISION: str | None = None
 RESULT_TAG = "BENCH_GDN_CASE_RESULT "
 
 
@@ -85,12 +94,32 @@ def _interpreter_setup() -> None:
 
 
 def _rule():
-    """Our gated delta rule: the dispatching op on CUDA; on CPU the Triton module itself (interpreter)."""
+    """Our gated delta rule: the dispatching op on CUDA; on CPU the Triton module itself (interpreter); the
+    Triton module with ``dot_precision`` when the case names one (``@P``)."""
+    if DOT_PRECISION is not None:
+        import functools
+
+        from megatron_iso.ops.gdn.gdn_triton import gated_delta_rule as triton_rule
+
+        return functools.partial(triton_rule, dot_precision=DOT_PRECISION)
     if DEVICE == "cuda":
         from megatron_iso.ops.gdn import gated_delta_rule
     else:
         from megatron_iso.ops.gdn.gdn_triton import gated_delta_rule
     return gated_delta_rule
+
+
+def _split_precision(spec: str) -> str:
+    """``kind:size@P`` -> ``kind:size``, setting DOT_PRECISION to P (checked against the module's list)."""
+    global DOT_PRECISION
+    spec, at, prec = spec.partition("@")
+    if at:
+        from megatron_iso.ops.gdn.gdn_triton import DOT_PRECISIONS
+
+        if prec not in DOT_PRECISIONS:
+            raise SystemExit(f"case {spec}@{prec}: dot precision must be one of {list(DOT_PRECISIONS)}")
+        DOT_PRECISION = prec
+    return spec
 
 
 def _inputs(b: int, t: int, seed: int):
@@ -374,7 +403,9 @@ def mismatch(prompt: int, decode: int) -> dict:
 
 
 def run_case(spec: str, args: argparse.Namespace) -> dict:
-    """One case, in this process: ``train:BxT``, ``prefill:T``, ``decode:B``, ``mismatch:PxD``."""
+    """One case, in this process: ``train:BxT``, ``prefill:T``, ``decode:B``, ``mismatch:PxD`` (each may end in
+    ``@P``, a dot precision of the state pass)."""
+    spec = _split_precision(spec)
     kind, _, size = spec.partition(":")
     if kind == "train":
         b, t = (int(x) for x in size.split("x"))
@@ -400,6 +431,7 @@ def profile_case(spec: str, iters: int) -> dict:
     close to wall means the kernels themselves are slow, and the kernel table says which."""
     from megatron_iso.bench.profiling import kernel_launches, print_kernel_launches, print_summary, summarize
 
+    spec = _split_precision(spec)
     kind, _, size = spec.partition(":")
     if kind == "train":
         b, t = (int(x) for x in size.split("x"))
@@ -448,7 +480,7 @@ def profile_case(spec: str, iters: int) -> dict:
     return row
 
 
-def kernel_resources() -> dict:
+def kernel_resources(dot_precision: str | None = None) -> dict:
     """Registers, spills and shared memory of the GDN state-pass and scan kernels at the bench shape,
     compiled for sm_90a on this machine (no GPU needed: Triton's bundled ptxas). The numbers ptxas reports
     are static (per kernel), not dynamic counts; a kernel that spills keeps its tiles in local memory."""
@@ -465,14 +497,14 @@ def kernel_resources() -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    cfg = G.config_for(D, D, CHUNK)
+    cfg = G.config_for(D, D, CHUNK, dot_precision or G.DOT_PRECISION)
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
-        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb}, G.PREP_WARPS,
-                         G.PREP_STAGES),
+        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
+                                          "PREC": cfg.dot_precision}, G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
-                                            "KB": cfg.kb}, G.CHAIN_WARPS, G.CHAIN_STAGES),
+                                            "KB": cfg.kb, "PREC": cfg.dot_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),
     }  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():
@@ -521,6 +553,7 @@ def _child(args: argparse.Namespace) -> int:
         _interpreter_setup()
     row = profile_case(args.case, args.profile_iters) if args.profile else run_case(args.case, args)
     row["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)"
+    row["dot_precision"] = DOT_PRECISION  # None: the registered default through the dispatching op
     if DEVICE == "cuda":
         torch.cuda.synchronize()  # an asynchronous fault surfaces here, inside this case
     print(RESULT_TAG + json.dumps(row), flush=True)
@@ -544,6 +577,8 @@ def _meta(args: argparse.Namespace) -> dict:
 
 def _print_row(row: dict) -> None:
     case = row["case"]
+    if row.get("dot_precision"):
+        print(f"[dot_precision {row['dot_precision']}] ", end="")
     if case == "train":
         bwd = row.get("fla_fwd_bwd_ms", row.get("fla_fwd_bwd", row.get("fla", "-")))
         bwd = f"{bwd:.3f}" if isinstance(bwd, float) else bwd
@@ -564,17 +599,44 @@ def _print_row(row: dict) -> None:
         print(f"  {'mean |o| (fp64)':<26} {row['mean_abs_o_fp64']:.3e}", flush=True)
 
 
+def _variant_summary(result: dict) -> bool:
+    """Per dot precision: training forward ms, ours vs fp64, train vs rollout (must be bitwise). True when every
+    variant's mismatch row is bitwise (a missing row counts as not)."""
+    ok = True
+    print("dot precision | train fwd ms | prefill ms | ours vs fp64 max / mean | train vs rollout max |d|, bitwise")
+    for prec in result["dot_precisions"]:
+        rows = {r["case"]: r for r in result["rows"] if r.get("dot_precision") == prec}
+        tr, pf, mm = rows.get("train", {}), rows.get("prefill", {}), rows.get("mismatch")
+        fwd, pms = tr.get("ours_fwd_ms", math.nan), pf.get("ours_ms", math.nan)
+        if mm is None:
+            ok = False
+            print(f"{prec:<13} | {fwd:12.3f} | {pms:10.3f} | mismatch case missing")
+            continue
+        e, d = mm["ours_vs_fp64"], mm["ours_train_vs_rollout"]
+        ok = ok and d["bitwise_equal"]
+        print(f"{prec:<13} | {fwd:12.3f} | {pms:10.3f} | {e['max_abs']:.3e} / {e['mean_abs']:.3e} | "
+              f"{d['max_abs']:.3e}, {d['bitwise_equal']}")  # fmt: skip
+    return ok
+
+
 def _parent(args: argparse.Namespace) -> int:
     b, t = (int(x) for x in args.train.split("x"))
-    cases = [f"train:{b}x{t}"]
     prefills = [int(x) for x in args.prefill.split(",") if x]
-    cases += [f"prefill:{n}" for n in (prefills[:2] if args.quick else prefills)]
-    cases += [f"decode:{int(n)}" for n in args.decode.split(",") if n]
-    cases.append(f"mismatch:{args.mm_prompt}x{args.mm_decode}")
+    if args.dot_precision:  # the variants: the training forward, the first prefill length and the mismatch each
+        cases = []
+        for p in args.dot_precision:
+            cases.append(f"train:{b}x{t}@{p}")
+            cases += [f"prefill:{n}@{p}" for n in prefills[:1]]
+            cases.append(f"mismatch:{args.mm_prompt}x{args.mm_decode}@{p}")
+    else:
+        cases = [f"train:{b}x{t}"]
+        cases += [f"prefill:{n}" for n in (prefills[:2] if args.quick else prefills)]
+        cases += [f"decode:{int(n)}" for n in args.decode.split(",") if n]
+        cases.append(f"mismatch:{args.mm_prompt}x{args.mm_decode}")
     env = dict(os.environ)
     if args.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    result = {**_meta(args), "cases": cases, "rows": [], "errors": {}}
+    result = {**_meta(args), "cases": cases, "rows": [], "errors": {}, "dot_precisions": args.dot_precision or []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
@@ -602,7 +664,8 @@ def _parent(args: argparse.Namespace) -> int:
         result["wall_s"] = round(time.time() - t_all, 1)
         out.write_text(json.dumps(result, indent=1))  # after every case: a later crash keeps what is done
     print(f"wrote {out} ({len(result['rows'])} rows, {len(result['errors'])} errors, {result['wall_s']}s)")
-    return 1 if result["errors"] else 0
+    bitwise = _variant_summary(result) if args.dot_precision else True
+    return 1 if result["errors"] or not bitwise else 0
 
 
 def _profile_parent(args: argparse.Namespace) -> int:
@@ -644,14 +707,24 @@ def main() -> int:
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
                     "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
+    ap.add_argument("--dot-precision", nargs="+", metavar="P", help="time the state pass's dot precisions "
+                    "(ieee, tf32x3, tf32): per variant the training forward, the first --prefill length and the "
+                    "mismatch case (ours vs fp64, train vs rollout, which must be bitwise); with --resources, the "
+                    "kernels compiled for each")  # fmt: skip
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
     if args.mm_prompt < 1 or args.mm_decode < 0:
         ap.error("--mm-prompt must be >= 1 and --mm-decode >= 0")
     DEVICE = args.device
     _set_shape(args.shape)
+    if args.dot_precision:
+        from megatron_iso.ops.gdn.gdn_triton import DOT_PRECISIONS
+
+        bad = [p for p in args.dot_precision if p not in DOT_PRECISIONS]
+        if bad:
+            ap.error(f"--dot-precision {bad}: each must be one of {list(DOT_PRECISIONS)}")
     if args.resources:
-        res = kernel_resources()
+        res = {p: kernel_resources(p) for p in args.dot_precision} if args.dot_precision else kernel_resources()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**_meta(args), "resources": res}, indent=1))
         return 0

@@ -3,7 +3,8 @@
 Bitwise (int32 views): training forward == prefill(P) + decode for P in {1, C-1, C, C+1, 2C+3}, chunked
 prefill pieces, packing, batch composition at mixed positions, a subset of heads (TP), at a small shape
 (C=16, Dk=Dv=32) and Qwen3-Next's per-head shape (C=64, Dk=Dv=128), bf16 strided inputs read in-kernel == their
-fp32 copies; conv/gates/l2norm invariance; a
+fp32 copies, the state pass's tensor-core dot precisions (tf32x3, tf32) keep training == rollout; conv/gates/l2norm
+invariance; a
 tiny_hybrid model's training-forward logits == its prefill + decode logits. With tolerances (stated in
 each test): outputs and cached states against an fp64 recurrence and the CPU reference, gradients.
 """
@@ -120,6 +121,31 @@ def test_chunked_prefill_any_pieces(gt, chunk, d, pieces):
     inc, _ = incremental(gt, x, pieces, chunk)
     full = train(gt, x, chunk)
     assert same(full, inc), f"max |d| {maxdiff(full, inc):.3e}"
+
+
+# Sanity bounds only (outputs O(1)): the accuracy of the tensor-core variants is measured by
+# tools/bench_gdn.py --dot-precision, not claimed here. tf32x3 should stay near fp32; tf32 keeps 10 mantissa bits.
+DOT_VARIANT_SANITY = {"tf32x3": 1e-4, "tf32": 1e-2}
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+@pytest.mark.parametrize("prec", sorted(DOT_VARIANT_SANITY))
+def test_dot_precision_variant_train_equals_rollout(gt, chunk, d, prec):
+    """A tensor-core state pass keeps training == prefill + decode (and == chunked prefill) bitwise: both sides
+    run the same prep/chain kernel on the same closed chunks (module docstring, "Dot precision")."""
+    total = 3 * chunk + 7
+    x = inputs(total, 61, d)
+    full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, dot_precision=prec)
+    for p in (1, chunk + 1, 2 * chunk + 3):
+        inc, _ = incremental(gt, x, [p] + [1] * (total - p), chunk, dot_precision=prec)
+        assert same(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
+    inc, _ = incremental(gt, x, [2, chunk - 1, 6, chunk, total - 2 * chunk - 7], chunk, dot_precision=prec)
+    assert same(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
+    ieee = train(gt, x, chunk)
+    assert not same(full, ieee), f"{prec} gave the ieee bits: is the precision reaching the dots?"
+    ref, _ = naive64(*x)
+    err = maxdiff(full, ref)
+    assert err < DOT_VARIANT_SANITY[prec], f"{prec} vs fp64 {err:.2e} (ieee {maxdiff(ieee, ref):.2e})"
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)

@@ -4,7 +4,8 @@ tests/ops/test_gdn_triton_interpret.py (a subprocess: the variable must be set b
 Tiny shapes (chunk 8, Dk = Dv = 8, Dv split into blocks of 4). Bitwise: training forward == prefill(P) +
 decode for P in {1, C-1, C, C+1, 2C+3}, chunked prefill pieces, packing, batch composition with
 sequences at mixed positions, a subset of heads (TP), a bf16 strided v (read in-kernel) == its fp32 copy;
-conv, gates, l2norm. Launches: a mid-chunk decode step launches the scan kernel only. Tolerances: the rule and the
+the state pass's dot-precision variants (tf32x3, tf32); conv, gates, l2norm. Launches: a mid-chunk decode step
+launches the scan kernel only. Errors: an unknown dot precision names the allowed ones. Tolerances: the rule and the
 state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
 gradients vs the reference's autograd (1e-5 relative).
 
@@ -210,6 +211,25 @@ gt.gated_delta_rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
 counts = count_launches(lambda: gt.gated_delta_rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
 assert counts == {"_scan_kernel": 1}, f"decode step launches {counts}"
 print("decode step launches", counts)
+# dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the
+# precision, so only the plumbing and the invariance logic are shown here; the GPU tests show the bits)
+x = inputs(2 * C + 5, 43)
+for prec in ("tf32x3", "tf32"):
+    full = gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=prec)
+    st, outs, pos = new_state(2), [], 0
+    for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
+        r = slice(pos, pos + n)
+        outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([1]),
+                                        starts=torch.tensor([pos]), dot_precision=prec))  # fmt: skip
+        pos += n
+    assert same(torch.cat(outs), full), f"dot_precision={prec}: train vs prefill + decode"
+for bad in ("fp32", "bf16x3", "IEEE"):
+    try:
+        gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=bad)
+        raise AssertionError(f"dot_precision={bad!r} accepted")
+    except ValueError as e:
+        assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
+assert gt.config_for(D, D, C).dot_precision == "ieee" == gt._RULE_CONSTANTS["dot_precision"]
 print("rule ok", round(time.time() - t_start, 1))
 
 # conv: prefill + decode == training, batch composition, against fp64

@@ -15,7 +15,8 @@ decode, bit for bit, for any batch composition and any subset of heads:
   WY form. Per chunk, in parallel: ``G = cumsum(g)``, ``A_ti = beta_t e^{G_t-G_i} k_t.k_i`` (t > i),
   ``T^{-1}`` of ``T = I + A`` by row substitution, ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)``,
   ``KD = e^{G_C-G} k``. Then one program per (sequence, head, Dv block) chains the chunks:
-  ``u = U0 - W E; E' = e^{G_C} E + KD^T u`` (two fp32 ``tl.dot`` with ``input_precision="ieee"``).
+  ``u = U0 - W E; E' = e^{G_C} E + KD^T u`` (two fp32 ``tl.dot``; ``input_precision="ieee"`` by default,
+  see "Dot precision" below).
   Decode, when a chunk closes, runs the same two kernels on the buffered chunk (the state cache's
   ``buf_*`` rows, read by the prep kernel exactly as it reads packed rows) from the stored entry
   state, and replaces the running state with the exit: the trainer's chunk state, bit for bit.
@@ -49,6 +50,17 @@ same fmas in the same order. The previous ``egc * e + tl.dot(KD^T, u)`` was fold
 The layout-dependent reductions (cumsum, row substitution) keep their layouts, and the pipelining depth
 (``*_STAGES``) only moves loads. VERSION stayed "1": on the H200 a one-off test held the blocked
 kernels bitwise equal to a frozen copy of the previous ones (2026-11-29, passed; the copy is deleted).
+
+Dot precision: the state pass's dots take ``input_precision`` from ``GDNConfig.dot_precision``
+(:data:`DOT_PRECISIONS`; default and registered: "ieee", the FMA chains above). With "tf32x3" or "tf32" they
+run on tensor cores (MMA), and a K-blocked dot ``acc = tl.dot(a_blk, b_blk, acc)`` feeds each block's
+partial products through the MMA accumulator: the rounding inside an MMA differs from an fma chain, so the
+bits differ from "ieee", but they are still a fixed function of (compiled kernel, operand tiles): no atomics,
+no split-K across programs, the blocks in ascending order. The invariance needs no more than that: the
+training forward and the decode-side resync run the same prep/chain kernel (same constexprs, PREC included)
+on the same closed chunk (same fp32 values in the same tile positions), so training == rollout bitwise holds
+for each precision, as long as both sides pass the same one. Accuracy against fp64 is not the "ieee"
+path's and must be measured on the GPU (``tools/bench_gdn.py --dot-precision``).
 
 Backward (training): :func:`megatron_iso.ops.autograd.with_plain_backward` — the invariant forward,
 gradients of the native chunked torch formula (deterministic; not invariant, as the policy allows).
@@ -84,6 +96,12 @@ SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 4, 4, 8
 # Software-pipelining depth of the K-block loops (bit-neutral: it only moves loads). Chosen with
 # ``tools/bench_gdn.py --resources`` (sm_90a, Dk=Dv=128, chunk 64): the default 3 spills in both kernels.
 PREP_STAGES, CHAIN_STAGES = 1, 2
+# input_precision of the state pass's fp32 tl.dot (prep and chain; the scan has no dot). "ieee" lowers to FMA
+# chains (no tensor cores); "tf32x3" (3 tf32 MMAs per product, ~fp32 accuracy) and "tf32" use tensor cores. Any
+# of them keeps training == rollout bitwise: both sides run the same kernel on the same closed chunk (module
+# docstring, "Dot precision"). The default is the one the contract registers; the others are opt-in per call.
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+DOT_PRECISION = "ieee"
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
 
@@ -99,9 +117,14 @@ class GDNConfig:
     chain_bv: int
     chunk: int
     kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: module docstring)
+    dot_precision: str = DOT_PRECISION  # input_precision of the prep/chain tl.dot (one of DOT_PRECISIONS)
 
 
-def config_for(dk: int, dv: int, chunk: int) -> GDNConfig:
+def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION) -> GDNConfig:
+    if dot_precision not in DOT_PRECISIONS:
+        raise ValueError(
+            f"gated_delta_rule (triton): dot_precision={dot_precision!r} is not one of {list(DOT_PRECISIONS)}"
+        )
     if chunk < MIN_DOT or chunk & (chunk - 1):
         raise ValueError(
             f"gated_delta_rule (triton): chunk={chunk} must be a power of two >= {MIN_DOT} "
@@ -109,7 +132,8 @@ def config_for(dk: int, dv: int, chunk: int) -> GDNConfig:
         )
     bk = max(MIN_DOT, triton.next_power_of_2(dk))
     bvf = max(MIN_DOT, triton.next_power_of_2(dv))
-    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk, min(DOT_KB, chunk, bk))
+    kb = min(DOT_KB, chunk, bk)
+    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk, kb, dot_precision)
 
 
 # ------------------------------------------------------------------------------------- kernels
@@ -188,7 +212,7 @@ def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
     u0_ptr, w_ptr, kd_ptr, egc_ptr, tinv_ptr, bce_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (closing chunk, value head): U0, W, KD = e^{G_C-G} k and e^{G_C} of the WY form.
 
@@ -199,7 +223,7 @@ def _prep_kernel(
     docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
     same fp32 values), T^{-1} and beta e^G from this program's scratch rows ``tinv_ptr``/``bce_ptr``.
     Packed k/v/g/beta are read in their own dtype at row strides SK..SB and converted exactly to fp32 (the
-    buffer is fp32).
+    buffer is fp32). PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -244,7 +268,7 @@ def _prep_kernel(
             k_ptr + rows[:, None] * SK + hk * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
         ).to(tl.float32)
         kcb = tl.where(in_buf[:, None], kbb, krb)
-        kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision="ieee")
+        kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision=PREC)
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
@@ -274,7 +298,7 @@ def _prep_kernel(
             tl.load(bb_ptr + bb * HV + h, mask=ibb, other=0.0),
             tl.load(b_ptr + rb * SB + h, mask=~ibb, other=0.0).to(tl.float32),
         )
-        u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb.to(tl.float32)), u0, input_precision="ieee")
+        u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb.to(tl.float32)), u0, input_precision=PREC)
     tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
     w = tl.zeros([C, BK], dtype=tl.float32)
     for tb in range(C // KB):
@@ -286,7 +310,7 @@ def _prep_kernel(
         kbb = tl.load(bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :], mask=ibb[:, None] & mk[None, :], other=0.0)
         krb = tl.load(k_ptr + rb[:, None] * SK + hk * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0)
         bce = tl.load(bce_ptr + base * C + otb)
-        w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb.to(tl.float32)), w, input_precision="ieee")
+        w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb.to(tl.float32)), w, input_precision=PREC)
     tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
     tl.store(egc_ptr + base, tl.exp(gl))
 
@@ -295,7 +319,7 @@ def _prep_kernel(
 def _chain_kernel(
     chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
     HV, DK, DV,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (sequence, value head, Dv block): entry -> exit state over the sequence's closing chunks.
 
@@ -305,7 +329,7 @@ def _chain_kernel(
     Per chunk, u is made in row blocks of KB: ``u_b = U0_b - W_b E`` (K = BK in blocks of KB, E's
     row blocks read back from the state this program stored last: the entry row or the previous
     chunk's exit row), then ``E' = dot(KD_b^T, u_b, E')`` over ascending blocks from ``e^{G_C} E``
-    (module docstring, "K-blocked dots").
+    (module docstring, "K-blocked dots"). PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -343,10 +367,10 @@ def _chain_kernel(
                 # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
                 e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
                 e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
-                d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision="ieee")
+                d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision=PREC)
             u0 = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
             kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
-            acc = tl.dot(tl.trans(kd), u0 - d, acc, input_precision="ieee")
+            acc = tl.dot(tl.trans(kd), u0 - d, acc, input_precision=PREC)
         e = acc
         tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
         tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
@@ -597,6 +621,7 @@ def _rule_forward(
     state: GDNLayerState | None,
     slots: torch.Tensor | None,
     starts: torch.Tensor | None,
+    dot_precision: str | None,
 ) -> torch.Tensor:
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -609,7 +634,7 @@ def _rule_forward(
         raise ValueError(f"gated_delta_rule: value heads {hv} must be a multiple of key heads {hk}")
     if state is not None and state.chunk != chunk:
         raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
-    cfg = config_for(dk, dv, chunk)
+    cfg = config_for(dk, dv, chunk, DOT_PRECISION if dot_precision is None else dot_precision)
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
     slot_count = 0 if state is None else state.running.shape[0]
@@ -640,15 +665,16 @@ def _rule_forward(
         bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
             kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, PREC=cfg.dot_precision, num_warps=PREP_WARPS,
+            num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
         u0 = w = kd = egc = ex
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
-            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, num_warps=CHAIN_WARPS,
-            num_stages=CHAIN_STAGES,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.dot_precision,
+            num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
         )  # fmt: skip
     fin = running
     if state is not None and plan.scratch:
@@ -678,11 +704,17 @@ def gated_delta_rule(
     state: GDNLayerState | None = None,
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
+    dot_precision: str | None = None,
 ) -> torch.Tensor:
-    """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring."""
+    """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring.
+
+    ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` (None:
+    :data:`DOT_PRECISION`, the registered one). Training and rollout must pass the same value: it fixes the
+    state pass's bits (the state cache does not record it)."""
     fwd = functools.partial(
-        _rule_forward, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts
-    )
+        _rule_forward, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts,
+        dot_precision=dot_precision,
+    )  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
     if not needs_grad:
         return fwd(q, k, v, g, beta)
@@ -842,8 +874,9 @@ def _probe_gates() -> dict[str, torch.Tensor]:
 
 _RULE_CONSTANTS = {
     "chunk_alignment": "position 0 of the sequence",
-    "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by row substitution, U0/W by fp32 ieee tl.dot; "
-    "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 ieee tl.dot), one program per (seq, head, Dv block)",
+    "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by row substitution, U0/W by fp32 tl.dot; "
+    "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 tl.dot), one program per (seq, head, Dv block)",
+    "dot_precision": DOT_PRECISION,
     "output": "per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers",
     "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
     "scan_bv": SCAN_BV,
