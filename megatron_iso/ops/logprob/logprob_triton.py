@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_iso.ops.logprob.reference import checked_temperature
 from megatron_iso.ops.tree import tree_sum_dim
 
 BLOCK = 2048
@@ -73,9 +74,7 @@ def _vocab_kernel(
 
 
 def _temperature_rows(temperature, rows: int, device) -> torch.Tensor:
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=device)
-    if bool((t <= 0).any()) or not bool(torch.isfinite(t).all()):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    t = checked_temperature(temperature, device)  # the scoring path's own check (one read at most)
     return t.reshape(-1).expand(rows).contiguous() if t.numel() == 1 else t.reshape(rows).contiguous()
 
 

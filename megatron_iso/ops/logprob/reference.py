@@ -65,12 +65,18 @@ def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) 
     (:func:`host_checked_temperature`); a Python number is checked on the host.
     """
     check_dtype(logits, "logits")
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    return logits.float() / checked_temperature(temperature, logits.device)
+
+
+def checked_temperature(temperature: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``temperature`` as an fp32 tensor on ``device``, checked finite and > 0 after rounding: a Python
+    number on the host; a tensor by one read-back, unless :func:`host_checked_temperature` marked it."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     if not isinstance(temperature, torch.Tensor):
         _check_temperature(torch.tensor(temperature, dtype=torch.float32), temperature)
     elif temperature not in _HOST_CHECKED:
         _check_temperature(t, temperature)
-    return logits.float() / t
+    return t
 
 
 class Comm(Protocol):
