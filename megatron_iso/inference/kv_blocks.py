@@ -9,11 +9,13 @@ reuses those blocks instead of recomputing them; registered blocks nobody holds 
 until a new allocation needs them (least recently released first) or the weights change
 (:meth:`PagedKVCache.flush`).
 
-The attention kernels take contiguous ``[slots, max_len, ...]`` caches, so a step gathers each
-packed sequence's blocks into a staging view per layer (:class:`PagedStepView`), the kernel
+The Triton attention (CUDA, correctness profile) reads the pool through the step's block tables
+and writes the new keys straight into their blocks (:meth:`PagedStepView.paged_layer`): no copy.
+The other kernels take contiguous ``[slots, max_len, ...]`` caches, so for them a step gathers each
+packed sequence's blocks into a staging view per layer (:meth:`PagedStepView.layer`), the kernel
 writes the new keys there and attends, and the new positions are scattered back to their blocks
-before the next layer's view is built. The keys a query sees are the same bits as in a
-contiguous cache, so results are unchanged; a block-table kernel would remove the copy.
+before the next layer's view is built. Either way the keys a query sees are the same bits as in a
+contiguous cache, so results are unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+from megatron_iso.ops.attention.kv_cache import PagedKVLayer
 
 _ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -210,7 +214,8 @@ class PagedKVCache:
 
 
 class PagedStepView:
-    """One step's contiguous staging of the packed sequences' blocks (slot i = sequence i)."""
+    """One step's view of the packed sequences' blocks (slot i = sequence i): a contiguous staging
+    per layer (:meth:`layer`) or the pool itself with block tables (:meth:`paged_layer`)."""
 
     def __init__(
         self, cache: PagedKVCache, tables: list[list[int]], starts: Sequence[int], counts: Sequence[int]
@@ -236,6 +241,8 @@ class PagedStepView:
         self.write_src = (row * length + at).to(device, non_blocking=True)  # in the staged [n * L] rows
         self.write_idx = flat[row, at].to(device, non_blocking=True)  # in the flattened pool
         self.shape = (n, length)
+        self._padded = padded
+        self._block_tables: torch.Tensor | None = None
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def _stage(self, pool: torch.Tensor) -> torch.Tensor:
@@ -247,6 +254,15 @@ class PagedStepView:
         v = self._stage(self.cache.v[index])
         self._pending = (index, k, v)
         return k, v
+
+    def paged_layer(self, index: int) -> PagedKVLayer:
+        """Layer ``index``'s pool, the step's block tables (row i = sequence i) and write rows, for a
+        kernel that reads blocks in place: no staging, nothing to write back."""
+        self.finish()
+        if self._block_tables is None:  # one host-to-device copy per step, shared by the layers
+            device = self.write_idx.device
+            self._block_tables = self._padded.to(device, non_blocking=True)
+        return PagedKVLayer(self.cache.k[index], self.cache.v[index], self._block_tables, self.write_idx)
 
     def finish(self) -> None:
         """Scatter the positions the kernel wrote in the staged layer back into its blocks."""

@@ -65,7 +65,8 @@ class StepState:
 
     Sequence ``i`` of the pack is slot ``i`` of the KV view; the GDN view names each sequence's own
     slot (``IsoBatch.gdn_slots``). Attention layers call
-    :meth:`layer` (``(k_cache, v_cache)`` as the attention kernels take them); other layer kinds
+    :meth:`layer` (``(k_cache, v_cache)`` as the attention kernels take them) or, where the kernel
+    reads a paged pool (``ops.attention.paged_kv_reads``), :meth:`paged_layer`; other layer kinds
     call :meth:`state` with their cache's ``kind``.
     """
 
@@ -74,6 +75,10 @@ class StepState:
 
     def layer(self, index: int) -> Any:
         return self.views["attention_kv"].layer(index)
+
+    def paged_layer(self, index: int) -> Any:
+        """The KV view's pool and block tables for a kernel that reads blocks in place (no staging)."""
+        return self.views["attention_kv"].paged_layer(index)
 
     def state(self, kind: str) -> Any:
         if kind not in self.views:

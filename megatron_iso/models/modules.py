@@ -18,7 +18,12 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.activation import swiglu_packed
-from megatron_iso.ops.attention import attention_varlen, attention_with_kv_cache
+from megatron_iso.ops.attention import (
+    attention_varlen,
+    attention_with_kv_cache,
+    attention_with_paged_kv_cache,
+    paged_kv_reads,
+)
 from megatron_iso.ops.norm import rms_norm
 from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
 
@@ -61,6 +66,19 @@ class PackedCoreAttention(MegatronModule):
         common = {"softmax_scale": self.softmax_scale, "gate": gate, "kv_block": self.kv_block, "profile": self.profile}
         if not batch.uses_cache:
             return attention_varlen(q, k, v, batch.cu_seqlens_q, **common)
+        if paged_kv_reads(q, self.profile) and hasattr(batch.kv_cache, "paged_layer"):
+            # The Triton kernel reads the engine's paged pool in place: no staging copy, no write-back.
+            return attention_with_paged_kv_cache(
+                q,
+                k,
+                v,
+                batch.kv_cache.paged_layer(self.layer_index),
+                batch.cache_seqlens,
+                batch.cu_seqlens_q,
+                slots=batch.slots,
+                plan=batch.kv_plan,
+                **common,
+            )
         k_cache, v_cache = batch.kv_cache.layer(self.layer_index)
         return attention_with_kv_cache(
             q,

@@ -167,3 +167,55 @@ def test_dispatch_and_registry(at):
         lookup("attention_kvcache", "cuda", "correctness").probe,
     ):
         assert all(torch.isfinite(t).all() for t in probe().values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64, 128, 24])  # per-key table reads (16, 24), one per tile (64, 128)
+@pytest.mark.parametrize("group", [1, 4])
+def test_paged_reads_equal_staged_reads(at, dtype, block_size, group):
+    """The block-table reads of the engine's pool give the staged path's bits, and the same pool."""
+    from megatron_iso.inference.kv_blocks import PagedKVCache
+    from megatron_iso.ops.attention.kv_cache import KVStepPlan
+
+    hkv = HQ // group
+    cache = PagedKVCache([0], 64, block_size, hkv, D, dtype=dtype, device="cuda", prefix_caching=False)
+    cache._free = torch.randperm(64, generator=torch.Generator().manual_seed(block_size)).tolist()  # shuffled blocks
+    for pool in (cache.k[0], cache.v[0]):
+        pool.fill_(float("nan"))  # rows nobody wrote must never reach a product
+    ids = [0, 1, 2, 3]
+    for s in ids:
+        cache.admit(s, [], 0)
+    lens = [0, 0, 0, 0]
+    steps = ([5, 200, 1, 77], [64, 3, 130, 1], *([[1, 1, 1, 1]] * 20))  # prefill, chunk, decode
+    for i, counts in enumerate(steps):
+        starts = list(lens)
+        for s, a, c in zip(ids, starts, counts, strict=True):
+            cache.prepare_append(s, a, c)
+        cu = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        q, k, v, gate = _qkvg(cu[-1], dtype, 100 + i, HQ, hkv)
+        args = (torch.tensor(starts), torch.tensor(cu))
+        kw = {"slots": torch.arange(4), "gate": gate}
+        before = (cache.k[0].clone(), cache.v[0].clone())
+        view = cache.step_view(ids, starts, counts)
+        kc, vc = view.layer(0)
+        staged = at.attention_with_kv_cache(q, k, v, kc, vc, *args, plan=KVStepPlan(cu, starts, [0, 1, 2, 3]), **kw)
+        view.finish()
+        after = (cache.k[0].clone(), cache.v[0].clone())
+        cache.k[0].copy_(before[0])
+        cache.v[0].copy_(before[1])
+        view = cache.step_view(ids, starts, counts)
+        paged = at.attention_with_paged_kv_cache(
+            q, k, v, view.paged_layer(0), *args, plan=KVStepPlan(cu, starts, [0, 1, 2, 3]), **kw
+        )
+        assert torch.isfinite(paged.float()).all(), counts
+        assert _same(paged, staged), (i, counts)
+        assert _same(cache.k[0], after[0]) and _same(cache.v[0], after[1]), (i, counts)
+        lens = [a + c for a, c in zip(starts, counts, strict=True)]
+
+
+def test_paged_dispatch_on_cuda(at):
+    from megatron_iso.ops import attention
+
+    q = torch.zeros(1, HQ, D, device="cuda")
+    assert attention.paged_kv_reads(q, "correctness") and not attention.paged_kv_reads(q, "performance")
+    assert not attention.paged_kv_reads(q.cpu(), "correctness")

@@ -6,6 +6,8 @@ applied by the model (``ops.norm``, ``ops.rope``) before these calls.
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference`` (invariant: one reduction order over
 keys for a query position in every case), CUDA+correctness =
 ``megatron_iso.ops.attention.attention_triton`` (lazy, same signatures), performance = ``native`` (SDPA).
+Where :func:`paged_kv_reads` holds (the Triton path), :func:`attention_with_paged_kv_cache` reads a
+paged KV pool through its block table instead of a contiguous cache.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import torch
 
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
-from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan
+from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan, PagedKVLayer
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
-from megatron_iso.ops.dispatch import select
+from megatron_iso.ops.dispatch import device_class_of, import_triton_module, select
 
 TRITON_MODULE = "megatron_iso.ops.attention.attention_triton"
 
@@ -86,6 +88,55 @@ def attention_with_kv_cache(
     )
 
 
+def paged_kv_reads(q: torch.Tensor, profile: str) -> bool:
+    """Whether the prefill/decode implementation for ``q``'s device class and ``profile`` reads a paged
+    pool in place (:func:`attention_with_paged_kv_cache`): the Triton kernel, cuda + correctness. The
+    reference (cpu) and native (performance) kernels take a contiguous cache: the pool is staged."""
+    return profile == "correctness" and device_class_of(q) == "cuda"
+
+
+def attention_with_paged_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    paged: PagedKVLayer,
+    cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    profile: str = "correctness",
+    plan: KVStepPlan | None = None,
+) -> torch.Tensor:
+    """:func:`attention_with_kv_cache` reading a paged pool through its block table (row ``slots[i]``)
+    and writing the new k/v into their pool rows: the registered Triton implementation with block-table
+    addressing, same bits as attending from a staged copy. Only where :func:`paged_kv_reads` holds."""
+    if not paged_kv_reads(q, profile):
+        raise ValueError(
+            f"paged kv reads need device class 'cuda' and profile 'correctness' (the Triton kernel), got "
+            f"{device_class_of(q)!r}/{profile!r}; stage the pool into a contiguous cache instead"
+        )
+    fn = select("attention_kvcache", q, profile, TRITON_MODULE)
+    mod = import_triton_module(TRITON_MODULE, "paged attention_kvcache on cuda")
+    if fn is not mod.attention_with_kv_cache:  # the paged reads are that implementation's addressing only
+        raise RuntimeError(f"attention_kvcache on cuda/correctness is {fn!r}, not {TRITON_MODULE}")
+    return mod.attention_with_paged_kv_cache(
+        q,
+        k,
+        v,
+        paged,
+        cache_seqlens,
+        cu_seqlens_q,
+        slots=slots,
+        softmax_scale=softmax_scale,
+        gate=gate,
+        kv_block=kv_block,
+        plan=plan,
+    )
+
+
 def attention_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,7 +173,10 @@ __all__ = [
     "DEFAULT_KV_BLOCK",
     "KVCache",
     "KVStepPlan",
+    "PagedKVLayer",
     "attention_decode",
     "attention_varlen",
     "attention_with_kv_cache",
+    "attention_with_paged_kv_cache",
+    "paged_kv_reads",
 ]

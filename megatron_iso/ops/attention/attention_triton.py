@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
+from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer, resolve_plan
 from megatron_iso.ops.attention.reference import (
     DEFAULT_KV_BLOCK,
     _bounds,
@@ -88,13 +88,13 @@ INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, o_ptr,
-    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, bt_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     GATED: tl.constexpr, GATE_PER_DIM: tl.constexpr, P_LOWP: tl.constexpr, IEEE: tl.constexpr,
-    CAST_F32: tl.constexpr,
+    CAST_F32: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -103,7 +103,10 @@ def _attend_kernel(
     tok0 = tl.load(cu_ptr + seq)
     n = tl.load(cu_ptr + seq + 1) - tok0
     start = tl.load(start_ptr + seq)  # position of the sequence's first new token
-    kv_off = tl.load(kv_off_ptr + seq).to(tl.int64)  # token row of key 0 in k_ptr/v_ptr
+    # PAGE == 0: token row of key 0 in k_ptr/v_ptr. PAGE > 0 (paged pool of PAGE-token blocks):
+    # offset of the sequence's block-table row in bt_ptr; key j lives in pool row
+    # bt[j // PAGE] * PAGE + j % PAGE. Only addresses differ: the same key values, tiles and order.
+    kv_off = tl.load(kv_off_ptr + seq).to(tl.int64)
     kv_len = start + n
 
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -121,14 +124,26 @@ def _attend_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kv_base_k = k_ptr + kv_off * stride_kt + hkv * stride_kh
-    kv_base_v = v_ptr + kv_off * stride_kt + hkv * stride_kh
+    if PAGE > 0:
+        kv_base_k = k_ptr + hkv * stride_kh
+        kv_base_v = v_ptr + hkv * stride_kh
+    else:
+        kv_base_k = k_ptr + kv_off * stride_kt + hkv * stride_kh
+        kv_base_v = v_ptr + kv_off * stride_kt + hkv * stride_kh
     last_pos = start + tl.minimum((row0 + BLOCK_M - 1) // GROUP, n - 1)
     n_blocks = last_pos // BLOCK_N + 1
     for b in tl.range(0, n_blocks, num_stages=STAGES):
         j = b * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < kv_len
-        kv_idx = j.to(tl.int64)[:, None] * stride_kt + d[None, :]
+        if PAGE == 0:
+            kv_row = j.to(tl.int64)
+        elif PAGE % BLOCK_N == 0:  # the tile lies in one pool block: one table read
+            blk = tl.load(bt_ptr + kv_off + (b * BLOCK_N) // PAGE).to(tl.int64)
+            kv_row = blk * PAGE + (b * BLOCK_N) % PAGE + tl.arange(0, BLOCK_N)
+        else:  # the tile may straddle pool blocks: a table read per key (keys past kv_len read entry 0)
+            blk = tl.load(bt_ptr + kv_off + j // PAGE, mask=j_ok, other=0).to(tl.int64)
+            kv_row = blk * PAGE + j % PAGE
+        kv_idx = kv_row[:, None] * stride_kt + d[None, :]
         kv_mask = j_ok[:, None] & d_ok[None, :]
         kb = tl.load(kv_base_k + kv_idx, mask=kv_mask, other=0.0)
         vb = tl.load(kv_base_v + kv_idx, mask=kv_mask, other=0.0)
@@ -231,10 +246,16 @@ def prepare(
     kv_block: int,
     config: AttentionTileConfig | None,
     tables: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    *,
+    block_tables: torch.Tensor | None = None,
+    page: int = 0,
 ) -> tuple[Callable[[], object], torch.Tensor]:
     """The kernel launch as a closure (host planning done) and its output tensor; the benchmark times the closure.
 
     k_src/v_src ``[rows, Hkv, D]`` (packed tokens or a flattened cache); key 0 of sequence i is row kv_offsets[i].
+    Paged (``page`` > 0): k_src/v_src are a flattened pool of ``page``-token blocks, ``block_tables`` a
+    contiguous ``[rows, width]`` int tensor of block ids, and kv_offsets[i] the element offset of
+    sequence i's table row in it (:func:`attention_with_paged_kv_cache`).
     ``tables(group, block_m)``: the :func:`_tables` of these lists, from a cache shared by a step's
     layers (the same values, so the same launch); without it they are built here.
     """
@@ -254,6 +275,8 @@ def prepare(
         tile_seq, tile_row, meta = _tables(cu, starts, kv_offsets, group, cfg.block_m, q.device)
     else:
         tile_seq, tile_row, meta = tables(group, cfg.block_m)
+    if (page > 0) != (block_tables is not None):
+        raise ValueError(f"attention_triton: page={page} and block_tables go together (page > 0 with a table)")
     gated = gate is not None
     g = gate if gated else q
     if gated and gate.stride(-1) != 1:
@@ -261,7 +284,7 @@ def prepare(
     return functools.partial(
         _attend_kernel[(tile_seq.numel(), hkv)],
         q, k_src, v_src, g, out,
-        tile_seq, tile_row, meta[0], meta[1], meta[2],
+        tile_seq, tile_row, meta[0], meta[1], meta[2], meta[2] if block_tables is None else block_tables,
         q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), g.stride(0), g.stride(1),
         out.stride(0), out.stride(1),
         float(scale) * _LOG2E,
@@ -269,7 +292,7 @@ def prepare(
         BLOCK_M=cfg.block_m, BLOCK_N=kv_block, STAGES=cfg.num_stages,
         GATED=gated, GATE_PER_DIM=gated and gate.shape[-1] != 1,
         P_LOWP=q.dtype != torch.float32 and not _INTERPRET, IEEE=q.dtype == torch.float32,
-        CAST_F32=_INTERPRET and q.dtype != torch.float32,
+        CAST_F32=_INTERPRET and q.dtype != torch.float32, PAGE=page,
         num_warps=cfg.num_warps,
     ), out  # fmt: skip
 
@@ -398,6 +421,91 @@ def attention_with_kv_cache(
     return out
 
 
+def attention_with_paged_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    paged: PagedKVLayer,
+    cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    kv_block: int = DEFAULT_KV_BLOCK,
+    config: AttentionTileConfig | None = None,
+    plan: KVStepPlan | None = None,
+) -> torch.Tensor:
+    """:func:`attention_with_kv_cache` on a paged pool: k/v are written straight into their pool rows
+    (``paged.write_idx``) and the kernel reads keys through the block table (row ``slots[i]`` for
+    sequence i), so nothing is staged or written back. Same kernel, tiles, kv block order (aligned at
+    key 0) and masking as the contiguous cache: only addresses differ, so the output bits are those of
+    attending from a staged copy of the same blocks. Any block size works: a block that is a multiple
+    of ``kv_block`` costs one table read per kv tile, any other one a read per key."""
+    _check_qkv(q, k, v, gate)
+    _check_block(kv_block)
+    kp, vp, bt = paged.k_pool, paged.v_pool, paged.block_tables
+    if kp.dtype != k.dtype or vp.dtype != v.dtype:
+        raise TypeError(f"paged kv pool dtype {kp.dtype}/{vp.dtype} must equal k/v dtype {k.dtype}")
+    if kp.dim() != 4 or kp.shape[2:] != k.shape[1:] or vp.shape != kp.shape:
+        raise ValueError(
+            f"paged kv pool must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}], got {tuple(kp.shape)}"
+        )
+    if not (kp.is_contiguous() and vp.is_contiguous()):
+        raise ValueError("attention_triton: the paged kv pool must be contiguous")
+    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64) or not bt.is_contiguous() or bt.device != q.device:
+        raise ValueError(
+            f"block_tables must be a contiguous [rows, width] int32/int64 tensor on {q.device}, "
+            f"got {tuple(bt.shape)} {bt.dtype} on {bt.device}"
+        )
+    if paged.write_idx.shape != (q.shape[0],) or paged.write_idx.dtype != torch.int64:
+        raise ValueError(
+            f"write_idx must be int64 [{q.shape[0]}] (one pool row per new token), got "
+            f"{tuple(paged.write_idx.shape)} {paged.write_idx.dtype}"
+        )
+    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
+    cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
+    page, rows, width, dev = paged.block_size, bt.shape[0], bt.shape[1], q.device
+
+    def fits() -> bool:
+        for i, ((a, b), s, slot) in enumerate(zip(pairwise(cu), starts, slot_ids, strict=True)):
+            if not 0 <= slot < rows:
+                raise ValueError(f"sequence {i}: slot {slot} is not a block-table row (block_tables has {rows})")
+            if -(-(s + b - a) // page) > width:
+                raise ValueError(
+                    f"sequence {i} (slot {slot}) needs {s + b - a} positions, block_tables holds "
+                    f"{width} blocks of {page}"
+                )
+        return True
+
+    plan.memo(("paged_fits", page, rows, width), fits)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    write_cache(k, v, kp, vp, cu, starts, slot_ids, dst=paged.write_idx)
+    kv_offsets = [s * width for s in slot_ids]  # element offset of each sequence's table row
+
+    def tables(group: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = ("triton_paged_tables", group, block_m, width, dev)
+        return plan.memo(key, lambda: _tables(cu, starts, kv_offsets, group, block_m, dev))
+
+    call, out = prepare(
+        q,
+        kp.view(-1, *kp.shape[2:]),
+        vp.view(-1, *vp.shape[2:]),
+        gate,
+        cu,
+        starts,
+        kv_offsets,
+        _scale(softmax_scale, q.shape[-1]),
+        kv_block,
+        config,
+        tables,
+        block_tables=bt,
+        page=page,
+    )
+    call()
+    return out
+
+
 def _probe_inputs() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(4004)
     q = torch.randn(76, 4, 64, generator=g)
@@ -486,6 +594,7 @@ __all__ = [
     "AttentionTileConfig",
     "attention_varlen",
     "attention_with_kv_cache",
+    "attention_with_paged_kv_cache",
     "write_cache",
     "write_index",
 ]

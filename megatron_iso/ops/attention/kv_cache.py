@@ -61,6 +61,27 @@ class KVCache:
         self.lengths[slot] = 0
 
 
+@dataclass(frozen=True)
+class PagedKVLayer:
+    """One attention layer's paged KV pool as a block-table kernel reads and writes it (no staging copy).
+
+    ``k_pool``/``v_pool``: ``[num_blocks, block_size, kv_heads, head_dim]``. ``block_tables``:
+    ``[rows, width]`` int32/int64 on the pool's device; row ``r`` lists, in position order, the blocks
+    of the sequence in cache slot ``r`` (entries past a sequence's length are never read).
+    ``write_idx``: ``[T]`` int64, the flattened pool row (``block * block_size + offset``) of each new
+    token in packed order: where the step's k/v are written before attention reads them.
+    """
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    block_tables: torch.Tensor
+    write_idx: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k_pool.shape[1])
+
+
 @dataclass
 class KVStepPlan:
     """Host copy of one model step's cache layout, shared by every attention layer of the step.
