@@ -249,3 +249,26 @@ def test_native_conv_batches_sequences_like_one_at_a_time():
                             starts=torch.tensor([starts[i]]), profile="performance")  # fmt: skip
         torch.testing.assert_close(out[a:b], one, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(batched, alone, rtol=0, atol=0)  # state rows are copies of inputs
+
+
+def test_step_layout_is_read_once_per_forward():
+    # Every GDN layer of a forward gets the same cu_seqlens / starts tensors: one read-back, not one per layer.
+    from megatron_iso.ops.gdn import reference
+
+    cu, starts = _cu([5, 3]), torch.tensor([0, 4])
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(t):
+        reads.append(t.shape)
+        return real(t)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", counting)
+        for _ in range(3):
+            assert reference._starts(cu, starts) == ([0, 5, 8], [0, 4])
+        starts.add_(1)  # an in-place change is a new layout
+        assert reference._starts(cu, starts) == ([0, 5, 8], [1, 5])
+    assert len(reads) == 2
+    with pytest.raises(ValueError, match="starts has 1 entries for 2 sequences"):
+        reference._starts(cu, torch.tensor([0]))

@@ -40,14 +40,32 @@ L2NORM_EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------------------- helpers
+# The last few (cu_seqlens, starts) pairs read back, with their host lists: every GDN layer of a forward
+# gets the same two tensors, so only the first one reads them (a host sync on a GPU). An entry holds the
+# tensors themselves (compared by identity, so a freed tensor's reused id cannot match) and their version
+# counters (an in-place change is a miss).
+_HOST_LISTS: list[tuple[tuple[torch.Tensor, torch.Tensor | None], tuple, tuple[list[int], list[int]]]] = []
+
+
 def _starts(cu_seqlens: torch.Tensor, starts: torch.Tensor | None) -> tuple[list[int], list[int]]:
-    cu = [int(c) for c in cu_seqlens.tolist()]
-    n = len(cu) - 1
-    st = [0] * n if starts is None else [int(s) for s in starts.tolist()]
+    """Host lists ``(cu, starts)`` of a call, validated; cached across the layers of a forward."""
+    stamp = (cu_seqlens._version, None if starts is None else starts._version)
+    for (cu_t, st_t), seen, lists in _HOST_LISTS:
+        if cu_t is cu_seqlens and st_t is starts and seen == stamp:
+            return lists
+    flat = cu_seqlens.reshape(-1).to(torch.int64)
+    if starts is not None:
+        flat = torch.cat([flat, starts.reshape(-1).to(device=flat.device, dtype=torch.int64)])
+    values = flat.tolist()  # one read for both
+    n = cu_seqlens.numel() - 1
+    cu = values[: n + 1]
+    st = values[n + 1 :] if starts is not None else [0] * n
     if len(st) != n:
         raise ValueError(f"starts has {len(st)} entries for {n} sequences")
     if any(s < 0 for s in st):
         raise ValueError(f"starts must be >= 0, got {st}")
+    _HOST_LISTS.insert(0, ((cu_seqlens, starts), stamp, (cu, st)))
+    del _HOST_LISTS[8:]
     return cu, st
 
 
