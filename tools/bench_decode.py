@@ -100,6 +100,7 @@ class EngineRunner:
             block_size=bs,
             max_num_seqs=batch,
             max_prefill_tokens=self.args.max_prefill_tokens,
+            paged_kv_reads=not self.args.staged_kv,
         )
         engine = RolloutEngine(self.model, config)
         if self.instrument:
@@ -386,6 +387,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the decoder")
+    p.add_argument(
+        "--staged-kv",
+        action="store_true",
+        help="iso: stage each layer's KV history instead of "
+        "reading the paged pool in place (EngineConfig.paged_kv_reads=False; same bits)",
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="decoder prompt tokens admitted per step")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop a timed run after this long (0: never)")

@@ -14,13 +14,15 @@
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run
 #   decode   200   bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens (cut per run)
+#   kvpaged  120   bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
+#   kvstaged 120   the same with --staged-kv (staging + write-back): what the paged reads save or cost
 #   moe      100   bench_ops --moe: grouped expert GEMM vs cuBLAS per-expert loop
 #   nccl     300   needs 2 GPUs (nvidia-h200-x2): tests/multigpu over NCCL
 #   rltp2    420   needs 2 GPUs: bench_rl_step at TP=2 under torchrun
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof gdndot rl rlhybrid decode moe nccl rltp2"
+steps="gputests gdn gdnprof gdndot rl rlhybrid decode kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -51,6 +53,11 @@ for s in "$@"; do
       --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --out "$OUT/rl_step_hybrid.json" ;;
     decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
       --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
+    kvpaged) step kvpaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \
+      --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --out "$OUT/bench_decode_paged.json" ;;
+    kvstaged) step kvstaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \
+      --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --staged-kv \
+      --out "$OUT/bench_decode_staged.json" ;;
     moe) step moe 100 20 python3 tools/bench_ops.py --moe --skip-gemm --skip-mem --out "$OUT/bench_moe.json" ;;
     nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu/test_nccl_invariance.py ;;
     rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \

@@ -60,6 +60,8 @@ class EngineConfig:
     block. max_num_seqs: running samples per step. max_prefill_tokens: prompt tokens admitted per
     step (a longer single prompt is still admitted alone). max_model_len: prompt + generated
     limit (default: the model's max_sequence_length). progress: tqdm bar in :meth:`generate`.
+    paged_kv_reads: where the attention kernel can read the paged pool in place (the Triton kernel,
+    CUDA + correctness), let it; False stages each layer's history instead (same bits; a fallback).
     Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample)."""
 
     kv_cache_bytes: int = 64 << 20
@@ -69,6 +71,7 @@ class EngineConfig:
     max_model_len: int | None = None
     prefix_caching: bool = True
     progress: bool = False
+    paged_kv_reads: bool = True
 
 
 @dataclass
@@ -277,7 +280,10 @@ class RolloutEngine:
         for s, a, c in zip(batch_seqs, starts, counts, strict=True):
             for cache in self.caches:
                 cache.prepare_append(s.seq_id, a, c)
-        state = StepState({c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches})
+        state = StepState(
+            {c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches},
+            paged=self.config.paged_kv_reads,
+        )
         case = "prefill" if new else "decode"
         gdn = state.views.get(GDNSlotCache.kind)
         ids, batch = pack(

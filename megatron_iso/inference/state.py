@@ -70,8 +70,9 @@ class StepState:
     call :meth:`state` with their cache's ``kind``.
     """
 
-    def __init__(self, views: dict[str, Any]) -> None:
+    def __init__(self, views: dict[str, Any], *, paged: bool = True) -> None:
         self.views = views
+        self.paged = paged  # attention may read the KV pool in place (EngineConfig.paged_kv_reads)
 
     def layer(self, index: int) -> Any:
         return self.views["attention_kv"].layer(index)

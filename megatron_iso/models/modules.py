@@ -66,7 +66,7 @@ class PackedCoreAttention(MegatronModule):
         common = {"softmax_scale": self.softmax_scale, "gate": gate, "kv_block": self.kv_block, "profile": self.profile}
         if not batch.uses_cache:
             return attention_varlen(q, k, v, batch.cu_seqlens_q, **common)
-        if paged_kv_reads(q, self.profile) and hasattr(batch.kv_cache, "paged_layer"):
+        if paged_kv_reads(q, self.profile) and getattr(batch.kv_cache, "paged", False):
             # The Triton kernel reads the engine's paged pool in place: no staging copy, no write-back.
             return attention_with_paged_kv_cache(
                 q,

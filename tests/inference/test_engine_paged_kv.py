@@ -44,7 +44,7 @@ def _standin(calls: list):
     return paged_call
 
 
-def _run(paged: bool) -> tuple[dict, int, int, int]:
+def _run(paged: bool, engine_allows: bool = True) -> tuple[dict, int, int, int]:
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from megatron_iso.inference.kv_blocks import PagedStepView
     from megatron_iso.models import modules
@@ -60,12 +60,14 @@ def _run(paged: bool) -> tuple[dict, int, int, int]:
 
         modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
         modules.attention_with_paged_kv_cache = _standin(calls)
-        PagedStepView.layer = no_staging
+        if engine_allows:
+            PagedStepView.layer = no_staging
     try:
         reqs = engine_cases.requests(tc.vocab_size, max_new_tokens=5)
-        eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4))
+        knobs = {"kv_cache_bytes": 1 << 20, "block_size": 4, "paged_kv_reads": engine_allows}
+        eng = RolloutEngine(model, EngineConfig(max_num_seqs=4, **knobs))
         outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
-        again = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4))
+        again = RolloutEngine(model, EngineConfig(**knobs))
         outs += again.generate(reqs[:3]) + again.generate(reqs[:3])  # the second call hits the prefix cache
         hits = again.stats.prefix_hit_tokens
         steps = eng.stats.steps + again.stats.steps
@@ -76,7 +78,7 @@ def _run(paged: bool) -> tuple[dict, int, int, int]:
 
 
 def _both() -> dict:
-    return {"staged": _run(False), "paged": _run(True)}
+    return {"staged": _run(False), "paged": _run(True), "switched_off": _run(True, engine_allows=False)}
 
 
 def test_cuda_path_reads_the_pool_in_place() -> None:
@@ -90,6 +92,10 @@ def test_cuda_path_reads_the_pool_in_place() -> None:
         tok2, lp2, reason2 = paged[key]
         assert tok == tok2 and reason == reason2, key
         assert torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), key
+    # EngineConfig(paged_kv_reads=False): the kernel could read in place, the engine stages instead.
+    off, off_calls, _, _ = res["switched_off"]
+    assert off_calls == 0
+    assert all(torch.equal(staged[k][1].view(torch.int32), off[k][1].view(torch.int32)) for k in staged)
 
 
 def test_paged_reads_refused_off_the_triton_path() -> None:
