@@ -361,6 +361,16 @@ def write_cache(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dst, v)
 
 
+def _check_kv_store(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, what: str, rows: str) -> None:
+    """A contiguous ``[rows..., Hkv, D]`` k/v store (slot cache or paged pool) in k/v's dtype."""
+    if kc.dtype != k.dtype or vc.dtype != v.dtype:
+        raise TypeError(f"{what} dtype {kc.dtype}/{vc.dtype} must equal k/v dtype {k.dtype}")
+    if kc.dim() != 4 or kc.shape[2:] != k.shape[1:] or vc.shape != kc.shape:
+        raise ValueError(f"{what} must be [{rows}, {k.shape[1]}, {k.shape[2]}], got {tuple(kc.shape)}")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError(f"attention_triton: the {what} must be contiguous")
+
+
 def attention_with_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -384,12 +394,7 @@ def attention_with_kv_cache(
     write indices and tile tables are built by the step's first layer and reused by the others."""
     _check_qkv(q, k, v, gate)
     _check_block(kv_block)
-    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
-        raise TypeError(f"kv cache dtype {k_cache.dtype}/{v_cache.dtype} must equal k/v dtype {k.dtype}")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
-        raise ValueError(f"kv cache must be [slots, max_len, {k.shape[1]}, {k.shape[2]}], got {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("attention_triton: the kv cache must be contiguous")
+    _check_kv_store(k, v, k_cache, v_cache, "kv cache", "slots, max_len")
     plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
     cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
     max_len, dev = k_cache.shape[1], q.device
@@ -445,14 +450,7 @@ def attention_with_paged_kv_cache(
     _check_qkv(q, k, v, gate)
     _check_block(kv_block)
     kp, vp, bt = paged.k_pool, paged.v_pool, paged.block_tables
-    if kp.dtype != k.dtype or vp.dtype != v.dtype:
-        raise TypeError(f"paged kv pool dtype {kp.dtype}/{vp.dtype} must equal k/v dtype {k.dtype}")
-    if kp.dim() != 4 or kp.shape[2:] != k.shape[1:] or vp.shape != kp.shape:
-        raise ValueError(
-            f"paged kv pool must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}], got {tuple(kp.shape)}"
-        )
-    if not (kp.is_contiguous() and vp.is_contiguous()):
-        raise ValueError("attention_triton: the paged kv pool must be contiguous")
+    _check_kv_store(k, v, kp, vp, "paged kv pool", "blocks, block_size")
     if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64) or not bt.is_contiguous() or bt.device != q.device:
         raise ValueError(
             f"block_tables must be a contiguous [rows, width] int32/int64 tensor on {q.device}, "
