@@ -7,7 +7,7 @@
 #   STEP_LIMIT_SCALE=0.5 bash tools/h200_call.sh ...   # scale every step's limit (a shorter call)
 #
 # Steps (seconds are each step's limit; a step cut by its limit still leaves its log and partial JSON):
-#   gputests 300   pytest tests/gpu (every single-GPU bitwise test)
+#   gputests 300   pytest tests/gpu (every single-GPU bitwise test; GPU_TESTS="files..." narrows it)
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   gdndot   200   bench_gdn --dot-precision ieee tf32x3 tf32: the state pass's dot variants (speed, accuracy, bits)
@@ -43,7 +43,7 @@ step() {  # step NAME LIMIT_S TAIL_LINES CMD...
 
 for s in "$@"; do
   case $s in
-    gputests) step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE tests/gpu ;;
+    gputests) step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     gdndot) step gdndot 200 12 python3 tools/bench_gdn.py --dot-precision ieee tf32x3 tf32 --out "$OUT/bench_gdn_dot.json" ;;
