@@ -64,6 +64,7 @@ class Cell:
     ttft_s: float | None = None  # until every request of the batch has its first token
     warmup_s: float | None = None
     peak_gb: float | None = None
+    graphs: str = ""  # the decoder's CUDA graphs: replays/captures of the timed run, or why they were off
     note: str = ""
 
 
@@ -87,6 +88,7 @@ class EngineRunner:
         self.args = args
         self.vocab = int(model.config.vocab_size)
         self.instrument = False  # profiler ranges around the engine's forward and sampler
+        self.last_graphs = ""
 
     def _engine(self, batch: int, total_len: int):
         from megatron_iso.inference import EngineConfig, PagedKVCache, RolloutEngine
@@ -101,6 +103,7 @@ class EngineRunner:
             max_num_seqs=batch,
             max_prefill_tokens=self.args.max_prefill_tokens,
             paged_kv_reads=not self.args.staged_kv,
+            cuda_graphs=not self.args.no_cuda_graphs,
         )
         engine = RolloutEngine(self.model, config)
         if self.instrument:
@@ -116,6 +119,9 @@ class EngineRunner:
         for i, p in enumerate(prompts):
             engine.add_request(Request(i, p, params))
         prompt_tokens, ttft, partial = sum(map(len, prompts)), None, False
+        graphs = engine.decode_graphs
+        if graphs is not None:
+            graphs.warm(len(prompts))  # capture before the clock starts, as a server does at start-up
         _sync()
         t0 = time.perf_counter()
         while engine.has_unfinished():
@@ -132,7 +138,14 @@ class EngineRunner:
                 partial = True
                 break
         _sync()
-        return Run(engine.stats.generated_tokens, time.perf_counter() - t0, ttft, partial)
+        wall = time.perf_counter() - t0
+        self.last_graphs = (
+            f"{graphs.replays} of {engine.stats.steps} steps replayed, {graphs.captures} captures"
+            + (f"; {graphs.disabled}" if graphs.disabled else "")
+            if graphs is not None
+            else f"off: {engine.decode_graphs_off}"
+        )
+        return Run(engine.stats.generated_tokens, wall, ttft, partial)
 
 
 class _FirstLogits:
@@ -253,6 +266,7 @@ def run_cell(name: str, runner, batch: int, args: argparse.Namespace) -> Cell:
     if torch.cuda.is_available():
         cell.peak_gb = torch.cuda.max_memory_allocated() / 2**30
     cell.wall_s, cell.generated, cell.ttft_s = run.wall_s, run.generated, run.ttft_s
+    cell.graphs = getattr(runner, "last_graphs", "")
     cell.tokens_per_s = run.generated / run.wall_s
     if run.ttft_s is not None and run.wall_s > run.ttft_s and run.generated > batch:
         cell.decode_tokens_per_s = (run.generated - batch) / (run.wall_s - run.ttft_s)
@@ -322,7 +336,7 @@ def print_row(c: Cell) -> None:
     print(
         f"| {c.engine} | {c.batch} | {c.prompt_len} | {c.new_tokens} | {_fmt(c.wall_s, '.3f')} | "
         f"{_fmt(c.tokens_per_s, '.1f')} | {_fmt(c.decode_tokens_per_s, '.1f')} | {_fmt(c.ttft_s, '.3f')} | "
-        f"{_fmt(c.warmup_s, '.2f')} | {_fmt(c.peak_gb, '.2f')} | {c.note} |",
+        f"{_fmt(c.warmup_s, '.2f')} | {_fmt(c.peak_gb, '.2f')} | {'; '.join(x for x in (c.graphs, c.note) if x)} |",
         flush=True,
     )
 
@@ -392,6 +406,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="iso: stage each layer's KV history instead of "
         "reading the paged pool in place (EngineConfig.paged_kv_reads=False; same bits)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="iso/native decoder: run decode steps eagerly (EngineConfig.cuda_graphs=False; same bits)",
     )
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="decoder prompt tokens admitted per step")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")

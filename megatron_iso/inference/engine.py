@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core import parallel_state
 
+from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
@@ -62,6 +63,8 @@ class EngineConfig:
     limit (default: the model's max_sequence_length). progress: tqdm bar in :meth:`generate`.
     paged_kv_reads: where the attention kernel can read the paged pool in place (the Triton kernel,
     CUDA + correctness), let it; False stages each layer's history instead (same bits; a fallback).
+    cuda_graphs: replay decode steps from CUDA graphs where :func:`~megatron_iso.inference.cuda_graphs.
+    decode_graph_support` allows (same bits; :attr:`RolloutEngine.decode_graphs_off` says why not).
     Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample)."""
 
     kv_cache_bytes: int = 64 << 20
@@ -72,6 +75,7 @@ class EngineConfig:
     prefix_caching: bool = True
     progress: bool = False
     paged_kv_reads: bool = True
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -138,9 +142,16 @@ class RolloutEngine:
         self._running: list[_Seq] = []
         self._errors: list[RequestOutput] = []
         self._ids = itertools.count()
-        # CUDA-graph hook: replace with a captured decode callable of the same signature
-        # (input_ids [1, T], IsoBatch) -> logits [T, V/tp]; the default runs the module eagerly.
+        # (input_ids [1, T], IsoBatch) -> logits [T, V/tp]: the module itself, or decode graphs over it.
         self.forward_fn: Callable[..., torch.Tensor] = model.forward_packed
+        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_graphs_off: str | None = (
+            decode_graph_support(model, paged_kv_reads=self.config.paged_kv_reads)
+            if self.config.cuda_graphs
+            else "EngineConfig.cuda_graphs=False"
+        )
+        if self.decode_graphs_off is None:
+            self.enable_decode_graphs(capture=True)
 
     # --- construction and weights ---------------------------------------------------------
     @classmethod
@@ -159,6 +170,20 @@ class RolloutEngine:
         load_hf_state_dict(self.model, hf_state_dict, self.model.config)
         self.on_weights_updated()
 
+    def enable_decode_graphs(self, *, capture: bool) -> DecodeGraphs:
+        """Serve decode steps from static per-bucket buffers, captured as CUDA graphs with ``capture``.
+
+        The constructor calls it where :func:`decode_graph_support` allows; ``capture=False`` runs the
+        same buffers and padding eagerly (how the CPU tests check them)."""
+        if self.decode_graphs is None:
+            width = min(-(-self.max_model_len // self.kv.block_size), self.kv.num_blocks)
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv, width=width, max_rows=self.config.max_num_seqs, capture=capture
+            )
+            self.forward_fn = self.decode_graphs
+            self.decode_graphs_off = None
+        return self.decode_graphs
+
     def on_weights_updated(self) -> None:
         """Contract rules ``{prefix_cache, kv_cache, recurrent_state} flushed on weight_sync``.
 
@@ -168,6 +193,8 @@ class RolloutEngine:
             raise RuntimeError(f"on_weights_updated with {len(self._running)} running sequences; finish them first")
         for cache in self.caches:
             cache.flush()
+        if self.decode_graphs is not None and self.decode_graphs.parameters_moved():
+            self.decode_graphs.drop()  # weights loaded in place keep the graphs; new storage is re-captured
         self.weights_version += 1
 
     # --- requests ---------------------------------------------------------------------------

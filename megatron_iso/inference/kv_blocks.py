@@ -65,6 +65,7 @@ class PagedKVCache:
         self._key_of: dict[int, bytes] = {}
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.reserved: list[int] = []  # blocks out of circulation (reserve_block)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -202,7 +203,19 @@ class PagedKVCache:
         return len(self._free) + len(self._evictable)
 
     def capacity(self) -> int:
-        return self.num_blocks
+        return self.num_blocks - len(self.reserved)
+
+    def reserve_block(self) -> int:
+        """Take a free block out of circulation for good: no sequence is ever given it (a captured
+        decode graph's padding rows write their keys there)."""
+        if len(self._free) < 2:
+            raise ValueError(
+                f"reserve_block: {len(self._free)} free block(s) of {self.num_blocks}; the cache needs one block "
+                "left for sequences (raise kv_cache_bytes)"
+            )
+        block = self._free.pop(0)  # the highest free id: sequences are handed the lowest first
+        self.reserved.append(block)
+        return block
 
     @property
     def cached_blocks(self) -> int:
@@ -228,25 +241,27 @@ class PagedStepView:
         length = int((start_t + count_t).max())
         width = _ceil_div(length, bs)
         padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int64)
-        device = next(iter(cache.k.values())).device
-        pos = torch.arange(length)
-        flat = padded[:, pos // bs] * bs + pos % bs  # [n, L] row of each position in the flattened pool
+        self.device = next(iter(cache.k.values())).device
         # The positions this step writes, sequence by sequence: integer indices (a boolean mask would
         # need a nonzero(), i.e. a host sync on GPU, in every layer's write-back).
         row = torch.repeat_interleave(torch.arange(n), count_t)
         first = torch.cumsum(count_t, 0) - count_t
         at = start_t[row] + torch.arange(int(count_t.sum())) - first[row]
         # non_blocking: a blocking host-to-device copy is a host sync on GPU
-        self.read_idx = flat.reshape(-1).to(device, non_blocking=True)
-        self.write_src = (row * length + at).to(device, non_blocking=True)  # in the staged [n * L] rows
-        self.write_idx = flat[row, at].to(device, non_blocking=True)  # in the flattened pool
+        self.write_src = (row * length + at).to(self.device, non_blocking=True)  # in the staged [n * L] rows
+        self.write_idx = (padded[row, at // bs] * bs + at % bs).to(self.device, non_blocking=True)  # in the pool
         self.shape = (n, length)
-        self._padded = padded
+        self.host_block_tables = padded  # [n, width] block ids (the paged kernel's table, on the host)
+        self._read_idx: torch.Tensor | None = None
         self._block_tables: torch.Tensor | None = None
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def _stage(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.flatten(0, 1).index_select(0, self.read_idx).view(*self.shape, *pool.shape[2:])
+        if self._read_idx is None:  # staging only: [n, L] pool row of every position (the paged path never needs it)
+            bs, pos = self.cache.block_size, torch.arange(self.shape[1])
+            flat = self.host_block_tables[:, pos // bs] * bs + pos % bs
+            self._read_idx = flat.reshape(-1).to(self.device, non_blocking=True)
+        return pool.flatten(0, 1).index_select(0, self._read_idx).view(*self.shape, *pool.shape[2:])
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.finish()
@@ -260,8 +275,7 @@ class PagedStepView:
         kernel that reads blocks in place: no staging, nothing to write back."""
         self.finish()
         if self._block_tables is None:  # one host-to-device copy per step, shared by the layers
-            device = self.write_idx.device
-            self._block_tables = self._padded.to(device, non_blocking=True)
+            self._block_tables = self.host_block_tables.to(self.device, non_blocking=True)
         return PagedKVLayer(self.cache.k[index], self.cache.v[index], self._block_tables, self.write_idx)
 
     def finish(self) -> None:

@@ -249,6 +249,7 @@ def prepare(
     *,
     block_tables: torch.Tensor | None = None,
     page: int = 0,
+    seq_meta: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[Callable[[], object], torch.Tensor]:
     """The kernel launch as a closure (host planning done) and its output tensor; the benchmark times the closure.
 
@@ -258,6 +259,9 @@ def prepare(
     sequence i's table row in it (:func:`attention_with_paged_kv_cache`).
     ``tables(group, block_m)``: the :func:`_tables` of these lists, from a cache shared by a step's
     layers (the same values, so the same launch); without it they are built here.
+    ``seq_meta``: device ``(cu_seqlens, start positions)`` the kernel reads instead of the host-built
+    rows of ``tables``' metadata (the same values): a captured decode graph replays with new
+    positions written into those tensors, so they cannot be baked into a table built at capture.
     """
     T, hq, dim = q.shape
     hkv = k_src.shape[1]
@@ -284,7 +288,8 @@ def prepare(
     return functools.partial(
         _attend_kernel[(tile_seq.numel(), hkv)],
         q, k_src, v_src, g, out,
-        tile_seq, tile_row, meta[0], meta[1], meta[2], meta[2] if block_tables is None else block_tables,
+        tile_seq, tile_row, *(meta[:2] if seq_meta is None else seq_meta), meta[2],
+        meta[2] if block_tables is None else block_tables,
         q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), g.stride(0), g.stride(1),
         out.stride(0), out.stride(1),
         float(scale) * _LOG2E,
@@ -463,6 +468,13 @@ def attention_with_paged_kv_cache(
         )
     plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
     cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
+    for name, t, size in (("cu_seqlens_q", cu_seqlens_q, len(cu)), ("cache_seqlens", cache_seqlens, len(starts))):
+        # The kernel reads these two on the device (not the plan's host copy): see ``prepare``'s seq_meta.
+        if t.shape != (size,) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device:
+            raise ValueError(
+                f"{name} must be an int32/int64 [{size}] tensor on {q.device}, got {tuple(t.shape)} {t.dtype} "
+                f"on {t.device}"
+            )
     page, rows, width, dev = paged.block_size, bt.shape[0], bt.shape[1], q.device
 
     def fits() -> bool:
@@ -499,6 +511,7 @@ def attention_with_paged_kv_cache(
         tables,
         block_tables=bt,
         page=page,
+        seq_meta=(cu_seqlens_q, cache_seqlens),
     )
     call()
     return out

@@ -1,0 +1,148 @@
+"""Decode steps from static bucket buffers (the CUDA-graph path, run eagerly on CPU) == eager steps.
+
+A captured graph replays whatever its static buffers hold, so everything position-dependent must come
+from them: the step's rows are copied in, padding rows point at the scratch block, and the attention
+reads start positions and ``cu_seqlens`` from device tensors (the host plan of a bucket is stale by
+design). On CPU the paged Triton call is replaced by a stand-in that follows the kernel's contract
+exactly that way: it reads ``cache_seqlens``, ``cu_seqlens_q``, the block-table rows of ``slots`` and
+``write_idx``, and never the plan. The claims: rollout tokens and logprobs are the eager engine's bits
+with sequences finishing at different steps (rows go back to padding), staggered arrivals and small
+buckets (every step is padded); the scratch block is never handed to a sequence; live blocks are never
+written by padding rows. The captured graph itself: tests/gpu/test_decode_graphs.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_iso.testing.harness import run_on_ranks
+
+
+def _kernel_contract_standin(writes: list):
+    """Attention through exactly what the paged kernel reads from the device (no host plan)."""
+    from megatron_iso.ops.attention import KVStepPlan, attention_with_kv_cache
+
+    def paged_call(q, k, v, paged, cache_seqlens, cu_seqlens_q, *, slots, plan, **common):
+        del plan  # stale for a bucket's static batch: the kernel reads the device tensors below
+        bs = paged.block_size
+        own = KVStepPlan.from_tensors(cu_seqlens_q, cache_seqlens, slots)
+        n, width = len(own.starts), paged.block_tables.shape[1]
+        rows = paged.block_tables[slots]
+        idx = (rows[:, :, None] * bs + torch.arange(bs)).reshape(n, width * bs)
+        kp, vp = paged.k_pool.flatten(0, 1), paged.v_pool.flatten(0, 1)
+        kp.index_copy_(0, paged.write_idx, k)  # the kernel's write, before it attends
+        vp.index_copy_(0, paged.write_idx, v)
+        writes.append(paged.write_idx.clone())
+        kc = kp[idx.reshape(-1)].view(n, width * bs, *kp.shape[1:]).clone()
+        vc = vp[idx.reshape(-1)].view(n, width * bs, *vp.shape[1:]).clone()
+        # attention_with_kv_cache writes k/v at each start again (the same values) and attends.
+        flat = KVStepPlan(own.cu, own.starts, list(range(n)))
+        return attention_with_kv_cache(
+            q, k, v, kc, vc, cache_seqlens, cu_seqlens_q, slots=torch.arange(n), plan=flat, **common
+        )
+
+    return paged_call
+
+
+def _run(static: bool, buckets: list[int] | None) -> dict:
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+    from megatron_iso.models import modules
+    from tests.inference import engine_cases
+
+    tc, model = engine_cases.setup(["profile=correctness"])
+    writes: list[torch.Tensor] = []
+    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
+    modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
+    modules.attention_with_paged_kv_cache = _kernel_contract_standin(writes)
+    try:
+        # Different max_new_tokens: sequences leave the batch at different steps.
+        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        reqs = engine_cases.requests(tc.vocab_size, specs)
+        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
+        assert eng.decode_graphs is None and "CUDA" in eng.decode_graphs_off
+        scratch = None
+        if static:
+            graphs = eng.enable_decode_graphs(capture=False)
+            if buckets is not None:
+                graphs.buckets = buckets
+            scratch = graphs.scratch
+        held: set[int] = set()
+        real_prepare = eng.kv.prepare_append
+
+        def watch(seq_id, start, count):  # every block a sequence ever holds
+            real_prepare(seq_id, start, count)
+            held.update(eng.kv.tables[seq_id])
+
+        eng.kv.prepare_append = watch
+        outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+    finally:
+        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved
+    return {
+        "summary": engine_cases.summary(outs),
+        "steps": eng.stats.steps,
+        "scratch": scratch,
+        "held": held,
+        "writes": writes,
+        "block_size": eng.kv.block_size,
+        "num_decode_rows": eng.stats.decode_tokens,
+        "static_steps": 0 if eng.decode_graphs is None else eng.decode_graphs.steps,
+    }
+
+
+def _all() -> dict:
+    return {"eager": _run(False, None), "static": _run(True, None), "padded": _run(True, [2, 5, 6])}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return run_on_ranks(_all, 1)[0]
+
+
+def test_static_decode_steps_give_the_eager_bits(runs) -> None:
+    eager = runs["eager"]["summary"]
+    assert len(eager) >= 8
+    for name in ("static", "padded"):
+        got = runs[name]["summary"]
+        assert got.keys() == eager.keys(), name
+        for key, (tok, lp, reason) in eager.items():
+            tok2, lp2, reason2 = got[key]
+            assert tok == tok2 and reason == reason2, (name, key)
+            assert torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), (name, key)
+        # Every step but the (at most 8, one per request) prefill steps came from bucket buffers.
+        assert runs[name]["static_steps"] >= runs[name]["steps"] - 8 > 0, (
+            runs[name]["static_steps"],
+            runs[name]["steps"],
+        )
+    assert runs["eager"]["static_steps"] == 0
+
+
+def test_padding_rows_write_only_the_scratch_block(runs) -> None:
+    for name in ("static", "padded"):
+        r = runs[name]
+        assert r["scratch"] not in r["held"], "the scratch block was handed to a sequence"
+        bs, scratch = r["block_size"], r["scratch"]
+        padded_writes = sum(int((w // bs == scratch).sum()) for w in r["writes"])
+        total = sum(int(w.numel()) for w in r["writes"])
+        # Bucket sizes 2/5/6 over 1..6 running rows: some steps must be padded, and the real rows'
+        # writes (prefill tokens + decode rows, per layer) are all the others.
+        if name == "padded":
+            assert padded_writes > 0
+        layers = len(r["writes"]) // r["steps"]
+        assert total - padded_writes == layers * (r["num_decode_rows"] + _prefill_rows(runs["eager"]))
+
+
+def _prefill_rows(eager: dict) -> int:
+    per_layer = [int(w.numel()) for w in eager["writes"]]
+    layers = len(per_layer) // eager["steps"]
+    return sum(per_layer) // layers - eager["num_decode_rows"]
+
+
+def test_default_buckets_cover_every_batch() -> None:
+    from megatron_iso.inference.cuda_graphs import default_buckets
+
+    for top in (1, 3, 8, 64, 100, 256):
+        b = default_buckets(top)
+        assert b[-1] == top and b == sorted(set(b)) and b[0] == 1
+        # at most 25% padding past batch 8 (1/2 below: 5 -> 8)
+        assert all(next(x for x in b if x >= n) <= max(2 * n, n + n // 4 + 8) for n in range(1, top + 1))
