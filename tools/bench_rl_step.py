@@ -12,6 +12,10 @@ every rank runs its share on ``cuda:<LOCAL_RANK>`` over NCCL; rank 0 prints and 
 
     torchrun --nproc-per-node 2 tools/bench_rl_step.py --model qwen3_0p6b --out rl_step_tp2.json parallel.tp=2
 
+``--train-micro-batch-seqs N``: the trainer's forward/backward over N sequences at a time per rank
+(``rl.train_micro_batch_seqs``, both profiles; recorded under ``args`` in the JSON): bounds the training
+step's memory (logits and activations of N sequences, not of all).
+
 ``--profile-step K``: step K of each profile runs under torch.profiler with a range per phase
 (``rl: rollout``, ``rl: train``, ``rl: publish``) and per model module (forward only; the backward's
 ops appear by name): top ops by self CUDA / CPU time and the parts, printed and in the JSON. That
@@ -70,6 +74,7 @@ def _config(profile: str, args: argparse.Namespace, out_dir: str):
             f"task.prompts_per_step={args.prompts}",
             f"task.prompt_len={args.prompt_len}",
             f"rollout.kv_cache_mb={args.kv_cache_mb}",
+            f"rl.train_micro_batch_seqs={args.train_micro_batch_seqs}",
             f"out_dir={out_dir}",
             *args.overrides,
         ]
@@ -156,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument(
+        "--train-micro-batch-seqs", type=int, default=0,
+        help="sequences per trainer micro-batch on each rank, both profiles (rl.train_micro_batch_seqs; 0: all in one)",
+    )  # fmt: skip
     parser.add_argument("--profile-step", type=int, default=-1, help="profile this step (-1: none)")
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("rl_step.json"))
@@ -183,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if WORLD_SIZE > 1:
         device = f"{WORLD_SIZE} x {device}"
-    print(f"\n{args.model} on {device}: {args.prompts} prompts x {args.group} samples, {args.new_tokens} new tokens")
+    micro = f", trainer micro-batches of {args.train_micro_batch_seqs}" if args.train_micro_batch_seqs else ""
+    print(
+        f"\n{args.model} on {device}: {args.prompts} prompts x {args.group} samples, {args.new_tokens} new tokens{micro}"
+    )
     print("| profile | gen s | train s | step s | gen tok/s | peak GB | max abs dlogp | bitwise frac |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

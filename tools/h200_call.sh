@@ -12,7 +12,8 @@
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   gdndot   200   bench_gdn --dot-precision ieee tf32x3 tf32: the state pass's dot variants (speed, accuracy, bits)
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
-#   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run
+#   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
+#                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch)
 #   decode   200   bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens (cut per run)
 #   kvpaged  120   bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120   the same with --staged-kv (staging + write-back): what the paged reads save or cost
@@ -50,7 +51,8 @@ for s in "$@"; do
     rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
     rlhybrid) step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
-      --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --out "$OUT/rl_step_hybrid.json" ;;
+      --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --train-micro-batch-seqs 16 \
+      --out "$OUT/rl_step_hybrid.json" ;;
     decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
       --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
     kvpaged) step kvpaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \

@@ -11,6 +11,7 @@ logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
     informative_groups,
+    loss_normaliser,
     overlong_penalty,
     policy_loss,
 )
@@ -57,6 +59,19 @@ def _loss_config(rl: Any) -> PolicyLossConfig:
     )
 
 
+def micro_batch_seqs(rl: Any) -> int:
+    """``rl.train_micro_batch_seqs`` checked: sequences per trainer micro-batch, 0 = all in one batch."""
+    value = rl.get("train_micro_batch_seqs")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"rl.train_micro_batch_seqs={value!r} is not allowed; allowed values: 0 or null (all sequences "
+            "in one batch) or a positive integer (sequences per micro-batch)"
+        )
+    return value
+
+
 class Trainer:
     """Everything one rank holds for the run: model, optimizer, decoder, task, logs."""
 
@@ -80,6 +95,7 @@ class Trainer:
         self.cfg, self.rank = cfg, rank
         self.rl = cfg.rl
         self.loss_cfg = _loss_config(cfg.rl)
+        self.micro_batch_seqs = micro_batch_seqs(cfg.rl)
         self.run_dir = Path(str(cfg.out_dir))
         self.tc = transformer_config(cfg)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -182,9 +198,64 @@ class Trainer:
         return rewards
 
     def train_on(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, Any]:
-        """One optimizer step on ``samples``; returns trainer logprobs of response tokens and stats."""
+        """One optimizer step on ``samples``; returns trainer logprobs of response tokens and stats.
+
+        Forward and backward run over ``rl.train_micro_batch_seqs`` samples at a time (default: all at
+        once), gradients accumulating in Megatron's grad buffers. Every micro-batch's loss is divided
+        by the whole step's normaliser, so the accumulated gradient is the one-batch gradient; only
+        the sum order of the weight gradients' reductions over tokens differs (backward is
+        deterministic, not batch invariant). Logprobs, loss and statistics are the whole step's.
+        """
         from megatron.core.distributed import finalize_model_grads
 
+        size = self.micro_batch_seqs or len(samples)
+        bounds = [(a, min(a + size, len(samples))) for a in range(0, len(samples), size)]
+        # The step's response tokens in sample order: the loss is normalised over all of them.
+        seq_index = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor([len(s.tokens) for s in samples]))
+        every = torch.ones(seq_index.numel(), dtype=torch.bool)
+        normaliser = loss_normaliser(every, seq_index, self.loss_cfg.aggregation)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._scale_moe_aux_loss(len(bounds))
+        parts = []
+        for j, (a, b) in enumerate(bounds):
+            # As Megatron's schedules do: DP grad sync held back until the last micro-batch (it only
+            # matters with overlap_grad_reduce; finalize_model_grads below does the sync).
+            with self.ddp.no_sync() if j + 1 < len(bounds) else contextlib.nullcontext():
+                parts.append(self._accumulate_grads(samples[a:b], advantages[a:b], normaliser))
+        trainer_logp = torch.cat([p[0] for p in parts])
+        rollout_logp = torch.cat([p[1] for p in parts])
+        ref_logp = torch.cat([p[2] for p in parts]) if self.ref_model is not None else None
+        # Reported once over the whole step's tokens (the same bits for every micro-batch size), not
+        # summed from micro-batches. One update per rollout: the scored policy is the behaviour
+        # policy, so logp = old gives the values the backward saw.
+        with torch.no_grad():
+            loss, stats = policy_loss(
+                trainer_logp, trainer_logp, advantages, every, seq_index, self.loss_cfg,
+                rollout_logp=rollout_logp, ref_logp=ref_logp, normaliser=normaliser,
+            )  # fmt: skip
+        # Megatron's full grad finalisation, not only the DP sync: replicated params that each TP rank
+        # applies to its own heads or rows (q/k norms; norms under SP) need their grads summed over TP,
+        # else the replicas drift apart from the first step on.
+        finalize_model_grads([self.ddp])
+        ok, grad_norm, _ = self.optimizer.step()
+        t0 = time.perf_counter()
+        self.publish_weights()
+        return {
+            "timing/weight_sync_s": time.perf_counter() - t0,
+            "loss": float(loss),
+            "grad_norm": float(grad_norm or 0.0),
+            "update_ok": bool(ok),
+            "trainer_logp": trainer_logp,
+            "rollout_logp": rollout_logp,
+            **stats,
+        }
+
+    def _accumulate_grads(
+        self, samples: list[Sample], advantages: torch.Tensor, normaliser: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``);
+        returns its response tokens' trainer, rollout and reference logprobs, in sample order."""
         from megatron_iso.models.batch import pack
         from megatron_iso.models.scoring import score_sequences
 
@@ -203,8 +274,6 @@ class Trainer:
             r = torch.arange(a + len(s.prompt.ids) - 1, a + len(s.prompt.ids) - 1 + len(s.tokens))
             mask[r] = True
             response_rows.append(r)
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
         logp, _ = score_sequences(
             self.ddp.module, ids, batch, temperature=float(self.rl.temperature), with_entropy=False
         )
@@ -220,26 +289,21 @@ class Trainer:
                     self.ref_model, ids, batch, temperature=float(self.rl.temperature), with_entropy=False
                 )
             ref = ref.float().cpu()
-        loss, stats = policy_loss(
-            logp, old, advantages, mask, seq_index, self.loss_cfg, rollout_logp=rollout, ref_logp=ref
-        )
+        loss, _ = policy_loss(
+            logp, old, advantages, mask, seq_index, self.loss_cfg,
+            rollout_logp=rollout, ref_logp=ref, normaliser=normaliser,
+        )  # fmt: skip
         loss.backward()
-        # Megatron's full grad finalisation, not only the DP sync: replicated params that each TP rank
-        # applies to its own heads or rows (q/k norms; norms under SP) need their grads summed over TP,
-        # else the replicas drift apart from the first step on.
-        finalize_model_grads([self.ddp])
-        ok, grad_norm, _ = self.optimizer.step()
-        t0 = time.perf_counter()
-        self.publish_weights()
-        return {
-            "timing/weight_sync_s": time.perf_counter() - t0,
-            "loss": float(loss.detach()),
-            "grad_norm": float(grad_norm or 0.0),
-            "update_ok": bool(ok),
-            "trainer_logp": old[mask],
-            "rollout_logp": rollout[mask],
-            **stats,
-        }
+        return old[mask], rollout[mask], None if ref is None else ref[mask]
+
+    def _scale_moe_aux_loss(self, micro_batches: int) -> None:
+        # Megatron's schedules scale the MoE load-balancing loss's gradient by 1/micro-batches: each
+        # micro-batch's aux loss is a statistic of its own tokens, the step's is their mean (so with
+        # model.moe_aux_loss_coeff > 0 the micro-batch size changes that term, as in Megatron).
+        if self.tc.num_moe_experts:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / micro_batches, device=self.device))
 
     def publish_weights(self) -> None:
         """Make the trainer's current weights the decoder's (after an optimizer step or a checkpoint load)."""

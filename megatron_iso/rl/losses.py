@@ -71,17 +71,28 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def _aggregate(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, how: str) -> torch.Tensor:
+def loss_normaliser(mask: torch.Tensor, seq_index: torch.Tensor, aggregation: str) -> float:
+    """The aggregation's denominator: response tokens (``token_mean``) or sequences holding at least
+    one (``seq_mean_token_mean``), at least 1. Computed once over a whole step and passed to every
+    micro-batch's :func:`policy_loss`, the micro-batch losses (and gradients) add up to the step's."""
+    if aggregation == "token_mean":
+        return float(max(1, int(mask.sum())))
+    return float(max(1, int(seq_index[mask].unique().numel())))
+
+
+def _aggregate(
+    values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, how: str, normaliser: float
+) -> torch.Tensor:
     m = mask.float()
     if how == "token_mean":
-        return (values * m).sum() / m.sum().clamp(min=1.0)
+        return (values * m).sum() / normaliser
     n = int(seq_index.max()) + 1 if seq_index.numel() else 0
     # A one-hot matmul instead of index_add: index_add uses atomics on GPU (nondeterministic backward).
     onehot = (seq_index.unsqueeze(0) == torch.arange(n, device=seq_index.device).unsqueeze(1)).to(values.dtype)
     per_seq = onehot @ (values * m)
     count = onehot @ m
     has = count > 0
-    return (per_seq[has] / count[has]).mean() if bool(has.any()) else values.sum() * 0.0
+    return (per_seq[has] / count[has]).sum() / normaliser if bool(has.any()) else values.sum() * 0.0
 
 
 def policy_loss(
@@ -94,12 +105,16 @@ def policy_loss(
     *,
     rollout_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss (to minimise) and its statistics.
 
     ``old_logp`` is the behaviour policy's logprob as the trainer computes it; in the correctness
     profile it equals the rollout's bit for bit. With ``tis_cap > 0`` the loss is reweighted by
     ``min(exp(old_logp - rollout_logp), tis_cap)``, the usual patch when the two differ.
+    ``normaliser`` (default: this batch's :func:`loss_normaliser`) divides the aggregated loss; a
+    micro-batch passes its whole step's, so its loss is its share of the step's loss. The statistics
+    are this batch's own.
     """
     adv = advantages[seq_index]
     ratio = torch.exp(logp - old_logp)
@@ -118,7 +133,11 @@ def policy_loss(
         kl = k3_kl(logp, ref_logp)
         per_token = per_token + cfg.kl_coef * kl
         stats["kl/ref_k3"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-    loss = _aggregate(per_token, mask, seq_index, cfg.aggregation)
+    if normaliser is None:
+        normaliser = loss_normaliser(mask, seq_index, cfg.aggregation)
+    elif not normaliser > 0:
+        raise ValueError(f"policy_loss: normaliser={normaliser} must be > 0 (a token or sequence count)")
+    loss = _aggregate(per_token, mask, seq_index, cfg.aggregation, normaliser)
     with torch.no_grad():
         out_of_band = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)) & mask
         stats["policy/clip_frac"] = float(out_of_band.float().sum() / mask.float().sum().clamp(min=1))

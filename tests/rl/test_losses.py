@@ -6,6 +6,7 @@ from megatron_iso.rl.losses import (
     group_advantages,
     informative_groups,
     k3_kl,
+    loss_normaliser,
     overlong_penalty,
     policy_loss,
 )
@@ -81,3 +82,45 @@ def test_tis_reweights_by_trainer_over_rollout_ratio():
 def test_bad_loss_config_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PolicyLossConfig(**kwargs)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("extra", [{}, {"kl_coef": 0.1, "tis_cap": 2.0}], ids=["clip", "kl_tis"])
+def test_micro_batch_losses_with_the_step_normaliser_add_up_to_the_step_loss(aggregation, extra):
+    """Split by sequence, each part divided by the whole step's normaliser: the parts' losses sum to the
+    step's loss and every token's gradient is the one-batch gradient bit for bit (the normaliser is
+    the same number, not a mean of micro-batch means)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 0, 3, 8, 1, 4]  # sequence 1 has no response token
+    rows = torch.tensor(lengths) + 2
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), rows)
+    mask = torch.arange(seq.numel()) - (torch.cumsum(rows, 0) - rows)[seq] >= 2  # 2 prompt rows, then the response
+    logp = -torch.rand(seq.numel(), generator=gen) * 3
+    old = logp + 0.3 * torch.randn(seq.numel(), generator=gen)
+    ref, rollout = old - 0.2 * torch.rand(seq.numel(), generator=gen), old - 0.1
+    adv = torch.randn(len(lengths), generator=gen)
+    cfg = PolicyLossConfig(aggregation=aggregation, **extra)
+    norm = loss_normaliser(mask, seq, aggregation)
+    assert norm == (float(sum(lengths)) if aggregation == "token_mean" else 5.0)
+
+    def run(rows: slice, first_seq: int, normaliser: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logp[rows].clone().requires_grad_(True)
+        n_seqs = int(seq[rows].max()) + 1 - first_seq
+        loss, _ = policy_loss(
+            x, old[rows], adv[first_seq : first_seq + n_seqs], mask[rows], seq[rows] - first_seq, cfg,
+            rollout_logp=rollout[rows], ref_logp=ref[rows], normaliser=normaliser,
+        )  # fmt: skip
+        loss.backward()
+        return loss.detach(), x.grad
+
+    whole, whole_grad = run(slice(None), 0, None)
+    cut = int((seq < 3).sum())  # sequences 0-2 | 3-5
+    a, grad_a = run(slice(0, cut), 0, norm)
+    b, grad_b = run(slice(cut, None), 3, norm)
+    assert torch.equal(torch.cat([grad_a, grad_b]).view(torch.int32), whole_grad.view(torch.int32))
+    assert torch.allclose(a + b, whole, rtol=1e-6, atol=0)  # the forward sums reassociate
+    # Each part's own normaliser (a mean of micro-batch means) is a different gradient.
+    own, _ = run(slice(0, cut), 0, None)
+    assert not torch.equal(own, a)
+    with pytest.raises(ValueError, match="normaliser=0.0 must be > 0"):
+        run(slice(None), 0, 0.0)

@@ -119,12 +119,14 @@ def _tool():
 
 
 def test_bench_rl_step_shrunk_iso_mismatch_zero(tmp_path):
+    """Trainer micro-batches as the H200 step runs them (h200_call.sh rlhybrid): iso logprobs still exact."""
     out = tmp_path / "rl_step.json"
     argv = ["--model", MODEL, "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "6"]
-    argv += ["--prompt-len", "8", "--kv-cache-mb", "16", "--out", str(out), *SHRINK]
+    argv += ["--prompt-len", "8", "--kv-cache-mb", "16", "--train-micro-batch-seqs", "3", "--out", str(out), *SHRINK]
     assert _tool().main(argv) == 0
     report = json.loads(out.read_text())
     assert report["failures"] == {} and report["model"] == MODEL
+    assert report["args"]["train_micro_batch_seqs"] == 3  # 4 samples: micro-batches of 3 and 1
     by = {r["profile"]: r for r in report["results"]}
     assert set(by) == {"correctness", "performance"}
     iso = by["correctness"]
