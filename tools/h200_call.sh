@@ -44,7 +44,9 @@ step() {  # step NAME LIMIT_S TAIL_LINES CMD...
 
 for s in "$@"; do
   case $s in
-    gputests) step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu} ;;
+    gputests)  # GPU_TESTS may name several files: word splitting on purpose
+      # shellcheck disable=SC2086
+      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     gdndot) step gdndot 200 12 python3 tools/bench_gdn.py --dot-precision ieee tf32x3 tf32 --out "$OUT/bench_gdn_dot.json" ;;
