@@ -146,7 +146,9 @@ class Trainer:
             [self.ddp],
         )
         engine_cfg = EngineConfig(
-            kv_cache_bytes=int(cfg.rollout.kv_cache_mb) << 20, paged_kv_reads=bool(cfg.rollout.paged_kv_reads)
+            kv_cache_bytes=int(cfg.rollout.kv_cache_mb) << 20,
+            paged_kv_reads=bool(cfg.rollout.paged_kv_reads),
+            cuda_graphs=bool(cfg.rollout.cuda_graphs),
         )
         # Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced.
         self.layout_rollout = LayoutRollout(rollout_cfg, self.model, engine_cfg) if separate else None

@@ -193,7 +193,7 @@ def test_paged_reads_equal_staged_reads(at, dtype, block_size, group):
             cache.prepare_append(s, a, c)
         cu = [0, *torch.tensor(counts).cumsum(0).tolist()]
         q, k, v, gate = _qkvg(cu[-1], dtype, 100 + i, HQ, hkv)
-        args = (torch.tensor(starts), torch.tensor(cu))
+        args = (torch.tensor(starts, device="cuda"), torch.tensor(cu, device="cuda"))  # the paged kernel reads them
         kw = {"slots": torch.arange(4), "gate": gate}
         before = (cache.k[0].clone(), cache.v[0].clone())
         view = cache.step_view(ids, starts, counts)

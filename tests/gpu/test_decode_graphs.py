@@ -19,7 +19,7 @@ def _generate(model, reqs, graphs: bool):
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from tests.inference import engine_cases
 
-    cfg = EngineConfig(max_num_seqs=6, kv_cache_bytes=8 << 20, block_size=16, cuda_graphs=graphs)
+    cfg = EngineConfig(max_num_seqs=6, kv_cache_bytes=32 << 20, block_size=16, cuda_graphs=graphs)
     eng = RolloutEngine(model, cfg)
     outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
     return eng, engine_cases.summary(outs)
@@ -40,7 +40,9 @@ def test_captured_decode_gives_the_eager_bits(dtype: str) -> None:
     from tests.inference import engine_cases
 
     with launched_world(seed=7):
-        tc, model = engine_cases.setup(["profile=correctness", f"model.params_dtype={dtype}"])
+        # Qwen3-0.6B shapes (the Triton GEMM's tiles need real widths), two layers.
+        shape = ["model=qwen3_0p6b", "model.num_layers=2", f"model.params_dtype={dtype}"]
+        tc, model = engine_cases.setup(["profile=correctness", *shape])
         specs = [
             (rid, n, {**kw, "max_new_tokens": 5 + 3 * (i % 4)}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)
         ]
