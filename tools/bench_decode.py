@@ -121,7 +121,7 @@ class EngineRunner:
         prompt_tokens, ttft, partial = sum(map(len, prompts)), None, False
         graphs = engine.decode_graphs
         if graphs is not None:
-            graphs.warm(len(prompts))  # capture before the clock starts, as a server does at start-up
+            graphs.warm(len(prompts), len(prompts[0]) + 1)  # capture before the clock, as a server at start-up
         _sync()
         t0 = time.perf_counter()
         while engine.has_unfinished():

@@ -2,7 +2,7 @@
 
 Why: a decode step of a small model is bound by host work, not by the GPU. On the H200, Qwen3-0.6B
 took 55-61 ms per step at every batch size from 1 to 256 (about 2 ms of Python and launches per
-layer, docs/PERFORMANCE.md). A captured graph replays all of a step's kernels in one call.
+layer, docs/PERFORMANCE.md); replayed from a graph, the iso step took ~5 ms at batch 1.
 
 How: for a bucket of ``B`` rows, :class:`DecodeGraphs` owns a static decode batch built by
 ``models.batch.pack``: token ids, positions, cache start positions, slots, a ``[B, W]`` block table
@@ -10,14 +10,19 @@ How: for a bucket of ``B`` rows, :class:`DecodeGraphs` owns a static decode batc
 ``n <= B`` sequences copies the engine's own pack and KV step view into rows ``0..n-1`` and replays;
 rows ``n..B-1`` are padding (token 0 at position 0, a table of the cache's reserved scratch block,
 writes into that block) and their logits are dropped. The graph reads nothing from the host: the
-Triton attention takes start positions and ``cu_seqlens`` from these device tensors (its host-built
-tables depend only on the bucket), and RoPE's cos/sin are computed inside the graph.
+batch's ``KVStepPlan`` is marked ``device_positions`` (its host starts are placeholders), the
+attention takes start positions from the device tensors, RoPE's cos/sin and the staging rows are
+computed inside the graph.
 
-Padding is free of numerical effect because the correctness profile is batch invariant: a row's bits
-depend on that row alone (the property ``tests/inference/test_engine_bitwise.py`` holds across batch
-sizes). So a replayed step gives the eager step's tokens and logprobs bit for bit:
-``tests/inference/test_decode_graphs.py`` runs the static path eagerly on CPU, and
-``tests/gpu/test_decode_graphs.py`` holds the captured engine to the eager one on a GPU.
+- Correctness profile (paged reads): the Triton kernel reads the pool through the block table, so a
+  bucket is a row count. Padding is free of numerical effect because the profile is batch invariant (a
+  row's bits depend on that row alone), so a replayed step gives the eager step's tokens and logprobs
+  bit for bit: ``tests/inference/test_decode_graphs.py`` runs the buffers eagerly on CPU,
+  ``tests/gpu/test_decode_graphs.py`` holds the captured engine to the eager one on a GPU.
+- Performance profile (the native baseline): attention stages each layer's KV history, so a bucket is
+  a row count and a staging length (:func:`staging_length`, at most 2x the longest sequence). Native
+  kernels are not batch invariant: padding rows and masked staging columns may move its last bits, as
+  any batch change does there.
 
 What stays eager: prefill steps (their shapes vary with the prompts) and steps with more rows than
 the largest bucket. :func:`decode_graph_support` says which models and configs are captured.
@@ -26,7 +31,6 @@ the largest bucket. :func:`decode_graph_support` says which models and configs a
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +38,8 @@ import torch
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
-from megatron_iso.ops.attention.kv_cache import PagedKVLayer
+
+MIN_STAGING = 256  # tokens: the shortest staging length bucket (performance profile)
 
 
 def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str | None:
@@ -45,13 +50,8 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
     device = next(model.parameters()).device
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (the model is on {device})"
-    if mc.iso_profile != "correctness":
-        return (
-            f"iso_profile={mc.iso_profile!r}: the performance profile's attention stages the KV cache per step "
-            "(its width changes every step); only the correctness profile's paged Triton attention has fixed shapes"
-        )
-    if not paged_kv_reads:
-        return "paged_kv_reads=False stages the KV cache per step (its width changes every step)"
+    if mc.iso_profile == "correctness" and not paged_kv_reads:
+        return "paged_kv_reads=False: the correctness profile's staged attention reads positions on the host"
     if mc.tensor_model_parallel_size > 1:
         return (
             f"tensor_model_parallel_size={mc.tensor_model_parallel_size}: TP collectives are not captured (TP 1 only)"
@@ -73,19 +73,11 @@ def default_buckets(max_rows: int) -> list[int]:
     return [*sizes, max_rows]
 
 
-class _StaticKV:
-    """A bucket's attention view: the engine's pool with the bucket's own block table and write rows."""
-
-    paged = True
-
-    def __init__(self, cache: PagedKVCache, block_tables: torch.Tensor, write_idx: torch.Tensor) -> None:
-        self.cache, self.block_tables, self.write_idx = cache, block_tables, write_idx
-
-    def paged_layer(self, index: int) -> PagedKVLayer:
-        return PagedKVLayer(self.cache.k[index], self.cache.v[index], self.block_tables, self.write_idx)
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise RuntimeError("a captured decode step reads the paged pool in place; it has no staging view")
+def staging_length(need: int, block_size: int, width: int) -> int:
+    """The staging length bucket for a step whose longest sequence holds ``need`` tokens: the next power
+    of two from :data:`MIN_STAGING` on, in whole blocks, at most the table's ``width`` blocks."""
+    length = max(MIN_STAGING, 1 << (max(need, 1) - 1).bit_length())
+    return min(-(-length // block_size), width) * block_size
 
 
 @dataclass
@@ -93,7 +85,7 @@ class _Bucket:
     rows: int
     ids: torch.Tensor  # [1, rows]
     batch: IsoBatch
-    kv: _StaticKV
+    view: PagedStepView  # the bucket's device-laid-out KV view
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     live: int = 0  # rows holding a sequence since the last step (the rest are padding already)
@@ -102,8 +94,10 @@ class _Bucket:
 class DecodeGraphs:
     """The engine's ``forward_fn`` for decode steps: static buffers per bucket, replayed graphs.
 
-    ``capture=False`` runs the same static buffers eagerly (no graph): how the CPU tests check the
-    padding and the copies, and a fallback when a capture fails.
+    ``paged``: the attention reads the pool in place (correctness profile's Triton kernel); otherwise it
+    stages each layer's history and buckets also carry a staging length. ``capture=False`` runs the same
+    static buffers eagerly (no graph): how the CPU tests check the padding and the copies, and a
+    fallback when a capture fails.
     """
 
     def __init__(
@@ -113,17 +107,17 @@ class DecodeGraphs:
         *,
         width: int,
         max_rows: int,
+        paged: bool,
         capture: bool,
         buckets: list[int] | None = None,
     ) -> None:
-        self.model, self.kv, self.width, self.capture = model, kv, width, capture
-        self.forward: Callable[[torch.Tensor, IsoBatch], torch.Tensor] = model.forward_packed
+        self.model, self.kv, self.width, self.paged, self.capture = model, kv, width, paged, capture
         self.buckets = sorted(buckets) if buckets else default_buckets(max_rows)
         if self.buckets[0] < 1:
             raise ValueError(f"decode graph buckets must be >= 1, got {self.buckets}")
         self.scratch = kv.reserve_block()
         self.device = next(iter(kv.k.values())).device
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, int | None], _Bucket] = {}
         self._pool = None
         self.steps = 0  # decode steps served from bucket buffers
         self.replays = 0  # of which replayed from a captured graph
@@ -135,23 +129,23 @@ class DecodeGraphs:
     def __call__(self, ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
         n = int(ids.shape[1])
         if batch.case != "decode" or n > self.buckets[-1]:
-            return self.forward(ids, batch)
-        bucket = self._bucket(next(b for b in self.buckets if b >= n))
-        self._load(bucket, ids, batch, batch.kv_cache.state(PagedKVCache.kind))
+            return self.model.forward_packed(ids, batch)
+        step_view = batch.kv_cache.state(PagedKVCache.kind)
+        bucket = self._bucket(self._key(n, step_view.shape[1]))
+        self._load(bucket, ids, batch, step_view)
         self.steps += 1
         if bucket.graph is not None:
             bucket.graph.replay()
             self.replays += 1
         else:
-            bucket.batch.memo.clear()  # RoPE cos/sin of the new positions
-            bucket.logits = self.forward(bucket.ids, bucket.batch)
+            bucket.logits = self._run(bucket)
         return bucket.logits[:n]
 
-    def warm(self, rows: int) -> None:
-        """Capture the bucket serving ``rows`` sequences now rather than at its first step (a
-        benchmark's warm-up: capture time is not decode time)."""
+    def warm(self, rows: int, length: int = 1) -> None:
+        """Capture the bucket serving ``rows`` sequences of up to ``length`` tokens now rather than at its
+        first step (a benchmark's warm-up: capture time is not decode time)."""
         if rows <= self.buckets[-1]:
-            self._bucket(next(b for b in self.buckets if b >= rows))
+            self._bucket(self._key(rows, length))
 
     def parameters_moved(self) -> bool:
         """True when a parameter's storage changed since capture (graphs read the old addresses)."""
@@ -164,22 +158,30 @@ class DecodeGraphs:
         self._pool, self._param_ptrs = None, []
 
     # --- static buffers -----------------------------------------------------------------------
-    def _bucket(self, rows: int) -> _Bucket:
-        bucket = self._buckets.get(rows)
+    def _key(self, rows: int, length: int) -> tuple[int, int | None]:
+        bucket_rows = next(b for b in self.buckets if b >= rows)
+        return bucket_rows, None if self.paged else staging_length(length, self.kv.block_size, self.width)
+
+    def _bucket(self, key: tuple[int, int | None]) -> _Bucket:
+        bucket = self._buckets.get(key)
         if bucket is None:
+            rows, length = key
             bs = self.kv.block_size
             tables = torch.full((rows, self.width), self.scratch, dtype=torch.int64, device=self.device)
             write = torch.full((rows,), self.scratch * bs, dtype=torch.int64, device=self.device)
-            kv = _StaticKV(self.kv, tables, write)
+            seqlens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            view = PagedStepView.on_device(self.kv, tables, write, seqlens, length or self.width * bs)
             ids, batch = pack(
                 [[0]] * rows,
                 start_positions=[0] * rows,
                 case="decode",
-                kv_cache=StepState({PagedKVCache.kind: kv}, paged=True),
+                kv_cache=StepState({PagedKVCache.kind: view}, paged=self.paged),
                 slots=range(rows),
                 device=self.device,
             )
-            bucket = self._buckets[rows] = _Bucket(rows, ids, batch, kv)
+            batch.cache_seqlens = seqlens  # the view's write-back rows read the same tensor
+            batch.kv_plan.device_positions = True  # its host starts (all 0) are placeholders
+            bucket = self._buckets[key] = _Bucket(rows, ids, batch, view)
         if bucket.graph is None and self.capture and self.disabled is None:
             self._to_padding(bucket, 0)  # the warm-up runs must write nowhere but the scratch block
             self._capture(bucket)
@@ -188,30 +190,37 @@ class DecodeGraphs:
     def _to_padding(self, bucket: _Bucket, first: int) -> None:
         """Rows ``first..`` become padding: token 0 at position 0, reading and writing the scratch block."""
         if bucket.live > first:
-            kv, sb, end = bucket.kv, bucket.batch, bucket.live
+            view, sb, end = bucket.view, bucket.batch, bucket.live
             bucket.ids[:, first:end].zero_()
             sb.positions[first:end].zero_()
             sb.cache_seqlens[first:end].zero_()
-            kv.write_idx[first:end].fill_(self.scratch * self.kv.block_size)
-            kv.block_tables[first:end].fill_(self.scratch)
+            view.write_idx[first:end].fill_(self.scratch * self.kv.block_size)
+            view.block_tables[first:end].fill_(self.scratch)
         bucket.live = min(bucket.live, first)
 
-    def _load(self, bucket: _Bucket, ids: torch.Tensor, batch: IsoBatch, view: PagedStepView) -> None:
+    def _load(self, bucket: _Bucket, ids: torch.Tensor, batch: IsoBatch, step_view: PagedStepView) -> None:
         """The step's rows into the bucket's buffers; rows no longer live go back to padding."""
         n = int(ids.shape[1])
-        tables = view.host_block_tables
+        tables = step_view.host_block_tables
         if tables.shape[1] > self.width:
             raise ValueError(f"decode step needs {tables.shape[1]} blocks per sequence; graphs hold {self.width}")
-        kv, sb = bucket.kv, bucket.batch
+        view, sb = bucket.view, bucket.batch
         bucket.ids[:, :n].copy_(ids)
         sb.positions[:n].copy_(batch.positions)
         sb.cache_seqlens[:n].copy_(batch.cache_seqlens)
-        kv.write_idx[:n].copy_(view.write_idx)
+        view.write_idx[:n].copy_(step_view.write_idx)
         # Columns past this step's width keep older ids: valid blocks the kernel never reads (masked keys).
-        kv.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        view.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
         # A row left by a finished sequence must not keep writing into blocks another sequence may now hold.
         self._to_padding(bucket, n)
         bucket.live = n
+
+    def _run(self, bucket: _Bucket) -> torch.Tensor:
+        """One step on the bucket's buffers (what a graph records): forward, then the last write-back."""
+        bucket.batch.memo.clear()  # RoPE cos/sin of the new positions
+        logits = self.model.forward_packed(bucket.ids, bucket.batch)
+        bucket.batch.kv_cache.finish()
+        return logits
 
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up (compiles kernels, builds the bucket's host-made tables), then record one step."""
@@ -220,13 +229,11 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    bucket.batch.memo.clear()
-                    self.forward(bucket.ids, bucket.batch)
+                    self._run(bucket)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            bucket.batch.memo.clear()  # per-step device values (RoPE cos/sin) are computed inside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                bucket.logits = self.forward(bucket.ids, bucket.batch)
+                bucket.logits = self._run(bucket)
         except RuntimeError as exc:  # a capture-unsafe op: keep serving the bucket eagerly, say why
             self.disabled = f"capture of the {bucket.rows}-row decode step failed: {exc}"
             warnings.warn(f"DecodeGraphs: {self.disabled}; decode steps run eagerly", stacklevel=3)

@@ -177,8 +177,9 @@ class RolloutEngine:
         same buffers and padding eagerly (how the CPU tests check them)."""
         if self.decode_graphs is None:
             width = min(-(-self.max_model_len // self.kv.block_size), self.kv.num_blocks)
+            paged = self.profile == "correctness" and self.config.paged_kv_reads
             self.decode_graphs = DecodeGraphs(
-                self.model, self.kv, width=width, max_rows=self.config.max_num_seqs, capture=capture
+                self.model, self.kv, width=width, max_rows=self.config.max_num_seqs, paged=paged, capture=capture
             )
             self.forward_fn = self.decode_graphs
             self.decode_graphs_off = None

@@ -228,7 +228,11 @@ class PagedKVCache:
 
 class PagedStepView:
     """One step's view of the packed sequences' blocks (slot i = sequence i): a contiguous staging
-    per layer (:meth:`layer`) or the pool itself with block tables (:meth:`paged_layer`)."""
+    per layer (:meth:`layer`) or the pool itself with block tables (:meth:`paged_layer`).
+
+    Built from the host lists of an engine step (the constructor), or, for a captured decode step, on
+    device tensors that are rewritten between replays (:meth:`on_device`): then the staging and
+    write-back rows are derived on the device inside the step, never baked into it."""
 
     def __init__(
         self, cache: PagedKVCache, tables: list[list[int]], starts: Sequence[int], counts: Sequence[int]
@@ -248,23 +252,58 @@ class PagedStepView:
         first = torch.cumsum(count_t, 0) - count_t
         at = start_t[row] + torch.arange(int(count_t.sum())) - first[row]
         # non_blocking: a blocking host-to-device copy is a host sync on GPU
-        self.write_src = (row * length + at).to(self.device, non_blocking=True)  # in the staged [n * L] rows
+        self._write_src = (row * length + at).to(self.device, non_blocking=True)  # in the staged [n * L] rows
         self.write_idx = (padded[row, at // bs] * bs + at % bs).to(self.device, non_blocking=True)  # in the pool
         self.shape = (n, length)
-        self.host_block_tables = padded  # [n, width] block ids (the paged kernel's table, on the host)
-        self._read_idx: torch.Tensor | None = None
-        self._block_tables: torch.Tensor | None = None
+        self.host_block_tables: torch.Tensor | None = padded  # [n, width] block ids, on the host
+        self.block_tables: torch.Tensor | None = None  # the same on the device (at the first paged_layer)
+        self._device_starts: torch.Tensor | None = None
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # (read rows, write-back sources)
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def on_device(
+        cls,
+        cache: PagedKVCache,
+        block_tables: torch.Tensor,
+        write_idx: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        length: int,
+    ) -> PagedStepView:
+        """A decode step (one new token per row) laid out in device tensors: ``block_tables [n, width]``,
+        the pool row each row writes, each row's cached length, and a staging length
+        ``<= width * block_size``."""
+        view = cls.__new__(cls)
+        view.cache, view.device = cache, block_tables.device
+        if length > block_tables.shape[1] * cache.block_size:
+            raise ValueError(f"staging length {length} exceeds the block table ({block_tables.shape[1]} blocks)")
+        view.shape = (int(block_tables.shape[0]), int(length))
+        view.write_idx, view.host_block_tables, view.block_tables = write_idx, None, block_tables
+        view._device_starts, view._write_src, view._staging, view._pending = cache_seqlens, None, None, None
+        return view
+
+    def _staging_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n * L] pool row of every staged position, and the staged row of every new token (the
+        paged path never needs them)."""
+        if self._staging is None:
+            bs, (n, length) = self.cache.block_size, self.shape
+            if self._device_starts is None:
+                pos = torch.arange(length)
+                flat = self.host_block_tables[:, pos // bs] * bs + pos % bs
+                self._staging = (flat.reshape(-1).to(self.device, non_blocking=True), self._write_src)
+            else:
+                pos = torch.arange(length, device=self.device)
+                flat = self.block_tables[:, pos // bs] * bs + pos % bs
+                src = torch.arange(n, device=self.device) * length + self._device_starts
+                self._staging = (flat.reshape(-1), src)
+        return self._staging
+
     def _stage(self, pool: torch.Tensor) -> torch.Tensor:
-        if self._read_idx is None:  # staging only: [n, L] pool row of every position (the paged path never needs it)
-            bs, pos = self.cache.block_size, torch.arange(self.shape[1])
-            flat = self.host_block_tables[:, pos // bs] * bs + pos % bs
-            self._read_idx = flat.reshape(-1).to(self.device, non_blocking=True)
-        return pool.flatten(0, 1).index_select(0, self._read_idx).view(*self.shape, *pool.shape[2:])
+        rows = self._staging_rows()[0]
+        return pool.flatten(0, 1).index_select(0, rows).view(*self.shape, *pool.shape[2:])
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.finish()
+        self._write_back()
         k = self._stage(self.cache.k[index])
         v = self._stage(self.cache.v[index])
         self._pending = (index, k, v)
@@ -273,16 +312,24 @@ class PagedStepView:
     def paged_layer(self, index: int) -> PagedKVLayer:
         """Layer ``index``'s pool, the step's block tables (row i = sequence i) and write rows, for a
         kernel that reads blocks in place: no staging, nothing to write back."""
-        self.finish()
-        if self._block_tables is None:  # one host-to-device copy per step, shared by the layers
-            self._block_tables = self.host_block_tables.to(self.device, non_blocking=True)
-        return PagedKVLayer(self.cache.k[index], self.cache.v[index], self._block_tables, self.write_idx)
+        self._write_back()
+        if self.block_tables is None:  # one host-to-device copy per step, shared by the layers
+            self.block_tables = self.host_block_tables.to(self.device, non_blocking=True)
+        return PagedKVLayer(self.cache.k[index], self.cache.v[index], self.block_tables, self.write_idx)
 
-    def finish(self) -> None:
+    def _write_back(self) -> None:
         """Scatter the positions the kernel wrote in the staged layer back into its blocks."""
         if self._pending is None:
             return
         index, k, v = self._pending
+        src = self._staging_rows()[1]
         for pool, staged in ((self.cache.k[index], k), (self.cache.v[index], v)):
-            pool.flatten(0, 1).index_copy_(0, self.write_idx, staged.flatten(0, 1).index_select(0, self.write_src))
+            pool.flatten(0, 1).index_copy_(0, self.write_idx, staged.flatten(0, 1).index_select(0, src))
         self._pending = None
+
+    def finish(self) -> None:
+        """End of the step: write back the last staged layer. A device-laid-out view forgets its derived
+        rows, so the next step (or the next replay's capture) derives them from the rewritten tensors."""
+        self._write_back()
+        if self._device_starts is not None:
+            self._staging = None

@@ -45,16 +45,17 @@ def _kernel_contract_standin(writes: list):
     return paged_call
 
 
-def _run(static: bool, buckets: list[int] | None) -> dict:
+def _run(static: bool, buckets: list[int] | None, profile: str = "correctness") -> dict:
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from megatron_iso.models import modules
     from tests.inference import engine_cases
 
-    tc, model = engine_cases.setup(["profile=correctness"])
+    tc, model = engine_cases.setup([f"profile={profile}"])
     writes: list[torch.Tensor] = []
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
-    modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = _kernel_contract_standin(writes)
+    if profile == "correctness":  # the performance profile stages on CUDA too: its own kernels run here
+        modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
+        modules.attention_with_paged_kv_cache = _kernel_contract_standin(writes)
     try:
         # Different max_new_tokens: sequences leave the batch at different steps.
         specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
@@ -91,7 +92,13 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
 
 
 def _all() -> dict:
-    return {"eager": _run(False, None), "static": _run(True, None), "padded": _run(True, [2, 5, 6])}
+    return {
+        "eager": _run(False, None),
+        "static": _run(True, None),
+        "padded": _run(True, [2, 5, 6]),
+        "native_eager": _run(False, None, "performance"),
+        "native_padded": _run(True, [2, 5, 6], "performance"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +153,31 @@ def test_default_buckets_cover_every_batch() -> None:
         assert b[-1] == top and b == sorted(set(b)) and b[0] == 1
         # at most 25% padding past batch 8 (1/2 below: 5 -> 8)
         assert all(next(x for x in b if x >= n) <= max(2 * n, n + n // 4 + 8) for n in range(1, top + 1))
+
+
+def test_native_static_decode_reads_positions_on_the_device(runs) -> None:
+    """The performance profile's staged decode from bucket buffers (placeholder host starts, positions in
+    ``cache_seqlens``, a 256-token staging bucket): the eager tokens, logprobs within fp32 rounding."""
+    eager, static = runs["native_eager"]["summary"], runs["native_padded"]["summary"]
+    assert runs["native_padded"]["static_steps"] >= runs["native_padded"]["steps"] - 8 > 0
+    assert static.keys() == eager.keys()
+    worst = 0.0
+    for key, (tok, lp, reason) in eager.items():
+        tok2, lp2, reason2 = static[key]
+        assert tok == tok2 and reason == reason2, key
+        worst = max(worst, float((lp - lp2).abs().max()))
+    print(f"native static vs eager decode: max |dlogp| {worst:.3e}")
+    assert worst < 1e-5, worst  # a wrong position or mask moves logprobs by O(1), fp32 reordering by ~1e-7
+
+
+def test_placeholder_starts_refused_where_host_starts_are_read() -> None:
+    from megatron_iso.ops.attention import KVStepPlan, attention_with_kv_cache
+
+    q, kv = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    plan = KVStepPlan([0, 1, 2], [0, 0], [0, 1], device_positions=True)
+    with pytest.raises(ValueError, match="device_positions"):  # the CPU reference reads plan.starts
+        attention_with_kv_cache(
+            q, kv, kv, cache, cache.clone(), torch.tensor([2, 3]), torch.tensor([0, 1, 2]), plan=plan,
+            profile="correctness",
+        )  # fmt: skip

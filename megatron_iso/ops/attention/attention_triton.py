@@ -466,7 +466,7 @@ def attention_with_paged_kv_cache(
             f"write_idx must be int64 [{q.shape[0]}] (one pool row per new token), got "
             f"{tuple(paged.write_idx.shape)} {paged.write_idx.dtype}"
         )
-    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
+    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots, reads_device_positions=True)
     cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
     for name, t, size in (("cu_seqlens_q", cu_seqlens_q, len(cu)), ("cache_seqlens", cache_seqlens, len(starts))):
         # The kernel reads these two on the device (not the plan's host copy): see ``prepare``'s seq_meta.

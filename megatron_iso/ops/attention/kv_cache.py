@@ -98,6 +98,10 @@ class KVStepPlan:
     cu: list[int]
     starts: list[int]
     slots: list[int]
+    # True for a captured decode step's static batch (``inference.cuda_graphs``): ``starts`` are
+    # placeholders that give only the shape, the real positions change in ``cache_seqlens`` on the
+    # device between replays. Only implementations that read positions on the device accept it.
+    device_positions: bool = False
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,10 +142,21 @@ def resolve_plan(
     cu_seqlens_q: torch.Tensor,
     cache_seqlens: torch.Tensor,
     slots: torch.Tensor | None,
+    *,
+    reads_device_positions: bool = False,
 ) -> KVStepPlan:
-    """The given plan (checked against q's token count) or one read back from the tensors."""
+    """The given plan (checked against q's token count) or one read back from the tensors.
+
+    ``reads_device_positions``: the caller takes start positions from ``cache_seqlens`` on the device,
+    so it may be given a ``device_positions`` plan (whose host ``starts`` are placeholders)."""
     if plan is None:
         plan = KVStepPlan.from_tensors(cu_seqlens_q, cache_seqlens, slots)
+    if plan.device_positions and not reads_device_positions:
+        raise ValueError(
+            "a device_positions KVStepPlan (a captured decode step's buffers) holds placeholder starts; this "
+            "attention implementation reads the host starts. Captured steps use the paged Triton kernel "
+            "(correctness) or the native decode path (performance)."
+        )
     if plan.cu[-1] != q.shape[0] or len(plan.cu) != cu_seqlens_q.numel():
         raise ValueError(
             f"cache_seqlens ({len(plan.starts)}) / cu_seqlens_q ({plan.cu}) do not match q ({q.shape[0]} tokens)"

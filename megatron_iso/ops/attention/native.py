@@ -151,6 +151,36 @@ def _attend_batched(
     return o.index_select(0, index["padded_row"])
 
 
+def _decode_from_device(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    slots: torch.Tensor | None,
+    plan: KVStepPlan,
+    scale: float | None,
+) -> torch.Tensor:
+    """A decode step whose positions live only in ``cache_seqlens`` on the device (a captured graph's
+    buffers, rewritten between replays): the write rows and the visibility mask are derived there, at
+    every call, so nothing position-dependent is baked into the graph. Every key of the cache enters
+    SDPA (masked past each row's position), as in :func:`_attend_batched`."""
+    n, max_len = len(plan.lengths), k_cache.shape[1]
+    if any(n_q != 1 for n_q in plan.lengths) or len(set(plan.slots)) != n:
+        raise ValueError("a device_positions plan is a decode step: one token per sequence, distinct slots")
+    dev = k_cache.device
+    starts = cache_seqlens.to(torch.int64)
+    rows = torch.arange(n, device=dev) if slots is None else slots.to(torch.int64)
+    cache_row = rows * max_len + starts
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, cache_row, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, cache_row, v)
+    index = {"visible": (torch.arange(max_len, device=dev) < (starts + 1).unsqueeze(-1)).unsqueeze(1)}
+    if plan.slots != list(range(n)):
+        index["slots"] = rows
+    return _attend_batched(q, k_cache, v_cache, plan, index, scale)
+
+
 def attention_with_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,7 +203,9 @@ def attention_with_kv_cache(
     real tokens), as stock servers run one batched attention kernel per layer and step. Otherwise an
     SDPA call per sequence.
     """
-    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots)
+    plan = resolve_plan(plan, q, cu_seqlens_q, cache_seqlens, slots, reads_device_positions=True)
+    if plan.device_positions:
+        return _gate(_decode_from_device(q, k, v, k_cache, v_cache, cache_seqlens, slots, plan, softmax_scale), gate)
     cu, starts, slot_ids = plan.cu, plan.starts, plan.slots
     # (slot, first new cache position, end, first token, end token) of every non-empty sequence
     spans = [(slot_ids[i], starts[i], starts[i] + b - a, a, b) for i, (a, b) in enumerate(pairwise(cu)) if b > a]
