@@ -81,6 +81,7 @@ from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
+from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
 VERSION = "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -476,9 +477,8 @@ class _Plan:
     scratch: bool  # finals go to a scratch tensor (some sequence has several segments)
 
 
-# [(key tensors, (versions, chunk, has_state, device, slot count), plan)], newest first; the strong references to
-# the key tensors keep their ids from being reused while an entry lives.
-_PLAN_CACHE: list = []
+# A call's plan, shared by the GDN layers of a forward (same layout tensors, chunk, state, device, slot count).
+_PLAN_CACHE: TensorKeyedCache[_Plan] = TensorKeyedCache(4)
 
 
 def _host_lists(cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tensor | None):
@@ -508,12 +508,20 @@ def _plan(
 ) -> _Plan:
     """Segments (with the buffer rows of a chunk left open), closing chunks and chains of a call, as int32
     tables on ``dev``."""
-    key = (cu, starts, slots)
-    # The slot count is part of the entry: the bounds check below depends on it.
-    stamp = (tuple(None if t is None else t._version for t in key), chunk, has_state, dev, slot_count)
-    for entry in _PLAN_CACHE:
-        if all(a is b for a, b in zip(entry[0], key, strict=True)) and entry[1] == stamp:
-            return entry[2]
+    # The slot count is part of the key: the bounds check depends on it.
+    extra = (chunk, has_state, dev, slot_count)
+    return _PLAN_CACHE.get((cu, starts, slots), extra, lambda: _build_plan(cu, starts, slots, *extra))
+
+
+def _build_plan(
+    cu: torch.Tensor,
+    starts: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    chunk: int,
+    has_state: bool,
+    dev: torch.device,
+    slot_count: int,
+) -> _Plan:
     cu_l, st, sl = _host_lists(cu, starts, slots)
     n = len(cu_l) - 1
     empty = [i for i in range(n) if cu_l[i + 1] <= cu_l[i]]
@@ -574,7 +582,7 @@ def _plan(
         flat = [int(r[c]) for r in rows for c in cols]
         return torch.tensor(flat or [0] * len(cols), dtype=torch.int32).reshape(-1, len(cols)).to(dev)
 
-    plan = _Plan(
+    return _Plan(
         n=n,
         nseg=len(segs),
         nchunks=len(chunks),
@@ -584,9 +592,6 @@ def _plan(
         nchains=len(chains),
         scratch=multi,
     )
-    _PLAN_CACHE.insert(0, (key, stamp, plan))
-    del _PLAN_CACHE[4:]
-    return plan
 
 
 # ---------------------------------------------------------------------------------- the rule

@@ -33,6 +33,7 @@ import torch
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.activation.pointwise import exp64, iso_exp, iso_silu, sigmoid64, softplus64
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
+from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.tree import tree_sum_dim
 
 DEFAULT_CHUNK = 64
@@ -40,19 +41,16 @@ L2NORM_EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------------------- helpers
-# The last few (cu_seqlens, starts) pairs read back, with their host lists: every GDN layer of a forward
-# gets the same two tensors, so only the first one reads them (a host sync on a GPU). An entry holds the
-# tensors themselves (compared by identity, so a freed tensor's reused id cannot match) and their version
-# counters (an in-place change is a miss).
-_HOST_LISTS: list[tuple[tuple[torch.Tensor, torch.Tensor | None], tuple, tuple[list[int], list[int]]]] = []
+# Every GDN layer of a forward gets the same two tensors: only the first reads them back (a host sync on a GPU).
+_HOST_LISTS: TensorKeyedCache[tuple[list[int], list[int]]] = TensorKeyedCache(8)
 
 
 def _starts(cu_seqlens: torch.Tensor, starts: torch.Tensor | None) -> tuple[list[int], list[int]]:
     """Host lists ``(cu, starts)`` of a call, validated; cached across the layers of a forward."""
-    stamp = (cu_seqlens._version, None if starts is None else starts._version)
-    for (cu_t, st_t), seen, lists in _HOST_LISTS:
-        if cu_t is cu_seqlens and st_t is starts and seen == stamp:
-            return lists
+    return _HOST_LISTS.get((cu_seqlens, starts), None, lambda: _read_starts(cu_seqlens, starts))
+
+
+def _read_starts(cu_seqlens: torch.Tensor, starts: torch.Tensor | None) -> tuple[list[int], list[int]]:
     flat = cu_seqlens.reshape(-1).to(torch.int64)
     if starts is not None:
         flat = torch.cat([flat, starts.reshape(-1).to(device=flat.device, dtype=torch.int64)])
@@ -64,8 +62,6 @@ def _starts(cu_seqlens: torch.Tensor, starts: torch.Tensor | None) -> tuple[list
         raise ValueError(f"starts has {len(st)} entries for {n} sequences")
     if any(s < 0 for s in st):
         raise ValueError(f"starts must be >= 0, got {st}")
-    _HOST_LISTS.insert(0, ((cu_seqlens, starts), stamp, (cu, st)))
-    del _HOST_LISTS[8:]
     return cu, st
 
 
