@@ -75,7 +75,8 @@ def default_buckets(max_rows: int) -> list[int]:
 
 def staging_length(need: int, block_size: int, width: int) -> int:
     """The staging length bucket for a step whose longest sequence holds ``need`` tokens: the next power
-    of two from :data:`MIN_STAGING` on, in whole blocks, at most the table's ``width`` blocks."""
+    of two from :data:`MIN_STAGING` on (so under 2x ``need`` past 128 tokens), in whole blocks, at most the
+    table's ``width`` blocks."""
     length = max(MIN_STAGING, 1 << (max(need, 1) - 1).bit_length())
     return min(-(-length // block_size), width) * block_size
 
@@ -127,6 +128,8 @@ class DecodeGraphs:
 
     # --- the hook ---------------------------------------------------------------------------
     def __call__(self, ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
+        """Logits ``[n, V/tp]`` of a step. For a bucketed decode step they are a view of the graph's
+        output buffer, valid until the next decode step (the engine samples from them before that)."""
         n = int(ids.shape[1])
         if batch.case != "decode" or n > self.buckets[-1]:
             return self.model.forward_packed(ids, batch)
@@ -154,7 +157,8 @@ class DecodeGraphs:
     def drop(self) -> None:
         """Forget every captured graph (re-captured on next use)."""
         for b in self._buckets.values():
-            b.graph = None
+            b.graph, b.logits = None, None  # the logits live in the graphs' pool: let it go
+            b.batch.memo.clear()
         self._pool, self._param_ptrs = None, []
 
     # --- static buffers -----------------------------------------------------------------------
@@ -218,6 +222,7 @@ class DecodeGraphs:
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         """One step on the bucket's buffers (what a graph records): forward, then the last write-back."""
         bucket.batch.memo.clear()  # RoPE cos/sin of the new positions
+        bucket.view.discard()  # nothing left over from a warm-up or capture that raised mid-forward
         logits = self.model.forward_packed(bucket.ids, bucket.batch)
         bucket.batch.kv_cache.finish()
         return logits
@@ -234,7 +239,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 bucket.logits = self._run(bucket)
-        except RuntimeError as exc:  # a capture-unsafe op: keep serving the bucket eagerly, say why
+        except Exception as exc:  # a capture-unsafe op (or a failed compile): serve the bucket eagerly, say why
             self.disabled = f"capture of the {bucket.rows}-row decode step failed: {exc}"
             warnings.warn(f"DecodeGraphs: {self.disabled}; decode steps run eagerly", stacklevel=3)
             torch.cuda.synchronize(self.device)

@@ -151,7 +151,10 @@ class RolloutEngine:
             else "EngineConfig.cuda_graphs=False"
         )
         if self.decode_graphs_off is None:
-            self.enable_decode_graphs(capture=True)
+            try:
+                self.enable_decode_graphs(capture=True)
+            except ValueError as exc:  # a KV cache too small to spare the padding rows' scratch block
+                self.decode_graphs_off = str(exc)
 
     # --- construction and weights ---------------------------------------------------------
     @classmethod
@@ -174,7 +177,8 @@ class RolloutEngine:
         """Serve decode steps from static per-bucket buffers, captured as CUDA graphs with ``capture``.
 
         The constructor calls it where :func:`decode_graph_support` allows; ``capture=False`` runs the
-        same buffers and padding eagerly (how the CPU tests check them)."""
+        same buffers and padding eagerly (how the CPU tests check them). It does not check that support
+        itself: a caller forcing it takes that on. One KV block is reserved for the padding rows."""
         if self.decode_graphs is None:
             width = min(-(-self.max_model_len // self.kv.block_size), self.kv.num_blocks)
             paged = self.profile == "correctness" and self.config.paged_kv_reads

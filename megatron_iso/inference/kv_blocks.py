@@ -333,3 +333,8 @@ class PagedStepView:
         self._write_back()
         if self._device_starts is not None:
             self._staging = None
+
+    def discard(self) -> None:
+        """Forget a step that did not finish (an exception mid-forward): its staged layer is not written
+        back and its derived rows are not reused by the next step."""
+        self._staging = self._pending = None

@@ -14,14 +14,16 @@ pytestmark = [
 ]
 pytest.importorskip("triton")
 
+ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9, 2, 5, 7]  # the step before which each request joins
+
 
 def _generate(model, reqs, graphs: bool):
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from tests.inference import engine_cases
 
-    cfg = EngineConfig(max_num_seqs=6, kv_cache_bytes=32 << 20, block_size=16, cuda_graphs=graphs)
+    cfg = EngineConfig(max_num_seqs=6, kv_cache_bytes=96 << 20, block_size=16, cuda_graphs=graphs)
     eng = RolloutEngine(model, cfg)
-    outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+    outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
     return eng, engine_cases.summary(outs)
 
 
@@ -42,6 +44,12 @@ def _eager_and_captured(profile: str, dtype: str):
     shape = ["model=qwen3_0p6b", "model.num_layers=2", f"model.params_dtype={dtype}"]
     tc, model = engine_cases.setup([f"profile={profile}", *shape])
     specs = [(rid, n, {**kw, "max_new_tokens": 5 + 3 * (i % 4)}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+    # and long ones: decode crosses 64-key tiles, blocks of 16 and (native) the 256 -> 512 staging length
+    specs += [
+        (201, 150, {"max_new_tokens": 40}),
+        (202, 240, {"max_new_tokens": 40}),
+        (203, 300, {"max_new_tokens": 24}),
+    ]
     reqs = engine_cases.requests(tc.vocab_size, specs)
     _, eager = _generate(model, reqs, graphs=False)
     eng, captured = _generate(model, reqs, graphs=True)
@@ -67,7 +75,7 @@ def test_captured_decode_gives_the_eager_bits(dtype: str) -> None:
         load_hf_state_dict(model, random_hf_state_dict(tc, seed=11), tc)
         eng.on_weights_updated()
         assert not eng.decode_graphs.parameters_moved()
-        again = engine_cases.summary(engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9]))
+        again = engine_cases.summary(engine_cases.run_schedule(eng, reqs, ARRIVALS))
         _, fresh = _generate(model, reqs, graphs=False)
         _same_bits(fresh, again)
 

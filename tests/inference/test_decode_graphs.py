@@ -13,6 +13,9 @@ written by padding rows. The captured graph itself: tests/gpu/test_decode_graphs
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -181,3 +184,120 @@ def test_placeholder_starts_refused_where_host_starts_are_read() -> None:
             q, kv, kv, cache, cache.clone(), torch.tensor([2, 3]), torch.tensor([0, 1, 2]), plan=plan,
             profile="correctness",
         )  # fmt: skip
+
+
+def _native_long(static: bool, fail_first_run: bool = False) -> list:
+    """Performance profile, prompts of 30 to 251 tokens generating past 256: staging lengths 256 and 512,
+    many 64-key tiles. ``fail_first_run``: every bucket's first run raises in the second attention layer
+    (what a capture-unsafe op does inside ``_capture``), and the step is then served eagerly."""
+    from megatron_iso.inference import EngineConfig, Request, RolloutEngine, SamplingParams
+    from megatron_iso.models import modules
+    from tests.inference import engine_cases
+
+    tc, model = engine_cases.setup(["profile=performance"])
+    eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=8 << 20, block_size=16))
+    if static:
+        graphs = eng.enable_decode_graphs(capture=False)
+        graphs.buckets = [2, 5, 6]
+        if fail_first_run:
+            real_bucket, real_attend, seen = graphs._bucket, modules.PackedCoreAttention.forward, set()
+
+            def raising(self, *args, **kwargs):
+                if self.layer_index == 1:
+                    raise RuntimeError("capture-unsafe op")
+                return real_attend(self, *args, **kwargs)
+
+            def first_run_fails(key):
+                bucket = real_bucket(key)
+                if key not in seen:
+                    seen.add(key)
+                    modules.PackedCoreAttention.forward = raising
+                    try:
+                        graphs._run(bucket)
+                    except RuntimeError:
+                        pass
+                    finally:
+                        modules.PackedCoreAttention.forward = real_attend
+                return bucket
+
+            graphs._bucket = first_run_fails
+    reqs = []
+    for i, n in enumerate([250, 240, 30, 251, 200]):
+        prompt = torch.randint(0, tc.vocab_size, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+        reqs.append(Request(i, prompt, SamplingParams(max_new_tokens=12 + 3 * i, seed=5, temperature=1.0)))
+    outs = eng.generate(reqs)
+    keys = sorted(eng.decode_graphs._buckets) if static else []
+    return [keys, [(o.samples[0].tokens, torch.tensor(o.samples[0].logprobs)) for o in outs]]
+
+
+def _native_long_runs() -> dict:
+    return {"eager": _native_long(False), "static": _native_long(True), "failed": _native_long(True, True)}
+
+
+def test_native_static_decode_across_staging_lengths_and_failed_captures() -> None:
+    runs = run_on_ranks(_native_long_runs, 1)[0]
+    _, eager = runs["eager"]
+    for name in ("static", "failed"):
+        keys, got = runs[name]
+        assert {length for _, length in keys} >= {256, 512}, keys  # the staging length grew mid-rollout
+        for (tok, lp), (tok2, lp2) in zip(eager, got, strict=True):
+            assert tok == tok2, name
+            assert float((lp - lp2).abs().max()) < 1e-5, name
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
+
+    allow_runtime_loop_bounds()
+
+    import torch
+    from megatron_iso.inference import EngineConfig, Request, RolloutEngine, SamplingParams
+    from megatron_iso.models import modules
+    from megatron_iso.ops.attention import attention_triton
+    from megatron_iso.testing.harness import run_on_ranks
+
+    def paged(*args, profile=None, **kwargs):  # the real kernel, dispatched as on CUDA
+        return attention_triton.attention_with_paged_kv_cache(*args, **kwargs)
+
+    def generate(static):
+        from tests.inference import engine_cases
+
+        tc, model = engine_cases.setup(["profile=correctness", "model.num_layers=2"])
+        modules.paged_kv_reads = lambda q, profile: profile == "correctness"
+        modules.attention_with_paged_kv_cache = paged
+        eng = RolloutEngine(model, EngineConfig(max_num_seqs=4, kv_cache_bytes=4 << 20, block_size=16))
+        if static:
+            eng.enable_decode_graphs(capture=False).buckets = [3, 4]
+        reqs = []
+        for i, n in enumerate([70, 58, 9]):  # decode crosses the 64-key tile and block boundaries
+            prompt = torch.randint(0, tc.vocab_size, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+            reqs.append(Request(i, prompt, SamplingParams(max_new_tokens=4 + 4 * i, seed=3, temperature=1.0)))
+        outs = eng.generate(reqs)
+        steps = eng.decode_graphs.steps if static else 0
+        return steps, [(o.samples[0].tokens, torch.tensor(o.samples[0].logprobs)) for o in outs]
+
+    def check():
+        (_, eager), (steps, static) = generate(False), generate(True)
+        assert steps > 0
+        for (tok, lp), (tok2, lp2) in zip(eager, static, strict=True):
+            assert tok == tok2 and torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), (tok, tok2)
+        return steps
+
+    if __name__ == "__main__":  # the rank process imports this file again
+        print("static decode steps", run_on_ranks(check, 1)[0])
+    """
+)
+
+
+def test_static_decode_with_the_real_paged_kernel_interpreted(tmp_path) -> None:
+    """The Triton paged attention itself (TRITON_INTERPRET=1) on bucket buffers with placeholder host
+    starts: the eager engine's bits, with decode positions crossing a 64-key tile."""
+    pytest.importorskip("triton")
+    from megatron_iso.testing.triton_interpret import run_interpreted
+
+    script = tmp_path / "static_decode_interpreted.py"
+    root = Path(__file__).resolve().parents[2]  # the child imports tests.inference.engine_cases
+    script.write_text(f"import sys\nsys.path.insert(0, {str(root)!r})\n" + INTERPRETED)
+    done = run_interpreted(script=script, timeout=900)
+    assert done.returncode == 0 and "static decode steps" in done.stdout, done.stderr[-3000:]

@@ -206,7 +206,7 @@ def _plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tu
     return _build_plan(lens, group, block_m, device)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.cache  # never evicted: a captured decode graph reads the table by address (one per batch size)
 def _decode_plan(n: int, group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _build_plan([1] * n, group, block_m, device)
 

@@ -58,10 +58,11 @@ def inv_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
     return torch.tensor([1.0 / (theta ** (2 * i / rotary_dim)) for i in range(rotary_dim // 2)], dtype=torch.float64)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache
 def inv_frequencies_on(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """:func:`inv_frequencies` on ``device``, cached: one host-to-device copy per (config, device), not
-    one per call (on CUDA a blocking copy is a host sync). Shared; never modify it in place."""
+    one per call (on CUDA a blocking copy is a host sync). Shared; never modify it in place. Never
+    evicted: a captured decode graph reads it by address (a handful of configs per process)."""
     return inv_frequencies(rotary_dim, theta).to(device)
 
 
