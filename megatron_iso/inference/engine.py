@@ -64,7 +64,8 @@ class EngineConfig:
     paged_kv_reads: where the attention kernel can read the paged pool in place (the Triton kernel,
     CUDA + correctness), let it; False stages each layer's history instead (same bits; a fallback).
     cuda_graphs: replay decode steps from CUDA graphs where :func:`~megatron_iso.inference.cuda_graphs.
-    decode_graph_support` allows (same bits; :attr:`RolloutEngine.decode_graphs_off` says why not).
+    decode_graph_support` allows (:attr:`RolloutEngine.decode_graphs_off` says why not); the correctness
+    profile gives the eager bits, the performance profile's last bits may move with the padding.
     Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample)."""
 
     kv_cache_bytes: int = 64 << 20
