@@ -194,3 +194,14 @@ def test_paged_blocks_share_copy_on_write_and_return():
     c.admit(3, prompt, 0)
     with pytest.raises(RuntimeError, match="running sequences"):
         c.flush()
+
+
+def test_uniforms_pinned_values() -> None:
+    """The (seed, request, sample, position) -> uniform map itself, pinned: a change of word layout or
+    arithmetic (e.g. the numpy rewrite of the torch int64 version) would change every rollout."""
+    u = uniforms(
+        torch.tensor([0, 2024, -7]), torch.tensor([101, 2**62 + 5, -(2**40)]), torch.tensor([0, 3, 1]),
+        torch.tensor([5, 4095, 0]),
+    )  # fmt: skip
+    assert u.dtype == torch.float32
+    assert u.view(torch.int32).tolist() == [1062181211, 1055860336, 1064016367]
