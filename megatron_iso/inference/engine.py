@@ -436,7 +436,8 @@ class RolloutEngine:
             tokens = select_tokens(
                 logp, on_dev[5].float(), greedy=greedy, top_k=on_dev[3].long(), top_p=on_dev[4].float()
             )
-            recorded = token_logprobs(rows, tokens, mc, temperature=temp)
+            # select_tokens draws from this vocab: no range check (it was the step's second host read)
+            recorded = token_logprobs(rows, tokens, mc, temperature=temp, ids_in_range=True)
             k = max(p.top_logprobs for p in params)
             top = top_logprobs(logp, k) if k else None
         # One device-to-host read for all of it, top logprobs included (were 2 reads per row that

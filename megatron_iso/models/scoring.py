@@ -20,11 +20,17 @@ def _scoring_kwargs(config, temperature: float | torch.Tensor) -> dict:
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, config, *, temperature: float | torch.Tensor = 1.0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    config,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    ids_in_range: bool = False,
 ) -> torch.Tensor:
     """fp32 logprob of ``targets`` per row of vocab-parallel ``logits [T, V/tp]``: what the rollout
-    records and the trainer recomputes."""
-    return vocab.token_logprobs(logits, targets, **_scoring_kwargs(config, temperature))
+    records and the trainer recomputes. ``ids_in_range``: skip the targets' range check (a host read
+    on a GPU) for ids the caller drew from this vocab; the arithmetic is the same."""
+    return vocab.token_logprobs(logits, targets, ids_in_range=ids_in_range, **_scoring_kwargs(config, temperature))
 
 
 def token_scores(

@@ -83,6 +83,7 @@ def token_logprobs(
     leaves: int = DEFAULT_LEAVES,
     valid_vocab: int | None = None,
     profile: str = "correctness",
+    ids_in_range: bool = False,
 ) -> torch.Tensor:
     """fp32 ``log softmax(logits.float() / temperature)[target]`` per row. Differentiable.
 
@@ -91,10 +92,14 @@ def token_logprobs(
     leaves: vocab leaves G (power of two, >= C, divides V); valid_vocab: ids >= it are padding.
     In the correctness profile the gradient is the native formula's (deterministic, see
     ``ops/autograd.py``), so the backward never stores the leaf-tree intermediates.
+    ``ids_in_range``: the caller guarantees the ids are in the vocab (the rollout's own samples): the
+    range check, a host read on a GPU, is skipped.
     """
 
     def score(profile_: str):
-        return lambda lg: _scores(lg, group, temperature, leaves, valid_vocab, profile_).token_logprobs(target_ids)
+        return lambda lg: _scores(lg, group, temperature, leaves, valid_vocab, profile_).token_logprobs(
+            target_ids, ids_in_range=ids_in_range
+        )
 
     if profile == "correctness":
         return with_plain_backward(score("correctness"), score("performance"), logits)

@@ -243,3 +243,20 @@ def test_scoring_runs_the_registered_implementation() -> None:
     assert torch.equal(during.view(torch.int32), before.view(torch.int32))
     token_logprobs(logits, ids)
     assert len(seen) == 1  # the incumbent is back
+
+
+def test_target_range_check_and_its_skip() -> None:
+    """Out-of-vocab targets are refused by name; ``ids_in_range`` (the rollout's own samples) skips only
+    the check (a host read on a GPU): the same bits for ids that are in range."""
+    import pytest
+
+    from megatron_iso.parallel.vocab import token_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 64, generator=g)
+    ids = torch.tensor([0, 63, 17, 5])
+    with pytest.raises(ValueError, match="target id outside"):
+        token_logprobs(logits, torch.tensor([0, 64, 1, 2]))
+    checked = token_logprobs(logits, ids)
+    trusted = token_logprobs(logits, ids, ids_in_range=True)
+    assert torch.equal(checked.view(torch.int32), trusted.view(torch.int32))

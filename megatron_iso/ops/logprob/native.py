@@ -46,7 +46,8 @@ class NativeScores:
             self.full_logp[..., first : first + self.r * self.shard].unflatten(-1, (self.r, self.shard)).movedim(-2, 0)
         )
 
-    def token_logprobs(self, target_ids: torch.Tensor) -> torch.Tensor:
+    def token_logprobs(self, target_ids: torch.Tensor, *, ids_in_range: bool = False) -> torch.Tensor:
+        del ids_in_range  # no check to skip: gather itself refuses an id outside the vocab
         return self.full_logp.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
 
     def entropy(self) -> torch.Tensor:

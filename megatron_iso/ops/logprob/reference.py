@@ -164,12 +164,14 @@ class VocabScores:
         """[R, ..., V/C] fp32 log-probabilities of the local shards."""
         return self.z - self.lse.unsqueeze(-1)
 
-    def token_logprobs(self, target_ids: torch.Tensor) -> torch.Tensor:
-        """[...] fp32 log-probability of each row's target (global vocab ids)."""
+    def token_logprobs(self, target_ids: torch.Tensor, *, ids_in_range: bool = False) -> torch.Tensor:
+        """[...] fp32 log-probability of each row's target (global vocab ids). ``ids_in_range``: the
+        caller guarantees every id is in ``[0, vocab)`` (e.g. ids it sampled from this vocab), so the
+        check, a host read on a GPU, is skipped."""
         if target_ids.shape != self.lse.shape:
             raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(self.lse.shape)}")
         target_ids = target_ids.to(self.z.device).long()
-        if bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
+        if not ids_in_range and bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
             raise ValueError(f"target id outside [0, {self.vocab})")
         owner = target_ids // self.shard  # global shard holding the target
         local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
