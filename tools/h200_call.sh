@@ -15,6 +15,7 @@
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
 #                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch)
 #   decode   200   bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens (cut per run)
+#   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs: what graphs save
 #   kvpaged  120   bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120   the same with --staged-kv (staging + write-back): what the paged reads save or cost
 #   moe      100   bench_ops --moe: grouped expert GEMM vs cuBLAS per-expert loop
@@ -23,7 +24,7 @@
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof gdndot rl rlhybrid decode kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdn gdnprof gdndot rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -57,6 +58,9 @@ for s in "$@"; do
       --out "$OUT/rl_step_hybrid.json" ;;
     decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
       --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
+    decodeeager) step decodeeager 150 12 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso native \
+      --batch 8 64 --prompt-len 512 --new-tokens 128 --max-seconds 15 --budget-seconds 140 --no-cuda-graphs \
+      --out "$OUT/bench_decode_eager.json" ;;
     kvpaged) step kvpaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \
       --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --out "$OUT/bench_decode_paged.json" ;;
     kvstaged) step kvstaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \
