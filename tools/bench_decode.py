@@ -139,12 +139,7 @@ class EngineRunner:
                 break
         _sync()
         wall = time.perf_counter() - t0
-        self.last_graphs = (
-            f"{graphs.replays} of {engine.stats.steps} steps replayed, {graphs.captures} captures"
-            + (f"; {graphs.disabled}" if graphs.disabled else "")
-            if graphs is not None
-            else f"off: {engine.decode_graphs_off}"
-        )
+        self.last_graphs = engine.decode_graphs_status()
         return Run(engine.stats.generated_tokens, wall, ttft, partial)
 
 

@@ -125,6 +125,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
                 if rank == 0:
                     line = json.dumps({k: round(v, 6) for k, v in metrics.items()})
                     print(f"[{profile}] step {step}: {line}", flush=True)
+            decode_graphs = trainer.engine.decode_graphs_status()
             del trainer
     gc.collect()
     if torch.cuda.is_available():
@@ -146,6 +147,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
         "mismatch_max": max(s.get("mismatch/abs_diff_max", 0.0) for s in steps),
         "mismatch_mean": mean("mismatch/abs_diff_mean") if "mismatch/abs_diff_mean" in timed[0] else 0.0,
         "bitwise_equal_frac": min(s.get("mismatch/bitwise_equal_frac", 1.0) for s in steps),
+        "decode_graphs": decode_graphs,  # the rollout's CUDA graphs over all steps, or why they were off
         "steps": steps,
         "profile_summary": profiled,
     }
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['profile']} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['step_s']:.3f} | {r['gen_tokens_per_s']:.0f} "
             f"| {r['peak_memory_gb']:.2f} | {r['mismatch_max']:.3e} | {r['bitwise_equal_frac']:.3f} |"
         )
+    for r in results:
+        print(f"decode graphs, {r['profile']}: {r['decode_graphs']}")
     by = {r["profile"]: r for r in results}
     if {"correctness", "performance"} <= by.keys():
         ratio = by["correctness"]["step_s"] / by["performance"]["step_s"]

@@ -190,6 +190,14 @@ class RolloutEngine:
             self.decode_graphs_off = None
         return self.decode_graphs
 
+    def decode_graphs_status(self) -> str:
+        """One line for reports: decode steps replayed from CUDA graphs so far, or why graphs are off."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            return f"off: {self.decode_graphs_off}"
+        line = f"{graphs.replays} of {self.stats.steps} steps replayed, {graphs.captures} captures"
+        return line + (f"; {graphs.disabled}" if graphs.disabled else "")
+
     def on_weights_updated(self) -> None:
         """Contract rules ``{prefix_cache, kv_cache, recurrent_state} flushed on weight_sync``.
 
