@@ -508,20 +508,6 @@ def _plan(
 ) -> _Plan:
     """Segments (with the buffer rows of a chunk left open), closing chunks and chains of a call, as int32
     tables on ``dev``."""
-    # The slot count is part of the key: the bounds check depends on it.
-    extra = (chunk, has_state, dev, slot_count)
-    return _PLAN_CACHE.get((cu, starts, slots), extra, lambda: _build_plan(cu, starts, slots, *extra))
-
-
-def _build_plan(
-    cu: torch.Tensor,
-    starts: torch.Tensor | None,
-    slots: torch.Tensor | None,
-    chunk: int,
-    has_state: bool,
-    dev: torch.device,
-    slot_count: int,
-) -> _Plan:
     cu_l, st, sl = _host_lists(cu, starts, slots)
     n = len(cu_l) - 1
     empty = [i for i in range(n) if cu_l[i + 1] <= cu_l[i]]
@@ -643,7 +629,10 @@ def _rule_forward(
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
     slot_count = 0 if state is None else state.running.shape[0]
-    plan = _plan(cu_seqlens, starts, slots, chunk, state is not None, dev, slot_count)
+    # One plan per layout, shared by the layers of a forward; the slot count is part of the key because
+    # the plan's bounds check depends on it.
+    extra = (chunk, state is not None, dev, slot_count)
+    plan = _PLAN_CACHE.get((cu_seqlens, starts, slots), extra, lambda: _plan(cu_seqlens, starts, slots, *extra))
     (qf, sq), (kf, sk), (vf, sv), (gf, sg), (bf, sb) = (_rows(x) for x in (q, k, v, g, beta))
     out = torch.empty(t, hv, dv, dtype=torch.float32, device=dev)
     if t == 0:
