@@ -170,11 +170,10 @@ class DecodeGraphs:
         bucket = self._buckets.get(key)
         if bucket is None:
             rows, length = key
-            bs = self.kv.block_size
-            tables = torch.full((rows, self.width), self.scratch, dtype=torch.int64, device=self.device)
-            write = torch.full((rows,), self.scratch * bs, dtype=torch.int64, device=self.device)
-            seqlens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            view = PagedStepView.on_device(self.kv, tables, write, seqlens, length or self.width * bs)
+            tables = torch.empty((rows, self.width), dtype=torch.int64, device=self.device)
+            write = torch.empty(rows, dtype=torch.int64, device=self.device)
+            seqlens = torch.empty(rows, dtype=torch.int64, device=self.device)
+            view = PagedStepView.on_device(self.kv, tables, write, seqlens, length or self.width * self.kv.block_size)
             ids, batch = pack(
                 [[0]] * rows,
                 start_positions=[0] * rows,
@@ -185,7 +184,8 @@ class DecodeGraphs:
             )
             batch.cache_seqlens = seqlens  # the view's write-back rows read the same tensor
             batch.kv_plan.device_positions = True  # its host starts (all 0) are placeholders
-            bucket = self._buckets[key] = _Bucket(rows, ids, batch, view)
+            bucket = self._buckets[key] = _Bucket(rows, ids, batch, view, live=rows)
+            self._to_padding(bucket, 0)  # every row starts as padding
         if bucket.graph is None and self.capture and self.disabled is None:
             self._to_padding(bucket, 0)  # the warm-up runs must write nowhere but the scratch block
             self._capture(bucket)
@@ -217,7 +217,7 @@ class DecodeGraphs:
         view.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
         # A row left by a finished sequence must not keep writing into blocks another sequence may now hold.
         self._to_padding(bucket, n)
-        bucket.live = n
+        bucket.live = n  # rows 0..n-1 now hold sequences (padding ones included, when n grew)
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         """One step on the bucket's buffers (what a graph records): forward, then the last write-back."""

@@ -223,7 +223,7 @@ class PagedKVCache:
         return len(self._key_of)
 
     def step_view(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> PagedStepView:
-        return PagedStepView(self, [self.tables[s] for s in seq_ids], starts, counts)
+        return PagedStepView.from_host(self, [self.tables[s] for s in seq_ids], starts, counts)
 
 
 class PagedStepView:
@@ -235,9 +235,33 @@ class PagedStepView:
     write-back rows are derived on the device inside the step, never baked into it."""
 
     def __init__(
-        self, cache: PagedKVCache, tables: list[list[int]], starts: Sequence[int], counts: Sequence[int]
+        self,
+        cache: PagedKVCache,
+        shape: tuple[int, int],
+        write_idx: torch.Tensor,
+        *,
+        host_block_tables: torch.Tensor | None = None,
+        block_tables: torch.Tensor | None = None,
+        write_src: torch.Tensor | None = None,
+        device_starts: torch.Tensor | None = None,
     ) -> None:
-        self.cache = cache
+        """Use :meth:`from_host` or :meth:`on_device`. ``shape``: ``(sequences, staged length)``;
+        ``write_idx``: the pool row of every new token; block tables on the host and/or the device;
+        ``write_src`` (host-built) or ``device_starts`` (derived on the device): where the staged layer's
+        new tokens sit."""
+        self.cache, self.shape, self.write_idx = cache, shape, write_idx
+        self.device = write_idx.device
+        self.host_block_tables = host_block_tables  # [n, width] block ids, on the host (host-built views)
+        self.block_tables = block_tables  # the same on the device (host-built: at the first paged_layer)
+        self._write_src, self._device_starts = write_src, device_starts
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # (read rows, write-back sources)
+        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_host(
+        cls, cache: PagedKVCache, tables: list[list[int]], starts: Sequence[int], counts: Sequence[int]
+    ) -> PagedStepView:
+        """An engine step from its host lists: each sequence's blocks, cached length and new tokens."""
         bs = cache.block_size
         n = len(tables)
         start_t = torch.tensor(list(starts), dtype=torch.int64)
@@ -245,21 +269,20 @@ class PagedStepView:
         length = int((start_t + count_t).max())
         width = _ceil_div(length, bs)
         padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int64)
-        self.device = next(iter(cache.k.values())).device
+        device = next(iter(cache.k.values())).device
         # The positions this step writes, sequence by sequence: integer indices (a boolean mask would
         # need a nonzero(), i.e. a host sync on GPU, in every layer's write-back).
         row = torch.repeat_interleave(torch.arange(n), count_t)
         first = torch.cumsum(count_t, 0) - count_t
         at = start_t[row] + torch.arange(int(count_t.sum())) - first[row]
         # non_blocking: a blocking host-to-device copy is a host sync on GPU
-        self._write_src = (row * length + at).to(self.device, non_blocking=True)  # in the staged [n * L] rows
-        self.write_idx = (padded[row, at // bs] * bs + at % bs).to(self.device, non_blocking=True)  # in the pool
-        self.shape = (n, length)
-        self.host_block_tables: torch.Tensor | None = padded  # [n, width] block ids, on the host
-        self.block_tables: torch.Tensor | None = None  # the same on the device (at the first paged_layer)
-        self._device_starts: torch.Tensor | None = None
-        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None  # (read rows, write-back sources)
-        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        return cls(
+            cache,
+            (n, length),
+            (padded[row, at // bs] * bs + at % bs).to(device, non_blocking=True),  # in the pool
+            host_block_tables=padded,
+            write_src=(row * length + at).to(device, non_blocking=True),  # in the staged [n * L] rows
+        )
 
     @classmethod
     def on_device(
@@ -273,14 +296,10 @@ class PagedStepView:
         """A decode step (one new token per row) laid out in device tensors: ``block_tables [n, width]``,
         the pool row each row writes, each row's cached length, and a staging length
         ``<= width * block_size``."""
-        view = cls.__new__(cls)
-        view.cache, view.device = cache, block_tables.device
         if length > block_tables.shape[1] * cache.block_size:
             raise ValueError(f"staging length {length} exceeds the block table ({block_tables.shape[1]} blocks)")
-        view.shape = (int(block_tables.shape[0]), int(length))
-        view.write_idx, view.host_block_tables, view.block_tables = write_idx, None, block_tables
-        view._device_starts, view._write_src, view._staging, view._pending = cache_seqlens, None, None, None
-        return view
+        shape = (int(block_tables.shape[0]), int(length))
+        return cls(cache, shape, write_idx, block_tables=block_tables, device_starts=cache_seqlens)
 
     def _staging_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[n * L] pool row of every staged position, and the staged row of every new token (the
