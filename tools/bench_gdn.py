@@ -501,7 +501,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
-        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
+        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "IB": cfg.sb,
                                           "PREC": cfg.dot_precision}, G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
                                             "KB": cfg.kb, "PREC": cfg.dot_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),
@@ -560,6 +560,27 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
+# Tuning constants of ops/gdn/gdn_triton.py that --tune may override in a run (each is read at launch time).
+TUNABLE = ("SCAN_BV", "SCAN_WARPS", "CHAIN_BV", "CHAIN_WARPS", "CHAIN_STAGES", "PREP_WARPS", "PREP_STAGES", "INV_BLOCK")
+
+
+def _apply_tune(pairs: list[str]) -> dict[str, int]:
+    """``NAME=INT`` pairs onto gdn_triton's tuning constants. The kernels' bits follow some of them (the scan's
+    layout, the inverse's block); training and rollout in one run use the same values, so the bitwise checks hold."""
+    from megatron_iso.ops.gdn import gdn_triton as G
+
+    out = {}
+    for pair in pairs:
+        name, _, val = pair.partition("=")
+        if name not in TUNABLE or not val.lstrip("-").isdigit():
+            raise SystemExit(f"--tune {pair!r}: expected NAME=INT with NAME one of {list(TUNABLE)}")
+        if int(val) < 1 or int(val) & (int(val) - 1):
+            raise SystemExit(f"--tune {pair!r}: the value must be a power of two >= 1")
+        setattr(G, name, int(val))
+        out[name] = int(val)
+    return out
+
+
 def _meta(args: argparse.Namespace) -> dict:
     import importlib.metadata as md
 
@@ -572,7 +593,8 @@ def _meta(args: argparse.Namespace) -> dict:
     # The parent never initialises CUDA; each row carries the device name its child saw.
     return {"device_kind": args.device, "torch": torch.__version__, "triton": version("triton"),
             "fla": version("fla-core") or version("flash-linear-attention"),
-            "shape": {"Hk": HK, "Hv": HV, "Dk": D, "Dv": D, "chunk": CHUNK}}  # fmt: skip
+            "shape": {"Hk": HK, "Hv": HV, "Dk": D, "Dv": D, "chunk": CHUNK},
+            "tune": args.tune}  # fmt: skip
 
 
 def _print_row(row: dict) -> None:
@@ -641,6 +663,7 @@ def _parent(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
             "--shape", f"{HK},{HV},{D},{CHUNK}"] + (["--quick"] if args.quick else [])  # fmt: skip
+    base += ["--tune", *args.tune] if args.tune else []
     t_all = time.time()
     for spec in cases:
         t0 = time.time()
@@ -675,6 +698,7 @@ def _profile_parent(args: argparse.Namespace) -> int:
         env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--shape", f"{HK},{HV},{D},{CHUNK}",
            "--case", args.profile, "--profile", args.profile, "--profile-iters", str(args.profile_iters)]  # fmt: skip
+    cmd += ["--tune", *args.tune] if args.tune else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.case_timeout)
     print("\n".join(x for x in res.stdout.splitlines() if not x.startswith(RESULT_TAG)), flush=True)
     lines = [x for x in res.stdout.splitlines() if x.startswith(RESULT_TAG)]
@@ -711,12 +735,15 @@ def main() -> int:
                     "(ieee, tf32x3, tf32): per variant the training forward, the first --prefill length and the "
                     "mismatch case (ours vs fp64, train vs rollout, which must be bitwise); with --resources, the "
                     "kernels compiled for each")  # fmt: skip
+    ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
+                    f"constants in this run (one of {', '.join(TUNABLE)}), e.g. SCAN_BV=8 SCAN_WARPS=1")  # fmt: skip
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
     if args.mm_prompt < 1 or args.mm_decode < 0:
         ap.error("--mm-prompt must be >= 1 and --mm-decode >= 0")
     DEVICE = args.device
     _set_shape(args.shape)
+    _apply_tune(args.tune)
     if args.dot_precision:
         from megatron_iso.ops.gdn.gdn_triton import DOT_PRECISIONS
 

@@ -13,7 +13,7 @@ decode, bit for bit, for any batch composition and any subset of heads:
   loads is the register state a training program would have carried (fp32 in memory is exact).
 - **State pass** (``_prep_kernel`` + ``_chain_kernel``): chunk c's exit state from its entry state E,
   WY form. Per chunk, in parallel: ``G = cumsum(g)``, ``A_ti = beta_t e^{G_t-G_i} k_t.k_i`` (t > i),
-  ``T^{-1}`` of ``T = I + A`` by row substitution, ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)``,
+  ``T^{-1}`` of ``T = I + A`` by 16-row blocks, ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)``,
   ``KD = e^{G_C-G} k``. Then one program per (sequence, head, Dv block) chains the chunks:
   ``u = U0 - W E; E' = e^{G_C} E + KD^T u`` (two fp32 ``tl.dot``; ``input_precision="ieee"`` by default,
   see "Dot precision" below).
@@ -51,6 +51,14 @@ The layout-dependent reductions (cumsum, row substitution) keep their layouts, a
 (``*_STAGES``) only moves loads. VERSION stayed "1": on the H200 a one-off test held the blocked
 kernels bitwise equal to a frozen copy of the previous ones (2026-11-29, passed; the copy is deleted).
 
+Triangular inverse (VERSION 2): ``T^{-1}`` of the unit lower triangular ``T = I + A`` by row blocks of
+``IB`` (16) rows. A is stored to the program's scratch; the ``C / IB`` diagonal blocks are inverted together by
+row substitution (``IB - 1`` dependent steps over a ``[C/IB, IB, IB]`` tile; row s of every block at once); then
+block row i, in ascending order, is ``X_i. = -X_ii (sum_{j<i} A_ij X_j.)`` (K-blocked dots over j ascending,
+from A's blocks still in the scratch). The 63-step substitution over ``[C, C]`` tiles that VERSION 1 ran (two
+cross-warp reductions per step) is gone: 15 steps and 3 short block rows. The bits differ from VERSION 1;
+training and the decode-side resync run this one kernel on the same chunk, so they agree.
+
 Dot precision: the state pass's dots take ``input_precision`` from ``GDNConfig.dot_precision``
 (:data:`DOT_PRECISIONS`; default and registered: "ieee", the FMA chains above). With "tf32x3" or "tf32" they
 run on tensor cores (MMA), and a K-blocked dot ``acc = tl.dot(a_blk, b_blk, acc)`` feeds each block's
@@ -83,16 +91,20 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = "1"
+VERSION = "2"  # 2: blocked triangular inverse in the prep kernel (was: 63-step row substitution)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
 SCAN_BV = 4 if _INTERPRET else 32
-CHAIN_BV = 4 if _INTERPRET else 32
+CHAIN_BV = 4 if _INTERPRET else 16
 MIN_DOT = 1 if _INTERPRET else 16  # tl.dot needs every dimension >= 16 on the GPU
 # K block of the state-pass dots (module docstring, "K-blocked dots"); small under the interpreter so tiny shapes still
 # run several blocks.
 DOT_KB = 4 if _INTERPRET else 16
+# Row block of the prep kernel's triangular inverse (module docstring, "Triangular inverse"): diagonal blocks by row
+# substitution, all at once; the blocks below by K-blocked dots. Small under the interpreter so tiny chunks still
+# have several blocks.
+INV_BLOCK = 4 if _INTERPRET else 16
 SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 4, 4, 8
 # Software-pipelining depth of the K-block loops (bit-neutral: it only moves loads). Chosen with
 # ``tools/bench_gdn.py --resources`` (sm_90a, Dk=Dv=128, chunk 64): the default 3 spills in both kernels.
@@ -118,6 +130,7 @@ class GDNConfig:
     chain_bv: int
     chunk: int
     kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: module docstring)
+    sb: int  # row block of the prep kernel's triangular inverse (divides chunk)
     dot_precision: str = DOT_PRECISION  # input_precision of the prep/chain tl.dot (one of DOT_PRECISIONS)
 
 
@@ -134,7 +147,8 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION)
     bk = max(MIN_DOT, triton.next_power_of_2(dk))
     bvf = max(MIN_DOT, triton.next_power_of_2(dv))
     kb = min(DOT_KB, chunk, bk)
-    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk, kb, dot_precision)
+    sb = min(INV_BLOCK, chunk)
+    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk, kb, sb, dot_precision)
 
 
 # ------------------------------------------------------------------------------------- kernels
@@ -213,7 +227,7 @@ def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
     u0_ptr, w_ptr, kd_ptr, egc_ptr, tinv_ptr, bce_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (closing chunk, value head): U0, W, KD = e^{G_C-G} k and e^{G_C} of the WY form.
 
@@ -273,15 +287,39 @@ def _prep_kernel(
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
-    # T^{-1} for T = I + A (unit lower triangular), row by row: row t = e_t - sum_{i<t} A_ti row_i.
-    eye = tl.where(ot[:, None] == ot[None, :], 1.0, 0.0)
-    tinv = eye
-    for t in range(1, C):
-        at = tl.sum(tl.where(ot[:, None] == t, a, 0.0), axis=0)  # A[t, :]
-        row = tl.sum(at[:, None] * tinv, axis=0)
-        tinv = tl.where(ot[:, None] == t, eye - row[None, :], tinv)
-    # T^{-1} and beta e^G to scratch: the dots below read them in K blocks (columns / rows).
-    tl.store(tinv_ptr + (base * C + ot[:, None]) * C + ot[None, :], tinv)
+    # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (module docstring, "Triangular inverse").
+    # A goes to the scratch rows first: the diagonal blocks are read row by row, the blocks below by dots.
+    tile = (base * C + ot[:, None]) * C + ot[None, :]
+    tl.store(tinv_ptr + tile, a)
+    tl.debug_barrier()
+    ob3 = tl.arange(0, C // IB)
+    os3 = tl.arange(0, IB)
+    rows3 = ob3[:, None, None] * IB + os3[None, :, None]  # [NB, IB, 1]: chunk row of (block, row in block)
+    cols3 = ob3[:, None, None] * IB + os3[None, None, :]  # [NB, 1, IB]: chunk column of (block, column in block)
+    eye3 = tl.where(rows3 == cols3, 1.0, 0.0)
+    x3 = eye3  # every diagonal block at once: row s = e_s - sum_{c<s} A_sc row_c
+    for srow in range(1, IB):
+        a_s = tl.load(tinv_ptr + (base * C + ob3[:, None] * IB + srow) * C + ob3[:, None] * IB + os3[None, :])
+        rsum = tl.sum(a_s[:, :, None] * x3, axis=1)
+        x3 = tl.where(os3[None, :, None] == srow, eye3 - rsum[:, None, :], x3)
+    tl.debug_barrier()  # every thread has read the diagonal blocks of A
+    tl.store(tinv_ptr + (base * C + rows3) * C + cols3, x3)
+    tl.debug_barrier()
+    # Block rows below: X_i. = -X_ii (sum_{j<i} A_ij X_j.), K-blocked over j (ascending), from A's blocks still in the
+    # scratch; columns at and right of the diagonal block keep X_ii and A's zeros.
+    for ib in tl.static_range(1, C // IB):
+        ri = ib * IB + os3
+        rsum2 = tl.zeros([IB, C], dtype=tl.float32)
+        for jb in tl.static_range(ib):
+            rj = jb * IB + os3
+            a_ij = tl.load(tinv_ptr + (base * C + ri[:, None]) * C + rj[None, :])
+            x_j = tl.load(tinv_ptr + (base * C + rj[:, None]) * C + ot[None, :])
+            rsum2 = tl.dot(a_ij, x_j, rsum2, input_precision=PREC)
+        x_ii = tl.load(tinv_ptr + (base * C + ri[:, None]) * C + ri[None, :])
+        x_i = -tl.dot(x_ii, rsum2, input_precision=PREC)
+        tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
+        tl.store(tinv_ptr + (base * C + ri[:, None]) * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
+        tl.debug_barrier()
     tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
     tl.debug_barrier()  # other threads' scratch stores are read below
     # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
@@ -327,10 +365,11 @@ def _chain_kernel(
     chain row (int32 x 5): first chunk index, number of chunks, entry kind (0 zeros / 1 entry_ptr
     row), entry row (the slot), write back (1: store the last state into entry_ptr's row).
 
-    Per chunk, u is made in row blocks of KB: ``u_b = U0_b - W_b E`` (K = BK in blocks of KB, E's
-    row blocks read back from the state this program stored last: the entry row or the previous
-    chunk's exit row), then ``E' = dot(KD_b^T, u_b, E')`` over ascending blocks from ``e^{G_C} E``
-    (module docstring, "K-blocked dots"). PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
+    Per chunk, ``u = U0 - W E`` for all C rows (K = BK in blocks of KB, E's row blocks read back once each
+    from the state this program stored last: the entry row or the previous chunk's exit row), stored over
+    U0, then ``E' = dot(KD_b^T, u_b, E')`` over ascending row blocks b of u from ``e^{G_C} E`` (module
+    docstring, "K-blocked dots"). Each output element is the fma chain of VERSION 1 (k ascending from 0 for
+    W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -352,26 +391,33 @@ def _chain_kernel(
         e = tl.load(entry_ptr + erow * hsz + st, mask=m2, other=0.0)
     else:
         e = tl.zeros([BK, BV], dtype=tl.float32)
+    oc = tl.arange(0, C)
     for j in range(nc):
         base = (c0 + j) * HV + h
         egc = tl.load(egc_ptr + base)
         first = j == 0
+        # d = W E for all C rows at once, K = BK in blocks of KB: each row block of E is loaded once per chunk.
+        d = tl.zeros([C, BV], dtype=tl.float32)
+        for kb in range(BK // KB):
+            okb = kb * KB + ob
+            wblk = tl.load(w_ptr + (base * C + oc[:, None]) * BK + okb[None, :])
+            sb = (h * DK + okb[:, None]) * DV + ov[None, :]
+            mb2 = (okb[:, None] < DK) & mv[None, :]
+            # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
+            e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
+            e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
+            d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision=PREC)
+        # u = U0 - W E replaces this program's columns of U0 (read by no one else), so the state update below
+        # can read u back in row blocks.
+        uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
+        tl.store(uptr, tl.load(uptr, mask=mv[None, :], other=0.0) - d, mask=mv[None, :])
+        tl.debug_barrier()  # u's rows stored by other threads are read below
         acc = egc * e
         for mb in range(C // KB):
             om = mb * KB + ob
-            d = tl.zeros([KB, BV], dtype=tl.float32)
-            for kb in range(BK // KB):
-                okb = kb * KB + ob
-                wblk = tl.load(w_ptr + (base * C + om[:, None]) * BK + okb[None, :])
-                sb = (h * DK + okb[:, None]) * DV + ov[None, :]
-                mb2 = (okb[:, None] < DK) & mv[None, :]
-                # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
-                e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
-                e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
-                d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision=PREC)
-            u0 = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+            ub = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
             kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
-            acc = tl.dot(tl.trans(kd), u0 - d, acc, input_precision=PREC)
+            acc = tl.dot(tl.trans(kd), ub, acc, input_precision=PREC)
         e = acc
         tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
         tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
@@ -659,7 +705,7 @@ def _rule_forward(
         bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
             kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, PREC=cfg.dot_precision, num_warps=PREP_WARPS,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.sb, PREC=cfg.dot_precision, num_warps=PREP_WARPS,
             num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
@@ -868,12 +914,14 @@ def _probe_gates() -> dict[str, torch.Tensor]:
 
 _RULE_CONSTANTS = {
     "chunk_alignment": "position 0 of the sequence",
-    "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by row substitution, U0/W by fp32 tl.dot; "
+    "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by 16-row blocks (diagonal blocks by row substitution, "
+    "block rows below by K-blocked tl.dot), U0/W by fp32 tl.dot; "
     "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 tl.dot), one program per (seq, head, Dv block)",
     "dot_precision": DOT_PRECISION,
     "output": "per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers",
     "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
     "scan_bv": SCAN_BV,
+    "inv_block": INV_BLOCK,
     "chain_bv": CHAIN_BV,
     "warps_scan_chain_prep": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS],
     "block_k": "max(16, next_pow2(Dk))",
