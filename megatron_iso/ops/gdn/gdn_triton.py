@@ -369,7 +369,9 @@ def _chain_kernel(
     from the state this program stored last: the entry row or the previous chunk's exit row), stored over
     U0, then ``E' = dot(KD_b^T, u_b, E')`` over ascending row blocks b of u from ``e^{G_C} E`` (module
     docstring, "K-blocked dots"). Each output element is the fma chain of VERSION 1 (k ascending from 0 for
-    W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
+    W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. With a tensor-core
+    PREC (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler
+    stages MMA operands through shared memory), so no state or u round trip through global memory. PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -396,31 +398,39 @@ def _chain_kernel(
         base = (c0 + j) * HV + h
         egc = tl.load(egc_ptr + base)
         first = j == 0
-        # d = W E for all C rows at once, K = BK in blocks of KB: each row block of E is loaded once per chunk.
-        d = tl.zeros([C, BV], dtype=tl.float32)
-        for kb in range(BK // KB):
-            okb = kb * KB + ob
-            wblk = tl.load(w_ptr + (base * C + oc[:, None]) * BK + okb[None, :])
-            sb = (h * DK + okb[:, None]) * DV + ov[None, :]
-            mb2 = (okb[:, None] < DK) & mv[None, :]
-            # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
-            e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
-            e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
-            d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision=PREC)
-        # u = U0 - W E replaces this program's columns of U0 (read by no one else), so the state update below
-        # can read u back in row blocks.
-        uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
-        tl.store(uptr, tl.load(uptr, mask=mv[None, :], other=0.0) - d, mask=mv[None, :])
-        tl.debug_barrier()  # u's rows stored by other threads are read below
-        acc = egc * e
-        for mb in range(C // KB):
-            om = mb * KB + ob
-            ub = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
-            kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
-            acc = tl.dot(tl.trans(kd), ub, acc, input_precision=PREC)
+        if PREC == "ieee":
+            # d = W E for all C rows at once, K = BK in blocks of KB: each row block of E is loaded once per chunk.
+            d = tl.zeros([C, BV], dtype=tl.float32)
+            for kb in range(BK // KB):
+                okb = kb * KB + ob
+                wblk = tl.load(w_ptr + (base * C + oc[:, None]) * BK + okb[None, :])
+                sb = (h * DK + okb[:, None]) * DV + ov[None, :]
+                mb2 = (okb[:, None] < DK) & mv[None, :]
+                # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
+                e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
+                e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
+                d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision=PREC)
+            # u = U0 - W E replaces this program's columns of U0 (read by no one else), so the state update below
+            # can read u back in row blocks.
+            uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
+            tl.store(uptr, tl.load(uptr, mask=mv[None, :], other=0.0) - d, mask=mv[None, :])
+            tl.debug_barrier()  # u's rows stored by other threads are read below
+            acc = egc * e
+            for mb in range(C // KB):
+                om = mb * KB + ob
+                ub = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+                kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
+                acc = tl.dot(tl.trans(kd), ub, acc, input_precision=PREC)
+        else:  # tensor cores: two dots over the whole K per chunk, E and u from registers
+            wfull = tl.load(w_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
+            u = tl.load(u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+            u = u - tl.dot(wfull, e, input_precision=PREC)
+            kdfull = tl.load(kd_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
+            acc = tl.dot(tl.trans(kdfull), u, egc * e, input_precision=PREC)
         e = acc
         tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
-        tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
+        if PREC == "ieee":
+            tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
     if wb == 1:
         tl.store(entry_ptr + erow * hsz + st, e, mask=m2)
 
