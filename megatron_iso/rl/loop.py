@@ -199,7 +199,28 @@ class Trainer:
             s.reward = r
         return rewards
 
-    def train_on(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, Any]:
+    def micro_batch_count(self, n_samples: int) -> int:
+        """Forward/backward passes of a step over ``n_samples``, agreed by every rank: the largest count of any
+        rank (0 only when no rank has a sample to train on). A data-parallel rank whose dynamic sampling kept
+        fewer samples, or none, still takes part in every pass's collectives (expert all-to-all), the
+        gradient sync and the optimizer step; before this, a rank with nothing kept skipped ``train_on`` and
+        the others waited for it in the gradient all-reduce."""
+        size = self.micro_batch_seqs or max(1, n_samples)
+        mine = -(-n_samples // size)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([mine], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            mine = int(t.item())
+        return mine
+
+    def train_on(
+        self,
+        samples: list[Sample],
+        advantages: torch.Tensor,
+        *,
+        micro_batches: int | None = None,
+        filler: Sample | None = None,
+    ) -> dict[str, Any]:
         """One optimizer step on ``samples``; returns trainer logprobs of response tokens and stats.
 
         Forward and backward run over ``rl.train_micro_batch_seqs`` samples at a time (default: all at
@@ -207,27 +228,45 @@ class Trainer:
         by the whole step's normaliser, so the accumulated gradient is the one-batch gradient; only
         the sum order of the weight gradients' reductions over tokens differs (backward is
         deterministic, not batch invariant). Logprobs, loss and statistics are the whole step's.
+
+        ``micro_batches`` (:meth:`micro_batch_count`, the same on every rank) may exceed this rank's own
+        count: the extra passes run ``filler`` with its loss and MoE aux loss scaled by 0, so they add exact
+        zeros to the gradients and nothing to the logprobs or statistics.
         """
         from megatron.core.distributed import finalize_model_grads
 
-        size = self.micro_batch_seqs or len(samples)
+        size = self.micro_batch_seqs or max(1, len(samples))
         bounds = [(a, min(a + size, len(samples))) for a in range(0, len(samples), size)]
+        passes = len(bounds) if micro_batches is None else micro_batches
+        if passes < len(bounds):
+            raise ValueError(f"train_on: micro_batches={passes} < the {len(bounds)} this rank's samples need")
+        if passes > len(bounds) and filler is None:
+            raise ValueError("train_on: passes beyond this rank's micro-batches need a filler sample")
         # The step's response tokens in sample order: the loss is normalised over all of them.
-        seq_index = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor([len(s.tokens) for s in samples]))
+        lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
         every = torch.ones(seq_index.numel(), dtype=torch.bool)
         normaliser = loss_normaliser(every, seq_index, self.loss_cfg.aggregation)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._scale_moe_aux_loss(len(bounds))
+        self._scale_moe_aux_loss(1.0 / len(bounds) if bounds else 0.0)
         parts = []
-        for j, (a, b) in enumerate(bounds):
+        for j in range(passes):
             # As Megatron's schedules do: DP grad sync held back until the last micro-batch (it only
             # matters with overlap_grad_reduce; finalize_model_grads below does the sync).
-            with self.ddp.no_sync() if j + 1 < len(bounds) else contextlib.nullcontext():
-                parts.append(self._accumulate_grads(samples[a:b], advantages[a:b], normaliser))
-        trainer_logp = torch.cat([p[0] for p in parts])
-        rollout_logp = torch.cat([p[1] for p in parts])
-        ref_logp = torch.cat([p[2] for p in parts]) if self.ref_model is not None else None
+            with self.ddp.no_sync() if j + 1 < passes else contextlib.nullcontext():
+                if j < len(bounds):
+                    a, b = bounds[j]
+                    parts.append(self._accumulate_grads(samples[a:b], advantages[a:b], normaliser))
+                else:
+                    self._scale_moe_aux_loss(0.0)
+                    self._accumulate_grads([filler], torch.zeros(1), normaliser, weight=0.0)
+        empty = torch.zeros(0, dtype=torch.float32)
+        trainer_logp = torch.cat([p[0] for p in parts]) if parts else empty
+        rollout_logp = torch.cat([p[1] for p in parts]) if parts else empty
+        ref_logp = None
+        if self.ref_model is not None:
+            ref_logp = torch.cat([p[2] for p in parts]) if parts else empty
         # Reported once over the whole step's tokens (the same bits for every micro-batch size), not
         # summed from micro-batches. One update per rollout: the scored policy is the behaviour
         # policy, so logp = old gives the values the backward saw.
@@ -254,10 +293,10 @@ class Trainer:
         }
 
     def _accumulate_grads(
-        self, samples: list[Sample], advantages: torch.Tensor, normaliser: float
+        self, samples: list[Sample], advantages: torch.Tensor, normaliser: float, weight: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``);
-        returns its response tokens' trainer, rollout and reference logprobs, in sample order."""
+        """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``, times
+        ``weight``); returns its response tokens' trainer, rollout and reference logprobs, in sample order."""
         from megatron_iso.models.batch import pack
         from megatron_iso.models.scoring import score_sequences
 
@@ -295,17 +334,18 @@ class Trainer:
             logp, old, advantages, mask, seq_index, self.loss_cfg,
             rollout_logp=rollout, ref_logp=ref, normaliser=normaliser,
         )  # fmt: skip
-        loss.backward()
+        (loss * weight if weight != 1.0 else loss).backward()
         return old[mask], rollout[mask], None if ref is None else ref[mask]
 
-    def _scale_moe_aux_loss(self, micro_batches: int) -> None:
+    def _scale_moe_aux_loss(self, scale: float) -> None:
         # Megatron's schedules scale the MoE load-balancing loss's gradient by 1/micro-batches: each
         # micro-batch's aux loss is a statistic of its own tokens, the step's is their mean (so with
-        # model.moe_aux_loss_coeff > 0 the micro-batch size changes that term, as in Megatron).
+        # model.moe_aux_loss_coeff > 0 the micro-batch size changes that term, as in Megatron). A filler
+        # pass (train_on) scales it by 0.
         if self.tc.num_moe_experts:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / micro_batches, device=self.device))
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, device=self.device))
 
     def publish_weights(self) -> None:
         """Make the trainer's current weights the decoder's (after an optimizer step or a checkpoint load)."""
@@ -326,11 +366,13 @@ class Trainer:
         kept = [s for s in samples if bool(keep[s.group])]
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}
-        if kept:
-            adv = group_advantages(
-                torch.tensor([s.reward for s in kept]), group_size, scale_by_std=bool(self.rl.scale_adv_by_std)
-            )
-            out = self.train_on(kept, adv)
+        passes = self.micro_batch_count(len(kept))  # every rank trains, or none (a collective)
+        if passes:
+            adv = torch.zeros(0)
+            if kept:
+                rewards_kept = torch.tensor([s.reward for s in kept])
+                adv = group_advantages(rewards_kept, group_size, scale_by_std=bool(self.rl.scale_adv_by_std))
+            out = self.train_on(kept, adv, micro_batches=passes, filler=samples[0])
             metrics |= {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
             trainer_logp, rollout_logp = out["trainer_logp"], out["rollout_logp"]
         else:
