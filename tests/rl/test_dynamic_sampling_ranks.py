@@ -56,10 +56,17 @@ def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:
     return {"rows": rows, "params": params, "passes": passes_seen}
 
 
-@pytest.mark.parametrize(("rank1_keeps", "micro"), [(0, "null"), (1, "5")], ids=["rank1_none", "rank1_fewer_mb"])
-def test_data_parallel_ranks_keeping_different_counts_stay_in_step(tmp_path, rank1_keeps, micro):
+@pytest.mark.parametrize(
+    ("rank1_keeps", "micro", "ep"),
+    [(0, "null", 1), (1, "5", 1), (0, "5", 2)],
+    ids=["rank1_none", "rank1_fewer_mb", "moe_ep2_rank1_none"],
+)
+def test_data_parallel_ranks_keeping_different_counts_stay_in_step(tmp_path, rank1_keeps, micro, ep):
+    """With EP=2 (tiny_moe) every pass's expert all-to-all needs both ranks: the filler passes carry rank 1."""
     overrides = [f"rl.train_micro_batch_seqs={micro}"]
-    res = run_on_ranks(_uneven_steps, 2, args=(str(tmp_path / "run"), rank1_keeps, overrides), timeout=420)
+    if ep > 1:
+        overrides += ["model=tiny_moe", f"parallel.ep={ep}"]
+    res = run_on_ranks(_uneven_steps, 2, ep=ep, args=(str(tmp_path / "run"), rank1_keeps, overrides), timeout=420)
     # 3 prompts a rank x 4 samples: rank 0 keeps 12 (1 pass, or 3 of 5), rank 1 keeps 4 * rank1_keeps.
     want = 1 if micro == "null" else 3
     assert res[0]["passes"] == res[1]["passes"] == [want, want]
@@ -68,9 +75,12 @@ def test_data_parallel_ranks_keeping_different_counts_stay_in_step(tmp_path, ran
     for row in res[0]["rows"]:
         assert row["samples/kept_frac"] == 1.0 and row["grad_norm"] > 0
         assert row["mismatch/abs_diff_max"] == 0.0
-    # The replicas took the same optimizer steps: their parameters are the same bits.
-    for n, p in res[0]["params"].items():
-        assert torch.equal(_bits(res[1]["params"][n]), _bits(p)), n
+    # The replicas took the same optimizer steps: their parameters are the same bits (with EP each rank holds
+    # its own experts under the same local names: those are not replicas).
+    shared = [n for n in res[0]["params"] if ep == 1 or ".experts." not in n]
+    assert len(shared) > 4
+    for n in shared:
+        assert torch.equal(_bits(res[1]["params"][n]), _bits(res[0]["params"][n])), n
 
 
 def test_filler_passes_add_exact_zeros(tmp_path):
