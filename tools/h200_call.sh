@@ -11,6 +11,8 @@
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   gdndot   200   bench_gdn --dot-precision ieee tf32x3 tf32: the state pass's dot variants (speed, accuracy, bits)
+#   gdntune  200   bench_gdn --profile train:8x4096 per tuning variant in GDN_TUNES (";"-separated --tune sets;
+#                  default: the registered layout, scan 16x2 + chain 32x8, tf32x3 with chain BV 32): per-kernel ms
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
 #                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch)
@@ -24,7 +26,7 @@
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof gdndot rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdn gdnprof gdndot gdntune rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -51,6 +53,7 @@ for s in "$@"; do
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     gdndot) step gdndot 200 12 python3 tools/bench_gdn.py --dot-precision ieee tf32x3 tf32 --out "$OUT/bench_gdn_dot.json" ;;
+    gdntune) step gdntune 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
     rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
     rlhybrid) step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \

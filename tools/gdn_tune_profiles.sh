@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Per-kernel times of the GDN training forward (8 x 4096 tokens) for several tuning variants, one
+# `bench_gdn.py --profile` run each (its own process, so its own compiled kernels), kernel rows printed per
+# variant and each profile written to $OUT/gdn_tune_<i>.json. Called by `tools/h200_call.sh gdntune`.
+#
+#   bash tools/gdn_tune_profiles.sh "VARIANTS"
+#
+# VARIANTS: ";"-separated; each is "[@PRECISION] [NAME=INT ...]" (bench_gdn's --tune names; an empty variant is
+# the registered configuration). Default: the registered one; scan 16x2 with chain 32x8; tf32x3 with chain BV 32.
+set -u
+: "${OUT:?OUT must name the folder results are written to}"
+variants=${1:-";SCAN_BV=16 SCAN_WARPS=2 CHAIN_BV=32 CHAIN_WARPS=8;@tf32x3 CHAIN_BV=32"}
+i=0
+IFS=';' read -r -a list <<< "$variants"
+for v in "${list[@]}"; do
+  i=$((i + 1))
+  case_spec="train:8x4096"
+  tune=()
+  for w in $v; do
+    case $w in
+      @*) case_spec="$case_spec$w" ;;
+      *) tune+=("$w") ;;
+    esac
+  done
+  echo "=== variant $i: ${v:-registered}"
+  args=(--profile "$case_spec" --out "$OUT/gdn_tune_$i.json")
+  if [ ${#tune[@]} -gt 0 ]; then args+=(--tune "${tune[@]}"); fi
+  timeout 70 python3 tools/bench_gdn.py "${args[@]}" 2>&1 | grep -E "^\| _|wall \(synced\)" | head -4
+done
