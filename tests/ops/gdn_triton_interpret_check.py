@@ -4,7 +4,8 @@ tests/ops/test_gdn_triton_interpret.py (a subprocess: the variable must be set b
 Tiny shapes (chunk 8, Dk = Dv = 8, Dv split into blocks of 4). Bitwise: training forward == prefill(P) +
 decode for P in {1, C-1, C, C+1, 2C+3}, chunked prefill pieces, packing, batch composition with
 sequences at mixed positions, a subset of heads (TP), a bf16 strided v (read in-kernel) == its fp32 copy;
-the state pass's dot-precision variants (tf32x3, tf32); conv, gates, l2norm. Launches: a mid-chunk decode step
+the state pass's dot-precision variants (tf32x3, tf32); chunk 16 (four blocks of the prep kernel's triangular
+inverse); conv, gates, l2norm. Launches: a mid-chunk decode step
 launches the scan kernel only. Errors: an unknown dot precision names the allowed ones. Tolerances: the rule and the
 state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
 gradients vs the reference's autograd (1e-5 relative).
@@ -230,6 +231,23 @@ for bad in ("fp32", "bf16x3", "IEEE"):
     except ValueError as e:
         assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
 assert gt.config_for(D, D, C).dot_precision == "ieee" == gt._RULE_CONSTANTS["dot_precision"]
+# chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum
+# over 1..3 lower blocks (chunk C has two). Against the reference, and train == prefill + decode across closes.
+C16 = 4 * gt.INV_BLOCK
+assert gt.config_for(D, D, C16).sb == gt.INV_BLOCK
+x = inputs(2 * C16 + 3, 47)
+st16 = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
+                              chunk=C16, dtype=torch.float32)  # fmt: skip
+full = gt.gated_delta_rule(*x, cu([2 * C16 + 3]), chunk=C16)
+err = float((full - ref.gated_delta_rule(*x, cu([2 * C16 + 3]), chunk=C16)).abs().max())
+assert err < 1e-5, f"chunk {C16} vs reference {err:.2e}"
+outs, pos = [], 0
+for n in [C16 - 1, 1, 1, C16 + 2, 1, 1]:
+    r = slice(pos, pos + n)
+    outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), chunk=C16, state=st16, slots=torch.tensor([1]),
+                                    starts=torch.tensor([pos])))  # fmt: skip
+    pos += n
+assert same(torch.cat(outs), full), f"chunk {C16}: train vs prefill + decode"
 print("rule ok", round(time.time() - t_start, 1))
 
 # conv: prefill + decode == training, batch composition, against fp64
