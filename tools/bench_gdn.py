@@ -501,7 +501,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
-        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "IB": cfg.sb,
+        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "IB": cfg.inv_block,
                                           "PREC": cfg.dot_precision}, G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
                                             "KB": cfg.kb, "PREC": cfg.dot_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),

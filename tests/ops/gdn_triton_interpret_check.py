@@ -234,7 +234,7 @@ assert gt.config_for(D, D, C).dot_precision == "ieee" == gt._RULE_CONSTANTS["dot
 # chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum
 # over 1..3 lower blocks (chunk C has two). Against the reference, and train == prefill + decode across closes.
 C16 = 4 * gt.INV_BLOCK
-assert gt.config_for(D, D, C16).sb == gt.INV_BLOCK
+assert gt.config_for(D, D, C16).inv_block == gt.INV_BLOCK
 x = inputs(2 * C16 + 3, 47)
 st16 = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
                               chunk=C16, dtype=torch.float32)  # fmt: skip

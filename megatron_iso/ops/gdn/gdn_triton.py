@@ -130,7 +130,7 @@ class GDNConfig:
     chain_bv: int
     chunk: int
     kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: module docstring)
-    sb: int  # row block of the prep kernel's triangular inverse (divides chunk)
+    inv_block: int  # row block of the prep kernel's triangular inverse (divides chunk)
     dot_precision: str = DOT_PRECISION  # input_precision of the prep/chain tl.dot (one of DOT_PRECISIONS)
 
 
@@ -147,8 +147,9 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION)
     bk = max(MIN_DOT, triton.next_power_of_2(dk))
     bvf = max(MIN_DOT, triton.next_power_of_2(dv))
     kb = min(DOT_KB, chunk, bk)
-    sb = min(INV_BLOCK, chunk)
-    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), max(MIN_DOT, min(CHAIN_BV, bvf)), chunk, kb, sb, dot_precision)
+    inv_block = min(INV_BLOCK, chunk)
+    chain_bv = max(MIN_DOT, min(CHAIN_BV, bvf))
+    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, dot_precision)
 
 
 # ------------------------------------------------------------------------------------- kernels
@@ -371,7 +372,8 @@ def _chain_kernel(
     docstring, "K-blocked dots"). Each output element is the fma chain of VERSION 1 (k ascending from 0 for
     W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. With a tensor-core
     PREC (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler
-    stages MMA operands through shared memory), so no state or u round trip through global memory. PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
+    stages MMA operands through shared memory), so no state or u round trip through global memory.
+    PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -715,7 +717,7 @@ def _rule_forward(
         bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
             kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.sb, PREC=cfg.dot_precision, num_warps=PREP_WARPS,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.dot_precision, num_warps=PREP_WARPS,
             num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
@@ -926,7 +928,8 @@ _RULE_CONSTANTS = {
     "chunk_alignment": "position 0 of the sequence",
     "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by 16-row blocks (diagonal blocks by row substitution, "
     "block rows below by K-blocked tl.dot), U0/W by fp32 tl.dot; "
-    "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 tl.dot), one program per (seq, head, Dv block)",
+    "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 tl.dot; ieee: K-blocked through memory, tensor-core "
+    "precisions: whole-K dots from registers), one program per (seq, head, Dv block)",
     "dot_precision": DOT_PRECISION,
     "output": "per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers",
     "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
