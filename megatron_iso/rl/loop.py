@@ -205,13 +205,17 @@ class Trainer:
         fewer samples, or none, still takes part in every pass's collectives (expert all-to-all), the
         gradient sync and the optimizer step; before this, a rank with nothing kept skipped ``train_on`` and
         the others waited for it in the gradient all-reduce."""
-        size = self.micro_batch_seqs or max(1, n_samples)
-        mine = -(-n_samples // size)
+        mine = len(self._micro_batch_bounds(n_samples))
         if dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([mine], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             mine = int(t.item())
         return mine
+
+    def _micro_batch_bounds(self, n_samples: int) -> list[tuple[int, int]]:
+        """``[a, b)`` sample ranges of this rank's micro-batches (``rl.train_micro_batch_seqs``; default one)."""
+        size = self.micro_batch_seqs or max(1, n_samples)
+        return [(a, min(a + size, n_samples)) for a in range(0, n_samples, size)]
 
     def train_on(
         self,
@@ -235,8 +239,7 @@ class Trainer:
         """
         from megatron.core.distributed import finalize_model_grads
 
-        size = self.micro_batch_seqs or max(1, len(samples))
-        bounds = [(a, min(a + size, len(samples))) for a in range(0, len(samples), size)]
+        bounds = self._micro_batch_bounds(len(samples))
         passes = len(bounds) if micro_batches is None else micro_batches
         if passes < len(bounds):
             raise ValueError(f"train_on: micro_batches={passes} < the {len(bounds)} this rank's samples need")
@@ -261,12 +264,12 @@ class Trainer:
                 else:
                     self._scale_moe_aux_loss(0.0)
                     self._accumulate_grads([filler], torch.zeros(1), normaliser, weight=0.0)
-        empty = torch.zeros(0, dtype=torch.float32)
-        trainer_logp = torch.cat([p[0] for p in parts]) if parts else empty
-        rollout_logp = torch.cat([p[1] for p in parts]) if parts else empty
-        ref_logp = None
-        if self.ref_model is not None:
-            ref_logp = torch.cat([p[2] for p in parts]) if parts else empty
+
+        def joined(i: int) -> torch.Tensor:  # a filler-only rank has no parts: no tokens
+            return torch.cat([p[i] for p in parts]) if parts else torch.zeros(0, dtype=torch.float32)
+
+        trainer_logp, rollout_logp = joined(0), joined(1)
+        ref_logp = joined(2) if self.ref_model is not None else None
         # Reported once over the whole step's tokens (the same bits for every micro-batch size), not
         # summed from micro-batches. One update per rollout: the scored policy is the behaviour
         # policy, so logp = old gives the values the backward saw.
