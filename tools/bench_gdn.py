@@ -36,8 +36,8 @@ printed when it completes and the JSON is rewritten after every row (a failed ca
 Usage: ``python3 tools/bench_gdn.py --out $OUT/bench_gdn.json`` (``--quick`` for a short run). FLA is used
 when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why they are missing.
 
-Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``; docs/GDN.md, "GPU speed"):
-``--dot-precision ieee tf32x3 tf32`` runs, per variant, the training forward, the first ``--prefill`` length
+Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
+``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the training forward, the first ``--prefill`` length
 and the mismatch case (our rule called with ``dot_precision=P``), then prints one summary line per variant:
 forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|, bitwise). Exit status 1 if a variant's
 train vs rollout is not bitwise. A case spec may also name one directly: ``--profile train:8x4096@tf32x3``.
@@ -114,10 +114,12 @@ def _split_precision(spec: str) -> str:
     global DOT_PRECISION
     spec, at, prec = spec.partition("@")
     if at:
-        from megatron_iso.ops.gdn.gdn_triton import DOT_PRECISIONS
+        from megatron_iso.ops.gdn.gdn_triton import split_dot_precision
 
-        if prec not in DOT_PRECISIONS:
-            raise SystemExit(f"case {spec}@{prec}: dot precision must be one of {list(DOT_PRECISIONS)}")
+        try:
+            split_dot_precision(prec)
+        except ValueError as e:
+            raise SystemExit(f"case {spec}@{prec}: {e}") from None
         DOT_PRECISION = prec
     return spec
 
@@ -421,7 +423,8 @@ def run_case(spec: str, args: argparse.Namespace) -> dict:
 
 
 def profile_case(spec: str, iters: int) -> dict:
-    """Our forward of one case (``train:BxT``, ``prefill:T``, ``decode:B``) under torch.profiler, after two
+    """Our forward of one case (``train:BxT``, ``prefill:T``, ``decode:B``; ``trainbwd:BxT``: the training forward
+    and backward, gradient of the output fixed) under torch.profiler, after two
     warm calls (Triton compiles, plan cache filled): per-kernel device time, calls, launch shapes, and host
     vs device time of the ``iters`` profiled calls.
 
@@ -433,22 +436,27 @@ def profile_case(spec: str, iters: int) -> dict:
 
     spec = _split_precision(spec)
     kind, _, size = spec.partition(":")
-    if kind == "train":
+    if kind in ("train", "trainbwd"):
         b, t = (int(x) for x in size.split("x"))
         fn, _ = _train_ours(b, t)
+        if kind == "trainbwd":
+            fwd, d_out = fn, torch.randn(b * t, HV, D, device=DEVICE)
+
+            def fn() -> None:
+                fwd().backward(d_out)
     elif kind == "prefill":
         fn, _ = _prefill_ours(int(size))
     elif kind == "decode":
         fn, _ = _decode_ours(int(size))
     else:
-        raise SystemExit(f"--profile {spec!r}: expected train:BxT, prefill:T or decode:B")
+        raise SystemExit(f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, prefill:T or decode:B")
     cuda = DEVICE == "cuda"
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    grad = kind == "train"  # the training forward runs with inputs that require grad, as in the bench
+    grad = kind.startswith("train")  # the training forward runs with inputs that require grad, as in the bench
     with torch.set_grad_enabled(grad):
         for _ in range(2):
             fn()
@@ -502,9 +510,9 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
         "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "IB": cfg.inv_block,
-                                          "PREC": cfg.dot_precision}, G.PREP_WARPS, G.PREP_STAGES),
+                                          "PREC": cfg.prep_precision}, G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
-                                            "KB": cfg.kb, "PREC": cfg.dot_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),
+                                            "KB": cfg.kb, "PREC": cfg.chain_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),
     }  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():
@@ -561,7 +569,17 @@ def _child(args: argparse.Namespace) -> int:
 
 
 # Tuning constants of ops/gdn/gdn_triton.py that --tune may override in a run (each is read at launch time).
-TUNABLE = ("SCAN_BV", "SCAN_WARPS", "CHAIN_BV", "CHAIN_WARPS", "CHAIN_STAGES", "PREP_WARPS", "PREP_STAGES", "INV_BLOCK")
+TUNABLE = (
+    "SCAN_BV",
+    "SCAN_WARPS",
+    "CHAIN_BV",
+    "CHAIN_BV_MMA",
+    "CHAIN_WARPS",
+    "CHAIN_STAGES",
+    "PREP_WARPS",
+    "PREP_STAGES",
+    "INV_BLOCK",
+)
 
 
 def _apply_tune(pairs: list[str]) -> None:
@@ -725,12 +743,13 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: interpreter dry run")
     ap.add_argument("--shape", default=f"{HK},{HV},{D},{CHUNK}", help="Hk,Hv,D,chunk")
     ap.add_argument("--profile", metavar="CASE", help="profile our forward of one case (train:BxT, prefill:T, "
-                    "decode:B) under torch.profiler; writes the kernel table to --out")  # fmt: skip
+                    "decode:B; trainbwd:BxT: forward + backward) under torch.profiler; writes the kernel table to "
+                    "--out")  # fmt: skip
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
                     "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
     ap.add_argument("--dot-precision", nargs="+", metavar="P", help="time the state pass's dot precisions "
-                    "(ieee, tf32x3, tf32): per variant the training forward, the first --prefill length and the "
+                    "(ieee, tf32x3, tf32, or PREP/CHAIN such as ieee/tf32x3): per variant the training forward, the first --prefill length and the "
                     "mismatch case (ours vs fp64, train vs rollout, which must be bitwise); with --resources, the "
                     "kernels compiled for each")  # fmt: skip
     ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
@@ -743,11 +762,13 @@ def main() -> int:
     _set_shape(args.shape)
     _apply_tune(args.tune)
     if args.dot_precision:
-        from megatron_iso.ops.gdn.gdn_triton import DOT_PRECISIONS
+        from megatron_iso.ops.gdn.gdn_triton import split_dot_precision
 
-        bad = [p for p in args.dot_precision if p not in DOT_PRECISIONS]
-        if bad:
-            ap.error(f"--dot-precision {bad}: each must be one of {list(DOT_PRECISIONS)}")
+        for p in args.dot_precision:
+            try:
+                split_dot_precision(p)
+            except ValueError as e:
+                ap.error(f"--dot-precision {p!r}: {e}")
     if args.resources:
         res = {p: kernel_resources(p) for p in args.dot_precision} if args.dot_precision else kernel_resources()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

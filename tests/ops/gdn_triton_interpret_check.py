@@ -215,7 +215,7 @@ print("decode step launches", counts)
 # dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the
 # precision, so only the plumbing and the invariance logic are shown here; the GPU tests show the bits)
 x = inputs(2 * C + 5, 43)
-for prec in ("tf32x3", "tf32"):
+for prec in ("ieee", "tf32x3", "tf32", "tf32x3/ieee"):
     full = gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=prec)
     st, outs, pos = new_state(2), [], 0
     for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
@@ -224,13 +224,16 @@ for prec in ("tf32x3", "tf32"):
                                         starts=torch.tensor([pos]), dot_precision=prec))  # fmt: skip
         pos += n
     assert same(torch.cat(outs), full), f"dot_precision={prec}: train vs prefill + decode"
-for bad in ("fp32", "bf16x3", "IEEE"):
+for bad in ("fp32", "bf16x3", "IEEE", "ieee/", "ieee/tf32x3/tf32", "ieee/fp32"):
     try:
         gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=bad)
         raise AssertionError(f"dot_precision={bad!r} accepted")
     except ValueError as e:
         assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
-assert gt.config_for(D, D, C).dot_precision == "ieee" == gt._RULE_CONSTANTS["dot_precision"]
+cfg = gt.config_for(D, D, C)
+assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3" == gt._RULE_CONSTANTS["dot_precision"]
+assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gt.split_dot_precision(gt.DOT_PRECISION)
+assert gt.split_dot_precision("tf32") == ("tf32", "tf32") and gt.config_for(D, D, C, "tf32").dot_precision == "tf32"
 # chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum
 # over 1..3 lower blocks (chunk C has two). Against the reference, and train == prefill + decode across closes.
 C16 = 4 * gt.INV_BLOCK

@@ -59,16 +59,18 @@ from A's blocks still in the scratch). The 63-step substitution over ``[C, C]`` 
 cross-warp reductions per step) is gone: 15 steps and 3 short block rows. The bits differ from VERSION 1;
 training and the decode-side resync run this one kernel on the same chunk, so they agree.
 
-Dot precision: the state pass's dots take ``input_precision`` from ``GDNConfig.dot_precision``
-(:data:`DOT_PRECISIONS`; default and registered: "ieee", the FMA chains above). With "tf32x3" or "tf32" they
-run on tensor cores (MMA), and a K-blocked dot ``acc = tl.dot(a_blk, b_blk, acc)`` feeds each block's
+Dot precision: the prep and chain kernels' dots take ``input_precision`` from ``GDNConfig.prep_precision`` and
+``GDNConfig.chain_precision`` (each one of :data:`DOT_PRECISIONS`; the spec ``"P"`` sets both, ``"P/C"`` each).
+Registered default since VERSION 3: "ieee/tf32x3", the prep's FMA chains above and the chain's two whole-K dots
+per chunk on tensor cores (H200, 8 x 4096 training forward: chain 7.65 -> 2.85 ms, same error against fp64). With
+"tf32x3" or "tf32" the dots run on tensor cores (MMA), and a K-blocked dot ``acc = tl.dot(a_blk, b_blk, acc)`` feeds each block's
 partial products through the MMA accumulator: the rounding inside an MMA differs from an fma chain, so the
 bits differ from "ieee", but they are still a fixed function of (compiled kernel, operand tiles): no atomics,
 no split-K across programs, the blocks in ascending order. The invariance needs no more than that: the
 training forward and the decode-side resync run the same prep/chain kernel (same constexprs, PREC included)
 on the same closed chunk (same fp32 values in the same tile positions), so training == rollout bitwise holds
-for each precision, as long as both sides pass the same one. Accuracy against fp64 is not the "ieee"
-path's and must be measured on the GPU (``tools/bench_gdn.py --dot-precision``).
+for each precision, as long as both sides pass the same one. Accuracy against fp64 is measured on the GPU
+(``tools/bench_gdn.py --dot-precision``), not derived.
 
 Backward (training): :func:`megatron_iso.ops.autograd.with_plain_backward` — the invariant forward,
 gradients of the native chunked torch formula (deterministic; not invariant, as the policy allows).
@@ -91,12 +93,15 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = "2"  # 2: blocked triangular inverse in the prep kernel (was: 63-step row substitution)
+VERSION = "3"  # 3: the chain's dots on tensor cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
 SCAN_BV = 4 if _INTERPRET else 32
+# The chain's Dv block: 16 for its ieee path (K-blocked through memory), 32 for its tensor-core path (whole-K dots
+# from registers; 2.85 vs 4.27 ms at BV 16 in the 8 x 4096 training forward, H200, docs/PERFORMANCE.md "Session 6").
 CHAIN_BV = 4 if _INTERPRET else 16
+CHAIN_BV_MMA = 4 if _INTERPRET else 32
 MIN_DOT = 1 if _INTERPRET else 16  # tl.dot needs every dimension >= 16 on the GPU
 # K block of the state-pass dots (module docstring, "K-blocked dots"); small under the interpreter so tiny shapes still
 # run several blocks.
@@ -113,8 +118,12 @@ PREP_STAGES, CHAIN_STAGES = 1, 2
 # chains (no tensor cores); "tf32x3" (3 tf32 MMAs per product, ~fp32 accuracy) and "tf32" use tensor cores. Any
 # of them keeps training == rollout bitwise: both sides run the same kernel on the same closed chunk (module
 # docstring, "Dot precision"). The default is the one the contract registers; the others are opt-in per call.
+# A dot precision spec is one of DOT_PRECISIONS for both kernels, or "PREP/CHAIN". The registered default
+# "ieee/tf32x3": the prep kernel's small K-blocked dots stay FMA chains (tf32x3 made it slower: 6.3 vs 5.3 ms), the
+# chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error against fp64 (6.2e-8
+# vs 6.1e-8 max at the bench's mismatch case).
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
-DOT_PRECISION = "ieee"
+DOT_PRECISION = "ieee/tf32x3"
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
 
@@ -131,14 +140,30 @@ class GDNConfig:
     chunk: int
     kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: module docstring)
     inv_block: int  # row block of the prep kernel's triangular inverse (divides chunk)
-    dot_precision: str = DOT_PRECISION  # input_precision of the prep/chain tl.dot (one of DOT_PRECISIONS)
+    prep_precision: str  # input_precision of the prep kernel's tl.dot (one of DOT_PRECISIONS)
+    chain_precision: str  # input_precision of the chain kernel's tl.dot (one of DOT_PRECISIONS)
+
+    @property
+    def dot_precision(self) -> str:
+        """The spec these two came from (:func:`split_dot_precision` inverts it)."""
+        if self.prep_precision == self.chain_precision:
+            return self.prep_precision
+        return f"{self.prep_precision}/{self.chain_precision}"
+
+
+def split_dot_precision(spec: str) -> tuple[str, str]:
+    """``"P"`` -> (P, P); ``"P/C"`` -> (P, C): the prep and chain kernels' ``input_precision``."""
+    parts = spec.split("/") if isinstance(spec, str) else [spec]
+    if len(parts) not in (1, 2) or any(p not in DOT_PRECISIONS for p in parts):
+        raise ValueError(
+            f"gated_delta_rule (triton): dot_precision={spec!r} must be one of {list(DOT_PRECISIONS)} "
+            f"or 'PREP/CHAIN' with each one of them (e.g. 'ieee/tf32x3')"
+        )
+    return parts[0], parts[-1]
 
 
 def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION) -> GDNConfig:
-    if dot_precision not in DOT_PRECISIONS:
-        raise ValueError(
-            f"gated_delta_rule (triton): dot_precision={dot_precision!r} is not one of {list(DOT_PRECISIONS)}"
-        )
+    prep_precision, chain_precision = split_dot_precision(dot_precision)
     if chunk < MIN_DOT or chunk & (chunk - 1):
         raise ValueError(
             f"gated_delta_rule (triton): chunk={chunk} must be a power of two >= {MIN_DOT} "
@@ -148,8 +173,8 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION)
     bvf = max(MIN_DOT, triton.next_power_of_2(dv))
     kb = min(DOT_KB, chunk, bk)
     inv_block = min(INV_BLOCK, chunk)
-    chain_bv = max(MIN_DOT, min(CHAIN_BV, bvf))
-    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, dot_precision)
+    chain_bv = max(MIN_DOT, min(CHAIN_BV if chain_precision == "ieee" else CHAIN_BV_MMA, bvf))
+    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision)
 
 
 # ------------------------------------------------------------------------------------- kernels
@@ -239,7 +264,7 @@ def _prep_kernel(
     docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
     same fp32 values), T^{-1} and beta e^G from this program's scratch rows ``tinv_ptr``/``bce_ptr``.
     Packed k/v/g/beta are read in their own dtype at row strides SK..SB and converted exactly to fp32 (the
-    buffer is fp32). PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
+    buffer is fp32). PREC: the dots' ``input_precision`` (``GDNConfig.prep_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -373,7 +398,7 @@ def _chain_kernel(
     W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. With a tensor-core
     PREC (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler
     stages MMA operands through shared memory), so no state or u round trip through global memory.
-    PREC: the dots' ``input_precision`` (``GDNConfig.dot_precision``).
+    PREC: the dots' ``input_precision`` (``GDNConfig.chain_precision``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -717,7 +742,7 @@ def _rule_forward(
         bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
             kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.dot_precision, num_warps=PREP_WARPS,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, num_warps=PREP_WARPS,
             num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
@@ -725,7 +750,7 @@ def _rule_forward(
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
-            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.dot_precision,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
             num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
         )  # fmt: skip
     fin = running
@@ -760,8 +785,8 @@ def gated_delta_rule(
 ) -> torch.Tensor:
     """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring.
 
-    ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` (None:
-    :data:`DOT_PRECISION`, the registered one). Training and rollout must pass the same value: it fixes the
+    ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` for both
+    kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one). Training and rollout must pass the same value: it fixes the
     state pass's bits (the state cache does not record it)."""
     fwd = functools.partial(
         _rule_forward, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts,
@@ -935,7 +960,7 @@ _RULE_CONSTANTS = {
     "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
-    "chain_bv": CHAIN_BV,
+    "chain_bv": {"ieee": CHAIN_BV, "tensor cores": CHAIN_BV_MMA},
     "warps_scan_chain_prep": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS],
     "block_k": "max(16, next_pow2(Dk))",
     "exp": "tl.exp (fp32)",

@@ -91,15 +91,21 @@ def _chunked(q, k, v, g, beta, s, chunk):
     u0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * dec
-    out = torch.empty_like(v)
-    for c in range(nc):
-        u = u0[:, :, c] - w[:, :, c] @ s
-        out[:, :, c] = (q[:, :, c] * gc[:, :, c, :, None].exp()) @ s + attn[:, :, c] @ u
-        s = (
-            s * gc[:, :, c, -1, None, None].exp()
-            + (k[:, :, c] * (gc[:, :, c, -1:] - gc[:, :, c]).exp()[..., None]).transpose(-1, -2) @ u
-        )
-    return out.reshape(b, h, nc * chunk, -1)[:, :, :n], s
+    # The elementwise factors of every chunk at once (the same per-element ops as inside the loop), and per-chunk
+    # operands by unbind, outputs by stack: under autograd, indexing chunk c out of a [B, H, nc, ...] tensor (and
+    # writing out[:, :, c]) costs a full-size zero tensor and add per chunk and operand in the backward (8 x 4096
+    # tokens, 32 heads: 257 of 280 ms on the H200); unbind/stack backward copy each gradient once.
+    q_dec = q * gc.exp()[..., None]
+    k_dec = (k * (gc[..., -1:] - gc).exp()[..., None]).transpose(-1, -2)
+    s_dec = gc[..., -1, None, None].exp()
+    outs = []
+    for u0_c, w_c, q_c, attn_c, k_c, s_c in zip(
+        *(x.unbind(2) for x in (u0, w, q_dec, attn, k_dec, s_dec)), strict=True
+    ):
+        u = u0_c - w_c @ s
+        outs.append(q_c @ s + attn_c @ u)
+        s = s * s_c + k_c @ u
+    return torch.stack(outs, 2).reshape(b, h, nc * chunk, -1)[:, :, :n], s
 
 
 def _recurrent(q, k, v, g, beta, s):
