@@ -105,7 +105,9 @@ _REGISTRY: dict[tuple[str, str, str], OpImpl] = {}
 
 
 def register(impl: OpImpl) -> OpImpl:
-    """Add ``impl``; a second, different implementation for the same (op, device, profile) is an error."""
+    """Add ``impl``; a second, different implementation for the same (op, device, profile) is an error, and so is a
+    constant the contract cannot record (checked here, at import, not when a GPU run first builds its contract)."""
+    impl.canonical()
     key = (impl.op, impl.device_class, impl.profile)
     old = _REGISTRY.get(key)
     if old is not None and old.ref != impl.ref:

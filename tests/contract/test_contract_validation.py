@@ -140,3 +140,17 @@ def test_invariance_domain_is_narrowed_to_layouts_the_model_can_run(cfg_for):
     assert claims["ep"]["domain"] == [1, 2, 4, 8]
     dense = build_contract(cfg_for()).to_dict()["numerical_policy"]["claims"]["axes"]
     assert dense["tp"]["domain"] == [1, 2, 4]  # tiny_dense: 4 KV groups
+
+
+def test_register_refuses_a_constant_the_contract_cannot_record() -> None:
+    """A constant of a type the contract cannot canonicalise fails at registration (module import), naming the
+    constant, so it cannot first surface when a GPU run builds its contract."""
+    bad = OpImpl(
+        op="bad_constant_probe", impl_id="bad_constant_probe.test", version="1", device_class="cpu",
+        profile="correctness", fn=lambda: None, constants={"block": {"ieee": 16}},
+    )  # fmt: skip
+    with pytest.raises(TypeError, match=r"constant 'block' has unsupported type dict"):
+        registry.register(bad)
+    assert all(i.op != "bad_constant_probe" for i in registry.registered())
+    ok = dataclasses.replace(bad, constants={"block": [16, 32]})
+    assert registry.register(ok).canonical()["constants"] == {"block": [16, 32]}

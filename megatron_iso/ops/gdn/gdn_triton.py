@@ -93,7 +93,8 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = "3"  # 3: the chain's dots on tensor cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse
+VERSION = "4"  # 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor cores (tf32x3), the prep's
+# stay ieee; 2: blocked triangular inverse in the prep kernel
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
@@ -110,7 +111,7 @@ DOT_KB = 4 if _INTERPRET else 16
 # substitution, all at once; the blocks below by K-blocked dots. Small under the interpreter so tiny chunks still
 # have several blocks.
 INV_BLOCK = 4 if _INTERPRET else 16
-SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 4, 4, 8
+SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 2, 4, 8
 # Software-pipelining depth of the K-block loops (bit-neutral: it only moves loads). Chosen with
 # ``tools/bench_gdn.py --resources`` (sm_90a, Dk=Dv=128, chunk 64): the default 3 spills in both kernels.
 PREP_STAGES, CHAIN_STAGES = 1, 2
@@ -179,6 +180,19 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION)
 
 # ------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _scan_token_inputs(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, r, valid, scale, SQ, SK, SV, SG, SB, h, hk, DK, DV, ok, ov, mk, mv
+):
+    """Row r's k, q (scaled), v block, g, beta, widened to fp32; zeros where ``valid`` is false."""
+    kt = tl.load(k_ptr + r * SK + hk * DK + ok, mask=mk & valid, other=0.0).to(tl.float32)
+    qt = tl.load(q_ptr + r * SQ + hk * DK + ok, mask=mk & valid, other=0.0).to(tl.float32) * scale
+    vt = tl.load(v_ptr + r * SV + h * DV + ov, mask=mv & valid, other=0.0).to(tl.float32)
+    gt = tl.load(g_ptr + r * SG + h, mask=valid, other=0.0).to(tl.float32)
+    bt = tl.load(b_ptr + r * SB + h, mask=valid, other=0.0).to(tl.float32)
+    return kt, qt, vt, gt, bt
+
+
+@triton.jit
 def _scan_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, seg_ptr, run_ptr, ex_ptr, fin_ptr,
     bk_ptr, bv_ptr, bg_ptr, bb_ptr,
@@ -225,13 +239,14 @@ def _scan_kernel(
         s = tl.load(ex_ptr + init_row * hsz + st, mask=m2, other=0.0)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
+    # Token t+1's inputs are loaded while token t is computed (one token ahead; masked past the segment's end):
+    # the loads move, the arithmetic does not.
+    kt, qt, vt, gt, bt = _scan_token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, row0, n > 0, scale, SQ, SK, SV, SG,
+                                            SB, h, hk, DK, DV, ok, ov, mk, mv)  # fmt: skip
     for t in range(n):
         r = row0 + t
-        kt = tl.load(k_ptr + r * SK + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
-        qt = tl.load(q_ptr + r * SQ + hk * DK + ok, mask=mk, other=0.0).to(tl.float32) * scale
-        vt = tl.load(v_ptr + r * SV + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + r * SG + h).to(tl.float32)
-        bt = tl.load(b_ptr + r * SB + h).to(tl.float32)
+        kn, qn, vn, gn, bn = _scan_token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, r + 1, t + 1 < n, scale, SQ, SK,
+                                                SV, SG, SB, h, hk, DK, DV, ok, ov, mk, mv)  # fmt: skip
         br = brow0 + t  # buffer row (only stored to when wbuf)
         tl.store(bv_ptr + (br * HV + h) * DV + ov, vt, mask=mv & wbuf)
         tl.store(bk_ptr + (br * HK + hk) * DK + ok, kt, mask=mk & wk)
@@ -242,6 +257,7 @@ def _scan_kernel(
         s = s + kt[:, None] * u[None, :]
         ot = tl.sum(s * qt[:, None], axis=0)
         tl.store(o_ptr + (r * HV + h) * DV + ov, ot, mask=mv)
+        kt, qt, vt, gt, bt = kn, qn, vn, gn, bn
     if fin_row >= 0:
         if fin_kind == 1:  # the segment closed its chunk: the running state is the chunk's exit state
             s = tl.load(ex_ptr + fin_src * hsz + st, mask=m2, other=0.0)
@@ -960,7 +976,7 @@ _RULE_CONSTANTS = {
     "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
-    "chain_bv": {"ieee": CHAIN_BV, "tensor cores": CHAIN_BV_MMA},
+    "chain_bv_ieee_mma": [CHAIN_BV, CHAIN_BV_MMA],  # the chain's Dv block on its ieee / tensor-core path
     "warps_scan_chain_prep": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS],
     "block_k": "max(16, next_pow2(Dk))",
     "exp": "tl.exp (fp32)",
