@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -16,6 +18,27 @@ from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
 from megatron_iso.parallel.vocab import IsoVocabParallelEmbedding
 
 
+class _UnknownMlpWarningFilter(logging.Filter):
+    """Drops Megatron's "Unknown MLP type" warning. TransformerLayer logs it for every layer whose MLP spec is not one
+    of Megatron's own classes, naming only ``ModuleSpec``; the MLPs of :func:`block_spec` are ours and take the
+    default kwargs by design, so on our builds it says nothing but repeats once per layer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+@contextlib.contextmanager
+def _our_mlp_specs() -> Iterator[None]:
+    """While our block spec's layers are built (only then: a user's own spec still gets the warning)."""
+    log = logging.getLogger("megatron.core.transformer.transformer_layer")
+    quiet = _UnknownMlpWarningFilter()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 class IsoGPTModel(GPTModel):
     """GPTModel whose vocab-parallel ends are invariant in the correctness profile.
 
@@ -27,17 +50,18 @@ class IsoGPTModel(GPTModel):
     """
 
     def __init__(self, config: IsoTransformerConfig, *, pre_process: bool = True, post_process: bool = True) -> None:
-        super().__init__(
-            config=config,
-            transformer_layer_spec=block_spec(config),
-            vocab_size=config.vocab_size,
-            max_sequence_length=config.max_sequence_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            parallel_output=True,
-            share_embeddings_and_output_weights=config.tie_word_embeddings,
-            position_embedding_type="none",
-        )
+        with _our_mlp_specs():
+            super().__init__(
+                config=config,
+                transformer_layer_spec=block_spec(config),
+                vocab_size=config.vocab_size,
+                max_sequence_length=config.max_sequence_length,
+                pre_process=pre_process,
+                post_process=post_process,
+                parallel_output=True,
+                share_embeddings_and_output_weights=config.tie_word_embeddings,
+                position_embedding_type="none",
+            )
         if config.iso_profile != "correctness":
             return
         if pre_process:
