@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_iso.contract.lockfile import tensor_digest
+from megatron_iso.testing.bits import same_bits
 
 CASES = ("trainer_forward", "prefill_decode")
 
@@ -283,15 +284,11 @@ def _impls(ops: Sequence[str], config: dict[str, Any], case: str) -> dict[str, s
     return out
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 def _view(per_rank: list[dict[str, Any]], name: str) -> tuple[str, list[torch.Tensor]] | None:
     ts = [r["outputs"].get(name) for r in per_rank]
     if any(t is None for t in ts):
         return None
-    if all(t.shape == ts[0].shape and torch.equal(_bits(t), _bits(ts[0])) for t in ts[1:]):
+    if all(same_bits(t, ts[0]) for t in ts[1:]):
         return "replicated", ts[:1]
     return "sharded", ts
 
@@ -322,7 +319,7 @@ def compare_sides(
         if any(x.shape != y.shape or x.dtype != y.dtype for x, y in pairs):
             skipped.append((name, "shapes or dtypes differ"))
             continue
-        same = all(torch.equal(_bits(x), _bits(y)) for x, y in pairs)
+        same = all(same_bits(x, y) for x, y in pairs)
         ops = op_families(name)
         rep = OpReport(
             module=name,

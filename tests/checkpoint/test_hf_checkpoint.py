@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_iso.checkpoint import export_hf, import_hf, load_checkpoint_hf, load_tokenizer, read_hf_weights
 from megatron_iso.checkpoint.compare import compare_with_transformers
+from megatron_iso.testing.bits import bits
 
 # Measured max_rel_diff (max |ours - hf| / max |hf|) on these models is 3.5e-7 .. 1.8e-6 (fp32): both
 # sides compute the same math, but the GEMM leaf tree, attention's key blocks, RMSNorm's mean, RoPE's
@@ -24,15 +25,11 @@ REL_TOL = 1e-5
 MOE_AND_HYBRID = ["hf_moe", "hf_next", "hf_next_dense"]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
-
-
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(_bits(a[name]), _bits(b[name])), f"tensor '{name}' differs"
+        assert torch.equal(bits(a[name]), bits(b[name])), f"tensor '{name}' differs"
 
 
 @pytest.mark.parametrize("fixture", ["hf_untied", "hf_tied", "hf_sharded", "hf_bf16"])

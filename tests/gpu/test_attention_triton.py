@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -21,12 +23,8 @@ HQ, HKV, D = 8, 2, 128
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _bits(t):
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
 def _same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _qkvg(T, dtype, seed, hq=HQ, hkv=HKV, d=D):

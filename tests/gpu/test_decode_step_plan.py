@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -15,10 +17,6 @@ pytestmark = [
 pytest.importorskip("triton")
 
 HQ, HKV, D, N, MAX_LEN = 16, 8, 128, 64, 640  # Qwen3-0.6B attention shapes, 64 sequences
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def _step(decode: bool, seed: int = 0):
@@ -65,7 +63,7 @@ def test_triton_plan_same_bits(decode: bool) -> None:
     with_plan = _call("correctness", q, k, v, cache, layout, plan)
     again = _call("correctness", q, k, v, cache, layout, plan)  # tables from the plan's memo
     for got in (with_plan, again):
-        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, without, strict=True))
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, without, strict=True))
 
 
 @pytest.mark.parametrize("decode", [True, False])

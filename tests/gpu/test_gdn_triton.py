@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import same_bits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -21,14 +23,6 @@ pytestmark = [
 pytest.importorskip("triton")
 
 HK, HV = 2, 4
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,7 +101,7 @@ def test_prefill_then_decode_equals_training_forward(gt, chunk, d, p_of):
     x = inputs(total, 100 + p, d)
     full = train(gt, x, chunk)
     inc, st = incremental(gt, x, [p] + [1] * (total - p), chunk)
-    assert same(full, inc), f"P={p}: max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), f"P={p}: max |d| {maxdiff(full, inc):.3e}"
     ref, s64 = naive64(*x)
     # Accuracy (fp32 chunk/scan vs fp64 recurrence): outputs O(1), 2e-5 absolute; running state 2e-5.
     assert maxdiff(full, ref) < 2e-5, f"vs fp64 {maxdiff(full, ref):.2e}"
@@ -120,7 +114,7 @@ def test_chunked_prefill_any_pieces(gt, chunk, d, pieces):
     x = inputs(sum(pieces), 7, d)
     inc, _ = incremental(gt, x, pieces, chunk)
     full = train(gt, x, chunk)
-    assert same(full, inc), f"max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), f"max |d| {maxdiff(full, inc):.3e}"
 
 
 # The registered default is "ieee/tf32x3" (every other test here runs it); these are the other specs. Sanity bounds
@@ -139,11 +133,11 @@ def test_dot_precision_variant_train_equals_rollout(gt, chunk, d, prec):
     full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, dot_precision=prec)
     for p in (1, chunk + 1, 2 * chunk + 3):
         inc, _ = incremental(gt, x, [p] + [1] * (total - p), chunk, dot_precision=prec)
-        assert same(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
+        assert same_bits(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
     inc, _ = incremental(gt, x, [2, chunk - 1, 6, chunk, total - 2 * chunk - 7], chunk, dot_precision=prec)
-    assert same(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
     default = train(gt, x, chunk)
-    assert not same(full, default), f"{prec} gave the default's bits: is the precision reaching the dots?"
+    assert not same_bits(full, default), f"{prec} gave the default's bits: is the precision reaching the dots?"
     ref, _ = naive64(*x)
     err = maxdiff(full, ref)
     assert err < DOT_VARIANT_SANITY[prec], f"{prec} vs fp64 {err:.2e} (default {maxdiff(default, ref):.2e})"
@@ -161,11 +155,11 @@ def test_bf16_strided_inputs_read_in_kernel(gt, chunk, d):
     q16, k16 = x[0].bfloat16(), x[1].bfloat16()
     x16 = (q16, k16, v16, x[3], x[4])
     full = train(gt, (q16.float(), k16.float(), v16.float(), x[3], x[4]), chunk)
-    assert same(train(gt, x16, chunk), full), f"train: max |d| {maxdiff(train(gt, x16, chunk), full):.3e}"
+    assert same_bits(train(gt, x16, chunk), full), f"train: max |d| {maxdiff(train(gt, x16, chunk), full):.3e}"
     inc, st = incremental(gt, x16, [chunk - 3] + [1] * (t - chunk + 3), chunk)
-    assert same(inc, full), f"prefill + decode: max |d| {maxdiff(inc, full):.3e}"
+    assert same_bits(inc, full), f"prefill + decode: max |d| {maxdiff(inc, full):.3e}"
     nb = t % chunk
-    assert same(st.buf_v[1, :nb], v16[-nb:].float()) and same(st.buf_k[1, :nb], k16[-nb:].float())
+    assert same_bits(st.buf_v[1, :nb], v16[-nb:].float()) and same_bits(st.buf_k[1, :nb], k16[-nb:].float())
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
@@ -182,7 +176,7 @@ def test_state_cache_matches_cpu_reference(gt, chunk, d):
     assert maxdiff(st.running[1], rst.running[1]) < 2e-5 and maxdiff(st.entry[1], rst.entry[1]) < 2e-5
     nb = sum(pieces) % chunk
     for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):  # the buffered tokens are exact copies
-        assert same(getattr(st, name)[1, :nb].cpu(), getattr(rst, name)[1, :nb]), name
+        assert same_bits(getattr(st, name)[1, :nb].cpu(), getattr(rst, name)[1, :nb]), name
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
@@ -205,11 +199,11 @@ def test_batch_composition_and_packing(gt, chunk, d):
                               slots=torch.tensor(order, device="cuda"),
                               starts=torch.tensor([prev[i] for i in order], device="cuda"))  # fmt: skip
     for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
-        assert same(part, alone[i]), f"sequence {i}: max |d| {maxdiff(part, alone[i]):.3e}"
+        assert same_bits(part, alone[i]), f"sequence {i}: max |d| {maxdiff(part, alone[i]):.3e}"
     xs = [inputs(n, 40 + n, d) for n in (13, 1, 2 * c + 5, c)]
     packed = gt.gated_delta_rule(*(torch.cat([x[j] for x in xs]) for j in range(5)), cu([13, 1, 2 * c + 5, c]), chunk=c)
     for x, part in zip(xs, packed.split([13, 1, 2 * c + 5, c]), strict=True):
-        assert same(train(gt, x, c), part)
+        assert same_bits(train(gt, x, c), part)
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
@@ -220,9 +214,9 @@ def test_heads_subset_tp_sharding(gt, chunk, d):
     for lo in (0, 2):
         shard = (x[0][:, lo : lo + 2], x[1][:, lo : lo + 2], x[2][:, 2 * lo : 2 * lo + 4], x[3][:, 2 * lo : 2 * lo + 4],
                  x[4][:, 2 * lo : 2 * lo + 4])  # fmt: skip
-        assert same(train(gt, shard, chunk), full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.."
+        assert same_bits(train(gt, shard, chunk), full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.."
         inc, _ = incremental(gt, shard, [chunk - 2, 1, 1, 1, chunk, 1, 1, 1, 1, 1, 1, 1, 1], chunk)
-        assert same(inc, full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.., decode"
+        assert same_bits(inc, full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.., decode"
 
 
 def test_conv_gates_l2norm_invariance_and_accuracy(gt):
@@ -240,10 +234,10 @@ def test_conv_gates_l2norm_invariance_and_accuracy(gt):
                                          slots=torch.tensor([2], device="cuda"),
                                          starts=torch.tensor([pos], device="cuda")))  # fmt: skip
             pos += n
-        assert same(full, torch.cat(outs)), f"conv prefill/decode {dtype}"
-        assert same(cs[2], x[-3:].t()), "conv state"
+        assert same_bits(full, torch.cat(outs)), f"conv prefill/decode {dtype}"
+        assert same_bits(cs[2], x[-3:].t()), "conv state"
         two = gt.causal_conv1d(torch.cat([x[:5], x]), w, cu([5, 40]))
-        assert same(two[5:], full) and same(two[:5], full[:5]), "conv packing"
+        assert same_bits(two[5:], full) and same_bits(two[:5], full[:5]), "conv packing"
         rc = ref.causal_conv1d(x.cpu(), w.cpu(), cu([40], "cpu"))
         # |d| <= rtol |ref| + atol. fp32: 1e-5, 1e-6; bf16: the output rounding of either side, 2 ulps (2^-7), 1e-3
         rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2**-7, 1e-3)
@@ -256,7 +250,7 @@ def test_conv_gates_l2norm_invariance_and_accuracy(gt):
     nrm = gt.l2norm(xn)
     for i in (0, 17, 299):
         gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
-        assert same(gi[0], g[i]) and same(bi[0], beta[i]) and same(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+        assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(gt.l2norm(xn[i : i + 1])[0], nrm[i])
     rg, rb = ref.gdn_gates(a.cpu(), b.cpu(), al.cpu(), dt.cpu())
     # fp32 tl.exp/tl.log vs the fp64-composed reference: 2e-6 relative on g, 1e-6 absolute on beta.
     assert float(((g.cpu() - rg).abs() / rg.abs()).max()) < 2e-6 and maxdiff(beta, rb) < 1e-6
@@ -272,10 +266,10 @@ def test_backward_deterministic_and_close_to_reference(gt):
     for _ in range(2):
         leaves = [t.clone().requires_grad_(True) for t in x]
         y = gt.gated_delta_rule(*leaves, cu([21, 29]), chunk=16)
-        assert same(y.detach(), gt.gated_delta_rule(*x, cu([21, 29]), chunk=16))
+        assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu([21, 29]), chunk=16))
         (y * w).sum().backward()
         grads.append([t.grad for t in leaves])
-    assert all(same(a, b) for a, b in zip(*grads, strict=True)), "backward not deterministic"
+    assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), "backward not deterministic"
     lr = [t.cpu().clone().requires_grad_(True) for t in x]
     (ref.gated_delta_rule(*lr, cu([21, 29], "cpu"), chunk=16) * w.cpu()).sum().backward()
     for name, a, r in zip("qkvgb", grads[0], lr, strict=True):
@@ -333,4 +327,4 @@ def test_tiny_hybrid_training_forward_equals_prefill_decode(prompt_len, pieces):
 
     with single_process_world():
         full, cached = _hybrid_prefill_decode(prompt_len, pieces, 20)
-    assert same(full, cached), f"max |dlogit| {maxdiff(full, cached):.3e}"
+    assert same_bits(full, cached), f"max |dlogit| {maxdiff(full, cached):.3e}"

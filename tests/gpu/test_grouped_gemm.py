@@ -11,15 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 triton = pytest.importorskip("triton")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
 
 
 def _rand(shape, dtype, seed):
@@ -50,9 +48,9 @@ def test_grouped_equals_per_expert_dense_bitwise(dtype, k, n, leaves):
     x = _rand((sum(COUNTS), k), dtype, 7)
     counts = torch.tensor(COUNTS, device="cuda")
     out = grouped(x, ws, counts, leaves)
-    assert torch.equal(_bits(out), _bits(_per_expert_dense(x, ws, COUNTS, leaves)))
+    assert torch.equal(bits(out), bits(_per_expert_dense(x, ws, COUNTS, leaves)))
     # the same weights stacked [E, N, K]
-    assert torch.equal(_bits(grouped(x, torch.stack(ws), counts, leaves)), _bits(out))
+    assert torch.equal(bits(grouped(x, torch.stack(ws), counts, leaves)), bits(out))
     # accuracy against fp64
     ref = torch.cat([x[s : s + c].double() @ w.double().t() for s, c, w in _spans(COUNTS, ws)])
     rel = float((out.double() - ref).norm() / ref.norm())
@@ -78,15 +76,15 @@ def test_rows_independent_of_other_experts_and_of_order(dtype):
     # rows permuted within each expert
     g = torch.Generator(device="cuda").manual_seed(9)
     perm = torch.cat([s + torch.randperm(c, device="cuda", generator=g) for s, c, _ in _spans(counts, ws)])
-    assert torch.equal(_bits(grouped(x[perm], ws, torch.tensor(counts, device="cuda"), leaves)), _bits(full[perm]))
+    assert torch.equal(bits(grouped(x[perm], ws, torch.tensor(counts, device="cuda"), leaves)), bits(full[perm]))
     # expert 3's rows alone (other experts empty), and its first row alone
     alone = torch.tensor([0, 0, 0, 200, 0, 0], device="cuda")
-    assert torch.equal(_bits(grouped(x[41:241], ws, alone, leaves)), _bits(full[41:241]))
+    assert torch.equal(bits(grouped(x[41:241], ws, alone, leaves)), bits(full[41:241]))
     one = torch.tensor([0, 0, 0, 1, 0, 0], device="cuda")
-    assert torch.equal(_bits(grouped(x[41:42], ws, one, leaves)), _bits(full[41:42]))
+    assert torch.equal(bits(grouped(x[41:42], ws, one, leaves)), bits(full[41:42]))
     # other experts' counts changed (rows moved between experts 4 and 5): expert 3 unchanged
     moved = torch.tensor([40, 0, 1, 200, 50, 57], device="cuda")
-    assert torch.equal(_bits(grouped(x, ws, moved, leaves)[:241]), _bits(full[:241]))
+    assert torch.equal(bits(grouped(x, ws, moved, leaves)[:241]), bits(full[:241]))
 
 
 def test_every_bf16_tile_with_block_k_64_gives_the_same_bits():
@@ -103,7 +101,7 @@ def test_every_bf16_tile_with_block_k_64_gives_the_same_bits():
         for cfg in (WIDE_CONFIGS[dt], SMALL_M_CONFIGS[dt], C(64, 128, 64, 4, 4), C(128, 64, 64, 4, 4)):
             if leaves > 1 and cfg.block_n >= 256:
                 cfg = C(**{**cfg.__dict__, "num_stages": 2})  # the 8-leaf park buffer needs the smem
-            assert torch.equal(_bits(grouped(x, ws, counts, leaves, config=cfg)), _bits(base)), (leaves, cfg)
+            assert torch.equal(bits(grouped(x, ws, counts, leaves, config=cfg)), bits(base)), (leaves, cfg)
 
 
 def test_empty_and_degenerate_inputs():
@@ -114,9 +112,9 @@ def test_empty_and_degenerate_inputs():
     assert out.shape == (0, 256) and out.dtype == torch.float32
     x = _rand((1, 512), torch.bfloat16, 2)
     one = grouped(x, ws, torch.tensor([0, 0, 0, 1], device="cuda"), 8)
-    assert torch.equal(_bits(one), _bits(_per_expert_dense(x, [ws[3]], [1], 8)))
+    assert torch.equal(bits(one), bits(_per_expert_dense(x, [ws[3]], [1], 8)))
     # int32 counts on the host work too
-    assert torch.equal(_bits(grouped(x, ws, torch.tensor([0, 0, 0, 1], dtype=torch.int32), 8)), _bits(one))
+    assert torch.equal(bits(grouped(x, ws, torch.tensor([0, 0, 0, 1], dtype=torch.int32), 8)), bits(one))
 
 
 def test_bad_inputs_are_refused():
@@ -157,13 +155,12 @@ def test_cuda_graph_capture_and_replay():
     counts.copy_(torch.tensor(new))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(_bits(out), _bits(_per_expert_dense(x, ws, new, 8)))
+    assert torch.equal(bits(out), bits(_per_expert_dense(x, ws, new, 8)))
 
 
 def test_iso_experts_grouped_equal_the_per_expert_loop_on_gpu():
     """The model path: IsoSequentialExperts' two grouped launches == its per-expert loop (fwd and bwd)."""
     pytest.importorskip("megatron.core")
-    from tests.models.test_moe_grouped_experts import _bits as bits
     from tests.models.test_moe_grouped_experts import _loop_vs_grouped_cuda
 
     for dtype in ("bf16", "fp32"):

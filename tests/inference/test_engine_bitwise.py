@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 from tests.inference import engine_cases
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
 
 
 def _check_run(name: str, run) -> None:
@@ -22,11 +19,11 @@ def _check_run(name: str, run) -> None:
         assert reason in ("stop", "length"), (name, key, reason)
         assert len(tokens) == logp.numel() == trainer[key].numel() > 0
         gap = float((logp - trainer[key]).abs().max())
-        assert torch.equal(_bits(logp), _bits(trainer[key])), f"{name} {key}: max |dlogp| {gap:.3e}"
+        assert torch.equal(bits(logp), bits(trainer[key])), f"{name} {key}: max |dlogp| {gap:.3e}"
 
 
 def _same_outputs(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(a[k][0] == b[k][0] and torch.equal(_bits(a[k][1]), _bits(b[k][1])) for k in a)
+    return a.keys() == b.keys() and all(a[k][0] == b[k][0] and torch.equal(bits(a[k][1]), bits(b[k][1])) for k in a)
 
 
 def test_rollout_logprobs_equal_trainer_tp1_and_tp2():
@@ -42,7 +39,7 @@ def test_rollout_logprobs_equal_trainer_tp1_and_tp2():
             assert _same_outputs(run[0], reference), f"{tp}.{name} differs from tp1 bs8 prefix on"
             # Rollout at TP=2 against a trainer at TP=1 (and vice versa): the same bits.
             for key in run[0]:
-                assert torch.equal(_bits(run[1][key]), _bits(tp1["bs1_prefixFalse"][1][key]))
+                assert torch.equal(bits(run[1][key]), bits(tp1["bs1_prefixFalse"][1][key]))
     distinct = {tuple(v[0]) for v in reference.values()}
     assert len(distinct) == len(reference)  # samples of a group differ (sample index keys the draws)
 
@@ -50,4 +47,4 @@ def test_rollout_logprobs_equal_trainer_tp1_and_tp2():
 def test_full_vocab_logprobs_equal_trainer():
     engine_rows, trainer_rows = run_on_ranks(engine_cases.full_vocab, 1, args=([],))[0]
     assert engine_rows.shape == trainer_rows.shape and engine_rows.shape[0] >= 9
-    assert torch.equal(_bits(engine_rows), _bits(trainer_rows))
+    assert torch.equal(bits(engine_rows), bits(trainer_rows))

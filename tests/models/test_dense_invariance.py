@@ -6,13 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 PROMPTS = [(0, 11), (1, 5), (2, 19), (3, 2)]  # (seed, length) of random token sequences
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
 def _setup(overrides: list[str]):
@@ -52,9 +49,7 @@ def _score(overrides: list[str], order: list[int]):
 
 def _equal(a, b) -> bool:
     return all(
-        torch.equal(_bits(x), _bits(y))
-        for (xl, xe), (yl, ye) in zip(a, b, strict=True)
-        for x, y in ((xl, yl), (xe, ye))
+        torch.equal(bits(x), bits(y)) for (xl, xe), (yl, ye) in zip(a, b, strict=True) for x, y in ((xl, yl), (xe, ye))
     )
 
 
@@ -129,12 +124,12 @@ def _prefill_decode(overrides: list[str], prompt_len: int, chunks: list[int]):
 def test_iso_prefill_and_decode_equal_training_forward(dtype, prompt_len, chunks):
     full, cached = run_on_ranks(_prefill_decode, 1, args=([f"model.params_dtype={dtype}"], prompt_len, chunks))[0]
     assert full.shape == cached.shape
-    assert torch.equal(_bits(full), _bits(cached)), f"max |dlogit| {(full.float() - cached.float()).abs().max():.3e}"
+    assert torch.equal(bits(full), bits(cached)), f"max |dlogit| {(full.float() - cached.float()).abs().max():.3e}"
 
 
 def test_iso_prefill_decode_equal_training_forward_at_tp2():
     full, cached = run_on_ranks(_prefill_decode, 2, tp=2, args=(["parallel.tp=2"], 9, [4, 5]))[0]
-    assert torch.equal(_bits(full), _bits(cached))
+    assert torch.equal(bits(full), bits(cached))
 
 
 def test_native_prefill_decode_gap_is_measured():

@@ -7,14 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 BASE = ["model=tiny_hybrid", "profile.gdn_chunk=8"]  # chunk 8: short sequences cross several chunks
 PROMPTS = [(0, 11), (1, 5), (2, 19), (3, 2)]  # (seed, length)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
 def _setup(overrides: list[str]):
@@ -47,7 +44,7 @@ def _score(overrides: list[str], order: list[int]):
 
 
 def _equal(a, b) -> bool:
-    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
 
 
 def _max_diff(a, b) -> float:
@@ -99,14 +96,14 @@ def _prefill_decode(overrides: list[str], prompt_len: int, pieces: list[int], de
 @pytest.mark.parametrize(("prompt_len", "pieces"), [(7, [7]), (8, [8]), (9, [9]), (19, [5, 8, 6]), (1, [1])])
 def test_iso_hybrid_prefill_decode_equals_training_forward(prompt_len, pieces):
     full, cached = run_on_ranks(_prefill_decode, 1, args=(BASE, prompt_len, pieces))[0]
-    assert torch.equal(_bits(full), _bits(cached)), f"max |dlogit| {(full - cached).abs().max():.3e}"
+    assert torch.equal(bits(full), bits(cached)), f"max |dlogit| {(full - cached).abs().max():.3e}"
 
 
 def test_iso_hybrid_prefill_decode_chunk64_and_tp2():
     full, cached = run_on_ranks(_prefill_decode, 1, args=(["model=tiny_hybrid"], 63, [63], 2))[0]
-    assert torch.equal(_bits(full), _bits(cached))
+    assert torch.equal(bits(full), bits(cached))
     for full, cached in run_on_ranks(_prefill_decode, 2, tp=2, args=([*BASE, "parallel.tp=2"], 9, [4, 5], 8)):
-        assert torch.equal(_bits(full), _bits(cached))
+        assert torch.equal(bits(full), bits(cached))
 
 
 def test_native_hybrid_gaps_are_measured():
@@ -184,7 +181,7 @@ def test_backward_is_deterministic():
     a = run_on_ranks(_grads, 1, args=(BASE,))[0]
     b = run_on_ranks(_grads, 1, args=(BASE,))[0]
     assert any("A_log" in n for n in a) and all(bool(g.abs().sum() > 0) for n, g in a.items() if "conv1d" in n)
-    assert a.keys() == b.keys() and all(torch.equal(_bits(a[n]), _bits(b[n])) for n in a)
+    assert a.keys() == b.keys() and all(torch.equal(bits(a[n]), bits(b[n])) for n in a)
 
 
 def test_iso_hybrid_moe_tp_and_prefill_decode():
@@ -194,4 +191,4 @@ def test_iso_hybrid_moe_tp_and_prefill_decode():
     for rank_result in run_on_ranks(_score, 2, tp=2, args=([*over, "parallel.tp=2"], ALL)):
         assert _equal(ref, rank_result), f"max |dlogp| {_max_diff(ref, rank_result):.3e}"
     full, cached = run_on_ranks(_prefill_decode, 1, args=(over, 9, [5, 4], 8))[0]
-    assert torch.equal(_bits(full), _bits(cached)), f"max |dlogit| {(full - cached).abs().max():.3e}"
+    assert torch.equal(bits(full), bits(cached)), f"max |dlogit| {(full - cached).abs().max():.3e}"

@@ -7,13 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 COUNTS = [5, 0, 1, 9, 3, 0, 2, 4]  # tiny_moe has 8 experts: empty experts and a one-row expert
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
 def _loop_vs_grouped(dtype: str, overrides: tuple[str, ...] = ()):
@@ -62,8 +59,8 @@ def test_grouped_experts_equal_the_per_expert_loop(dtype):
     (loop, grouped), can_group_on_cpu = run_on_ranks(_loop_vs_grouped, 1, args=(dtype,))[0]
     assert not can_group_on_cpu  # the CPU forward keeps the per-expert reference loop
     assert loop[0].dtype == torch.float32 and loop[0].shape == grouped[0].shape
-    assert torch.equal(_bits(grouped[0]), _bits(loop[0])), "forward"
-    assert torch.equal(_bits(grouped[1]), _bits(loop[1])), "grad of the tokens"
+    assert torch.equal(bits(grouped[0]), bits(loop[0])), "forward"
+    assert torch.equal(bits(grouped[1]), bits(loop[1])), "grad of the tokens"
     for i, (a, b) in enumerate(zip(grouped[2], loop[2], strict=True)):
-        assert torch.equal(_bits(a), _bits(b)), f"weight grad {i}"
+        assert torch.equal(bits(a), bits(b)), f"weight grad {i}"
     assert bool(loop[0].abs().sum() > 0) and bool(loop[2][0].abs().sum() > 0)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
-from tests.models.test_dense_invariance import ALL, _bits, _equal, _max_diff, _prefill_decode, _score
+from tests.models.test_dense_invariance import ALL, _equal, _max_diff, _prefill_decode, _score
 
 MOE = ["model=tiny_moe"]
 NO_SHARED = ["model.shared_expert_ffn_hidden_size=null"]
@@ -43,13 +44,11 @@ def test_iso_moe_layer_identical_across_ep_and_token_order():
     dtype = "bf16"  # fp32 is covered by the logprob tests below
     base = [f"model.params_dtype={dtype}"]
     _, ref, rev, one = run_on_ranks(_layer_outputs, 1, args=(base,))[0]
-    assert torch.equal(_bits(rev), _bits(ref.flip(0))) and torch.equal(_bits(one), _bits(ref[:1]))
+    assert torch.equal(bits(rev), bits(ref.flip(0))) and torch.equal(bits(one), bits(ref[:1]))
     for ep in (2, 4):
         for r_rows, out, r_rev, r_one in run_on_ranks(_layer_outputs, ep, ep=ep, args=([*base, f"parallel.ep={ep}"],)):
-            assert torch.equal(_bits(out), _bits(ref[r_rows])), f"EP={ep} {dtype}"
-            assert torch.equal(_bits(r_rev), _bits(ref[r_rows[::-1]])) and torch.equal(
-                _bits(r_one), _bits(ref[r_rows[:1]])
-            )
+            assert torch.equal(bits(out), bits(ref[r_rows])), f"EP={ep} {dtype}"
+            assert torch.equal(bits(r_rev), bits(ref[r_rows[::-1]])) and torch.equal(bits(r_one), bits(ref[r_rows[:1]]))
 
 
 # (world, tp, ep, sp); EP=4 alone is covered by the layer test.
@@ -81,12 +80,12 @@ def test_iso_moe_logprobs_independent_of_batch_composition_and_order():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_iso_moe_prefill_and_decode_equal_training_forward(dtype):
     full, cached = run_on_ranks(_prefill_decode, 1, args=([*MOE, f"model.params_dtype={dtype}"], 13, [5, 8]))[0]
-    assert torch.equal(_bits(full), _bits(cached)), f"max |dlogit| {(full.float() - cached.float()).abs().max():.3e}"
+    assert torch.equal(bits(full), bits(cached)), f"max |dlogit| {(full.float() - cached.float()).abs().max():.3e}"
 
 
 def test_iso_moe_prefill_decode_equal_training_forward_at_ep2():
     for full, cached in run_on_ranks(_prefill_decode, 2, ep=2, args=([*MOE, "parallel.ep=2"], 9, [4, 5])):
-        assert torch.equal(_bits(full), _bits(cached))
+        assert torch.equal(bits(full), bits(cached))
 
 
 def _native_ep_gaps() -> dict[str, float]:
@@ -138,7 +137,7 @@ def _grads(overrides: list[str]) -> dict[str, torch.Tensor]:
 def test_iso_moe_backward_is_deterministic_and_carries_the_aux_loss():
     a, b, no_aux = run_on_ranks(_grads_each, 1, args=([[], [], ["model.moe_aux_loss_coeff=0.0"]],))[0]
     for name in a:
-        assert torch.equal(_bits(a[name]), _bits(b[name])), name
+        assert torch.equal(bits(a[name]), bits(b[name])), name
         assert bool(a[name].abs().sum() > 0), f"{name} got no gradient"
     assert not torch.equal(a["router"], no_aux["router"])  # the load-balancing loss reaches the router
     assert torch.equal(a["expert0_fc1"], no_aux["expert0_fc1"])  # experts see only the routing weights' values

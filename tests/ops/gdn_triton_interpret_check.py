@@ -26,18 +26,11 @@ import torch
 from megatron_iso.ops.gdn import GDNLayerState
 from megatron_iso.ops.gdn import gdn_triton as gt
 from megatron_iso.ops.gdn import reference as ref
+from megatron_iso.testing.bits import same_bits
 from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 
 HK, HV, D, C = 2, 4, 8, 8
 t_start = time.time()
-
-
-def bits(t):
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
-def same(a, b):
-    return a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 def inputs(n, seed, hk=HK, hv=HV):
@@ -127,20 +120,20 @@ err = float((got - want).abs().max())
 assert err < 1e-5, f"vs reference {err:.2e}"
 # packing invariance
 for x, part in zip(xs, got.split([13, 1, 22]), strict=True):
-    assert same(train(x), part), "packing"
+    assert same_bits(train(x), part), "packing"
 # prefill(P) + decode == training forward, across chunk closes (resync) for P in 1, C-1, C, C+1, 2C+3
 for p in (1, C - 1, C, C + 1, 2 * C + 3):
     total = (p // C + 1) * C + 2
     x = inputs(total, 100 + p)
     full = train(x)
     inc, st = incremental(x, [p] + [1] * (total - p))
-    assert same(full, inc), f"prefill {p} + decode: max |d| {(full - inc).abs().max():.3e}"
+    assert same_bits(full, inc), f"prefill {p} + decode: max |d| {(full - inc).abs().max():.3e}"
     assert float((full - ref.gated_delta_rule(*x, cu([total]), chunk=C)).abs().max()) < 1e-5
 # chunked prefill of any pieces, and the state cache against the reference's
 for pieces in ([3, 5, 9], [8, 8, 1, 7], [1, 1, 13, 2, 4], [2, 15, 6]):
     x = inputs(sum(pieces), 7)
     inc, st = incremental(x, pieces)
-    assert same(train(x), inc), f"pieces {pieces}"
+    assert same_bits(train(x), inc), f"pieces {pieces}"
     rst = new_state(2)
     pos = 0
     for n in pieces:
@@ -154,7 +147,7 @@ for pieces in ([3, 5, 9], [8, 8, 1, 7], [1, 1, 13, 2, 4], [2, 15, 6]):
         assert e < 1e-5, f"state.{name} vs reference {e:.2e}"
     nb = sum(pieces) % C
     for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):
-        assert same(getattr(st, name)[1, :nb], getattr(rst, name)[1, :nb]), name
+        assert same_bits(getattr(st, name)[1, :nb], getattr(rst, name)[1, :nb]), name
 # batch composition: sequences at different positions (mid-chunk, closing, fresh, multi-chunk) in one call
 lens, prev = [5, 11, 1, 3, 19], [3, 0, 7, 8, 5]
 seqs = [inputs(p + n, 20 + i) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
@@ -181,14 +174,14 @@ out = gt.gated_delta_rule(
     starts=torch.tensor([prev[i] for i in order]),
 )
 for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
-    assert same(part, alone[i]), f"batch composition: sequence {i}"
+    assert same_bits(part, alone[i]), f"batch composition: sequence {i}"
 # heads subset (TP: key heads [0, HK/2) and their value heads) == the same heads of the full call
 x = inputs(19, 31, hk=4, hv=8)
 full = train(x)
 half = tuple(t[:, :2] if t.dim() == 3 and t.shape[1] == 4 else t[:, :4] for t in x)
-assert same(train(half), full[:, :4]), "heads subset"
+assert same_bits(train(half), full[:, :4]), "heads subset"
 inc, _ = incremental(half, [5, 1, 1, 1, 4, 1, 1, 5])
-assert same(inc, full[:, :4]), "heads subset, decode"
+assert same_bits(inc, full[:, :4]), "heads subset, decode"
 # inputs as the model passes them: v a bf16 view with a row stride (a column slice of the conv output), q, k, g,
 # beta fp32. Read in-kernel (bf16 -> fp32 is exact): the same bits as the fp32 copy, in training and decode.
 x = inputs(2 * C + 5, 41)
@@ -197,11 +190,11 @@ v16 = wide[:, 3:].reshape(x[2].shape)
 assert not v16.is_contiguous()
 x16 = (x[0], x[1], v16, x[3], x[4])
 full = train((x[0], x[1], v16.float(), x[3], x[4]))
-assert same(train(x16), full), "bf16 strided v vs its fp32 copy"
+assert same_bits(train(x16), full), "bf16 strided v vs its fp32 copy"
 inc, st = incremental(x16, [C - 3, 1, 1, 1, 1, 1, C - 1, 1, 1, 1, 1])
-assert same(inc, full), "bf16 strided v: prefill + decode"
+assert same_bits(inc, full), "bf16 strided v: prefill + decode"
 nb = (2 * C + 5) % C
-assert same(st.buf_v[1, :nb], v16[-nb:].float()), "buffer rows of a bf16 v"
+assert same_bits(st.buf_v[1, :nb], v16[-nb:].float()), "buffer rows of a bf16 v"
 # a decode step (mid-chunk) launches the scan kernel only: no host-side cast/copy, the chunk-buffer write in the
 # scan (before: v's cast, _buffer_kernel, _scan_kernel). The plan is cached first, as for every layer but the first.
 step = [t[-1:].clone() for t in x16]
@@ -223,7 +216,7 @@ for prec in ("ieee", "tf32x3", "tf32", "tf32x3/ieee"):
         outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([1]),
                                         starts=torch.tensor([pos]), dot_precision=prec))  # fmt: skip
         pos += n
-    assert same(torch.cat(outs), full), f"dot_precision={prec}: train vs prefill + decode"
+    assert same_bits(torch.cat(outs), full), f"dot_precision={prec}: train vs prefill + decode"
 for bad in ("fp32", "bf16x3", "IEEE", "ieee/", "ieee/tf32x3/tf32", "ieee/fp32"):
     try:
         gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=bad)
@@ -250,7 +243,7 @@ for n in [C16 - 1, 1, 1, C16 + 2, 1, 1]:
     outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), chunk=C16, state=st16, slots=torch.tensor([1]),
                                     starts=torch.tensor([pos])))  # fmt: skip
     pos += n
-assert same(torch.cat(outs), full), f"chunk {C16}: train vs prefill + decode"
+assert same_bits(torch.cat(outs), full), f"chunk {C16}: train vs prefill + decode"
 print("rule ok", round(time.time() - t_start, 1))
 
 # conv: prefill + decode == training, batch composition, against fp64
@@ -267,10 +260,10 @@ for dtype in (torch.float32, torch.bfloat16):
             )
         )
         pos += n
-    assert same(full, torch.cat(outs)), "conv prefill/decode"
-    assert same(cs[1], xc[-3:].t()), "conv state"
+    assert same_bits(full, torch.cat(outs)), "conv prefill/decode"
+    assert same_bits(cs[1], xc[-3:].t()), "conv state"
     two = gt.causal_conv1d(torch.cat([xc[:5], xc]), w, cu([5, 14]))
-    assert same(two[5:], full) and same(two[:5], full[:5]), "conv packing"
+    assert same_bits(two[5:], full) and same_bits(two[:5], full[:5]), "conv packing"
     r64 = torch.nn.functional.silu(
         torch.nn.functional.conv1d(xc.double().t()[None], w.double()[:, None], padding=3, groups=12)[0, :, :14].t()
     )
@@ -283,7 +276,7 @@ cs = torch.zeros(1, 12, 3)
 xc = torch.randn(6, 12, generator=gen)
 gt.causal_conv1d(xc[:4], torch.ones(12, 4), cu([4]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([0]))
 gt.causal_conv1d(xc[4:5], torch.ones(12, 4), cu([1]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([4]))
-assert same(cs[0], xc[2:5].t()), "conv state of a short call"
+assert same_bits(cs[0], xc[2:5].t()), "conv state of a short call"
 print("conv ok")
 
 # gates and l2norm: batch invariant, accurate
@@ -293,7 +286,7 @@ g, beta = gt.gdn_gates(a, b, al, dt)
 nrm = gt.l2norm(xn)
 for i in (0, 17, 32):
     gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
-    assert same(gi[0], g[i]) and same(bi[0], beta[i]) and same(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+    assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(gt.l2norm(xn[i : i + 1])[0], nrm[i])
 rg, rb = ref.gdn_gates(a, b, al, dt)
 assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs().max()) < 1e-6
 assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
@@ -305,7 +298,7 @@ w8 = torch.randn(21, HV, D, generator=gen)
 lv = [t.clone().requires_grad_(True) for t in x]
 lr = [t.clone().requires_grad_(True) for t in x]
 y = gt.gated_delta_rule(*lv, cu([13, 8]), chunk=C)
-assert same(y.detach(), gt.gated_delta_rule(*x, cu([13, 8]), chunk=C)), "forward bits under autograd"
+assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu([13, 8]), chunk=C)), "forward bits under autograd"
 (y * w8).sum().backward()
 (ref.gated_delta_rule(*lr, cu([13, 8]), chunk=C) * w8).sum().backward()
 for name, p, r in zip("qkvgb", lv, lr, strict=True):

@@ -9,17 +9,10 @@ import torch.nn.functional as F
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.activation import swiglu, swiglu_packed
 from megatron_iso.ops.activation.pointwise import iso_exp, iso_sigmoid, iso_silu
+from megatron_iso.testing.bits import bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 MS = [1, 2, 3, 7, 8, 64]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 @pytest.mark.parametrize("fn", [iso_exp, iso_sigmoid, iso_silu])

@@ -15,18 +15,11 @@ from megatron_iso.ops.attention import (
     attention_varlen,
     attention_with_kv_cache,
 )
+from megatron_iso.testing.bits import bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 HQ, HKV, D = 4, 2, 16
 TOTAL = 134  # > 2 key blocks of 64
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _seq(n: int, dtype: torch.dtype, seed: int, gated: bool = False):

@@ -29,12 +29,7 @@ SCRIPT = textwrap.dedent(
     from megatron_iso.inference.kv_blocks import PagedKVCache
     from megatron_iso.ops.attention import attention_triton as at
     from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
-
-    def bits(t):
-        return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-    def same(a, b):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    from megatron_iso.testing.bits import same_bits
 
     KV_BLOCK, D = 16, 16
     # (query heads, kv heads, pool block size, dtype, gated)
@@ -86,8 +81,8 @@ SCRIPT = textwrap.dedent(
             view.finish()  # nothing staged: a no-op
             tag = (hq, hkv, bs, dtype, counts)
             assert not torch.isnan(paged.float()).any(), tag
-            assert same(paged, staged), ("paged output != staged output", tag)
-            assert same(cache.k[0], after[0]) and same(cache.v[0], after[1]), ("pool differs", tag)
+            assert same_bits(paged, staged), ("paged output != staged output", tag)
+            assert same_bits(cache.k[0], after[0]) and same_bits(cache.v[0], after[1]), ("pool differs", tag)
 
             # Block-table rows in another order than the sequences (slot i -> row perm[i]), no plan.
             layer = view.paged_layer(0)
@@ -100,8 +95,8 @@ SCRIPT = textwrap.dedent(
             moved = at.attention_with_paged_kv_cache(
                 q, k, v, PagedKVLayer(cache.k[0], cache.v[0], rows, layer.write_idx), st_t, cu_t,
                 slots=torch.tensor(order), gate=gate, kv_block=KV_BLOCK)
-            assert same(moved, staged), ("permuted table rows", tag)
-            assert same(cache.k[0], after[0]) and same(cache.v[0], after[1]), ("pool differs (rows)", tag)
+            assert same_bits(moved, staged), ("permuted table rows", tag)
+            assert same_bits(cache.k[0], after[0]) and same_bits(cache.v[0], after[1]), ("pool differs (rows)", tag)
             lens = [a + c for a, c in zip(starts, counts)]
             checked += 1
 

@@ -11,12 +11,9 @@ import torch
 from megatron_iso.ops.attention import KVStepPlan, attention_with_kv_cache
 from megatron_iso.ops.attention import native as native_attention
 from megatron_iso.ops.attention import reference as reference_attention
+from megatron_iso.testing.bits import bits
 
 HQ, HKV, D, MAX_LEN = 8, 4, 16, 96
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def _step(seed: int, lengths: list[int], starts: list[int], slots: list[int], dtype: torch.dtype, gated: bool):

@@ -8,10 +8,7 @@ from megatron_iso.ops.activation import native as act_native
 from megatron_iso.ops.activation import swiglu
 from megatron_iso.ops.norm import native as norm_native
 from megatron_iso.ops.norm import rms_norm
-
-
-def _bits(t):
-    return t.view(torch.int32)
+from megatron_iso.testing.bits import bits
 
 
 def test_forward_bits_are_the_invariant_kernels_and_grads_the_plain_formulas():
@@ -20,7 +17,7 @@ def test_forward_bits_are_the_invariant_kernels_and_grads_the_plain_formulas():
     w = (1 + 0.1 * torch.randn(48, generator=g)).requires_grad_(True)
     out = rms_norm(x, w, 1e-6)
     with torch.no_grad():
-        assert torch.equal(_bits(out), _bits(rms_norm(x, w, 1e-6)))
+        assert torch.equal(bits(out), bits(rms_norm(x, w, 1e-6)))
     c = torch.randn(5, 48, generator=g)  # fixed upstream gradient (not a function of out's bits)
     (out * c).sum().backward()
     x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)

@@ -9,17 +9,10 @@ import pytest
 import torch
 
 from megatron_iso.ops.gdn import GDNLayerState, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
+from megatron_iso.testing.bits import same_bits
 from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 
 HK, HV, D = 2, 4, 8
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _inputs(n: int, seed: int, dk: int = D, dv: int = D):

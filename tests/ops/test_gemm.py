@@ -8,17 +8,10 @@ import torch
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.gemm import leaf_tree_linear, linear, native_linear, validate_leaves
 from megatron_iso.parallel.tree_collectives import tree_combine
+from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 M_SIZES = [1, 2, 3, 7, 8, 64]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 def make(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

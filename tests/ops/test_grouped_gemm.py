@@ -9,10 +9,7 @@ import torch
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.gemm import leaf_tree_linear
 from megatron_iso.ops.gemm.grouped import grouped_linear, grouped_native, grouped_reference
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
+from megatron_iso.testing.bits import bits
 
 
 def _case(dtype, counts, n=24, k=64, seed=0):
@@ -29,10 +26,10 @@ def test_grouped_reference_is_the_per_expert_leaf_tree(dtype, leaves):
     out = grouped_linear(x, w, c, leaves=leaves)
     start = 0
     for e, n in enumerate(c.tolist()):
-        assert torch.equal(_bits(out[start : start + n]), _bits(leaf_tree_linear(x[start : start + n], w[e], leaves)))
+        assert torch.equal(bits(out[start : start + n]), bits(leaf_tree_linear(x[start : start + n], w[e], leaves)))
         start += n
     # a list of per-expert weights is the same op
-    assert torch.equal(_bits(grouped_linear(x, list(w.unbind(0)), c, leaves=leaves)), _bits(out))
+    assert torch.equal(bits(grouped_linear(x, list(w.unbind(0)), c, leaves=leaves)), bits(out))
 
 
 def test_expert_rows_do_not_depend_on_other_experts():
@@ -41,7 +38,7 @@ def test_expert_rows_do_not_depend_on_other_experts():
     # expert 1 alone, and expert 1's rows reversed, with the other experts emptied
     alone = grouped_reference(x[3:8], w, torch.tensor([0, 5, 0]), 8)
     rev = grouped_reference(x[3:8].flip(0), w, torch.tensor([0, 5, 0]), 8)
-    assert torch.equal(_bits(alone), _bits(full[3:8])) and torch.equal(_bits(rev), _bits(full[3:8].flip(0)))
+    assert torch.equal(bits(alone), bits(full[3:8])) and torch.equal(bits(rev), bits(full[3:8].flip(0)))
 
 
 def test_backward_is_the_per_expert_matmul_backward():
@@ -51,7 +48,7 @@ def test_backward_is_the_per_expert_matmul_backward():
     grouped_linear(x, w, c, leaves=2).square().sum().backward()
     x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     torch.cat([leaf_tree_linear(x2[:2], w2[0], 2), leaf_tree_linear(x2[2:], w2[2], 2)]).square().sum().backward()
-    assert torch.equal(_bits(x.grad), _bits(x2.grad)) and torch.equal(_bits(w.grad), _bits(w2.grad))
+    assert torch.equal(bits(x.grad), bits(x2.grad)) and torch.equal(bits(w.grad), bits(w2.grad))
     assert bool((w.grad[1] == 0).all())  # the empty expert gets a zero gradient
 
 

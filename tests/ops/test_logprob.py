@@ -15,18 +15,11 @@ from megatron_iso.ops.logprob import (
     token_logprobs_shards,
 )
 from megatron_iso.parallel.vocab import entropy, log_softmax, token_logprobs, token_logprobs_and_entropy
+from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 M_SIZES = [1, 2, 3, 7, 8, 64]
 V = 512
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 def make(m: int, v: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

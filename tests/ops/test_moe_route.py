@@ -7,10 +7,7 @@ import pytest
 import torch
 
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
+from megatron_iso.testing.bits import bits
 
 
 def test_ties_go_to_the_lowest_expert_index_and_experts_come_out_ascending():
@@ -46,9 +43,9 @@ def test_route_and_combine_are_batch_invariant():
     for rows in ([5], [0, 36], perm.tolist()):
         p = router_probs(logits[rows])
         wr, er = top_k_route(p, 8, normalize=True)
-        assert torch.equal(_bits(p), _bits(probs[rows]))
-        assert torch.equal(er, e[rows]) and torch.equal(_bits(wr), _bits(w[rows]))
-        assert torch.equal(_bits(combine_routed(y[rows], wr)), _bits(out[rows]))
+        assert torch.equal(bits(p), bits(probs[rows]))
+        assert torch.equal(er, e[rows]) and torch.equal(bits(wr), bits(w[rows]))
+        assert torch.equal(bits(combine_routed(y[rows], wr)), bits(out[rows]))
 
 
 def test_accuracy_against_float64():

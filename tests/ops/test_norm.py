@@ -7,18 +7,11 @@ import torch
 
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.norm import gated_rms_norm, rms_norm
+from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 MS = [1, 2, 3, 7, 8, 64]
 HIDDEN = 100  # not a multiple of any SIMD width: exercises ATen's vector body and scalar tail
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _inputs(dtype: torch.dtype, rows: int = 64, hidden: int = HIDDEN, seed: int = 0):

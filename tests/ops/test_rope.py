@@ -11,17 +11,10 @@ import torch
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.rope import MAX_POSITION, apply_rope, inv_frequencies, rope_cos_sin, rotary_dim_for
 from megatron_iso.ops.rope import reference as rope_ref
+from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 MS = [1, 2, 3, 7, 8, 64]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def test_cos_sin_depend_on_position_only() -> None:

@@ -15,6 +15,7 @@ import torch
 
 from megatron_iso.ops.gemm import leaf_tree_linear
 from megatron_iso.parallel.tree_collectives import tree_combine
+from megatron_iso.testing.bits import bits, same_bits
 
 pytestmark = pytest.mark.slow
 
@@ -186,14 +187,6 @@ def _all_results() -> list[dict]:
 def _results(tp: int) -> list[dict]:
     """Per-rank results of the first TP group of size ``tp`` (ranks 0 .. tp-1)."""
     return [r[tp] for r in _all_results()[:tp]]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 @pytest.mark.parametrize("tp", TPS)

@@ -17,15 +17,11 @@ from megatron_iso.config import load_config
 from megatron_iso.parallel.world import config_world, seed_ranks
 from megatron_iso.rl.loop import Trainer
 from megatron_iso.rl.losses import group_advantages
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 GROUP = 4
 FAST = [f"rl.group_size={GROUP}", "rl.max_new_tokens=5", "task.prompts_per_step=6", "model=tiny_dense"]
-
-
-def _bits(t: torch.Tensor | float) -> torch.Tensor:
-    t = torch.tensor(t, dtype=torch.float64) if isinstance(t, float) else t.contiguous()
-    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
 def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:
@@ -80,7 +76,7 @@ def test_data_parallel_ranks_keeping_different_counts_stay_in_step(tmp_path, ran
     shared = [n for n in res[0]["params"] if ep == 1 or ".experts." not in n]
     assert len(shared) > 4
     for n in shared:
-        assert torch.equal(_bits(res[1]["params"][n]), _bits(res[0]["params"][n])), n
+        assert torch.equal(bits(res[1]["params"][n]), bits(res[0]["params"][n])), n
 
 
 def test_filler_passes_add_exact_zeros(tmp_path):
@@ -106,8 +102,8 @@ def test_filler_passes_add_exact_zeros(tmp_path):
         with pytest.raises(ValueError, match="filler sample"):
             trainer.train_on(samples, advantages, micro_batches=4)
     for key in ("trainer_logp", "rollout_logp"):
-        assert torch.equal(_bits(outs[0][key]), _bits(outs[1][key])), key
+        assert torch.equal(bits(outs[0][key]), bits(outs[1][key])), key
     for key in ("loss", "grad_norm", "policy/clip_frac"):
-        assert torch.equal(_bits(outs[0][key]), _bits(outs[1][key])), key
+        assert torch.equal(bits(outs[0][key]), bits(outs[1][key])), key
     for n, p in params[0].items():
-        assert torch.equal(_bits(params[1][n]), _bits(p)), n
+        assert torch.equal(bits(params[1][n]), bits(p)), n

@@ -17,6 +17,7 @@ from megatron_iso.config import load_config
 from megatron_iso.parallel.world import config_world, seed_ranks
 from megatron_iso.rl.loop import TIMING_PREFIXES, Trainer, micro_batch_seqs, train
 from megatron_iso.rl.losses import group_advantages
+from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 GROUP = 4
@@ -26,11 +27,6 @@ SAMPLES = 12
 # fp32 ulps of a tensor's largest |grad| that reassociating its token sum may move an element by
 # (measured on tiny_dense: at most 4.9).
 GRAD_ULPS = 16
-
-
-def _bits(t: torch.Tensor | float) -> torch.Tensor:
-    t = torch.tensor(t, dtype=torch.float64) if isinstance(t, float) else t.contiguous()
-    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
 def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -78,22 +74,22 @@ def _steps(tmp_path, overrides: list[str], sizes: list[int | None], monkeypatch=
 def _assert_same_step_results(a: dict, b: dict) -> None:
     """Logprobs, loss, statistics and (given the same grads) grad norm: bit for bit."""
     for key in ("trainer_logp", "rollout_logp"):
-        assert torch.equal(_bits(a[key]), _bits(b[key])), key
+        assert torch.equal(bits(a[key]), bits(b[key])), key
 
     def scalars(out: dict) -> dict:
         return {k: v for k, v in out.items() if isinstance(v, float) and not k.startswith("timing/")}
 
     assert {"loss", "grad_norm", "policy/clip_frac"} <= scalars(a).keys() == scalars(b).keys()
     for k, v in scalars(a).items():
-        assert torch.equal(_bits(v), _bits(b[k])), (k, v, b[k])
+        assert torch.equal(bits(v), bits(b[k])), (k, v, b[k])
 
 
 def test_micro_batches_give_the_one_batch_logprobs_bit_for_bit(tmp_path):
     runs = _steps(tmp_path, ["model=tiny_hybrid", "profile.gdn_chunk=4"], [None, 1, 5])
     one = runs[None]["out"]
-    assert torch.equal(_bits(one["trainer_logp"]), _bits(one["rollout_logp"]))  # iso: trainer == rollout
+    assert torch.equal(bits(one["trainer_logp"]), bits(one["rollout_logp"]))  # iso: trainer == rollout
     for size in (1, 5):
-        assert torch.equal(_bits(runs[size]["out"]["trainer_logp"]), _bits(one["trainer_logp"]))
+        assert torch.equal(bits(runs[size]["out"]["trainer_logp"]), bits(one["trainer_logp"]))
 
 
 @pytest.mark.parametrize(
@@ -108,7 +104,7 @@ def test_micro_batches_change_only_the_weight_grad_sum_order(tmp_path, monkeypat
     for size in (SAMPLES, SAMPLES + 3):
         _assert_same_step_results(first["out"], runs[size]["out"])
         for n, p in first["params"].items():
-            assert torch.equal(_bits(runs[size]["params"][n]), _bits(p)), n
+            assert torch.equal(bits(runs[size]["params"][n]), bits(p)), n
 
     runs = _steps(tmp_path, ["model=tiny_dense", *overrides], [0, 1, 2, 5], monkeypatch, swap_grads=True)
     first = runs[0]
@@ -125,7 +121,7 @@ def test_micro_batches_change_only_the_weight_grad_sum_order(tmp_path, monkeypat
             assert float((run["grads"][n] - g).abs().max()) <= bound, n
         # Given the one-batch grads, the rest of the step (finalize, clip, Adam) is the same bits.
         for n, p in first["params"].items():
-            assert torch.equal(_bits(run["params"][n]), _bits(p)), n
+            assert torch.equal(bits(run["params"][n]), bits(p)), n
 
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "all", "true"])

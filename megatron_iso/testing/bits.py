@@ -1,0 +1,21 @@
+"""Bit-pattern views for bitwise claims: ``torch.equal`` on these is equality of every bit (so -0.0 != +0.0, and
+two NaNs are equal only with the same payload), which ``allclose`` or ``==`` on floats is not."""
+
+from __future__ import annotations
+
+import torch
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(x: torch.Tensor | float) -> torch.Tensor:
+    """``x``'s bits as integers of the same width (a Python float as fp64); integer and bool tensors as they are."""
+    t = torch.tensor(x, dtype=torch.float64) if isinstance(x, float) else x
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.view(_INT_OF_WIDTH[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, same dtype, same bits."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))

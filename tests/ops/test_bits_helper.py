@@ -1,0 +1,27 @@
+"""megatron_iso.testing.bits: the bit-pattern views every bitwise test compares."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_iso.testing.bits import bits, same_bits
+
+
+def test_signed_zeros_and_nan_payloads_differ_where_float_equality_does_not_tell() -> None:
+    z = torch.tensor([0.0, -0.0])
+    assert bool(z[0] == z[1]) and not torch.equal(bits(z[0]), bits(z[1]))
+    nan_a = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    nan_b = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert not same_bits(nan_a, nan_b) and same_bits(nan_a, nan_a.clone())
+
+
+def test_widths_dtypes_and_shapes() -> None:
+    for dtype, idt in ((torch.float64, torch.int64), (torch.float32, torch.int32), (torch.bfloat16, torch.int16),
+                       (torch.float16, torch.int16)):  # fmt: skip
+        x = torch.linspace(-2, 2, 6).to(dtype)
+        assert bits(x).dtype == idt and bits(x[::2]).shape == (3,)
+    assert bits(1.5).dtype == torch.int64 and int(bits(1.5)) == 0x3FF8000000000000
+    ids = torch.tensor([3, 1])
+    assert bits(ids) is ids
+    a = torch.ones(2, 3)
+    assert not same_bits(a, a.double()) and not same_bits(a, a.reshape(3, 2)) and same_bits(a, a.clone())
