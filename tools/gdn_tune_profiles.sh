@@ -6,10 +6,10 @@
 #   bash tools/gdn_tune_profiles.sh "VARIANTS"
 #
 # VARIANTS: ";"-separated; each is "[@PRECISION] [NAME=INT ...]" (bench_gdn's --tune names; an empty variant is
-# the registered configuration). Default: the registered one; scan 16x2 with chain 32x8; tf32x3 with chain BV 32.
+# the registered configuration). Default: the registered one; scan 64x2; the all-ieee state pass (chain BV 16).
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-variants=${1:-";SCAN_BV=16 SCAN_WARPS=2 CHAIN_BV=32 CHAIN_WARPS=8;@tf32x3 CHAIN_BV=32"}
+variants=${1:-";SCAN_BV=64 SCAN_WARPS=2;@ieee"}
 i=0
 IFS=';' read -r -a list <<< "$variants"
 for v in "${list[@]}"; do

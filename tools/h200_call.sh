@@ -12,7 +12,7 @@
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   gdndot   200   bench_gdn --dot-precision ieee tf32x3 tf32: the state pass's dot variants (speed, accuracy, bits)
 #   gdntune  200   bench_gdn --profile train:8x4096 per tuning variant in GDN_TUNES (";"-separated --tune sets;
-#                  default: the registered layout, scan 16x2 + chain 32x8, tf32x3 with chain BV 32): per-kernel ms
+#                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
 #                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch)
