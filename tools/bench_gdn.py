@@ -37,10 +37,11 @@ Usage: ``python3 tools/bench_gdn.py --out $OUT/bench_gdn.json`` (``--quick`` for
 when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why they are missing.
 
 Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
-``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the training forward, the first ``--prefill`` length
-and the mismatch case (our rule called with ``dot_precision=P``), then prints one summary line per variant:
-forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|, bitwise). Exit status 1 if a variant's
-train vs rollout is not bitwise. A case spec may also name one directly: ``--profile train:8x4096@tf32x3``.
+``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the
+training forward, the first ``--prefill`` length and the mismatch case (our rule called with ``dot_precision=P``),
+then prints one summary line per variant: forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|,
+bitwise). Exit status 1 if a variant's train vs rollout is not bitwise. A case spec may also name one directly:
+``--profile train:8x4096@tf32x3``.
 
 CPU dry run of the same case logic (no timings worth reading): ``--device cpu`` runs our Triton kernels and
 FLA's fused recurrent kernel under ``TRITON_INTERPRET=1`` (set for the child processes) at the shapes given by
@@ -509,8 +510,9 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
-        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "IB": cfg.inv_block,
-                                          "PREC": cfg.prep_precision}, G.PREP_WARPS, G.PREP_STAGES),
+        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
+                                          "IB": cfg.inv_block, "PREC": cfg.prep_precision},
+                         G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
                                             "KB": cfg.kb, "PREC": cfg.chain_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),
     }  # fmt: skip
@@ -749,9 +751,9 @@ def main() -> int:
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
                     "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
     ap.add_argument("--dot-precision", nargs="+", metavar="P", help="time the state pass's dot precisions "
-                    "(ieee, tf32x3, tf32, or PREP/CHAIN such as ieee/tf32x3): per variant the training forward, the first --prefill length and the "
-                    "mismatch case (ours vs fp64, train vs rollout, which must be bitwise); with --resources, the "
-                    "kernels compiled for each")  # fmt: skip
+                    "(ieee, tf32x3, tf32, or PREP/CHAIN such as ieee/tf32x3): per variant the training forward, "
+                    "the first --prefill length and the mismatch case (ours vs fp64, train vs rollout, which must "
+                    "be bitwise); with --resources, the kernels compiled for each")  # fmt: skip
     ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
                     f"constants in this run (one of {', '.join(TUNABLE)}), e.g. SCAN_BV=8 SCAN_WARPS=1")  # fmt: skip
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process

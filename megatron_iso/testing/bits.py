@@ -9,9 +9,12 @@ _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(x: torch.Tensor | float) -> torch.Tensor:
-    """``x``'s bits as integers of the same width (a Python float as fp64); integer and bool tensors as they are."""
+    """``x``'s bits as integers of the same width (a Python float as fp64; a complex tensor as its real and imaginary
+    parts, ``[..., 2]``); integer and bool tensors as they are."""
     t = torch.tensor(x, dtype=torch.float64) if isinstance(x, float) else x
-    if not (t.is_floating_point() or t.is_complex()):
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_floating_point():
         return t
     return t.view(_INT_OF_WIDTH[t.element_size()])
 

@@ -25,3 +25,12 @@ def test_widths_dtypes_and_shapes() -> None:
     assert bits(ids) is ids
     a = torch.ones(2, 3)
     assert not same_bits(a, a.double()) and not same_bits(a, a.reshape(3, 2)) and same_bits(a, a.clone())
+
+
+def test_complex_tensors_compare_by_the_bits_of_both_parts() -> None:
+    for dtype in (torch.complex64, torch.complex128):
+        z = torch.tensor([1 + 0j, 2 - 1j], dtype=dtype)
+        w = z.clone()
+        w.imag[0] = -0.0  # equal as numbers, not as bits
+        assert bool((z == w).all()) and not same_bits(z, w) and same_bits(z, z.clone())
+        assert bits(z).shape == (2, 2)

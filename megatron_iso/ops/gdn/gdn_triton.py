@@ -15,8 +15,8 @@ decode, bit for bit, for any batch composition and any subset of heads:
   WY form. Per chunk, in parallel: ``G = cumsum(g)``, ``A_ti = beta_t e^{G_t-G_i} k_t.k_i`` (t > i),
   ``T^{-1}`` of ``T = I + A`` by 16-row blocks, ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)``,
   ``KD = e^{G_C-G} k``. Then one program per (sequence, head, Dv block) chains the chunks:
-  ``u = U0 - W E; E' = e^{G_C} E + KD^T u`` (two fp32 ``tl.dot``; ``input_precision="ieee"`` by default,
-  see "Dot precision" below).
+  ``u = U0 - W E; E' = e^{G_C} E + KD^T u`` (two fp32 ``tl.dot``; by default the prep's dots are ieee FMA
+  chains and the chain's run on tensor cores as tf32x3, see "Dot precision" below).
   Decode, when a chunk closes, runs the same two kernels on the buffered chunk (the state cache's
   ``buf_*`` rows, read by the prep kernel exactly as it reads packed rows) from the stored entry
   state, and replaces the running state with the exit: the trainer's chunk state, bit for bit.
@@ -63,10 +63,10 @@ Dot precision: the prep and chain kernels' dots take ``input_precision`` from ``
 ``GDNConfig.chain_precision`` (each one of :data:`DOT_PRECISIONS`; the spec ``"P"`` sets both, ``"P/C"`` each).
 Registered default since VERSION 3: "ieee/tf32x3", the prep's FMA chains above and the chain's two whole-K dots
 per chunk on tensor cores (H200, 8 x 4096 training forward: chain 7.65 -> 2.85 ms, same error against fp64). With
-"tf32x3" or "tf32" the dots run on tensor cores (MMA), and a K-blocked dot ``acc = tl.dot(a_blk, b_blk, acc)`` feeds each block's
-partial products through the MMA accumulator: the rounding inside an MMA differs from an fma chain, so the
-bits differ from "ieee", but they are still a fixed function of (compiled kernel, operand tiles): no atomics,
-no split-K across programs, the blocks in ascending order. The invariance needs no more than that: the
+"tf32x3" or "tf32" the dots run on tensor cores (MMA), and a K-blocked dot ``acc = tl.dot(a_blk, b_blk, acc)``
+feeds each block's partial products through the MMA accumulator: the rounding inside an MMA differs from an fma
+chain, so the bits differ from "ieee", but they are still a fixed function of (compiled kernel, operand tiles):
+no atomics, no split-K across programs, the blocks in ascending order. The invariance needs no more than that: the
 training forward and the decode-side resync run the same prep/chain kernel (same constexprs, PREC included)
 on the same closed chunk (same fp32 values in the same tile positions), so training == rollout bitwise holds
 for each precision, as long as both sides pass the same one. Accuracy against fp64 is measured on the GPU
@@ -115,14 +115,13 @@ SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 2, 4, 8
 # Software-pipelining depth of the K-block loops (bit-neutral: it only moves loads). Chosen with
 # ``tools/bench_gdn.py --resources`` (sm_90a, Dk=Dv=128, chunk 64): the default 3 spills in both kernels.
 PREP_STAGES, CHAIN_STAGES = 1, 2
-# input_precision of the state pass's fp32 tl.dot (prep and chain; the scan has no dot). "ieee" lowers to FMA
-# chains (no tensor cores); "tf32x3" (3 tf32 MMAs per product, ~fp32 accuracy) and "tf32" use tensor cores. Any
-# of them keeps training == rollout bitwise: both sides run the same kernel on the same closed chunk (module
-# docstring, "Dot precision"). The default is the one the contract registers; the others are opt-in per call.
-# A dot precision spec is one of DOT_PRECISIONS for both kernels, or "PREP/CHAIN". The registered default
-# "ieee/tf32x3": the prep kernel's small K-blocked dots stay FMA chains (tf32x3 made it slower: 6.3 vs 5.3 ms), the
-# chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error against fp64 (6.2e-8
-# vs 6.1e-8 max at the bench's mismatch case).
+# input_precision of the state pass's fp32 tl.dot (the scan has no dot). "ieee" lowers to FMA chains (no tensor
+# cores); "tf32x3" (3 tf32 MMAs per product, ~fp32 accuracy) and "tf32" use tensor cores. Any of them keeps
+# training == rollout bitwise: both sides run the same kernel on the same closed chunk (module docstring, "Dot
+# precision"). A spec is one of DOT_PRECISIONS for both kernels, or "PREP/CHAIN". The default is the one the
+# contract registers, "ieee/tf32x3": the prep kernel's small K-blocked dots stay FMA chains (tf32x3 made it slower:
+# 6.3 vs 5.3 ms), the chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error
+# against fp64 (6.0e-8 vs 6.1e-8 max at the bench's mismatch case). The others are opt-in per call.
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
 DOT_PRECISION = "ieee/tf32x3"
 CONV_BC = 256  # channels per conv program
@@ -758,8 +757,8 @@ def _rule_forward(
         bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
         _prep_kernel[(plan.nchunks, hv)](
             kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, num_warps=PREP_WARPS,
-            num_stages=PREP_STAGES,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
+            num_warps=PREP_WARPS, num_stages=PREP_STAGES,
         )  # fmt: skip
     else:
         u0 = w = kd = egc = ex
@@ -802,8 +801,8 @@ def gated_delta_rule(
     """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring.
 
     ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` for both
-    kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one). Training and rollout must pass the same value: it fixes the
-    state pass's bits (the state cache does not record it)."""
+    kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one). Training and rollout must pass
+    the same value: it fixes the state pass's bits (the state cache does not record it)."""
     fwd = functools.partial(
         _rule_forward, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts,
         dot_precision=dot_precision,
