@@ -72,6 +72,99 @@ def gdn_gates(
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid().float()
 
 
+def _intra_chunk(q, k, v, g, beta):
+    """The per-chunk terms of every chunk at once (``[B, H, nc, C, ...]`` inputs): what the chunk loop reads."""
+    chunk = k.shape[-2]
+    gc = g.cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)
+    dec = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    kb = k * beta[..., None]
+    strict_lower = ~upper & ~torch.eye(chunk, dtype=torch.bool, device=k.device)
+    system = torch.eye(chunk, device=k.device) + ((kb @ k.transpose(-1, -2)) * dec).masked_fill(~strict_lower, 0)
+    u0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
+    return {
+        "gc": gc, "dec": dec, "kb": kb, "strict_lower": strict_lower, "system": system, "u0": u0, "w": w,
+        "attn": (q @ k.transpose(-1, -2)) * dec,
+        "q_dec": q * gc.exp()[..., None],
+        "k_dec": k * (gc[..., -1:] - gc).exp()[..., None],
+        "s_dec": gc[..., -1, None, None].exp(),
+    }  # fmt: skip
+
+
+class _ChunkRule(torch.autograd.Function):
+    """The chunk loop over ``[B, H, nc, C, ...]`` chunks from states ``s0``, with a hand-written backward.
+
+    Forward: the per-chunk terms of all chunks at once, then, chunk after chunk, ``u = U0 - W S``,
+    ``o = (q e^G) S + attn u``, ``S = e^{G_C} S + (k e^{G_C - G})^T u``. Autograd of that loop stored every chunk's
+    operands and, in its backward, ran ~12 small matmuls per chunk plus a full-size zero gradient per indexed
+    operand; here the backward keeps only the two chain matmuls per chunk sequential (the state gradient) and does
+    the rest for all chunks at once, from the per-chunk terms and entry states saved by the forward. Deterministic (fixed-order
+    matmuls, solves and reductions, no atomics)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, s0):  # type: ignore[override]
+        t = _intra_chunk(q, k, v, g, beta)
+        outs, entry, s = [], [], s0
+        for u0_c, w_c, q_c, attn_c, k_c, s_c in zip(
+            *(t[n].unbind(2) for n in ("u0", "w", "q_dec", "attn", "k_dec", "s_dec")), strict=True
+        ):
+            entry.append(s)
+            u = u0_c - w_c @ s
+            outs.append(q_c @ s + attn_c @ u)
+            s = s * s_c + k_c.transpose(-1, -2) @ u
+        ctx.names = list(t)
+        ctx.save_for_backward(q, k, v, beta, torch.stack(entry, 2), *t.values())
+        return torch.stack(outs, 2), s
+
+    @staticmethod
+    def backward(ctx, d_o, d_last):  # type: ignore[override]
+        q, k, v, beta, s_in, *terms = ctx.saved_tensors
+        t = dict(zip(ctx.names, terms, strict=True))
+        mT = lambda x: x.transpose(-1, -2)  # noqa: E731
+        u = t["u0"] - t["w"] @ s_in
+        # The chain backward: dS (gradient of a chunk's exit state) runs from the last chunk to the first.
+        du_local = mT(t["attn"]) @ d_o
+        ds_local = mT(t["q_dec"]) @ d_o
+        ds = torch.zeros_like(s_in[:, :, 0]) if d_last is None else d_last
+        d_exit, du = [], []
+        for c in reversed(range(s_in.shape[2])):
+            d_exit.append(ds)
+            du_c = du_local[:, :, c] + t["k_dec"][:, :, c] @ ds
+            du.append(du_c)
+            ds = ds * t["s_dec"][:, :, c] + ds_local[:, :, c] - mT(t["w"][:, :, c]) @ du_c
+        d_s0 = ds
+        d_exit, du = torch.stack(d_exit[::-1], 2), torch.stack(du[::-1], 2)
+        # Everything else for all chunks at once.
+        d_attn = d_o @ mT(u)
+        d_qdec = d_o @ mT(s_in)
+        d_kdec = u @ mT(d_exit)
+        d_sdec = (d_exit * s_in).sum((-1, -2))
+        # U0 = T^-1 (beta v), W = T^-1 (beta e^G k): d(rhs) = T^-T dU, dT = -d(rhs) U^T.
+        rhs_grad = torch.linalg.solve_triangular(
+            mT(t["system"]), torch.cat([du, -du @ mT(s_in)], -1), upper=True, unitriangular=True
+        )
+        d_x1, d_x2 = rhs_grad.split([v.shape[-1], k.shape[-1]], -1)
+        d_m = -(d_x1 @ mT(t["u0"]) + d_x2 @ mT(t["w"])) * t["strict_lower"]
+        kk, qk = t["kb"] @ mT(k), q @ mT(k)
+        d_kk = d_m * t["dec"]  # d(kb k^T)
+        d_qk = d_attn * t["dec"]  # d(q k^T)
+        e = (d_m * kk + d_attn * qk) * t["dec"]  # d dec * dec: dec[t, i] = exp(G_t - G_i)
+        eg, eg_last = t["gc"].exp(), t["s_dec"][..., 0, 0]
+        x2 = t["kb"] * eg[..., None]
+        d_kb = d_kk @ k + d_x2 * eg[..., None]
+        d_q = d_qk @ k + d_qdec * eg[..., None]
+        decay_to_end = (t["gc"][..., -1:] - t["gc"]).exp()
+        d_k = mT(d_kk) @ t["kb"] + mT(d_qk) @ q + d_kdec * decay_to_end[..., None] + d_kb * beta[..., None]
+        f = (d_kdec * t["k_dec"]).sum(-1)
+        d_gc = e.sum(-1) - e.sum(-2) + (d_qdec * t["q_dec"]).sum(-1) + (d_x2 * x2).sum(-1) - f
+        d_gc[..., -1] += f.sum(-1) + d_sdec * eg_last
+        d_g = d_gc.flip(-1).cumsum(-1).flip(-1)
+        d_v = d_x1 * beta[..., None]
+        d_beta = (d_x1 * v).sum(-1) + (d_kb * k).sum(-1)
+        return d_q, d_k, d_v, d_g, d_beta, d_s0
+
+
 def _chunked(q, k, v, g, beta, s, chunk):
     """Sequences and heads first (q/k ``[B, H, L, Dk]``, v ``[B, H, L, Dv]``, g/beta ``[B, H, L]``), from
     states s ``[B, H, Dk, Dv]``. Zero-padded tokens (g = beta = k = 0) leave a state as it was."""
@@ -82,30 +175,8 @@ def _chunked(q, k, v, g, beta, s, chunk):
     nc = (n + pad) // chunk
     q, k, v = (x.reshape(b, h, nc, chunk, -1) for x in (q, k, v))
     g, beta = g.reshape(b, h, nc, chunk), beta.reshape(b, h, nc, chunk)
-    gc = g.cumsum(-1)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)
-    dec = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    kb = k * beta[..., None]
-    strict_lower = ~upper & ~torch.eye(chunk, dtype=torch.bool, device=k.device)
-    system = torch.eye(chunk, device=k.device) + ((kb @ k.transpose(-1, -2)) * dec).masked_fill(~strict_lower, 0)
-    u0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * dec
-    # The elementwise factors of every chunk at once (the same per-element ops as inside the loop), and per-chunk
-    # operands by unbind, outputs by stack: under autograd, indexing chunk c out of a [B, H, nc, ...] tensor (and
-    # writing out[:, :, c]) costs a full-size zero tensor and add per chunk and operand in the backward (8 x 4096
-    # tokens, 32 heads: 257 of 280 ms on the H200); unbind/stack backward copy each gradient once.
-    q_dec = q * gc.exp()[..., None]
-    k_dec = (k * (gc[..., -1:] - gc).exp()[..., None]).transpose(-1, -2)
-    s_dec = gc[..., -1, None, None].exp()
-    outs = []
-    for u0_c, w_c, q_c, attn_c, k_c, s_c in zip(
-        *(x.unbind(2) for x in (u0, w, q_dec, attn, k_dec, s_dec)), strict=True
-    ):
-        u = u0_c - w_c @ s
-        outs.append(q_c @ s + attn_c @ u)
-        s = s * s_c + k_c @ u
-    return torch.stack(outs, 2).reshape(b, h, nc * chunk, -1)[:, :, :n], s
+    o, s = _ChunkRule.apply(q, k, v, g, beta, s)
+    return o.reshape(b, h, nc * chunk, -1)[:, :, :n], s
 
 
 def _recurrent(q, k, v, g, beta, s):
