@@ -8,6 +8,8 @@ Timings (median ms, ``triton.testing.do_bench``; Python wrapper time included, n
   q/k/v). ``ours_fwd_bwd_ms``: forward + backward (ours: the native chunked torch formula's backward).
   ``fla_fwd_bwd_ms``: FLA's forward + backward, or ``fla_fwd_bwd`` = ``"unavailable: <reason>"`` where FLA
   refuses it (fla-core 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4, < 3.7.1).
+  With ``--fla-bwd-unchecked`` the refusal is lifted in that case's process and ``fla_fwd_bwd_unchecked_ms`` is
+  FLA's fwd+bwd time there: a speed anchor only (its db/dg are the miscompiled ones of fla #640).
 - ``prefill``: one sequence of T tokens from a fresh state, forward only, final state kept (ours: into the
   GDN state cache; FLA: ``chunk_gated_delta_rule(output_final_state=True)``).
 - ``decode``: one token for each of B sequences, each mid-chunk, from its cached state (ours: the scan kernel
@@ -69,6 +71,8 @@ DEVICE = "cuda"
 # The state pass's dot precision of this case (a case spec's "@P" suffix); None: the dispatching op (registered
 # default).
 DOT_PRECISION: str | None = None
+# --fla-bwd-unchecked: time FLA's fwd+bwd where fla-core refuses its gated backward (speed only).
+FLA_BWD_UNCHECKED = False
 RESULT_TAG = "BENCH_GDN_CASE_RESULT "
 
 
@@ -255,6 +259,14 @@ def bench_train(b: int, t: int, quick: bool) -> dict:
     row["fla_fwd_ms"] = _bench(fla_fwd, quick)
     row["ours_over_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
     refused = _fla_bwd_refused()
+    if refused is not None and FLA_BWD_UNCHECKED:
+        from fla.ops.common import chunk_o
+
+        # Lift fla-core's own refusal for this process: its gated backward then runs, with the db/dg that fla
+        # #640 says are wrong on this Triton. Only its time is kept, as the fwd+bwd anchor (never its gradients).
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        row["fla_fwd_bwd_unchecked_ms"] = _bench(lambda: fla_fwd().backward(fdo), quick)
+        row["ours_over_fla_fwd_bwd_unchecked"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_unchecked_ms"]
     if refused is not None:
         row["fla_fwd_bwd"] = refused
         return row
@@ -561,6 +573,8 @@ def _child(args: argparse.Namespace) -> int:
             print("--device cpu needs TRITON_INTERPRET=1 (the parent process sets it)", file=sys.stderr)
             return 2
         _interpreter_setup()
+    global FLA_BWD_UNCHECKED
+    FLA_BWD_UNCHECKED = args.fla_bwd_unchecked
     row = profile_case(args.case, args.profile_iters) if args.profile else run_case(args.case, args)
     row["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)"
     row["dot_precision"] = DOT_PRECISION  # None: the registered default through the dispatching op
@@ -622,6 +636,8 @@ def _print_row(row: dict) -> None:
     if case == "train":
         bwd = row.get("fla_fwd_bwd_ms", row.get("fla_fwd_bwd", row.get("fla", "-")))
         bwd = f"{bwd:.3f}" if isinstance(bwd, float) else bwd
+        if "fla_fwd_bwd_unchecked_ms" in row:
+            bwd = f"{row['fla_fwd_bwd_unchecked_ms']:.3f} ms unchecked (its gated backward is refused here: {bwd})"
         print(f"train {row['batch']}x{row['T']}: fwd ours {row['ours_fwd_ms']:.3f} ms, fla "
               f"{row.get('fla_fwd_ms', math.nan):.3f} ms | fwd+bwd ours {row['ours_fwd_bwd_ms']:.3f} ms, "
               f"fla {bwd}", flush=True)  # fmt: skip
@@ -682,6 +698,7 @@ def _parent(args: argparse.Namespace) -> int:
     base = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
             "--shape", f"{HK},{HV},{D},{CHUNK}"] + (["--quick"] if args.quick else [])  # fmt: skip
     base += ["--tune", *args.tune] if args.tune else []
+    base += ["--fla-bwd-unchecked"] if args.fla_bwd_unchecked else []
     t_all = time.time()
     for spec in cases:
         t0 = time.time()
@@ -756,6 +773,13 @@ def main() -> int:
                     "be bitwise); with --resources, the kernels compiled for each")  # fmt: skip
     ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
                     f"constants in this run (one of {', '.join(TUNABLE)}), e.g. SCAN_BV=8 SCAN_WARPS=1")  # fmt: skip
+    ap.add_argument(
+        "--fla-bwd-unchecked",
+        action="store_true",
+        help="where fla-core refuses its gated backward "
+        "(Hopper, 3.4 <= Triton < 3.7.1: wrong db/dg, fla #640), run it anyway and report its fwd+bwd time "
+        "as fla_fwd_bwd_unchecked_ms: a speed anchor, not a correct backward",
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
     if args.mm_prompt < 1 or args.mm_decode < 0:

@@ -13,6 +13,9 @@
 #   gdndot   200   bench_gdn --dot-precision ieee tf32x3 tf32: the state pass's dot variants (speed, accuracy, bits)
 #   gdntune  200   bench_gdn --profile train:8x4096 per tuning variant in GDN_TUNES (";"-separated --tune sets;
 #                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms
+#   gdnbwd   200   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
+#                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd
+#   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
 #                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch)
@@ -26,7 +29,7 @@
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof gdndot gdntune rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdn gdnprof gdndot gdntune gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -54,6 +57,11 @@ for s in "$@"; do
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     gdndot) step gdndot 200 12 python3 tools/bench_gdn.py --dot-precision ieee tf32x3 tf32 --out "$OUT/bench_gdn_dot.json" ;;
     gdntune) step gdntune 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
+    gdnbwd)
+      step gdnbwd 140 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
+        --out "$OUT/bench_gdn_bwd.json"
+      step gdnbwdprof 60 16 python3 tools/bench_gdn.py --profile trainbwd:8x4096 --out "$OUT/gdn_prof_trainbwd.json" ;;
+    probe) step probe 90 100 python3 tools/probe_dot_rows.py --out "$OUT/probe_dot_rows.json" ;;
     rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
     rlhybrid) step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \

@@ -59,7 +59,9 @@ from A's blocks still in the scratch). The 63-step substitution over ``[C, C]`` 
 cross-warp reductions per step) is gone: 15 steps and 3 short block rows. The bits differ from VERSION 1;
 training and the decode-side resync run this one kernel on the same chunk, so they agree.
 
-Dot precision: the prep and chain kernels' dots take ``input_precision`` from ``GDNConfig.prep_precision`` and
+Dot precision (VERSION 5: with a tensor-core prep precision, K K^T, U0 and W are whole-K dots from registers, not
+K-blocked: H200 prep 6.3 -> 5.2 ms at tf32x3, 3.65 ms at tf32; the ieee prep keeps its K blocks): the prep and chain
+kernels' dots take ``input_precision`` from ``GDNConfig.prep_precision`` and
 ``GDNConfig.chain_precision`` (each one of :data:`DOT_PRECISIONS`; the spec ``"P"`` sets both, ``"P/C"`` each).
 Registered default since VERSION 3: "ieee/tf32x3", the prep's FMA chains above and the chain's two whole-K dots
 per chunk on tensor cores (H200, 8 x 4096 training forward: chain 7.65 -> 2.85 ms, same error against fp64). With
@@ -93,8 +95,9 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = "4"  # 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor cores (tf32x3), the prep's
-# stay ieee; 2: blocked triangular inverse in the prep kernel
+VERSION = "5"  # 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
+# dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor
+# cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
@@ -111,7 +114,9 @@ DOT_KB = 4 if _INTERPRET else 16
 # substitution, all at once; the blocks below by K-blocked dots. Small under the interpreter so tiny chunks still
 # have several blocks.
 INV_BLOCK = 4 if _INTERPRET else 16
-SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 2, 4, 8
+# The prep's 4 warps (VERSION 5; was 8): H200, prep kernel alone at 8 x 4096, ieee 5.35 -> 4.36 ms, tf32 3.6 -> 2.28 ms
+# (docs/PERFORMANCE.md "Session 7", prep phases).
+SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 2, 4, 4
 # Software-pipelining depth of the K-block loops (bit-neutral: it only moves loads). Chosen with
 # ``tools/bench_gdn.py --resources`` (sm_90a, Dk=Dv=128, chunk 64): the default 3 spills in both kernels.
 PREP_STAGES, CHAIN_STAGES = 1, 2
@@ -119,8 +124,8 @@ PREP_STAGES, CHAIN_STAGES = 1, 2
 # cores); "tf32x3" (3 tf32 MMAs per product, ~fp32 accuracy) and "tf32" use tensor cores. Any of them keeps
 # training == rollout bitwise: both sides run the same kernel on the same closed chunk (module docstring, "Dot
 # precision"). A spec is one of DOT_PRECISIONS for both kernels, or "PREP/CHAIN". The default is the one the
-# contract registers, "ieee/tf32x3": the prep kernel's small K-blocked dots stay FMA chains (tf32x3 made it slower:
-# 6.3 vs 5.3 ms), the chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error
+# contract registers, "ieee/tf32x3": the prep kernel's dots stay FMA chains (tf32x3 did not pay there: 6.3 ms K-blocked,
+# 5.2 ms whole-K since VERSION 5, vs 5.3 ms ieee), the chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error
 # against fp64 (6.0e-8 vs 6.1e-8 max at the bench's mismatch case). The others are opt-in per call.
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
 DOT_PRECISION = "ieee/tf32x3"
@@ -312,20 +317,31 @@ def _prep_kernel(
     lower = ot[:, None] > ot[None, :]
     base = cid * HV + h
     dkd = tl.exp(gl - cum)
-    # K K^T over column blocks of k (K = BK); KD = e^{G_C-G} k is stored block by block on the way.
-    kk = tl.zeros([C, C], dtype=tl.float32)
-    for kb in range(BK // KB):
-        okb = kb * KB + ob
-        mkb = okb < DK
-        kbb = tl.load(
-            bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :], mask=in_buf[:, None] & mkb[None, :], other=0.0
+    if PREC == "ieee":
+        # K K^T over column blocks of k (K = BK); KD = e^{G_C-G} k is stored block by block on the way.
+        kk = tl.zeros([C, C], dtype=tl.float32)
+        for kb in range(BK // KB):
+            okb = kb * KB + ob
+            mkb = okb < DK
+            kbb = tl.load(
+                bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :], mask=in_buf[:, None] & mkb[None, :], other=0.0
+            )
+            krb = tl.load(
+                k_ptr + rows[:, None] * SK + hk * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
+            ).to(tl.float32)
+            kcb = tl.where(in_buf[:, None], kbb, krb)
+            kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision=PREC)
+            tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
+    else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
+        kbf = tl.load(
+            bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :], mask=in_buf[:, None] & mk[None, :], other=0.0
         )
-        krb = tl.load(
-            k_ptr + rows[:, None] * SK + hk * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
+        krf = tl.load(
+            k_ptr + rows[:, None] * SK + hk * DK + ok[None, :], mask=(~in_buf[:, None]) & mk[None, :], other=0.0
         ).to(tl.float32)
-        kcb = tl.where(in_buf[:, None], kbb, krb)
-        kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision=PREC)
-        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
+        kcf = tl.where(in_buf[:, None], kbf, krf)
+        kk = tl.dot(kcf, tl.trans(kcf), input_precision=PREC)
+        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], dkd[:, None] * kcf)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
     # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (module docstring, "Triangular inverse").
@@ -361,37 +377,57 @@ def _prep_kernel(
         tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
         tl.store(tinv_ptr + (base * C + ri[:, None]) * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
         tl.debug_barrier()
-    tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
-    tl.debug_barrier()  # other threads' scratch stores are read below
-    # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
-    u0 = tl.zeros([C, BVF], dtype=tl.float32)
-    for tb in range(C // KB):
-        otb = tb * KB + ob  # this block's tokens: the dot's K index
-        ibb = otb < nbuf
-        rb = row0 + otb
-        bb = brow0 + otb
-        ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
-        vbb = tl.load(bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :], mask=ibb[:, None] & mv[None, :], other=0.0)
-        vrb = tl.load(v_ptr + rb[:, None] * SV + h * DV + ov[None, :], mask=(~ibb[:, None]) & mv[None, :], other=0.0)
-        bcb = tl.where(
-            ibb,
-            tl.load(bb_ptr + bb * HV + h, mask=ibb, other=0.0),
-            tl.load(b_ptr + rb * SB + h, mask=~ibb, other=0.0).to(tl.float32),
-        )
-        u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb.to(tl.float32)), u0, input_precision=PREC)
-    tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
-    w = tl.zeros([C, BK], dtype=tl.float32)
-    for tb in range(C // KB):
-        otb = tb * KB + ob
-        ibb = otb < nbuf
-        rb = row0 + otb
-        bb = brow0 + otb
-        ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
-        kbb = tl.load(bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :], mask=ibb[:, None] & mk[None, :], other=0.0)
-        krb = tl.load(k_ptr + rb[:, None] * SK + hk * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0)
-        bce = tl.load(bce_ptr + base * C + otb)
-        w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb.to(tl.float32)), w, input_precision=PREC)
-    tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
+    if PREC != "ieee":  # tensor cores: U0 and W as two whole-K dots with all of T^{-1}
+        ti = tl.load(tinv_ptr + tile)
+        vbf = tl.load(bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :], mask=in_buf[:, None] & mv[None, :],
+                      other=0.0)  # fmt: skip
+        vrf = tl.load(v_ptr + rows[:, None] * SV + h * DV + ov[None, :], mask=(~in_buf[:, None]) & mv[None, :],
+                      other=0.0)  # fmt: skip
+        vcf = tl.where(in_buf[:, None], vbf, vrf.to(tl.float32))
+        u0 = tl.dot(ti, bc[:, None] * vcf, input_precision=PREC)
+        tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
+        w = tl.dot(ti, (bc * tl.exp(cum))[:, None] * kcf, input_precision=PREC)
+        tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
+    else:
+        tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
+        tl.debug_barrier()  # other threads' scratch stores are read below
+        # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
+        u0 = tl.zeros([C, BVF], dtype=tl.float32)
+        for tb in range(C // KB):
+            otb = tb * KB + ob  # this block's tokens: the dot's K index
+            ibb = otb < nbuf
+            rb = row0 + otb
+            bb = brow0 + otb
+            ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
+            vbb = tl.load(
+                bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :], mask=ibb[:, None] & mv[None, :], other=0.0
+            )
+            vrb = tl.load(
+                v_ptr + rb[:, None] * SV + h * DV + ov[None, :], mask=(~ibb[:, None]) & mv[None, :], other=0.0
+            )
+            bcb = tl.where(
+                ibb,
+                tl.load(bb_ptr + bb * HV + h, mask=ibb, other=0.0),
+                tl.load(b_ptr + rb * SB + h, mask=~ibb, other=0.0).to(tl.float32),
+            )
+            u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb.to(tl.float32)), u0, input_precision=PREC)
+        tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
+        w = tl.zeros([C, BK], dtype=tl.float32)
+        for tb in range(C // KB):
+            otb = tb * KB + ob
+            ibb = otb < nbuf
+            rb = row0 + otb
+            bb = brow0 + otb
+            ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
+            kbb = tl.load(
+                bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :], mask=ibb[:, None] & mk[None, :], other=0.0
+            )
+            krb = tl.load(
+                k_ptr + rb[:, None] * SK + hk * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0
+            )
+            bce = tl.load(bce_ptr + base * C + otb)
+            w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb.to(tl.float32)), w, input_precision=PREC)
+        tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
     tl.store(egc_ptr + base, tl.exp(gl))
 
 
