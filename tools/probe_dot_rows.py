@@ -9,7 +9,8 @@ operands (fp32 accumulate), whether a row of ``C = A @ B (+ acc)`` keeps its bit
 - ``b_rows_beyond_cut``: A is lower triangular (``P = (q k^T) * decay`` masked) and the rows of B from ``n`` on
   differ (``u`` of tokens the decode step has not seen): rows ``< n`` must keep their bits;
 - ``position``: the row sits at another position of the tile;
-- ``tile_m``: the tile has 16 rows instead of 64 (on Hopper Triton picks mma.sync for one, wgmma for the other);
+- ``tile_m``: the tile has 16 rows instead of 64 (on Hopper, wgmma needs 64-row tiles, so the two
+  likely lower to different MMA instructions);
 - ``warps``: the kernel runs with 8 warps instead of 4;
 - ``prep_partial``: our state-pass prep kernel (``gdn_triton._prep_kernel``) on a chunk whose rows from ``n`` on
   are zero (g = beta = k = v = 0) against the full chunk: rows ``< n`` of U0 and W must keep their bits (KD =
