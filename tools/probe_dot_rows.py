@@ -12,6 +12,8 @@ operands (fp32 accumulate), whether a row of ``C = A @ B (+ acc)`` keeps its bit
 - ``tile_m``: the tile has 16 rows instead of 64 (on Hopper, wgmma needs 64-row tiles, so the two
   likely lower to different MMA instructions);
 - ``warps``: the kernel runs with 8 warps instead of 4;
+- ``k_padding``: a dot over all of K whose A is zero outside one 16-column block, against the dot over that block
+  alone (decode's small blocks of a block-diagonal training tile; the first and the last block);
 - ``prep_partial``: our state-pass prep kernel (``gdn_triton._prep_kernel``) on a chunk whose rows from ``n`` on
   are zero (g = beta = k = v = 0) against the full chunk: rows ``< n`` of U0 and W must keep their bits (KD =
   e^{G_C - G} k reads the chunk's last G by definition; it is only used once the chunk is closed).
@@ -129,6 +131,17 @@ def dot_checks(device: str, m: int, n: int, k: int, tiles: int) -> list[dict]:
                          "rows_differing": _rows_differing(base, small)})  # fmt: skip
         rows.append({"check": "warps (8 vs 4)", "prec": prec, "rows_checked": m,
                      "rows_differing": _rows_differing(base, tile_dot(a, b, acc, prec, warps=8))})  # fmt: skip
+        # k_padding: a dot over the whole K whose A is zero outside one block of 16 columns, against the dot over
+        # that block alone (a block-diagonal tile in training, its one block in decode)
+        kb = 16 if k >= 32 else 4  # 16: tl.dot's smallest K on the GPU; the interpreter's tiny shapes take 4
+        for blk in (0, k // kb - 1):
+            sl = slice(blk * kb, (blk + 1) * kb)
+            a_pad = torch.zeros_like(a)
+            a_pad[:, :, sl] = a[:, :, sl]
+            whole = tile_dot(a_pad, b, acc, prec)
+            alone = tile_dot(a[:, :, sl].contiguous(), b[:, sl].contiguous(), acc, prec)
+            rows.append({"check": f"k_padding (block {blk} of {k // kb})", "prec": prec, "rows_checked": m,
+                         "rows_differing": _rows_differing(whole, alone)})  # fmt: skip
     return rows
 
 

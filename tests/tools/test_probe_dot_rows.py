@@ -1,7 +1,7 @@
 """tools/probe_dot_rows.py under the Triton interpreter: every check runs and reports, and the properties that hold
 for numpy's matmul too hold here (a row's bits do not follow other rows of A, nor B's rows past a triangular cut;
-our prep kernel's rows < n do not follow the chunk's later rows). Position and tile size do move numpy's bits, so
-those two are only required to be reported (the GPU answer: docs/GDN.md, "Design sketch")."""
+our prep kernel's rows < n do not follow the chunk's later rows). Position, tile size and K padding do move numpy's bits, so
+those are only required to be reported (the GPU answer: docs/GDN.md, "Design sketch")."""
 
 import json
 import subprocess
@@ -24,7 +24,7 @@ def test_probe_runs_and_rows_keep_their_bits_where_numpy_does(tmp_path: Path) ->
     rows = json.loads(out.read_text())["rows"]
     checks = {(r["check"].split(" (")[0].split(" n=")[0], r["prec"]) for r in rows}
     for prec in ("ieee", "tf32", "tf32x3", "bf16"):
-        for check in ("other_rows", "zero_rows", "b_rows_beyond_cut", "position", "tile_m", "warps"):
+        for check in ("other_rows", "zero_rows", "b_rows_beyond_cut", "position", "tile_m", "warps", "k_padding"):
             assert (check, prec) in checks, (check, prec)
     for prec in ("ieee", "tf32x3", "tf32"):
         assert ("prep_partial U0", prec) in checks and ("prep_partial W", prec) in checks
