@@ -1,6 +1,9 @@
 """Gated DeltaNet on one GPU: ours (ops.gdn, cuda/correctness = CPR Triton kernels) vs FLA, per layer.
 
 Shapes: one Qwen3-Next GDN layer (conf/model/qwen3_next_80b_a3b.yaml: Hk=16, Hv=32, Dk=Dv=128; CPR chunk 64).
+What is timed is the gated delta rule of one layer (the part FLA's two entry points cover), not the layer's
+projections, conv and norms around it: those are GEMMs and elementwise ops outside this comparison, so ratios
+here are the rule's, the hardest part of the layer-level target.
 
 Timings (median ms, ``triton.testing.do_bench``; Python wrapper time included, no CUDA graphs):
 - ``train``: packed batch x T tokens. ``ours_fwd_ms`` / ``fla_fwd_ms``: the training forward (inputs that
