@@ -158,26 +158,14 @@ def prep_partial_checks(device: str, dk: int, chunk: int, heads: int) -> list[di
     for prec in G.DOT_PRECISIONS:
         cfg = G.config_for(dk, dk, chunk, prec)
 
-        def prep(n: int, cfg=cfg, prec=prec):
-            kk, vv, gg, bb = (x.clone() for x in (k, v, g, beta))
-            for x in (kk, vv, gg, bb):
+        def prep(n: int, cfg=cfg):
+            parts = [x.clone() for x in (k, v, g, beta)]
+            for x in parts:
                 x[n:] = 0
-            kk, vv, gg, bb = (x.to(device) for x in (kk, vv, gg, bb))
-            table = torch.zeros(1, 3, dtype=torch.int32, device=device)
-            u0 = torch.empty(1, heads, chunk, cfg.bv_full, device=device)
-            w = torch.empty(1, heads, chunk, cfg.bk, device=device)
-            kd = torch.empty_like(w)
-            egc = torch.empty(1, heads, device=device)
-            tinv = torch.empty(1, heads, chunk, chunk, device=device)
-            bce = torch.empty(1, heads, chunk, device=device)
+            rows = tuple(G._rows(x.to(device)) for x in parts)
+            table = torch.zeros(1, 3, dtype=torch.int32, device=device)  # one chunk from packed row 0, none buffered
             buf = torch.zeros(1, device=device)
-            G._prep_kernel[(1, heads)](
-                kk, vv, gg, bb, buf, buf, buf, buf, table, u0, w, kd, egc, tinv, bce,
-                heads * dk, heads * dk, heads, heads, heads, heads, dk, dk, 1,
-                C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=prec,
-                num_warps=G.PREP_WARPS, num_stages=G.PREP_STAGES,
-            )  # fmt: skip
-            return u0, w
+            return G.prep_chunks(rows, (buf, buf, buf, buf), table, cfg)[:2]  # U0, W
 
         full = prep(chunk)
         for n in sorted({1, chunk // 4, chunk // 4 + 1, chunk // 2 + 3, chunk - 1}):

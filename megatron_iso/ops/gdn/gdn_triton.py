@@ -269,6 +269,17 @@ def _scan_kernel(
 
 
 @triton.jit
+def _buffered_or_packed(buf_ptrs, packed_ptrs, from_buf, mask):
+    """A chunk tile of the prep kernel: where ``from_buf``, the state cache's fp32 buffer; elsewhere the call's
+    packed rows, widened exactly to fp32. Both sources hold the same fp32 values, so either gives the same chunk."""
+    return tl.where(
+        from_buf,
+        tl.load(buf_ptrs, mask=from_buf & mask, other=0.0),
+        tl.load(packed_ptrs, mask=(~from_buf) & mask, other=0.0).to(tl.float32),
+    )
+
+
+@triton.jit
 def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
     u0_ptr, w_ptr, kd_ptr, egc_ptr, tinv_ptr, bce_ptr,
@@ -301,17 +312,8 @@ def _prep_kernel(
     in_buf = ot < nbuf
     rows = row0 + ot
     brows = brow0 + ot
-    # Buffered tokens and packed rows hold the same fp32 values: both sources give the same chunk.
-    gc = tl.where(
-        in_buf,
-        tl.load(bg_ptr + brows * HV + h, mask=in_buf, other=0.0),
-        tl.load(g_ptr + rows * SG + h, mask=~in_buf, other=0.0).to(tl.float32),
-    )
-    bc = tl.where(
-        in_buf,
-        tl.load(bb_ptr + brows * HV + h, mask=in_buf, other=0.0),
-        tl.load(b_ptr + rows * SB + h, mask=~in_buf, other=0.0).to(tl.float32),
-    )
+    gc = _buffered_or_packed(bg_ptr + brows * HV + h, g_ptr + rows * SG + h, in_buf, ot < C)
+    bc = _buffered_or_packed(bb_ptr + brows * HV + h, b_ptr + rows * SB + h, in_buf, ot < C)
     cum = tl.cumsum(gc, axis=0)  # G_t
     gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
     lower = ot[:, None] > ot[None, :]
@@ -323,23 +325,21 @@ def _prep_kernel(
         for kb in range(BK // KB):
             okb = kb * KB + ob
             mkb = okb < DK
-            kbb = tl.load(
-                bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :], mask=in_buf[:, None] & mkb[None, :], other=0.0
+            kcb = _buffered_or_packed(
+                bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :],
+                k_ptr + rows[:, None] * SK + hk * DK + okb[None, :],
+                in_buf[:, None],
+                mkb[None, :],
             )
-            krb = tl.load(
-                k_ptr + rows[:, None] * SK + hk * DK + okb[None, :], mask=(~in_buf[:, None]) & mkb[None, :], other=0.0
-            ).to(tl.float32)
-            kcb = tl.where(in_buf[:, None], kbb, krb)
             kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision=PREC)
             tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
     else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
-        kbf = tl.load(
-            bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :], mask=in_buf[:, None] & mk[None, :], other=0.0
+        kcf = _buffered_or_packed(
+            bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :],
+            k_ptr + rows[:, None] * SK + hk * DK + ok[None, :],
+            in_buf[:, None],
+            mk[None, :],
         )
-        krf = tl.load(
-            k_ptr + rows[:, None] * SK + hk * DK + ok[None, :], mask=(~in_buf[:, None]) & mk[None, :], other=0.0
-        ).to(tl.float32)
-        kcf = tl.where(in_buf[:, None], kbf, krf)
         kk = tl.dot(kcf, tl.trans(kcf), input_precision=PREC)
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], dkd[:, None] * kcf)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
@@ -379,11 +379,12 @@ def _prep_kernel(
         tl.debug_barrier()
     if PREC != "ieee":  # tensor cores: U0 and W as two whole-K dots with all of T^{-1}
         ti = tl.load(tinv_ptr + tile)
-        vbf = tl.load(bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :], mask=in_buf[:, None] & mv[None, :],
-                      other=0.0)  # fmt: skip
-        vrf = tl.load(v_ptr + rows[:, None] * SV + h * DV + ov[None, :], mask=(~in_buf[:, None]) & mv[None, :],
-                      other=0.0)  # fmt: skip
-        vcf = tl.where(in_buf[:, None], vbf, vrf.to(tl.float32))
+        vcf = _buffered_or_packed(
+            bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :],
+            v_ptr + rows[:, None] * SV + h * DV + ov[None, :],
+            in_buf[:, None],
+            mv[None, :],
+        )
         u0 = tl.dot(ti, bc[:, None] * vcf, input_precision=PREC)
         tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
         w = tl.dot(ti, (bc * tl.exp(cum))[:, None] * kcf, input_precision=PREC)
@@ -399,18 +400,14 @@ def _prep_kernel(
             rb = row0 + otb
             bb = brow0 + otb
             ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
-            vbb = tl.load(
-                bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :], mask=ibb[:, None] & mv[None, :], other=0.0
+            vcb = _buffered_or_packed(
+                bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :],
+                v_ptr + rb[:, None] * SV + h * DV + ov[None, :],
+                ibb[:, None],
+                mv[None, :],
             )
-            vrb = tl.load(
-                v_ptr + rb[:, None] * SV + h * DV + ov[None, :], mask=(~ibb[:, None]) & mv[None, :], other=0.0
-            )
-            bcb = tl.where(
-                ibb,
-                tl.load(bb_ptr + bb * HV + h, mask=ibb, other=0.0),
-                tl.load(b_ptr + rb * SB + h, mask=~ibb, other=0.0).to(tl.float32),
-            )
-            u0 = tl.dot(ti, bcb[:, None] * tl.where(ibb[:, None], vbb, vrb.to(tl.float32)), u0, input_precision=PREC)
+            bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, ob < KB)
+            u0 = tl.dot(ti, bcb[:, None] * vcb, u0, input_precision=PREC)
         tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
         w = tl.zeros([C, BK], dtype=tl.float32)
         for tb in range(C // KB):
@@ -419,14 +416,14 @@ def _prep_kernel(
             rb = row0 + otb
             bb = brow0 + otb
             ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
-            kbb = tl.load(
-                bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :], mask=ibb[:, None] & mk[None, :], other=0.0
-            )
-            krb = tl.load(
-                k_ptr + rb[:, None] * SK + hk * DK + ok[None, :], mask=(~ibb[:, None]) & mk[None, :], other=0.0
+            kcb = _buffered_or_packed(
+                bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :],
+                k_ptr + rb[:, None] * SK + hk * DK + ok[None, :],
+                ibb[:, None],
+                mk[None, :],
             )
             bce = tl.load(bce_ptr + base * C + otb)
-            w = tl.dot(ti, bce[:, None] * tl.where(ibb[:, None], kbb, krb.to(tl.float32)), w, input_precision=PREC)
+            w = tl.dot(ti, bce[:, None] * kcb, w, input_precision=PREC)
         tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
     tl.store(egc_ptr + base, tl.exp(gl))
 
@@ -733,6 +730,33 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0)
 
 
+def prep_chunks(
+    rows: tuple[tuple[torch.Tensor, int], ...],
+    buffers: tuple[torch.Tensor, ...],
+    chunks: torch.Tensor,
+    cfg: GDNConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, 3]``: the kernel's chunk rows): U0, W, KD and e^{G_C}
+    of each chunk and value head. ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
+    ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered)."""
+    (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
+    hk, dk = kf.shape[1:]
+    hv, dv = vf.shape[1:]
+    n, c, dev = chunks.shape[0], cfg.chunk, kf.device
+    u0 = torch.empty(n, hv, c, cfg.bv_full, dtype=torch.float32, device=dev)
+    w = torch.empty(n, hv, c, cfg.bk, dtype=torch.float32, device=dev)
+    kd = torch.empty_like(w)
+    egc = torch.empty(n, hv, dtype=torch.float32, device=dev)
+    tinv = torch.empty(n, hv, c, c, dtype=torch.float32, device=dev)  # scratch
+    bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
+    _prep_kernel[(n, hv)](
+        kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
+        C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
+        num_warps=PREP_WARPS, num_stages=PREP_STAGES,
+    )  # fmt: skip
+    return u0, w, kd, egc
+
+
 def _rule_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -785,17 +809,7 @@ def _rule_forward(
         bk = bvv = bg = bb = ex
         entry = running = ex
     if plan.nchunks:
-        u0 = torch.empty(plan.nchunks, hv, chunk, cfg.bv_full, dtype=torch.float32, device=dev)
-        w = torch.empty(plan.nchunks, hv, chunk, cfg.bk, dtype=torch.float32, device=dev)
-        kd = torch.empty_like(w)
-        egc = torch.empty(plan.nchunks, hv, dtype=torch.float32, device=dev)
-        tinv = torch.empty(plan.nchunks, hv, chunk, chunk, dtype=torch.float32, device=dev)  # prep scratch
-        bce = torch.empty(plan.nchunks, hv, chunk, dtype=torch.float32, device=dev)  # prep scratch
-        _prep_kernel[(plan.nchunks, hv)](
-            kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-            num_warps=PREP_WARPS, num_stages=PREP_STAGES,
-        )  # fmt: skip
+        u0, w, kd, egc = prep_chunks(((kf, sk), (vf, sv), (gf, sg), (bf, sb)), (bk, bvv, bg, bb), plan.chunks, cfg)
     else:
         u0 = w = kd = egc = ex
     if plan.nchains:
