@@ -87,13 +87,15 @@ def _intra_chunk(q, k, v, g, beta):
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
     system = eye + ((kb @ k.transpose(-1, -2)) * dec).masked_fill(~strict_lower, 0)
     tinv = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
+    eg, decay_to_end = gc.exp(), (gc[..., -1:] - gc).exp()
     return {
-        "gc": gc, "dec": dec, "kb": kb, "strict_lower": strict_lower, "tinv": tinv,
+        "gc": gc, "dec": dec, "kb": kb, "strict_lower": strict_lower, "tinv": tinv, "eg": eg,
+        "decay_to_end": decay_to_end,
         "u0": tinv @ (v * beta[..., None]),
-        "w": tinv @ (kb * gc.exp()[..., None]),
+        "w": tinv @ (kb * eg[..., None]),
         "attn": (q @ k.transpose(-1, -2)) * dec,
-        "q_dec": q * gc.exp()[..., None],
-        "k_dec": k * (gc[..., -1:] - gc).exp()[..., None],
+        "q_dec": q * eg[..., None],
+        "k_dec": k * decay_to_end[..., None],
         "s_dec": gc[..., -1, None, None].exp(),
     }  # fmt: skip
 
@@ -170,12 +172,11 @@ class _ChunkRule(torch.autograd.Function):
         d_kk = d_m * t["dec"]  # d(kb k^T)
         d_qk = d_attn * t["dec"]  # d(q k^T)
         e = (d_m * kk + d_attn * qk) * t["dec"]  # d dec * dec: dec[t, i] = exp(G_t - G_i)
-        eg, eg_last = t["gc"].exp(), t["s_dec"][..., 0, 0]
+        eg, eg_last = t["eg"], t["s_dec"][..., 0, 0]
         x2 = t["kb"] * eg[..., None]
         d_kb = d_kk @ k + d_x2 * eg[..., None]
         d_q = d_qk @ k + d_qdec * eg[..., None]
-        decay_to_end = (t["gc"][..., -1:] - t["gc"]).exp()
-        d_k = mT(d_kk) @ t["kb"] + mT(d_qk) @ q + d_kdec * decay_to_end[..., None] + d_kb * beta[..., None]
+        d_k = mT(d_kk) @ t["kb"] + mT(d_qk) @ q + d_kdec * t["decay_to_end"][..., None] + d_kb * beta[..., None]
         f = (d_kdec * t["k_dec"]).sum(-1)
         d_gc = e.sum(-1) - e.sum(-2) + (d_qdec * t["q_dec"]).sum(-1) + (d_x2 * x2).sum(-1) - f
         d_gc[..., -1] += f.sum(-1) + d_sdec * eg_last
