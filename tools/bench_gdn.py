@@ -74,8 +74,6 @@ DEVICE = "cuda"
 # The state pass's dot precision of this case (a case spec's "@P" suffix); None: the dispatching op (registered
 # default).
 DOT_PRECISION: str | None = None
-# --fla-bwd-unchecked: time FLA's fwd+bwd where fla-core refuses its gated backward (speed only).
-FLA_BWD_UNCHECKED = False
 RESULT_TAG = "BENCH_GDN_CASE_RESULT "
 
 
@@ -243,7 +241,8 @@ def _train_ours(b: int, t: int):
     return ours_fwd, (q, k, v, g, beta)
 
 
-def bench_train(b: int, t: int, quick: bool) -> dict:
+def bench_train(b: int, t: int, quick: bool, fla_bwd_unchecked: bool = False) -> dict:
+    """``fla_bwd_unchecked``: time FLA's fwd+bwd where fla-core refuses its gated backward (speed only)."""
     fla_chunk, _, fla_err = _fla()
     ours_fwd, (q, k, v, g, beta) = _train_ours(b, t)
     dout = torch.randn(b * t, HV, D, device=DEVICE)
@@ -262,7 +261,7 @@ def bench_train(b: int, t: int, quick: bool) -> dict:
     row["fla_fwd_ms"] = _bench(fla_fwd, quick)
     row["ours_over_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
     refused = _fla_bwd_refused()
-    if refused is not None and FLA_BWD_UNCHECKED:
+    if refused is not None and fla_bwd_unchecked:
         from fla.ops.common import chunk_o
 
         # Lift fla-core's own refusal for this process: its gated backward then runs, with the db/dg that fla
@@ -427,7 +426,7 @@ def run_case(spec: str, args: argparse.Namespace) -> dict:
     kind, _, size = spec.partition(":")
     if kind == "train":
         b, t = (int(x) for x in size.split("x"))
-        return bench_train(b, t, args.quick)
+        return bench_train(b, t, args.quick, args.fla_bwd_unchecked)
     if kind == "prefill":
         return bench_prefill(int(size), args.quick)
     if kind == "decode":
@@ -576,8 +575,6 @@ def _child(args: argparse.Namespace) -> int:
             print("--device cpu needs TRITON_INTERPRET=1 (the parent process sets it)", file=sys.stderr)
             return 2
         _interpreter_setup()
-    global FLA_BWD_UNCHECKED
-    FLA_BWD_UNCHECKED = args.fla_bwd_unchecked
     row = profile_case(args.case, args.profile_iters) if args.profile else run_case(args.case, args)
     row["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)"
     row["dot_precision"] = DOT_PRECISION  # None: the registered default through the dispatching op
