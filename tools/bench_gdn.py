@@ -459,19 +459,30 @@ def profile_case(spec: str, iters: int) -> dict:
 
             def fn() -> None:
                 fwd().backward(d_out)
+    elif kind == "flatrain":  # FLA's chunk forward on the same inputs: its per-kernel split, our budget
+        b, t = (int(x) for x in size.split("x"))
+        fla_chunk, _, fla_err = _fla()
+        if fla_chunk is None:
+            raise SystemExit(f"--profile {spec!r}: fla-core unavailable: {fla_err}")
+        _, (q, k, v, g, beta) = _train_ours(b, t)
+        fq, fk, fv = (x.bfloat16() for x in (q, k, v))
+
+        def fn() -> None:
+            fla_chunk(*[x.detach().requires_grad_(True) for x in (fq, fk, fv, g, beta)], scale=D**-0.5)
     elif kind == "prefill":
         fn, _ = _prefill_ours(int(size))
     elif kind == "decode":
         fn, _ = _decode_ours(int(size))
     else:
-        raise SystemExit(f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, prefill:T or decode:B")
+        raise SystemExit(f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, flatrain:BxT, prefill:T or decode:B")
     cuda = DEVICE == "cuda"
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    grad = kind.startswith("train")  # the training forward runs with inputs that require grad, as in the bench
+    # the training forwards run with inputs that require grad, as in the bench
+    grad = kind.startswith(("train", "flatrain"))
     with torch.set_grad_enabled(grad):
         for _ in range(2):
             fn()
@@ -762,7 +773,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: interpreter dry run")
     ap.add_argument("--shape", default=f"{HK},{HV},{D},{CHUNK}", help="Hk,Hv,D,chunk")
     ap.add_argument("--profile", metavar="CASE", help="profile our forward of one case (train:BxT, prefill:T, "
-                    "decode:B; trainbwd:BxT: forward + backward) under torch.profiler; writes the kernel table to "
+                    "decode:B; trainbwd:BxT: forward + backward; flatrain:BxT: FLA's chunk forward) under torch.profiler; writes the kernel table to "
                     "--out")  # fmt: skip
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "

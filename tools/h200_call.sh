@@ -10,6 +10,7 @@
 #   gputests 300   pytest tests/gpu (every single-GPU bitwise test; GPU_TESTS="files..." narrows it)
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
+#   flaprof   90   bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward (our budget)
 #   gdndot   200   bench_gdn --dot-precision ieee tf32x3 tf32: the state pass's dot variants (speed, accuracy, bits)
 #   gdntune  200   bench_gdn --profile train:8x4096 per tuning variant in GDN_TUNES (";"-separated --tune sets;
 #                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms
@@ -29,7 +30,7 @@
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof gdndot gdntune gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdn gdnprof flaprof gdndot gdntune gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -55,6 +56,7 @@ for s in "$@"; do
       step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
+    flaprof) step flaprof 90 24 python3 tools/bench_gdn.py --profile flatrain:8x4096 --out "$OUT/fla_prof_train.json" ;;
     gdndot) step gdndot 200 12 python3 tools/bench_gdn.py --dot-precision ieee tf32x3 tf32 --out "$OUT/bench_gdn_dot.json" ;;
     gdntune) step gdntune 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
     gdnbwd)
