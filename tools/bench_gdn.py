@@ -74,6 +74,8 @@ DEVICE = "cuda"
 # The state pass's dot precision of this case (a case spec's "@P" suffix); None: the dispatching op (registered
 # default).
 DOT_PRECISION: str | None = None
+FORM: str | None = None  # gdn_triton.FORMS; set with the precision by a variant "FORM:P"
+VARIANT: str | None = None  # the case's "@..." suffix as given
 RESULT_TAG = "BENCH_GDN_CASE_RESULT "
 
 
@@ -101,13 +103,13 @@ def _interpreter_setup() -> None:
 
 def _rule():
     """Our gated delta rule: the dispatching op on CUDA; on CPU the Triton module itself (interpreter); the
-    Triton module with ``dot_precision`` when the case names one (``@P``)."""
-    if DOT_PRECISION is not None:
+    Triton module with ``dot_precision`` (and ``form``) when the case names a variant (``@P``, ``@FORM:P``)."""
+    if VARIANT is not None:
         import functools
 
         from megatron_iso.ops.gdn.gdn_triton import gated_delta_rule as triton_rule
 
-        return functools.partial(triton_rule, dot_precision=DOT_PRECISION)
+        return functools.partial(triton_rule, dot_precision=DOT_PRECISION, form=FORM)
     if DEVICE == "cuda":
         from megatron_iso.ops.gdn import gated_delta_rule
     else:
@@ -115,18 +117,27 @@ def _rule():
     return gated_delta_rule
 
 
-def _split_precision(spec: str) -> str:
-    """``kind:size@P`` -> ``kind:size``, setting DOT_PRECISION to P (checked against the module's list)."""
-    global DOT_PRECISION
-    spec, at, prec = spec.partition("@")
-    if at:
-        from megatron_iso.ops.gdn.gdn_triton import split_dot_precision
+def parse_variant(variant: str) -> tuple[str | None, str]:
+    """``P`` or ``FORM:P`` -> (form or None, P), both checked against gdn_triton's lists (ValueError)."""
+    from megatron_iso.ops.gdn.gdn_triton import FORMS, split_dot_precision
 
+    form, colon, prec = variant.rpartition(":")
+    if colon and form not in FORMS:
+        raise ValueError(f"variant {variant!r}: form {form!r} must be one of {list(FORMS)}")
+    split_dot_precision(prec)
+    return (form or None), prec
+
+
+def _split_precision(spec: str) -> str:
+    """``kind:size@VARIANT`` -> ``kind:size``, setting DOT_PRECISION, FORM and VARIANT from it."""
+    global DOT_PRECISION, FORM, VARIANT
+    spec, at, variant = spec.partition("@")
+    if at:
         try:
-            split_dot_precision(prec)
+            FORM, DOT_PRECISION = parse_variant(variant)
         except ValueError as e:
-            raise SystemExit(f"case {spec}@{prec}: {e}") from None
-        DOT_PRECISION = prec
+            raise SystemExit(f"case {spec}@{variant}: {e}") from None
+        VARIANT = variant
     return spec
 
 
@@ -531,7 +542,8 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    cfg = G.config_for(D, D, CHUNK, dot_precision or G.DOT_PRECISION)
+    form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
+    cfg = G.config_for(D, D, CHUNK, prec, form or G.FORM)
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
@@ -539,7 +551,10 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
                                           "IB": cfg.inv_block, "PREC": cfg.prep_precision},
                          G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
-                                            "KB": cfg.kb, "PREC": cfg.chain_precision}, G.CHAIN_WARPS, G.CHAIN_STAGES),
+                                            "KB": cfg.kb, "PREC": cfg.chain_precision, "ENTRIES": cfg.form == "chunk"},
+                          G.CHAIN_WARPS, G.CHAIN_STAGES),
+        "_chunk_out_kernel": (G._chunk_out_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.out_bv,
+                                                    "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
     }  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():
@@ -588,7 +603,7 @@ def _child(args: argparse.Namespace) -> int:
         _interpreter_setup()
     row = profile_case(args.case, args.profile_iters) if args.profile else run_case(args.case, args)
     row["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)"
-    row["dot_precision"] = DOT_PRECISION  # None: the registered default through the dispatching op
+    row["dot_precision"] = VARIANT  # None: the registered default through the dispatching op
     if DEVICE == "cuda":
         torch.cuda.synchronize()  # an asynchronous fault surfaces here, inside this case
     print(RESULT_TAG + json.dumps(row), flush=True)
@@ -601,11 +616,14 @@ TUNABLE = (
     "SCAN_WARPS",
     "CHAIN_BV",
     "CHAIN_BV_MMA",
+    "CHAIN_BV_BF16",
     "CHAIN_WARPS",
     "CHAIN_STAGES",
     "PREP_WARPS",
     "PREP_STAGES",
     "INV_BLOCK",
+    "OUT_BV",
+    "OUT_WARPS",
 )
 
 
@@ -670,18 +688,19 @@ def _variant_summary(result: dict) -> bool:
     """Per dot precision: training forward ms, ours vs fp64, train vs rollout (must be bitwise). True when every
     variant's mismatch row is bitwise (a missing row counts as not)."""
     ok = True
-    print("dot precision | train fwd ms | prefill ms | ours vs fp64 max / mean | train vs rollout max |d|, bitwise")
+    print("variant          | train fwd ms | prefill ms | decode ms | ours vs fp64 max / mean | train vs rollout max "
+          "|d|, bitwise")  # fmt: skip
     for prec in result["dot_precisions"]:
         rows = {r["case"]: r for r in result["rows"] if r.get("dot_precision") == prec}
-        tr, pf, mm = rows.get("train", {}), rows.get("prefill", {}), rows.get("mismatch")
-        fwd, pms = tr.get("ours_fwd_ms", math.nan), pf.get("ours_ms", math.nan)
-        if mm is None:
+        tr, pf, dc, mm = (rows.get(c, {}) for c in ("train", "prefill", "decode", "mismatch"))
+        fwd, pms, dms = tr.get("ours_fwd_ms", math.nan), pf.get("ours_ms", math.nan), dc.get("ours_ms", math.nan)
+        if not mm:
             ok = False
-            print(f"{prec:<13} | {fwd:12.3f} | {pms:10.3f} | mismatch case missing")
+            print(f"{prec:<16} | {fwd:12.3f} | {pms:10.3f} | {dms:9.3f} | mismatch case missing")
             continue
         e, d = mm["ours_vs_fp64"], mm["ours_train_vs_rollout"]
         ok = ok and d["bitwise_equal"]
-        print(f"{prec:<13} | {fwd:12.3f} | {pms:10.3f} | {e['max_abs']:.3e} / {e['mean_abs']:.3e} | "
+        print(f"{prec:<16} | {fwd:12.3f} | {pms:10.3f} | {dms:9.3f} | {e['max_abs']:.3e} / {e['mean_abs']:.3e} | "
               f"{d['max_abs']:.3e}, {d['bitwise_equal']}")  # fmt: skip
     return ok
 
@@ -694,6 +713,7 @@ def _parent(args: argparse.Namespace) -> int:
         for p in args.dot_precision:
             cases.append(f"train:{b}x{t}@{p}")
             cases += [f"prefill:{n}@{p}" for n in prefills[:1]]
+            cases += [f"decode:{int(n)}@{p}" for n in args.decode.split(",")[:1] if n]
             cases.append(f"mismatch:{args.mm_prompt}x{args.mm_decode}@{p}")
     else:
         cases = [f"train:{b}x{t}"]
@@ -778,10 +798,11 @@ def main() -> int:
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
                     "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
-    ap.add_argument("--dot-precision", nargs="+", metavar="P", help="time the state pass's dot precisions "
-                    "(ieee, tf32x3, tf32, or PREP/CHAIN such as ieee/tf32x3): per variant the training forward, "
-                    "the first --prefill length and the mismatch case (ours vs fp64, train vs rollout, which must "
-                    "be bitwise); with --resources, the kernels compiled for each")  # fmt: skip
+    ap.add_argument("--dot-precision", nargs="+", metavar="V", help="time variants of our rule: a dot precision "
+                    "(ieee, tf32x3, tf32, bf16, or PREP/CHAIN such as ieee/tf32x3), optionally after an output form "
+                    "(chunk:bf16, scan:tf32): per variant the training forward, the first --prefill length, decode at "
+                    "the first --decode batch and the mismatch case (ours vs fp64, train vs rollout, which must be "
+                    "bitwise); with --resources, the kernels compiled for each")  # fmt: skip
     ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
                     f"constants in this run (one of {', '.join(TUNABLE)}), e.g. SCAN_BV=8 SCAN_WARPS=1")  # fmt: skip
     ap.add_argument(
@@ -799,11 +820,9 @@ def main() -> int:
     _set_shape(args.shape)
     _apply_tune(args.tune)
     if args.dot_precision:
-        from megatron_iso.ops.gdn.gdn_triton import split_dot_precision
-
         for p in args.dot_precision:
             try:
-                split_dot_precision(p)
+                parse_variant(p)
             except ValueError as e:
                 ap.error(f"--dot-precision {p!r}: {e}")
     if args.resources:

@@ -163,7 +163,8 @@ def prep_partial_checks(device: str, dk: int, chunk: int, heads: int) -> list[di
             for x in parts:
                 x[n:] = 0
             rows = tuple(G._rows(x.to(device)) for x in parts)
-            table = torch.zeros(1, 3, dtype=torch.int32, device=device)  # one chunk from packed row 0, none buffered
+            # one chunk from packed row 0, none buffered, all rows present
+            table = torch.tensor([[0, 0, 0, chunk, 0]], dtype=torch.int32, device=device)
             buf = torch.zeros(1, device=device)
             return G.prep_chunks(rows, (buf, buf, buf, buf), table, cfg)[:2]  # U0, W
 

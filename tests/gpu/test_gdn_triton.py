@@ -143,6 +143,50 @@ def test_dot_precision_variant_train_equals_rollout(gt, chunk, d, prec):
     assert err < DOT_VARIANT_SANITY[prec], f"{prec} vs fp64 {err:.2e} (default {maxdiff(default, ref):.2e})"
 
 
+# Chunk-form outputs (module docstring, "Output forms"): every precision spec, sanity bounds against fp64 as above
+# (bf16 operands keep 8 mantissa bits, FLA's class).
+CHUNK_FORM_SANITY = {"ieee/tf32x3": 1e-4, "ieee": 2e-5, "tf32x3": 1e-4, "tf32": 1e-2, "bf16": 5e-2}
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+@pytest.mark.parametrize("prec", sorted(CHUNK_FORM_SANITY))
+def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
+    """Chunk form: training forward == prefill(P) + decode (P around chunk boundaries) == chunked prefill, bitwise,
+    and a batch of sequences at mixed positions == each alone; decode recomputes its open chunk's tiles, whose rows
+    < n do not depend on the rows after (the MMA row probe, tools/probe_dot_rows.py)."""
+    kw = {"dot_precision": prec, "form": "chunk"}
+    total = 3 * chunk + 7
+    x = inputs(total, 62, d)
+    full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
+    for p in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3):
+        inc, _ = incremental(gt, x, [p] + [1] * (total - p), chunk, **kw)
+        assert same_bits(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
+    inc, st = incremental(gt, x, [2, chunk - 1, 6, chunk, total - 2 * chunk - 7], chunk, **kw)
+    assert same_bits(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
+    nb = total % chunk
+    assert same_bits(st.buf_k[1, :nb], x[1][-nb:]) and same_bits(st.buf_v[1, :nb], x[2][-nb:]), "buffer rows"
+    ref, _ = naive64(*x)
+    err = maxdiff(full, ref)
+    assert err < CHUNK_FORM_SANITY[prec], f"chunk form {prec} vs fp64 {err:.2e}"
+    # mixed positions in one call == each alone (prefix call first, then all continue together)
+    c = chunk
+    lens, prev = [5, 2 * c + 3, 1, 3, 1, c], [3, 0, c - 1, 2 * c, c + 2, 5]
+    seqs = [inputs(p + n, 70 + i, d) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
+    alone = [incremental(gt, s, [p, n] if p else [n], c, **kw)[0][p:] for s, p, n in zip(seqs, prev, lens, strict=True)]
+    st = new_state(len(lens), c, d)
+    for i, s in enumerate(seqs):
+        if prev[i]:
+            gt.gated_delta_rule(*(t[: prev[i]] for t in s), cu([prev[i]]), chunk=c, state=st,
+                                slots=torch.tensor([i], device="cuda"), starts=torch.tensor([0], device="cuda"), **kw)  # fmt: skip
+    order = [2, 0, 5, 4, 3, 1]
+    cat = [torch.cat([seqs[i][j][prev[i] :] for i in order]) for j in range(5)]
+    out = gt.gated_delta_rule(*cat, cu([lens[i] for i in order]), chunk=c, state=st,
+                              slots=torch.tensor(order, device="cuda"),
+                              starts=torch.tensor([prev[i] for i in order], device="cuda"), **kw)  # fmt: skip
+    for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
+        assert same_bits(part, alone[i]), f"{prec} sequence {i}: max |d| {maxdiff(part, alone[i]):.3e}"
+
+
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
 def test_bf16_strided_inputs_read_in_kernel(gt, chunk, d):
     """v as the model passes it (a bf16 column slice of the conv output, row stride > Hv*Dv) and bf16 q/k are

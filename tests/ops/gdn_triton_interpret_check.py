@@ -19,6 +19,7 @@ from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
 
 allow_runtime_loop_bounds()
 
+import functools
 import time
 
 import torch
@@ -61,16 +62,17 @@ def incremental(x, pieces, slot=1, st=None):
     for n in pieces:
         r = slice(pos, pos + n)
         outs.append(
-            gt.gated_delta_rule(
-                *(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([slot]), starts=torch.tensor([pos])
-            )
+            rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([slot]), starts=torch.tensor([pos]))
         )
         pos += n
     return torch.cat(outs), st
 
 
+rule = gt.gated_delta_rule  # the form under check (check_rule sets it)
+
+
 def train(x):
-    return gt.gated_delta_rule(*x, cu([x[0].shape[0]]), chunk=C)
+    return rule(*x, cu([x[0].shape[0]]), chunk=C)
 
 
 def count_launches(fn) -> dict[str, int]:
@@ -111,140 +113,149 @@ def count_launches(fn) -> dict[str, int]:
     return counts
 
 
-# accuracy vs the CPU reference (state tolerance) on packed sequences
-xs = [inputs(n, 10 + n) for n in (13, 1, 22)]
-packed = [torch.cat([x[j] for x in xs]) for j in range(5)]
-got = gt.gated_delta_rule(*packed, cu([13, 1, 22]), chunk=C)
-want = ref.gated_delta_rule(*packed, cu([13, 1, 22]), chunk=C)
-err = float((got - want).abs().max())
-assert err < 1e-5, f"vs reference {err:.2e}"
-# packing invariance
-for x, part in zip(xs, got.split([13, 1, 22]), strict=True):
-    assert same_bits(train(x), part), "packing"
-# prefill(P) + decode == training forward, across chunk closes (resync) for P in 1, C-1, C, C+1, 2C+3
-for p in (1, C - 1, C, C + 1, 2 * C + 3):
-    total = (p // C + 1) * C + 2
-    x = inputs(total, 100 + p)
+def check_rule(form: str) -> None:
+    global rule
+    rule = functools.partial(gt.gated_delta_rule, form=form)
+    # accuracy vs the CPU reference (state tolerance) on packed sequences
+    xs = [inputs(n, 10 + n) for n in (13, 1, 22)]
+    packed = [torch.cat([x[j] for x in xs]) for j in range(5)]
+    got = rule(*packed, cu([13, 1, 22]), chunk=C)
+    want = ref.gated_delta_rule(*packed, cu([13, 1, 22]), chunk=C)
+    err = float((got - want).abs().max())
+    assert err < 1e-5, f"vs reference {err:.2e}"
+    # packing invariance
+    for x, part in zip(xs, got.split([13, 1, 22]), strict=True):
+        assert same_bits(train(x), part), "packing"
+    # prefill(P) + decode == training forward, across chunk closes (resync) for P in 1, C-1, C, C+1, 2C+3
+    for p in (1, C - 1, C, C + 1, 2 * C + 3):
+        total = (p // C + 1) * C + 2
+        x = inputs(total, 100 + p)
+        full = train(x)
+        inc, st = incremental(x, [p] + [1] * (total - p))
+        assert same_bits(full, inc), f"prefill {p} + decode: max |d| {(full - inc).abs().max():.3e}"
+        assert float((full - ref.gated_delta_rule(*x, cu([total]), chunk=C)).abs().max()) < 1e-5
+    # chunked prefill of any pieces, and the state cache against the reference's
+    for pieces in ([3, 5, 9], [8, 8, 1, 7], [1, 1, 13, 2, 4], [2, 15, 6]):
+        x = inputs(sum(pieces), 7)
+        inc, st = incremental(x, pieces)
+        assert same_bits(train(x), inc), f"pieces {pieces}"
+        rst = new_state(2)
+        pos = 0
+        for n in pieces:
+            r = slice(pos, pos + n)
+            ref.gated_delta_rule(
+                *(t[r] for t in x), cu([n]), chunk=C, state=rst, slots=torch.tensor([1]), starts=torch.tensor([pos])
+            )
+            pos += n
+        for name in ("running", "entry") if form == "scan" else ("entry",):  # the chunk form keeps no running state
+            e = float((getattr(st, name)[1] - getattr(rst, name)[1]).abs().max())
+            assert e < 1e-5, f"state.{name} vs reference {e:.2e}"
+        nb = sum(pieces) % C
+        for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):
+            assert same_bits(getattr(st, name)[1, :nb], getattr(rst, name)[1, :nb]), name
+    # batch composition: sequences at different positions (mid-chunk, closing, fresh, multi-chunk) in one call
+    lens, prev = [5, 11, 1, 3, 19], [3, 0, 7, 8, 5]
+    seqs = [inputs(p + n, 20 + i) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
+    alone = [incremental(x, [p, n] if p else [n])[0][p:] for x, p, n in zip(seqs, prev, lens, strict=True)]
+    st = new_state(5)
+    for i, x in enumerate(seqs):
+        if prev[i]:
+            rule(
+                *(t[: prev[i]] for t in x),
+                cu([prev[i]]),
+                chunk=C,
+                state=st,
+                slots=torch.tensor([i]),
+                starts=torch.tensor([0]),
+            )
+    order = [2, 0, 4, 3, 1]
+    cat = [torch.cat([seqs[i][j][prev[i] :] for i in order]) for j in range(5)]
+    out = rule(
+        *cat,
+        cu([lens[i] for i in order]),
+        chunk=C,
+        state=st,
+        slots=torch.tensor(order),
+        starts=torch.tensor([prev[i] for i in order]),
+    )
+    for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
+        assert same_bits(part, alone[i]), f"batch composition: sequence {i}"
+    # heads subset (TP: key heads [0, HK/2) and their value heads) == the same heads of the full call
+    x = inputs(19, 31, hk=4, hv=8)
     full = train(x)
-    inc, st = incremental(x, [p] + [1] * (total - p))
-    assert same_bits(full, inc), f"prefill {p} + decode: max |d| {(full - inc).abs().max():.3e}"
-    assert float((full - ref.gated_delta_rule(*x, cu([total]), chunk=C)).abs().max()) < 1e-5
-# chunked prefill of any pieces, and the state cache against the reference's
-for pieces in ([3, 5, 9], [8, 8, 1, 7], [1, 1, 13, 2, 4], [2, 15, 6]):
-    x = inputs(sum(pieces), 7)
-    inc, st = incremental(x, pieces)
-    assert same_bits(train(x), inc), f"pieces {pieces}"
-    rst = new_state(2)
-    pos = 0
-    for n in pieces:
+    half = tuple(t[:, :2] if t.dim() == 3 and t.shape[1] == 4 else t[:, :4] for t in x)
+    assert same_bits(train(half), full[:, :4]), "heads subset"
+    inc, _ = incremental(half, [5, 1, 1, 1, 4, 1, 1, 5])
+    assert same_bits(inc, full[:, :4]), "heads subset, decode"
+    # inputs as the model passes them: v a bf16 view with a row stride (a column slice of the conv output), q, k, g,
+    # beta fp32. Read in-kernel (bf16 -> fp32 is exact): the same bits as the fp32 copy, in training and decode.
+    x = inputs(2 * C + 5, 41)
+    wide = torch.cat([torch.zeros(2 * C + 5, 3), x[2].reshape(2 * C + 5, -1)], 1).bfloat16()
+    v16 = wide[:, 3:].reshape(x[2].shape)
+    assert not v16.is_contiguous()
+    x16 = (x[0], x[1], v16, x[3], x[4])
+    full = train((x[0], x[1], v16.float(), x[3], x[4]))
+    assert same_bits(train(x16), full), "bf16 strided v vs its fp32 copy"
+    inc, st = incremental(x16, [C - 3, 1, 1, 1, 1, 1, C - 1, 1, 1, 1, 1])
+    assert same_bits(inc, full), "bf16 strided v: prefill + decode"
+    nb = (2 * C + 5) % C
+    assert same_bits(st.buf_v[1, :nb], v16[-nb:].float()), "buffer rows of a bf16 v"
+    # a decode step (mid-chunk) launches the scan kernel only: no host-side cast/copy, the chunk-buffer write in the
+    # scan (before: v's cast, _buffer_kernel, _scan_kernel). The plan is cached first, as for every layer but the first.
+    step = [t[-1:].clone() for t in x16]
+    step[2] = wide[-1:, 3:].reshape(1, HV, D)  # the strided bf16 view again
+    c1, s1, p1 = cu([1]), torch.tensor([1]), torch.tensor([2 * C + 4])
+    stc = GDNLayerState(*(t.clone() for t in vars(st).values()))
+    rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
+    counts = count_launches(lambda: rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
+    want = {"_scan_kernel": 1} if form == "scan" else {k: 1 for k in ("_prep_kernel", "_chain_kernel", "_chunk_out_kernel",
+                                                                      "_buffer_kernel")}  # fmt: skip
+    assert counts == want, f"{form} form: decode step launches {counts}"
+    print("decode step launches", counts)
+    # dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the
+    # precision, so only the plumbing and the invariance logic are shown here; the GPU tests show the bits)
+    x = inputs(2 * C + 5, 43)
+    for prec in ("ieee", "tf32x3", "tf32", "tf32x3/ieee"):
+        full = rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=prec)
+        st, outs, pos = new_state(2), [], 0
+        for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
+            r = slice(pos, pos + n)
+            outs.append(rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([1]),
+                                            starts=torch.tensor([pos]), dot_precision=prec))  # fmt: skip
+            pos += n
+        assert same_bits(torch.cat(outs), full), f"dot_precision={prec}: train vs prefill + decode"
+    for bad in ("fp32", "bf16x3", "IEEE", "ieee/", "ieee/tf32x3/tf32", "ieee/fp32"):
+        try:
+            rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=bad)
+            raise AssertionError(f"dot_precision={bad!r} accepted")
+        except ValueError as e:
+            assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
+    cfg = gt.config_for(D, D, C)
+    assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3" == gt._RULE_CONSTANTS["dot_precision"]
+    assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gt.split_dot_precision(gt.DOT_PRECISION)
+    assert gt.split_dot_precision("tf32") == ("tf32", "tf32") and gt.config_for(D, D, C, "tf32").dot_precision == "tf32"
+    # chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum
+    # over 1..3 lower blocks (chunk C has two). Against the reference, and train == prefill + decode across closes.
+    C16 = 4 * gt.INV_BLOCK
+    assert gt.config_for(D, D, C16).inv_block == gt.INV_BLOCK
+    x = inputs(2 * C16 + 3, 47)
+    st16 = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
+                                  chunk=C16, dtype=torch.float32)  # fmt: skip
+    full = rule(*x, cu([2 * C16 + 3]), chunk=C16)
+    err = float((full - ref.gated_delta_rule(*x, cu([2 * C16 + 3]), chunk=C16)).abs().max())
+    assert err < 1e-5, f"chunk {C16} vs reference {err:.2e}"
+    outs, pos = [], 0
+    for n in [C16 - 1, 1, 1, C16 + 2, 1, 1]:
         r = slice(pos, pos + n)
-        ref.gated_delta_rule(
-            *(t[r] for t in x), cu([n]), chunk=C, state=rst, slots=torch.tensor([1]), starts=torch.tensor([pos])
-        )
+        outs.append(rule(*(t[r] for t in x), cu([n]), chunk=C16, state=st16, slots=torch.tensor([1]),
+                                        starts=torch.tensor([pos])))  # fmt: skip
         pos += n
-    for name in ("running", "entry"):
-        e = float((getattr(st, name)[1] - getattr(rst, name)[1]).abs().max())
-        assert e < 1e-5, f"state.{name} vs reference {e:.2e}"
-    nb = sum(pieces) % C
-    for name in ("buf_k", "buf_v", "buf_g", "buf_beta"):
-        assert same_bits(getattr(st, name)[1, :nb], getattr(rst, name)[1, :nb]), name
-# batch composition: sequences at different positions (mid-chunk, closing, fresh, multi-chunk) in one call
-lens, prev = [5, 11, 1, 3, 19], [3, 0, 7, 8, 5]
-seqs = [inputs(p + n, 20 + i) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
-alone = [incremental(x, [p, n] if p else [n])[0][p:] for x, p, n in zip(seqs, prev, lens, strict=True)]
-st = new_state(5)
-for i, x in enumerate(seqs):
-    if prev[i]:
-        gt.gated_delta_rule(
-            *(t[: prev[i]] for t in x),
-            cu([prev[i]]),
-            chunk=C,
-            state=st,
-            slots=torch.tensor([i]),
-            starts=torch.tensor([0]),
-        )
-order = [2, 0, 4, 3, 1]
-cat = [torch.cat([seqs[i][j][prev[i] :] for i in order]) for j in range(5)]
-out = gt.gated_delta_rule(
-    *cat,
-    cu([lens[i] for i in order]),
-    chunk=C,
-    state=st,
-    slots=torch.tensor(order),
-    starts=torch.tensor([prev[i] for i in order]),
-)
-for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
-    assert same_bits(part, alone[i]), f"batch composition: sequence {i}"
-# heads subset (TP: key heads [0, HK/2) and their value heads) == the same heads of the full call
-x = inputs(19, 31, hk=4, hv=8)
-full = train(x)
-half = tuple(t[:, :2] if t.dim() == 3 and t.shape[1] == 4 else t[:, :4] for t in x)
-assert same_bits(train(half), full[:, :4]), "heads subset"
-inc, _ = incremental(half, [5, 1, 1, 1, 4, 1, 1, 5])
-assert same_bits(inc, full[:, :4]), "heads subset, decode"
-# inputs as the model passes them: v a bf16 view with a row stride (a column slice of the conv output), q, k, g,
-# beta fp32. Read in-kernel (bf16 -> fp32 is exact): the same bits as the fp32 copy, in training and decode.
-x = inputs(2 * C + 5, 41)
-wide = torch.cat([torch.zeros(2 * C + 5, 3), x[2].reshape(2 * C + 5, -1)], 1).bfloat16()
-v16 = wide[:, 3:].reshape(x[2].shape)
-assert not v16.is_contiguous()
-x16 = (x[0], x[1], v16, x[3], x[4])
-full = train((x[0], x[1], v16.float(), x[3], x[4]))
-assert same_bits(train(x16), full), "bf16 strided v vs its fp32 copy"
-inc, st = incremental(x16, [C - 3, 1, 1, 1, 1, 1, C - 1, 1, 1, 1, 1])
-assert same_bits(inc, full), "bf16 strided v: prefill + decode"
-nb = (2 * C + 5) % C
-assert same_bits(st.buf_v[1, :nb], v16[-nb:].float()), "buffer rows of a bf16 v"
-# a decode step (mid-chunk) launches the scan kernel only: no host-side cast/copy, the chunk-buffer write in the
-# scan (before: v's cast, _buffer_kernel, _scan_kernel). The plan is cached first, as for every layer but the first.
-step = [t[-1:].clone() for t in x16]
-step[2] = wide[-1:, 3:].reshape(1, HV, D)  # the strided bf16 view again
-c1, s1, p1 = cu([1]), torch.tensor([1]), torch.tensor([2 * C + 4])
-stc = GDNLayerState(*(t.clone() for t in vars(st).values()))
-gt.gated_delta_rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
-counts = count_launches(lambda: gt.gated_delta_rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
-assert counts == {"_scan_kernel": 1}, f"decode step launches {counts}"
-print("decode step launches", counts)
-# dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the
-# precision, so only the plumbing and the invariance logic are shown here; the GPU tests show the bits)
-x = inputs(2 * C + 5, 43)
-for prec in ("ieee", "tf32x3", "tf32", "tf32x3/ieee"):
-    full = gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=prec)
-    st, outs, pos = new_state(2), [], 0
-    for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
-        r = slice(pos, pos + n)
-        outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([1]),
-                                        starts=torch.tensor([pos]), dot_precision=prec))  # fmt: skip
-        pos += n
-    assert same_bits(torch.cat(outs), full), f"dot_precision={prec}: train vs prefill + decode"
-for bad in ("fp32", "bf16x3", "IEEE", "ieee/", "ieee/tf32x3/tf32", "ieee/fp32"):
-    try:
-        gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=bad)
-        raise AssertionError(f"dot_precision={bad!r} accepted")
-    except ValueError as e:
-        assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
-cfg = gt.config_for(D, D, C)
-assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3" == gt._RULE_CONSTANTS["dot_precision"]
-assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gt.split_dot_precision(gt.DOT_PRECISION)
-assert gt.split_dot_precision("tf32") == ("tf32", "tf32") and gt.config_for(D, D, C, "tf32").dot_precision == "tf32"
-# chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum
-# over 1..3 lower blocks (chunk C has two). Against the reference, and train == prefill + decode across closes.
-C16 = 4 * gt.INV_BLOCK
-assert gt.config_for(D, D, C16).inv_block == gt.INV_BLOCK
-x = inputs(2 * C16 + 3, 47)
-st16 = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
-                              chunk=C16, dtype=torch.float32)  # fmt: skip
-full = gt.gated_delta_rule(*x, cu([2 * C16 + 3]), chunk=C16)
-err = float((full - ref.gated_delta_rule(*x, cu([2 * C16 + 3]), chunk=C16)).abs().max())
-assert err < 1e-5, f"chunk {C16} vs reference {err:.2e}"
-outs, pos = [], 0
-for n in [C16 - 1, 1, 1, C16 + 2, 1, 1]:
-    r = slice(pos, pos + n)
-    outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), chunk=C16, state=st16, slots=torch.tensor([1]),
-                                    starts=torch.tensor([pos])))  # fmt: skip
-    pos += n
-assert same_bits(torch.cat(outs), full), f"chunk {C16}: train vs prefill + decode"
-print("rule ok", round(time.time() - t_start, 1))
+    assert same_bits(torch.cat(outs), full), f"chunk {C16}: train vs prefill + decode"
+    print(f"rule ok ({form} form)", round(time.time() - t_start, 1))
+
+
+for form in gt.FORMS:
+    check_rule(form)
 
 # conv: prefill + decode == training, batch composition, against fp64
 gen = torch.Generator().manual_seed(3)

@@ -74,6 +74,23 @@ on the same closed chunk (same fp32 values in the same tile positions), so train
 for each precision, as long as both sides pass the same one. Accuracy against fp64 is measured on the GPU
 (``tools/bench_gdn.py --dot-precision``), not derived.
 
+Output forms (VERSION 6; ``GDNConfig.form``, per call ``form=``; the registered default stays "scan"):
+
+- **scan**: outputs from the per-token scan above; decode is one scan step (fast decode, training bound by the
+  scan's fp32 CUDA-core math).
+- **chunk**: outputs as tiles, ``O = e^G (Q E) + P u`` with ``P[t, i] = e^{G_t - G_i} q_t.k_i`` (i <= t), one
+  ``_chunk_out_kernel`` program per (chunk, value head, Dv block). The plan lists every chunk the call has tokens in,
+  an open last chunk included (``nrows`` < C; its missing rows load as zeros); the chain stores each chunk's entry
+  state (``ex``) and u (over U0) and skips an open chunk's exit. A decode step or a chunked prefill runs the same
+  kernels on its chunk, rows before the call from the state cache's buffer: rows < n of every tile do not depend
+  on rows >= n (the MMA row probe, ``tools/probe_dot_rows.py``, 102 checks on the H200 for ieee, tf32, tf32x3,
+  bf16), so each row gets the training tile's bits. ``_buffer_kernel`` copies the tokens of a chunk left open into
+  the buffer after the output kernel has read the buffer. The cost: a decode step recomputes its open chunk's
+  tiles (H200, batch 64: 0.65 ms against the scan's 0.086 ms); training and prefill run on tensor cores (bf16:
+  8 x 4096 forward 4.6 ms against the scan form's 13.8 ms). ``state.running`` is not used by this form.
+- "bf16" (in :data:`DOT_PRECISIONS`): operands rounded to bf16, fp32 accumulate, every dot of prep, chain and
+  output; FLA's arithmetic class (H200, 1000 + 200 tokens vs fp64: 3.3e-4 max against FLA's 4.3e-4).
+
 Backward (training): :func:`megatron_iso.ops.autograd.with_plain_backward` — the invariant forward,
 gradients of the native chunked torch formula (deterministic; not invariant, as the policy allows).
 """
@@ -95,7 +112,7 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = "5"  # 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
+VERSION = "6"  # 6: chunk-form outputs (opt-in), bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
 # dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor
 # cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -106,6 +123,8 @@ SCAN_BV = 4 if _INTERPRET else 32
 # from registers; 2.85 vs 4.27 ms at BV 16 in the 8 x 4096 training forward, H200, docs/PERFORMANCE.md "Session 6").
 CHAIN_BV = 4 if _INTERPRET else 16
 CHAIN_BV_MMA = 4 if _INTERPRET else 32
+# bf16 operands: Dv block 64 (H200, chunk form, 8 x 4096: chain 1.82 -> 1.25 ms; docs/PERFORMANCE.md "Session 8")
+CHAIN_BV_BF16 = 4 if _INTERPRET else 64
 MIN_DOT = 1 if _INTERPRET else 16  # tl.dot needs every dimension >= 16 on the GPU
 # K block of the state-pass dots (module docstring, "K-blocked dots"); small under the interpreter so tiny shapes still
 # run several blocks.
@@ -127,8 +146,17 @@ PREP_STAGES, CHAIN_STAGES = 1, 2
 # contract registers, "ieee/tf32x3": the prep kernel's dots stay FMA chains (tf32x3 did not pay there: 6.3 ms K-blocked,
 # 5.2 ms whole-K since VERSION 5, vs 5.3 ms ieee), the chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error
 # against fp64 (6.0e-8 vs 6.1e-8 max at the bench's mismatch case). The others are opt-in per call.
-DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")  # bf16: operands rounded to bf16, fp32 accumulate (FLA's class)
 DOT_PRECISION = "ieee/tf32x3"
+# How a chunk's outputs are computed (GDNConfig.form; module docstring, "Output forms"): "scan", the per-token
+# recurrence from the chunk's entry state (the registered default; decode is one scan step), or "chunk", output tiles
+# O = e^G (Q E) + P u on tensor cores (training and prefill fast; decode recomputes its open chunk's tiles).
+FORMS = ("scan", "chunk")
+FORM = "scan"
+# Dv block of the chunk-form output kernel: all of Dv (H200, bf16, 8 x 4096: 1.57 ms at 64, 1.98 at 32, 1.35 at 128)
+OUT_BV = 4 if _INTERPRET else 128
+OUT_WARPS = 4
+CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
 
@@ -147,6 +175,8 @@ class GDNConfig:
     inv_block: int  # row block of the prep kernel's triangular inverse (divides chunk)
     prep_precision: str  # input_precision of the prep kernel's tl.dot (one of DOT_PRECISIONS)
     chain_precision: str  # input_precision of the chain kernel's tl.dot (one of DOT_PRECISIONS)
+    form: str = FORM  # "scan" or "chunk" (FORMS); the chunk-form output kernel's dots use chain_precision
+    out_bv: int = OUT_BV
 
     @property
     def dot_precision(self) -> str:
@@ -167,8 +197,10 @@ def split_dot_precision(spec: str) -> tuple[str, str]:
     return parts[0], parts[-1]
 
 
-def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION) -> GDNConfig:
+def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION, form: str = FORM) -> GDNConfig:
     prep_precision, chain_precision = split_dot_precision(dot_precision)
+    if form not in FORMS:
+        raise ValueError(f"gated_delta_rule (triton): form={form!r} must be one of {list(FORMS)}")
     if chunk < MIN_DOT or chunk & (chunk - 1):
         raise ValueError(
             f"gated_delta_rule (triton): chunk={chunk} must be a power of two >= {MIN_DOT} "
@@ -178,8 +210,22 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION)
     bvf = max(MIN_DOT, triton.next_power_of_2(dv))
     kb = min(DOT_KB, chunk, bk)
     inv_block = min(INV_BLOCK, chunk)
-    chain_bv = max(MIN_DOT, min(CHAIN_BV if chain_precision == "ieee" else CHAIN_BV_MMA, bvf))
-    return GDNConfig(bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision)
+    chain_bv = {"ieee": CHAIN_BV, "bf16": CHAIN_BV_BF16}.get(chain_precision, CHAIN_BV_MMA)
+    chain_bv = max(MIN_DOT, min(chain_bv, bvf))
+    out_bv = max(MIN_DOT, min(OUT_BV, bvf))
+    return GDNConfig(
+        bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv
+    )
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """``a @ b (+ acc)`` in fp32 at precision PREC (DOT_PRECISIONS): an fp32 tl.dot with that input_precision, or for
+    "bf16" the operands rounded to bf16 (tensor cores, fp32 accumulate)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
 
 
 # ------------------------------------------------------------------------------------- kernels
@@ -280,16 +326,26 @@ def _buffered_or_packed(buf_ptrs, packed_ptrs, from_buf, mask):
 
 
 @triton.jit
+def _chunk_row(chunk_ptr, cid):
+    """A plan's chunk row (_prep_kernel's docstring): packed row of token 0, buffered tokens, buffer row base,
+    tokens present."""
+    row = chunk_ptr + cid * 5
+    return tl.load(row).to(tl.int64), tl.load(row + 1), tl.load(row + 2).to(tl.int64), tl.load(row + 3)
+
+
+@triton.jit
 def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
-    u0_ptr, w_ptr, kd_ptr, egc_ptr, tinv_ptr, bce_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, tinv_ptr, bce_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Per (closing chunk, value head): U0, W, KD = e^{G_C-G} k and e^{G_C} of the WY form.
+    """Per (chunk, value head): U0, W, KD = e^{G_C-G} k, e^{G_C} of the WY form, and G (for the chunk-form output).
 
-    chunk row (int32 x 3): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
-    ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base.
+    chunk row (int32 x CHUNK_COLS): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
+    ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base, ``nrows``
+    (tokens present: C for a closing chunk; rows from ``nrows`` on load as zeros, which leaves rows < nrows bitwise
+    as they are in the full chunk, docs/GDN.md "Design sketch"), and a flag read by ``_buffer_kernel`` only.
 
     The three dots run over K in blocks of KB with the accumulator carried in ascending k order (module
     docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
@@ -300,9 +356,7 @@ def _prep_kernel(
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // REP
-    row0 = tl.load(chunk_ptr + cid * 3).to(tl.int64)
-    nbuf = tl.load(chunk_ptr + cid * 3 + 1)
-    brow0 = tl.load(chunk_ptr + cid * 3 + 2).to(tl.int64)
+    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
@@ -310,14 +364,16 @@ def _prep_kernel(
     mk = ok < DK
     mv = ov < DV
     in_buf = ot < nbuf
+    present = ot < nrows
     rows = row0 + ot
     brows = brow0 + ot
-    gc = _buffered_or_packed(bg_ptr + brows * HV + h, g_ptr + rows * SG + h, in_buf, ot < C)
-    bc = _buffered_or_packed(bb_ptr + brows * HV + h, b_ptr + rows * SB + h, in_buf, ot < C)
+    gc = _buffered_or_packed(bg_ptr + brows * HV + h, g_ptr + rows * SG + h, in_buf, present)
+    bc = _buffered_or_packed(bb_ptr + brows * HV + h, b_ptr + rows * SB + h, in_buf, present)
     cum = tl.cumsum(gc, axis=0)  # G_t
     gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
     lower = ot[:, None] > ot[None, :]
     base = cid * HV + h
+    tl.store(gcum_ptr + base * C + ot, cum)
     dkd = tl.exp(gl - cum)
     if PREC == "ieee":
         # K K^T over column blocks of k (K = BK); KD = e^{G_C-G} k is stored block by block on the way.
@@ -329,18 +385,18 @@ def _prep_kernel(
                 bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :],
                 k_ptr + rows[:, None] * SK + hk * DK + okb[None, :],
                 in_buf[:, None],
-                mkb[None, :],
+                mkb[None, :] & present[:, None],
             )
-            kk = tl.dot(kcb, tl.trans(kcb), kk, input_precision=PREC)
+            kk = _dot(kcb, tl.trans(kcb), kk, PREC)
             tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
     else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
         kcf = _buffered_or_packed(
             bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :],
             k_ptr + rows[:, None] * SK + hk * DK + ok[None, :],
             in_buf[:, None],
-            mk[None, :],
+            mk[None, :] & present[:, None],
         )
-        kk = tl.dot(kcf, tl.trans(kcf), input_precision=PREC)
+        kk = _dot(kcf, tl.trans(kcf), None, PREC)
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], dkd[:, None] * kcf)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
@@ -371,9 +427,9 @@ def _prep_kernel(
             rj = jb * IB + os3
             a_ij = tl.load(tinv_ptr + (base * C + ri[:, None]) * C + rj[None, :])
             x_j = tl.load(tinv_ptr + (base * C + rj[:, None]) * C + ot[None, :])
-            rsum2 = tl.dot(a_ij, x_j, rsum2, input_precision=PREC)
+            rsum2 = _dot(a_ij, x_j, rsum2, PREC)
         x_ii = tl.load(tinv_ptr + (base * C + ri[:, None]) * C + ri[None, :])
-        x_i = -tl.dot(x_ii, rsum2, input_precision=PREC)
+        x_i = -_dot(x_ii, rsum2, None, PREC)
         tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
         tl.store(tinv_ptr + (base * C + ri[:, None]) * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
         tl.debug_barrier()
@@ -383,11 +439,11 @@ def _prep_kernel(
             bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :],
             v_ptr + rows[:, None] * SV + h * DV + ov[None, :],
             in_buf[:, None],
-            mv[None, :],
+            mv[None, :] & present[:, None],
         )
-        u0 = tl.dot(ti, bc[:, None] * vcf, input_precision=PREC)
+        u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
         tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
-        w = tl.dot(ti, (bc * tl.exp(cum))[:, None] * kcf, input_precision=PREC)
+        w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
         tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
     else:
         tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
@@ -397,6 +453,7 @@ def _prep_kernel(
         for tb in range(C // KB):
             otb = tb * KB + ob  # this block's tokens: the dot's K index
             ibb = otb < nbuf
+            pb = otb < nrows
             rb = row0 + otb
             bb = brow0 + otb
             ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
@@ -404,10 +461,10 @@ def _prep_kernel(
                 bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :],
                 v_ptr + rb[:, None] * SV + h * DV + ov[None, :],
                 ibb[:, None],
-                mv[None, :],
+                mv[None, :] & pb[:, None],
             )
-            bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, ob < KB)
-            u0 = tl.dot(ti, bcb[:, None] * vcb, u0, input_precision=PREC)
+            bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
+            u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
         tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
         w = tl.zeros([C, BK], dtype=tl.float32)
         for tb in range(C // KB):
@@ -420,10 +477,10 @@ def _prep_kernel(
                 bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :],
                 k_ptr + rb[:, None] * SK + hk * DK + ok[None, :],
                 ibb[:, None],
-                mk[None, :],
+                mk[None, :] & (otb < nrows)[:, None],
             )
             bce = tl.load(bce_ptr + base * C + otb)
-            w = tl.dot(ti, bce[:, None] * kcb, w, input_precision=PREC)
+            w = _dot(ti, bce[:, None] * kcb, w, PREC)
         tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
     tl.store(egc_ptr + base, tl.exp(gl))
 
@@ -433,11 +490,16 @@ def _chain_kernel(
     chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
     HV, DK, DV,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
+    ENTRIES: tl.constexpr,
 ):  # fmt: skip
-    """Per (sequence, value head, Dv block): entry -> exit state over the sequence's closing chunks.
+    """Per (sequence, value head, Dv block): entry -> exit state over the sequence's chunks.
 
-    chain row (int32 x 5): first chunk index, number of chunks, entry kind (0 zeros / 1 entry_ptr
-    row), entry row (the slot), write back (1: store the last state into entry_ptr's row).
+    chain row (int32 x 6): first chunk index, number of chunks, entry kind (0 zeros / 1 entry_ptr
+    row), entry row (the slot), write back (1: store the last state into entry_ptr's row), last open (1: the
+    last chunk does not close; its u is computed and stored, its exit state is not).
+
+    ``ex_ptr`` row of chunk j: its exit state (scan form), or with ENTRIES (chunk form) its entry state, which the
+    output kernel reads; u is then stored over U0 on every path.
 
     Per chunk, ``u = U0 - W E`` for all C rows (K = BK in blocks of KB, E's row blocks read back once each
     from the state this program stored last: the entry row or the previous chunk's exit row), stored over
@@ -451,11 +513,12 @@ def _chain_kernel(
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    c0 = tl.load(chain_ptr + cid * 5).to(tl.int64)
-    nc = tl.load(chain_ptr + cid * 5 + 1)
-    ekind = tl.load(chain_ptr + cid * 5 + 2)
-    erow = tl.load(chain_ptr + cid * 5 + 3).to(tl.int64)
-    wb = tl.load(chain_ptr + cid * 5 + 4)
+    c0 = tl.load(chain_ptr + cid * 6).to(tl.int64)
+    nc = tl.load(chain_ptr + cid * 6 + 1)
+    ekind = tl.load(chain_ptr + cid * 6 + 2)
+    erow = tl.load(chain_ptr + cid * 6 + 3).to(tl.int64)
+    wb = tl.load(chain_ptr + cid * 6 + 4)
+    last_open = tl.load(chain_ptr + cid * 6 + 5)
     ok = tl.arange(0, BK)
     ob = tl.arange(0, KB)
     ov = vb * BV + tl.arange(0, BV)
@@ -473,6 +536,11 @@ def _chain_kernel(
         base = (c0 + j) * HV + h
         egc = tl.load(egc_ptr + base)
         first = j == 0
+        closes = (j < nc - 1) | (last_open == 0)
+        if ENTRIES:
+            tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
+            if PREC == "ieee":
+                tl.debug_barrier()  # E's row blocks are read back below
         if PREC == "ieee":
             # d = W E for all C rows at once, K = BK in blocks of KB: each row block of E is loaded once per chunk.
             d = tl.zeros([C, BV], dtype=tl.float32)
@@ -482,32 +550,121 @@ def _chain_kernel(
                 sb = (h * DK + okb[:, None]) * DV + ov[None, :]
                 mb2 = (okb[:, None] < DK) & mv[None, :]
                 # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
-                e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
-                e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
-                d = tl.dot(wblk, tl.where(first, e_in, e_ex), d, input_precision=PREC)
+                if ENTRIES:
+                    e_blk = tl.load(ex_ptr + (c0 + j) * hsz + sb, mask=mb2, other=0.0)
+                else:
+                    e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
+                    e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
+                    e_blk = tl.where(first, e_in, e_ex)
+                d = _dot(wblk, e_blk, d, PREC)
             # u = U0 - W E replaces this program's columns of U0 (read by no one else), so the state update below
             # can read u back in row blocks.
             uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
             tl.store(uptr, tl.load(uptr, mask=mv[None, :], other=0.0) - d, mask=mv[None, :])
             tl.debug_barrier()  # u's rows stored by other threads are read below
-            acc = egc * e
-            for mb in range(C // KB):
-                om = mb * KB + ob
-                ub = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
-                kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
-                acc = tl.dot(tl.trans(kd), ub, acc, input_precision=PREC)
+            if closes:
+                acc = egc * e
+                for mb in range(C // KB):
+                    om = mb * KB + ob
+                    ub = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+                    kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
+                    acc = _dot(tl.trans(kd), ub, acc, PREC)
+                e = acc
         else:  # tensor cores: two dots over the whole K per chunk, E and u from registers
             wfull = tl.load(w_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
-            u = tl.load(u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
-            u = u - tl.dot(wfull, e, input_precision=PREC)
+            uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
+            u = tl.load(uptr, mask=mv[None, :], other=0.0) - _dot(wfull, e, None, PREC)
+            if ENTRIES:
+                tl.store(uptr, u, mask=mv[None, :])
+            # an open chunk's exit is computed and dropped: a run-time branch around this dot crashes Triton 3.6's
+            # prefetch pass at tf32 (chunk 16, Dk 32)
             kdfull = tl.load(kd_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
-            acc = tl.dot(tl.trans(kdfull), u, egc * e, input_precision=PREC)
-        e = acc
-        tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
-        if PREC == "ieee":
-            tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
+            e = tl.where(closes, _dot(tl.trans(kdfull), u, egc * e, PREC), e)
+        if not ENTRIES:
+            tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
+            if PREC == "ieee":
+                tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
     if wb == 1:
         tl.store(entry_ptr + erow * hsz + st, e, mask=m2)
+
+
+@triton.jit
+def _chunk_out_kernel(
+    q_ptr, k_ptr, bk_ptr, chunk_ptr, en_ptr, u_ptr, gcum_ptr, o_ptr,
+    scale, SQ, SK, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Chunk-form outputs of one (chunk, value head, Dv block): ``O = e^G (Q E) + P u`` with
+    ``P[t, i] = e^{G_t - G_i} (q_t . k_i)`` for i <= t (0 above), E the chunk's entry state (the chain's ``ex`` row),
+    u = U0 - W E (stored over U0 by the chain), G the prep kernel's cumulative decay. Rows ``buffered..nrows-1`` are
+    this call's tokens and are stored; a buffered row's q is not kept and loads as zero (its output was written by the
+    call that brought it). Each output row is a function of its own q row, of the rows <= it of k, G and u, and of E:
+    a decode step's tile (later rows zero) gives the training tile's bits (docs/GDN.md, "Design sketch").
+    """
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // REP
+    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    in_buf = ot < nbuf
+    present = ot < nrows
+    new = present & (ot >= nbuf)
+    rows = row0 + ot
+    base = cid * HV + h
+    q = tl.load(q_ptr + rows[:, None] * SQ + hk * DK + ok[None, :], mask=new[:, None] & mk[None, :], other=0.0)
+    q = q.to(tl.float32) * scale
+    k = _buffered_or_packed(
+        bk_ptr + ((brow0 + ot)[:, None] * HK + hk) * DK + ok[None, :],
+        k_ptr + rows[:, None] * SK + hk * DK + ok[None, :],
+        in_buf[:, None],
+        mk[None, :] & present[:, None],
+    )
+    gc = tl.load(gcum_ptr + base * C + ot)
+    e = tl.load(en_ptr + cid * HV * DK * DV + (h * DK + ok[:, None]) * DV + ov[None, :],
+                mask=mk[:, None] & mv[None, :], other=0.0)  # fmt: skip
+    u = tl.load(u_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+    causal = ot[:, None] >= ot[None, :]
+    qk = _dot(q, tl.trans(k), None, PREC)
+    p = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    o = _dot(q, e, None, PREC) * tl.exp(gc)[:, None]
+    o = _dot(p, u, o, PREC)
+    tl.store(o_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], o, mask=new[:, None] & mv[None, :])
+
+
+@triton.jit
+def _buffer_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr,
+    SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+):  # fmt: skip
+    """Chunk form: the tokens of a chunk this call leaves open (chunk row flag, column 4) into the state cache's fp32
+    ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk and opens the next reuses
+    the slot's rows). k by the first value head of each key head."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
+    wflag = tl.load(chunk_ptr + cid * 5 + 4)
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BVF)
+    new = (ot >= nbuf) & (ot < nrows) & (wflag == 1)
+    rows = row0 + ot
+    br = brow0 + ot
+    hk = h // REP
+    v = tl.load(v_ptr + rows[:, None] * SV + h * DV + ov[None, :], mask=new[:, None] & (ov < DV)[None, :])
+    tl.store(
+        bv_ptr + (br[:, None] * HV + h) * DV + ov[None, :], v.to(tl.float32), mask=new[:, None] & (ov < DV)[None, :]
+    )
+    tl.store(bg_ptr + br * HV + h, tl.load(g_ptr + rows * SG + h, mask=new).to(tl.float32), mask=new)
+    tl.store(bb_ptr + br * HV + h, tl.load(b_ptr + rows * SB + h, mask=new).to(tl.float32), mask=new)
+    mk2 = new[:, None] & (ok < DK)[None, :] & (h % REP == 0)
+    kt = tl.load(k_ptr + rows[:, None] * SK + hk * DK + ok[None, :], mask=mk2)
+    tl.store(bk_ptr + (br[:, None] * HK + hk) * DK + ok[None, :], kt.to(tl.float32), mask=mk2)
 
 
 @triton.jit
@@ -601,11 +758,12 @@ class _Plan:
     n: int
     nseg: int
     nchunks: int
-    seg: torch.Tensor  # [nseg, 8] int32 (device; columns: _scan_kernel's docstring)
-    chunks: torch.Tensor  # [nchunks, 3] int32
-    chains: torch.Tensor  # [nchains, 5] int32
+    seg: torch.Tensor  # [nseg, 8] int32 (device; columns: _scan_kernel's docstring; scan form)
+    chunks: torch.Tensor  # [nchunks, CHUNK_COLS] int32 (_prep_kernel's docstring)
+    chains: torch.Tensor  # [nchains, 6] int32 (_chain_kernel's docstring)
     nchains: int
-    scratch: bool  # finals go to a scratch tensor (some sequence has several segments)
+    scratch: bool  # finals go to a scratch tensor (some sequence has several segments; scan form)
+    buffers: bool  # some chunk's tokens go to the state cache's buffer (chunk form: _buffer_kernel runs)
 
 
 # A call's plan, shared by the GDN layers of a forward (same layout tensors, chunk, state, device, slot count).
@@ -636,9 +794,11 @@ def _plan(
     has_state: bool,
     dev: torch.device,
     slot_count: int,
+    form: str = FORM,
 ) -> _Plan:
-    """Segments (with the buffer rows of a chunk left open), closing chunks and chains of a call, as int32
-    tables on ``dev``."""
+    """Segments (with the buffer rows of a chunk left open), chunks and chains of a call, as int32 tables on ``dev``.
+    Scan form: the chunk table holds the chunks the call closes (the state pass); chunk form: every chunk the call
+    has tokens in, open ones included (each gets output tiles)."""
     cu_l, st, sl = _host_lists(cu, starts, slots)
     n = len(cu_l) - 1
     empty = [i for i in range(n) if cu_l[i + 1] <= cu_l[i]]
@@ -671,9 +831,9 @@ def _plan(
             # of the chunk the previous segment closed
             init = (2, prev_chunk) if prev_chunk >= 0 else (1, slot) if pos > 0 else (0, 0)
             cidx = -1
-            if closes:
+            if closes or form == "chunk":
                 cidx = len(chunks)
-                chunks.append((a - o, o, slot * chunk))
+                chunks.append((a - o, o, slot * chunk, o + b - a, int(has_state and not closes)))
             # columns 0-6 and 10 go to the table (_scan_kernel's seg row); 7-9 are planning notes
             mine.append([a, b - a, init[0], init[1], -1, 0, 0, closes, cidx, o, -1])
             prev_chunk = cidx
@@ -682,8 +842,12 @@ def _plan(
         if len(mine) > 1:
             multi = True
         nc = len(chunks) - first_chunk
+        last_open = int(form == "chunk" and not mine[-1][7])
         if nc or (has_state and st[i] == 0):
-            chains.append((first_chunk, nc, 1 if st[i] > 0 else 0, slot, 1 if has_state else 0))
+            # write back: the open chunk's entry state for the next call (unchanged if no chunk closed and the
+            # sequence did not start here)
+            wb = has_state and (nc > last_open or st[i] == 0)
+            chains.append((first_chunk, nc, 1 if st[i] > 0 else 0, slot, int(wb), last_open))
         if has_state:
             last = mine[-1]
             last[4] = i  # placeholder: becomes the slot (direct) or i (scratch) below
@@ -704,10 +868,11 @@ def _plan(
         nseg=len(segs),
         nchunks=len(chunks),
         seg=tab(segs, (0, 1, 2, 3, 4, 5, 6, 10)),
-        chunks=tab(chunks, range(3)),
-        chains=tab(chains, range(5)),
+        chunks=tab(chunks, range(CHUNK_COLS)),
+        chains=tab(chains, range(6)),
         nchains=len(chains),
         scratch=multi,
+        buffers=any(c[4] for c in chunks),
     )
 
 
@@ -735,9 +900,9 @@ def prep_chunks(
     buffers: tuple[torch.Tensor, ...],
     chunks: torch.Tensor,
     cfg: GDNConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, 3]``: the kernel's chunk rows): U0, W, KD and e^{G_C}
-    of each chunk and value head. ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
+    e^{G_C} and G of each chunk and value head. ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
     ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
@@ -747,14 +912,15 @@ def prep_chunks(
     w = torch.empty(n, hv, c, cfg.bk, dtype=torch.float32, device=dev)
     kd = torch.empty_like(w)
     egc = torch.empty(n, hv, dtype=torch.float32, device=dev)
+    gcum = torch.empty(n, hv, c, dtype=torch.float32, device=dev)
     tinv = torch.empty(n, hv, c, c, dtype=torch.float32, device=dev)  # scratch
     bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
     _prep_kernel[(n, hv)](
-        kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
+        kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
         num_warps=PREP_WARPS, num_stages=PREP_STAGES,
     )  # fmt: skip
-    return u0, w, kd, egc
+    return u0, w, kd, egc, gcum
 
 
 def _rule_forward(
@@ -771,6 +937,7 @@ def _rule_forward(
     slots: torch.Tensor | None,
     starts: torch.Tensor | None,
     dot_precision: str | None,
+    form: str | None,
 ) -> torch.Tensor:
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -783,13 +950,13 @@ def _rule_forward(
         raise ValueError(f"gated_delta_rule: value heads {hv} must be a multiple of key heads {hk}")
     if state is not None and state.chunk != chunk:
         raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
-    cfg = config_for(dk, dv, chunk, DOT_PRECISION if dot_precision is None else dot_precision)
+    cfg = config_for(dk, dv, chunk, DOT_PRECISION if dot_precision is None else dot_precision, form or FORM)
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
     slot_count = 0 if state is None else state.running.shape[0]
     # One plan per layout, shared by the layers of a forward; the slot count is part of the key because
     # the plan's bounds check depends on it.
-    extra = (chunk, state is not None, dev, slot_count)
+    extra = (chunk, state is not None, dev, slot_count, cfg.form)
     plan = _PLAN_CACHE.get((cu_seqlens, starts, slots), extra, lambda: _plan(cu_seqlens, starts, slots, *extra))
     (qf, sq), (kf, sk), (vf, sv), (gf, sg), (bf, sb) = (_rows(x) for x in (q, k, v, g, beta))
     out = torch.empty(t, hv, dv, dtype=torch.float32, device=dev)
@@ -809,15 +976,29 @@ def _rule_forward(
         bk = bvv = bg = bb = ex
         entry = running = ex
     if plan.nchunks:
-        u0, w, kd, egc = prep_chunks(((kf, sk), (vf, sv), (gf, sg), (bf, sb)), (bk, bvv, bg, bb), plan.chunks, cfg)
+        u0, w, kd, egc, gcum = prep_chunks(
+            ((kf, sk), (vf, sv), (gf, sg), (bf, sb)), (bk, bvv, bg, bb), plan.chunks, cfg
+        )
     else:
-        u0 = w = kd = egc = ex
+        u0 = w = kd = egc = gcum = ex
+    chunk_form = cfg.form == "chunk"
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
             C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
-            num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
+            ENTRIES=chunk_form, num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
         )  # fmt: skip
+    if chunk_form:  # output tiles per chunk from its entry state (ex) and u (over U0); then the buffer
+        _chunk_out_kernel[(plan.nchunks, hv, triton.cdiv(dv, cfg.out_bv))](
+            qf, kf, bk, plan.chunks, ex, u0, gcum, out, scale, sq, sk, hk, hv, dk, dv, rep,
+            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.out_bv, PREC=cfg.chain_precision, num_warps=OUT_WARPS,
+        )  # fmt: skip
+        if plan.buffers:
+            _buffer_kernel[(plan.nchunks, hv)](
+                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, sk, sv, sg, sb, hk, hv, dk, dv, rep,
+                C=chunk, BK=cfg.bk, BVF=cfg.bv_full,
+            )  # fmt: skip
+        return out
     fin = running
     if state is not None and plan.scratch:
         fin = torch.empty(plan.n, hv, dk, dv, dtype=torch.float32, device=dev)
@@ -847,15 +1028,18 @@ def gated_delta_rule(
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
     dot_precision: str | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
     """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring.
 
     ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` for both
     kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one). Training and rollout must pass
-    the same value: it fixes the state pass's bits (the state cache does not record it)."""
+    the same value: it fixes the state pass's bits (the state cache does not record it).
+    ``form``: how outputs are computed, one of :data:`FORMS` (None: :data:`FORM`, the registered one); the same
+    rule holds: training and rollout pass the same form (a state cache filled under one is meaningless to the other)."""
     fwd = functools.partial(
         _rule_forward, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts,
-        dot_precision=dot_precision,
+        dot_precision=dot_precision, form=form,
     )  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
     if not needs_grad:
@@ -1022,6 +1206,8 @@ _RULE_CONSTANTS = {
     "precisions: whole-K dots from registers), one program per (seq, head, Dv block)",
     "dot_precision": DOT_PRECISION,
     "output": "per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers",
+    "form": FORM,  # the registered output form; "chunk" is opt-in per call (FORMS)
+    "out_bv_chain_bv_bf16": [OUT_BV, CHAIN_BV_BF16],
     "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
