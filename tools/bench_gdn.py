@@ -548,13 +548,16 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
         "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
-                                          "IB": cfg.inv_block, "PREC": cfg.prep_precision},
+                                          "IB": cfg.inv_block, "PREC": cfg.prep_precision, "ROWS": CHUNK},
                          G.PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
                                             "KB": cfg.kb, "PREC": cfg.chain_precision, "ENTRIES": cfg.form == "chunk"},
                           G.CHAIN_WARPS, G.CHAIN_STAGES),
         "_chunk_out_kernel": (G._chunk_out_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.out_bv,
                                                     "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
+        "_decode_row_kernel": (G._decode_row_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
+                                                      "KB": cfg.kb, "ROWS": G.DECODE_ROWS or CHUNK,
+                                                      "PREC": cfg.chain_precision}, G.CHAIN_WARPS, 3),
     }  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():

@@ -208,8 +208,8 @@ def check_rule(form: str) -> None:
     stc = GDNLayerState(*(t.clone() for t in vars(st).values()))
     rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
     counts = count_launches(lambda: rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
-    want = {"_scan_kernel": 1} if form == "scan" else {k: 1 for k in ("_prep_kernel", "_chain_kernel", "_chunk_out_kernel",
-                                                                      "_buffer_kernel")}  # fmt: skip
+    # chunk form: the prep kernel (U0/W of the token's row block), the decode row kernel, the buffer copy
+    want = {"_scan_kernel": 1} if form == "scan" else {"_prep_kernel": 1, "_decode_row_kernel": 1, "_buffer_kernel": 1}
     assert counts == want, f"{form} form: decode step launches {counts}"
     print("decode step launches", counts)
     # dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the

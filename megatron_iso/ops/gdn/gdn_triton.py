@@ -112,7 +112,11 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = "6"  # 6: chunk-form outputs (opt-in), bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
+VERSION = (
+    "7"  # 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains
+)
+# (no layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6: chunk-form outputs (opt-in),
+# bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
 # dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor
 # cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -156,6 +160,10 @@ FORM = "scan"
 # Dv block of the chunk-form output kernel: all of Dv (H200, bf16, 8 x 4096: 1.57 ms at 64, 1.98 at 32, 1.35 at 128)
 OUT_BV = 4 if _INTERPRET else 128
 OUT_WARPS = 4
+# Rows of U0/W and of the decode kernel's tiles in a chunk-form decode step: the 16 rows holding the token (tl.dot's
+# minimum). Under the interpreter the whole chunk, rows at their true positions: numpy's matmul bits follow M and the
+# row's position (the probe's CPU run), the H200's do not.
+DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
@@ -339,8 +347,12 @@ def _prep_kernel(
     u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, tinv_ptr, bce_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head): U0, W, KD = e^{G_C-G} k, e^{G_C} of the WY form, and G (for the chunk-form output).
+
+    ROWS: the rows of U0 and W computed, the ROWS-row block holding row ``nrows - 1`` (C: all; a chunk-form decode
+    step: its token's block, ``DECODE_ROWS``). Everything before (G, A, T^{-1}) is computed for the whole chunk.
 
     chunk row (int32 x CHUNK_COLS): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
     ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base, ``nrows``
@@ -369,7 +381,12 @@ def _prep_kernel(
     brows = brow0 + ot
     gc = _buffered_or_packed(bg_ptr + brows * HV + h, g_ptr + rows * SG + h, in_buf, present)
     bc = _buffered_or_packed(bb_ptr + brows * HV + h, b_ptr + rows * SB + h, in_buf, present)
-    cum = tl.cumsum(gc, axis=0)  # G_t
+    # G_t = sum_{i<=t} g_i as an ieee dot with the lower-triangular ones (one fma chain per row, i ascending: a row's
+    # value depends on nothing but g_0..g_t, whatever the tile), not tl.cumsum, whose association follows the layout.
+    o16 = tl.arange(0, 16)
+    lower_eq = tl.where(ot[:, None] >= ot[None, :], 1.0, 0.0)
+    g16 = tl.where(o16[None, :] == 0, gc[:, None], 0.0)
+    cum = tl.sum(tl.where(o16[None, :] == 0, tl.dot(lower_eq, g16, input_precision="ieee"), 0.0), axis=1)
     gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
     lower = ot[:, None] > ot[None, :]
     base = cid * HV + h
@@ -407,17 +424,21 @@ def _prep_kernel(
     tl.debug_barrier()
     ob3 = tl.arange(0, C // IB)
     os3 = tl.arange(0, IB)
-    rows3 = ob3[:, None, None] * IB + os3[None, :, None]  # [NB, IB, 1]: chunk row of (block, row in block)
-    cols3 = ob3[:, None, None] * IB + os3[None, None, :]  # [NB, 1, IB]: chunk column of (block, column in block)
-    eye3 = tl.where(rows3 == cols3, 1.0, 0.0)
-    x3 = eye3  # every diagonal block at once: row s = e_s - sum_{c<s} A_sc row_c
-    for srow in range(1, IB):
-        a_s = tl.load(tinv_ptr + (base * C + ob3[:, None] * IB + srow) * C + ob3[:, None] * IB + os3[None, :])
-        rsum = tl.sum(a_s[:, :, None] * x3, axis=1)
-        x3 = tl.where(os3[None, :, None] == srow, eye3 - rsum[:, None, :], x3)
-    tl.debug_barrier()  # every thread has read the diagonal blocks of A
-    tl.store(tinv_ptr + (base * C + rows3) * C + cols3, x3)
+    # Every diagonal block at once, row s after row s-1, in the scratch over A's rows: X_s = e_s - sum_{r<s} A_sr X_r
+    # as one explicit fma chain over r ascending per element (no reduction whose order follows a layout, so one row
+    # can be recomputed alone with the same bits). Row s of A is read before row s of X replaces it.
+    diag = (base * C + ob3[:, None] * IB) * C + ob3[:, None] * IB + os3[None, :]  # [NB, IB]: row 0 of each block
+    tl.store(tinv_ptr + diag, tl.where(os3[None, :] == 0, 1.0, 0.0))  # A's row 0 of a block is 0 there: X_0 = e_0
     tl.debug_barrier()
+    for srow in tl.static_range(1, IB):
+        acc = tl.zeros([C // IB, IB], dtype=tl.float32)
+        for r in tl.static_range(srow):
+            a_sr = tl.load(tinv_ptr + (base * C + ob3 * IB + srow) * C + ob3 * IB + r)
+            acc = tl.fma(a_sr[:, None], tl.load(tinv_ptr + diag + r * C), acc)
+        x_s = tl.where(os3[None, :] == srow, 1.0, 0.0) - acc
+        tl.debug_barrier()  # row srow of A is read by every thread before it is overwritten
+        tl.store(tinv_ptr + diag + srow * C, x_s)
+        tl.debug_barrier()
     # Block rows below: X_i. = -X_ii (sum_{j<i} A_ij X_j.), K-blocked over j (ascending), from A's blocks still in the
     # scratch; columns at and right of the diagonal block keep X_ii and A's zeros.
     for ib in tl.static_range(1, C // IB):
@@ -433,8 +454,9 @@ def _prep_kernel(
         tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
         tl.store(tinv_ptr + (base * C + ri[:, None]) * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
         tl.debug_barrier()
+    orr = ((nrows - 1) // ROWS) * ROWS + tl.arange(0, ROWS)  # the rows of U0 and W computed
     if PREC != "ieee":  # tensor cores: U0 and W as two whole-K dots with all of T^{-1}
-        ti = tl.load(tinv_ptr + tile)
+        ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + ot[None, :])
         vcf = _buffered_or_packed(
             bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :],
             v_ptr + rows[:, None] * SV + h * DV + ov[None, :],
@@ -442,21 +464,21 @@ def _prep_kernel(
             mv[None, :] & present[:, None],
         )
         u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
-        tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
+        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
         w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
-        tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
+        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w)
     else:
         tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
         tl.debug_barrier()  # other threads' scratch stores are read below
         # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
-        u0 = tl.zeros([C, BVF], dtype=tl.float32)
+        u0 = tl.zeros([ROWS, BVF], dtype=tl.float32)
         for tb in range(C // KB):
             otb = tb * KB + ob  # this block's tokens: the dot's K index
             ibb = otb < nbuf
             pb = otb < nrows
             rb = row0 + otb
             bb = brow0 + otb
-            ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
+            ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + otb[None, :])
             vcb = _buffered_or_packed(
                 bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :],
                 v_ptr + rb[:, None] * SV + h * DV + ov[None, :],
@@ -465,14 +487,14 @@ def _prep_kernel(
             )
             bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
             u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
-        tl.store(u0_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], u0)
-        w = tl.zeros([C, BK], dtype=tl.float32)
+        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
+        w = tl.zeros([ROWS, BK], dtype=tl.float32)
         for tb in range(C // KB):
             otb = tb * KB + ob
             ibb = otb < nbuf
             rb = row0 + otb
             bb = brow0 + otb
-            ti = tl.load(tinv_ptr + (base * C + ot[:, None]) * C + otb[None, :])
+            ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + otb[None, :])
             kcb = _buffered_or_packed(
                 bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :],
                 k_ptr + rb[:, None] * SK + hk * DK + ok[None, :],
@@ -481,7 +503,7 @@ def _prep_kernel(
             )
             bce = tl.load(bce_ptr + base * C + otb)
             w = _dot(ti, bce[:, None] * kcb, w, PREC)
-        tl.store(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :], w)
+        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w)
     tl.store(egc_ptr + base, tl.exp(gl))
 
 
@@ -637,14 +659,101 @@ def _chunk_out_kernel(
 
 
 @triton.jit
+def _decode_row_kernel(
+    q_ptr, k_ptr, bk_ptr, chunk_ptr, chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, bu_ptr, o_ptr,
+    scale, SQ, SK, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """Chunk form, a call of one token per sequence (a decode step) at chunk position t: per (sequence, value head,
+    Dv block) the token's rows of what training computes as tiles, from ``_prep_kernel``'s ROWS-row block of U0 and
+    W (row t's block) and the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic), stored into ``buf_u``;
+    ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
+    chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
+    order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
+    probe). Chunk and chain rows are the plan's (one each per sequence)."""
+    sid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // REP
+    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, sid)
+    ekind = tl.load(chain_ptr + sid * 6 + 2)
+    erow = tl.load(chain_ptr + sid * 6 + 3).to(tl.int64)
+    closes = tl.load(chain_ptr + sid * 6 + 5) == 0
+    t = nrows - 1
+    orr = (t // ROWS) * ROWS + tl.arange(0, ROWS)
+    mine = orr == t
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ob = tl.arange(0, KB)
+    ov = vb * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    st = (h * DK + ok[:, None]) * DV + ov[None, :]
+    hsz = HV * DK * DV
+    base = sid * HV + h
+    e = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
+    uptr = u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :]
+    if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
+        d = tl.zeros([ROWS, BV], dtype=tl.float32)
+        for kb in range(BK // KB):
+            okb = kb * KB + ob
+            wblk = tl.load(w_ptr + (base * C + orr[:, None]) * BK + okb[None, :])
+            e_blk = tl.load(entry_ptr + erow * hsz + (h * DK + okb[:, None]) * DV + ov[None, :],
+                            mask=(okb[:, None] < DK) & mv[None, :] & (ekind == 1), other=0.0)  # fmt: skip
+            d = _dot(wblk, e_blk, d, PREC)
+        u = tl.load(uptr, mask=mv[None, :], other=0.0) - d
+    else:
+        wt = tl.load(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :])
+        u = tl.load(uptr, mask=mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
+    ucache = bu_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :]  # buf_u rows of this slot
+    tl.store(bu_ptr + ((brow0 + orr)[:, None] * HV + h) * DV + ov[None, :], u, mask=mine[:, None] & mv[None, :])
+    tl.debug_barrier()  # row t of buf_u, stored by other threads, is read below
+    u_all = tl.load(ucache, mask=(ot <= t)[:, None] & mv[None, :], other=0.0)
+    q = tl.load(q_ptr + (row0 + orr)[:, None] * SQ + hk * DK + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0)
+    q = q.to(tl.float32) * scale
+    k = _buffered_or_packed(
+        bk_ptr + ((brow0 + ot)[:, None] * HK + hk) * DK + ok[None, :],
+        k_ptr + (row0 + ot)[:, None] * SK + hk * DK + ok[None, :],
+        (ot < nbuf)[:, None],
+        mk[None, :] & (ot < nrows)[:, None],
+    )
+    gc = tl.load(gcum_ptr + base * C + ot)
+    g_row = tl.load(gcum_ptr + base * C + orr)
+    causal = orr[:, None] >= ot[None, :]
+    qk = _dot(q, tl.trans(k), None, PREC)
+    p = tl.where(causal, qk * tl.exp(tl.where(causal, g_row[:, None] - gc[None, :], 0.0)), 0.0)
+    o = _dot(q, e, None, PREC) * tl.exp(g_row)[:, None]
+    o = _dot(p, u_all, o, PREC)
+    tl.store(o_ptr + ((row0 + orr)[:, None] * HV + h) * DV + ov[None, :], o, mask=mine[:, None] & mv[None, :])
+    e_next = e  # a fresh sequence's open chunk keeps its zero entry state for the next step
+    if closes:  # the chain's exit state of the chunk, from the u rows in buf_u
+        egc = tl.load(egc_ptr + base)
+        if PREC == "ieee":
+            acc = egc * e
+            for mb in range(C // KB):
+                om = mb * KB + ob
+                ub = tl.load(bu_ptr + ((brow0 + om)[:, None] * HV + h) * DV + ov[None, :], mask=mv[None, :], other=0.0)
+                kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
+                acc = _dot(tl.trans(kd), ub, acc, PREC)
+        else:
+            kdfull = tl.load(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
+            acc = _dot(tl.trans(kdfull), u_all, egc * e, PREC)
+        e_next = acc
+    tl.store(entry_ptr + erow * hsz + st, e_next, mask=m2 & (closes | (ekind == 0)))
+
+
+@triton.jit
 def _buffer_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr,
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr, u_ptr, bu_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, COPY_U: tl.constexpr,
 ):  # fmt: skip
     """Chunk form: the tokens of a chunk this call leaves open (chunk row flag, column 4) into the state cache's fp32
     ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk and opens the next reuses
-    the slot's rows). k by the first value head of each key head."""
+    the slot's rows). k by the first value head of each key head. COPY_U: also the tokens' u rows (the chain's, over
+    U0) into ``buf_u``, for the decode steps that follow (a decode step stores its own)."""
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
@@ -665,6 +774,10 @@ def _buffer_kernel(
     mk2 = new[:, None] & (ok < DK)[None, :] & (h % REP == 0)
     kt = tl.load(k_ptr + rows[:, None] * SK + hk * DK + ok[None, :], mask=mk2)
     tl.store(bk_ptr + (br[:, None] * HK + hk) * DK + ok[None, :], kt.to(tl.float32), mask=mk2)
+    if COPY_U:
+        mu = new[:, None] & (ov < DV)[None, :]
+        u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
+        tl.store(bu_ptr + (br[:, None] * HV + h) * DV + ov[None, :], u, mask=mu)
 
 
 @triton.jit
@@ -900,10 +1013,12 @@ def prep_chunks(
     buffers: tuple[torch.Tensor, ...],
     chunks: torch.Tensor,
     cfg: GDNConfig,
+    rows_computed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
     e^{G_C} and G of each chunk and value head. ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
-    ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered)."""
+    ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered).
+    ``rows_computed``: the kernel's ROWS (None: the whole chunk)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
     hv, dv = vf.shape[1:]
@@ -918,7 +1033,7 @@ def prep_chunks(
     _prep_kernel[(n, hv)](
         kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        num_warps=PREP_WARPS, num_stages=PREP_STAGES,
+        ROWS=rows_computed or c, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
     )  # fmt: skip
     return u0, w, kd, egc, gcum
 
@@ -966,7 +1081,7 @@ def _rule_forward(
     ex = torch.empty(max(plan.nchunks, 1), hv, dk, dv, dtype=torch.float32, device=dev)
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
-        for name, buf in (("buf_k", bk), ("buf_v", bvv), ("buf_g", bg), ("buf_beta", bb)):
+        for name, buf in (("buf_k", bk), ("buf_v", bvv), ("buf_g", bg), ("buf_beta", bb), ("buf_u", state.buf_u)):
             if buf.dtype != torch.float32 or not buf.is_contiguous():
                 raise ValueError(f"gated_delta_rule: state.{name} must be contiguous fp32")
         entry, running = state.entry, state.running
@@ -975,13 +1090,26 @@ def _rule_forward(
         # buffers, so training and decode launch the same compiled kernels.
         bk = bvv = bg = bb = ex
         entry = running = ex
+    chunk_form = cfg.form == "chunk"
+    prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
+    if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
+        rows_computed = min(DECODE_ROWS or chunk, chunk)
+        u0, w, kd, egc, gcum = prep_chunks(prep_rows, (bk, bvv, bg, bb), plan.chunks, cfg, rows_computed)
+        _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.chain_bv))](
+            qf, kf, bk, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, state.buf_u, out, scale, sq, sk, hk, hv,
+            dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, ROWS=rows_computed,
+            PREC=cfg.chain_precision, num_warps=CHAIN_WARPS,
+        )  # fmt: skip
+        if plan.buffers:
+            _buffer_kernel[(plan.nchunks, hv)](
+                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, state.buf_u, sk, sv, sg, sb, hk, hv, dk, dv, rep,
+                C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=False,
+            )  # fmt: skip
+        return out
     if plan.nchunks:
-        u0, w, kd, egc, gcum = prep_chunks(
-            ((kf, sk), (vf, sv), (gf, sg), (bf, sb)), (bk, bvv, bg, bb), plan.chunks, cfg
-        )
+        u0, w, kd, egc, gcum = prep_chunks(prep_rows, (bk, bvv, bg, bb), plan.chunks, cfg)
     else:
         u0 = w = kd = egc = gcum = ex
-    chunk_form = cfg.form == "chunk"
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
@@ -995,8 +1123,8 @@ def _rule_forward(
         )  # fmt: skip
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
-                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, sk, sv, sg, sb, hk, hv, dk, dv, rep,
-                C=chunk, BK=cfg.bk, BVF=cfg.bv_full,
+                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, state.buf_u, sk, sv, sg, sb, hk, hv, dk, dv, rep,
+                C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=True,
             )  # fmt: skip
         return out
     fin = running

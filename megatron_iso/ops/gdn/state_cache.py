@@ -6,7 +6,8 @@ For each GDN layer and cache slot:
 - ``running``: the recurrent-scan state after the sequence's last token (fp32);
 - ``entry``: the entry state of the sequence's open chunk, as the chunked state pass computed it (fp32);
 - ``buf_*``: the open chunk's tokens so far (k, v, g, beta; fp32), so that when the chunk closes the
-  state pass can be re-run over the whole chunk, exactly as the training forward runs it.
+  state pass can be re-run over the whole chunk, exactly as the training forward runs it; ``buf_u``: their u rows
+  (the GPU kernels' chunk form, whose decode step reads the earlier rows instead of recomputing them).
 
 How many tokens a slot holds is not stored here: the batch's ``cache_seqlens`` (one per sequence,
 shared with the KV cache) gives each sequence's position, and position ``p`` means ``p % chunk``
@@ -31,6 +32,7 @@ class GDNLayerState:
     buf_v: torch.Tensor  # [slots, C, Hv, Dv] fp32
     buf_g: torch.Tensor  # [slots, C, Hv] fp32 (log decay)
     buf_beta: torch.Tensor  # [slots, C, Hv] fp32
+    buf_u: torch.Tensor  # [slots, C, Hv, Dv] fp32: the open chunk's u rows (the GPU kernels' chunk form only)
 
     @property
     def chunk(self) -> int:
@@ -60,6 +62,7 @@ class GDNLayerState:
             buf_v=torch.zeros(slots, chunk, value_heads, value_dim, **f32),
             buf_g=torch.zeros(slots, chunk, value_heads, **f32),
             buf_beta=torch.zeros(slots, chunk, value_heads, **f32),
+            buf_u=torch.zeros(slots, chunk, value_heads, value_dim, **f32),
         )
 
 
