@@ -112,13 +112,12 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-VERSION = (
-    "7"  # 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains
-)
+# 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains
 # (no layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6: chunk-form outputs (opt-in),
 # bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
 # dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor
 # cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
+VERSION = "7"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
