@@ -145,15 +145,17 @@ def test_dot_precision_variant_train_equals_rollout(gt, chunk, d, prec):
 
 # Chunk-form outputs (module docstring, "Output forms"): every precision spec, sanity bounds against fp64 as above
 # (bf16 operands keep 8 mantissa bits, FLA's class).
-CHUNK_FORM_SANITY = {"ieee/tf32x3": 1e-4, "ieee": 2e-5, "tf32x3": 1e-4, "tf32": 1e-2, "bf16": 5e-2}
+# tf32x3 is refused by the chunk form (its row bits moved in the decode step's 16-row tiles at chunk 64, Dk 128).
+CHUNK_FORM_SANITY = {"ieee": 2e-5, "tf32": 1e-2, "bf16": 5e-2, "ieee/bf16": 5e-2}
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
 @pytest.mark.parametrize("prec", sorted(CHUNK_FORM_SANITY))
 def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
     """Chunk form: training forward == prefill(P) + decode (P around chunk boundaries) == chunked prefill, bitwise,
-    and a batch of sequences at mixed positions == each alone; decode recomputes its open chunk's tiles, whose rows
-    < n do not depend on the rows after (the MMA row probe, tools/probe_dot_rows.py)."""
+    and a batch of sequences at mixed positions == each alone. A decode step runs the row kernel (its token's rows
+    through 16-row tiles), a longer call the tiles; both give each row the same bits (the MMA row probe,
+    tools/probe_dot_rows.py)."""
     kw = {"dot_precision": prec, "form": "chunk"}
     total = 3 * chunk + 7
     x = inputs(total, 62, d)

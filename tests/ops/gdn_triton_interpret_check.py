@@ -115,7 +115,8 @@ def count_launches(fn) -> dict[str, int]:
 
 def check_rule(form: str) -> None:
     global rule
-    rule = functools.partial(gt.gated_delta_rule, form=form)
+    # the chunk form's default is bf16, whose tl.dot the interpreter gets wrong: ieee here (calls may override it)
+    rule = functools.partial(gt.gated_delta_rule, form=form, **({"dot_precision": "ieee"} if form == "chunk" else {}))
     # accuracy vs the CPU reference (state tolerance) on packed sequences
     xs = [inputs(n, 10 + n) for n in (13, 1, 22)]
     packed = [torch.cat([x[j] for x in xs]) for j in range(5)]
@@ -215,7 +216,8 @@ def check_rule(form: str) -> None:
     # dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the
     # precision, so only the plumbing and the invariance logic are shown here; the GPU tests show the bits)
     x = inputs(2 * C + 5, 43)
-    for prec in ("ieee", "tf32x3", "tf32", "tf32x3/ieee"):
+    precs = ("ieee", "tf32x3", "tf32", "tf32x3/ieee") if form == "scan" else ("ieee", "tf32", "ieee/tf32")
+    for prec in precs:
         full = rule(*x, cu([2 * C + 5]), chunk=C, dot_precision=prec)
         st, outs, pos = new_state(2), [], 0
         for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
@@ -230,6 +232,13 @@ def check_rule(form: str) -> None:
             raise AssertionError(f"dot_precision={bad!r} accepted")
         except ValueError as e:
             assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
+    for bad in ("tf32x3", "ieee/tf32x3", "tf32x3/bf16"):  # the chunk form refuses tf32x3 (its row bits follow M)
+        try:
+            gt.config_for(D, D, C, bad, "chunk")
+            raise AssertionError(f"chunk form accepted {bad!r}")
+        except ValueError as e:
+            assert "form='chunk'" in str(e) and "'bf16'" in str(e), str(e)
+    assert gt.config_for(D, D, C, "ieee/bf16", "chunk").form == "chunk"
     cfg = gt.config_for(D, D, C)
     assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3" == gt._RULE_CONSTANTS["dot_precision"]
     assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gt.split_dot_precision(gt.DOT_PRECISION)

@@ -156,6 +156,11 @@ DOT_PRECISION = "ieee/tf32x3"
 # O = e^G (Q E) + P u on tensor cores (training and prefill fast; decode recomputes its open chunk's tiles).
 FORMS = ("scan", "chunk")
 FORM = "scan"
+# The chunk form's decode step computes its token's rows through 16-row tiles, so it takes only the precisions whose
+# row bits do not follow the tile's row count: on the H200 ieee, tf32 and bf16 held train == rollout at chunk 64,
+# Dk = Dv = 128, tf32x3 did not (9e-9 apart; tests/gpu/test_gdn_triton.py, docs/PERFORMANCE.md "Session 8").
+CHUNK_FORM_PRECISIONS = ("ieee", "tf32", "bf16")
+CHUNK_DOT_PRECISION = "bf16"  # the chunk form's precision when a call names none
 # Dv block of the chunk-form output kernel: all of Dv (H200, bf16, 8 x 4096: 1.57 ms at 64, 1.98 at 32, 1.35 at 128)
 OUT_BV = 4 if _INTERPRET else 128
 OUT_WARPS = 4
@@ -208,6 +213,11 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     prep_precision, chain_precision = split_dot_precision(dot_precision)
     if form not in FORMS:
         raise ValueError(f"gated_delta_rule (triton): form={form!r} must be one of {list(FORMS)}")
+    if form == "chunk" and {prep_precision, chain_precision} - set(CHUNK_FORM_PRECISIONS):
+        raise ValueError(
+            f"gated_delta_rule (triton): form='chunk' with dot_precision={dot_precision!r}: the chunk form takes "
+            f"{list(CHUNK_FORM_PRECISIONS)} (or 'PREP/CHAIN' of them); tf32x3's row bits move with the tile's row count"
+        )
     if chunk < MIN_DOT or chunk & (chunk - 1):
         raise ValueError(
             f"gated_delta_rule (triton): chunk={chunk} must be a power of two >= {MIN_DOT} "
@@ -1064,7 +1074,10 @@ def _rule_forward(
         raise ValueError(f"gated_delta_rule: value heads {hv} must be a multiple of key heads {hk}")
     if state is not None and state.chunk != chunk:
         raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
-    cfg = config_for(dk, dv, chunk, DOT_PRECISION if dot_precision is None else dot_precision, form or FORM)
+    form = form or FORM
+    if dot_precision is None:
+        dot_precision = CHUNK_DOT_PRECISION if form == "chunk" else DOT_PRECISION
+    cfg = config_for(dk, dv, chunk, dot_precision, form)
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
     slot_count = 0 if state is None else state.running.shape[0]
@@ -1160,7 +1173,8 @@ def gated_delta_rule(
     """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the module docstring.
 
     ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` for both
-    kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one). Training and rollout must pass
+    kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one; for the chunk form
+    :data:`CHUNK_DOT_PRECISION`, and only :data:`CHUNK_FORM_PRECISIONS`). Training and rollout must pass
     the same value: it fixes the state pass's bits (the state cache does not record it).
     ``form``: how outputs are computed, one of :data:`FORMS` (None: :data:`FORM`, the registered one); the same
     rule holds: training and rollout pass the same form (a state cache filled under one is meaningless to the other)."""
