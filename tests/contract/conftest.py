@@ -29,8 +29,13 @@ def fake_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     try:
         yield
     finally:
+        # A package module imported for the first time inside the window registered its real implementations into
+        # the fake registry; it will not import (and register) again, so they must outlive the window.
+        imported = {k: v for k, v in registry._REGISTRY.items()
+                    if k not in saved and getattr(v.fn, "__module__", "").startswith("megatron_iso.")}  # fmt: skip
         registry._REGISTRY.clear()
         registry._REGISTRY.update(saved)
+        registry._REGISTRY.update(imported)
 
 
 @pytest.fixture
