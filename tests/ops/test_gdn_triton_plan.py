@@ -1,0 +1,61 @@
+"""The GDN Triton module's call plan (host side, no kernels): which chunks, chains and buffer copies a call gets, per
+output form. Bitwise behaviour is tested under the interpreter (test_gdn_triton_interpret.py) and on the GPU; these
+pin the tables those kernels read (columns: ``_prep_kernel``'s and ``_chain_kernel``'s docstrings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_iso.ops.gdn import gdn_triton as gt
+
+C = 8
+CPU = torch.device("cpu")
+
+
+def plan(lengths, starts=None, slots=None, form="chunk", has_state=True, slot_count=4):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    st = None if starts is None else torch.tensor(starts)
+    sl = None if slots is None else torch.tensor(slots)
+    return gt._plan(cu, st, sl, C, has_state, CPU, slot_count, form)
+
+
+def test_chunk_form_decode_step_mid_chunk_and_at_close():
+    # slot 2 at position 13 (chunk 1, 5 buffered), slot 0 at position 7 (its token closes chunk 0). Column 0 is the
+    # packed row chunk token 0 would have: the token's packed row minus the tokens buffered before it.
+    p = plan([1, 1], starts=[13, 7], slots=[2, 0])
+    assert p.chunks.tolist() == [[0 - 5, 5, 2 * C, 6, 1], [1 - 7, 7, 0, 8, 0]]
+    # chains: (first chunk, count, entry kind, slot, write back, last open)
+    assert p.chains.tolist() == [[0, 1, 1, 2, 0, 1], [1, 1, 1, 0, 1, 0]]
+    assert p.buffers  # the open chunk's token goes to the buffer
+
+
+def test_chunk_form_prefill_from_mid_chunk_lists_every_chunk():
+    # 3 buffered tokens, then 14 new: rows 0..4 close chunk 0, rows 5..12 fill chunk 1, row 13 opens chunk 2
+    p = plan([14], starts=[3], slots=[1])
+    assert p.chunks.tolist() == [[-3, 3, C, 8, 0], [5, 0, C, 8, 0], [13, 0, C, 1, 1]]
+    assert p.chains.tolist() == [[0, 3, 1, 1, 1, 1]]
+    scan = plan([14], starts=[3], slots=[1], form="scan")
+    assert scan.chunks.tolist() == [[-3, 3, C, 8, 0], [5, 0, C, 8, 0]]  # the scan form preps closing chunks only
+    assert scan.chains.tolist() == [[0, 2, 1, 1, 1, 0]]
+
+
+def test_training_plan_without_state_has_no_buffer_copies():
+    p = plan([5, 16], has_state=False)
+    assert p.chunks.tolist() == [[0, 0, 0, 5, 0], [5, 0, 0, 8, 0], [13, 0, 0, 8, 0]]
+    assert p.chains.tolist() == [[0, 1, 0, 0, 0, 1], [1, 2, 0, 0, 0, 0]]
+    assert not p.buffers
+
+
+def test_fresh_sequence_writes_its_zero_entry_back():
+    p = plan([3], starts=[0], slots=[3])  # a fresh slot: the next step reads the open chunk's (zero) entry state
+    assert p.chains.tolist() == [[0, 1, 0, 3, 1, 1]]
+
+
+def test_bad_form_and_precision_are_named():
+    with pytest.raises(ValueError, match="form='spiral' must be one of"):
+        gt.config_for(8, 8, C, "ieee", "spiral")
+    with pytest.raises(ValueError, match="form='chunk' with dot_precision='tf32x3'"):
+        gt.config_for(8, 8, C, "tf32x3", "chunk")
