@@ -197,6 +197,23 @@ def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _check_gdn_kernels(profile: Mapping[str, Any], device_class: str) -> None:
+    """profile.gdn_form / gdn_dot_precision choose among the GDN GPU kernels (docs/GDN.md "Output forms"): refuse them
+    where those kernels do not run, rather than write a contract whose composition computes something else."""
+    from megatron_iso.ops.gdn import gdn_profile_fields
+
+    try:
+        form, precision = gdn_profile_fields(profile)
+    except ValueError as e:
+        raise ContractValidationError(str(e)) from None
+    if (form != "scan" or precision is not None) and not (device_class == "cuda" and profile["name"] == "correctness"):
+        raise ContractValidationError(
+            f"profile.gdn_form={form!r}, profile.gdn_dot_precision={precision!r} need device=cuda and profile "
+            f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile['name']!r} "
+            "only gdn_form='scan' with gdn_dot_precision=null exists"
+        )
+
+
 def _axis_claims(
     profile: Mapping[str, Any], parallel: Mapping[str, Any], max_batch: int, model: Mapping[str, Any]
 ) -> list[AxisClaim]:
@@ -325,6 +342,7 @@ def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] 
     device_class = resolve_device_class(c.get("device", "auto"))
     _validate_profile(profile, model)
     bitwise = profile["name"] == "correctness"
+    _check_gdn_kernels(profile, device_class)
 
     if impls is None:
         impls = registry.registered(device_class=device_class, profile=profile["name"])

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_iso.ops.gdn import gdn_profile_fields
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROFILES = ("correctness", "performance")
 
@@ -30,6 +32,8 @@ class IsoTransformerConfig(TransformerConfig):
     max_sequence_length: int = 0
     tie_word_embeddings: bool = False
     iso_gdn_chunk: int = 64  # CPR chunk of the Gated DeltaNet layers (profile.gdn_chunk)
+    iso_gdn_form: str = "scan"  # GDN output form on the GPU (profile.gdn_form: scan or chunk)
+    iso_gdn_dot_precision: str | None = None  # GDN kernels' dot precision on the GPU (profile.gdn_dot_precision)
     # How HF checkpoints store GDN's input projections (model.hf_gdn_layout; naming only, same computation):
     # "qkvz" = Qwen3-Next's in_proj_qkvz/in_proj_ba grouped per key head, "split" = Qwen3.5's flat in_proj_qkv/z/b/a.
     hf_gdn_layout: str = "qkvz"
@@ -55,6 +59,7 @@ def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
     chunk = int(_get(profile, "gdn_chunk", 64))
     if chunk < 1:
         raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
+    form, precision = gdn_profile_fields(profile)
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
         raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
@@ -68,6 +73,8 @@ def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
         "linear_num_key_heads": int(model.linear_num_key_heads),
         "linear_num_value_heads": int(model.linear_num_value_heads),
         "iso_gdn_chunk": chunk,
+        "iso_gdn_form": form,
+        "iso_gdn_dot_precision": precision,
     }
 
 

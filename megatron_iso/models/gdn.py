@@ -63,6 +63,8 @@ class IsoGatedDeltaNet(MegatronModule):
         self.layer_index = layer_number - 1  # Megatron numbers layers from 1
         self.profile = getattr(config, "iso_profile", "correctness")
         self.chunk = int(getattr(config, "iso_gdn_chunk", 64))
+        self.form = getattr(config, "iso_gdn_form", "scan")
+        self.dot_precision = getattr(config, "iso_gdn_dot_precision", None)
         tp = config.tensor_model_parallel_size
         hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
@@ -146,6 +148,8 @@ class IsoGatedDeltaNet(MegatronModule):
             chunk=self.chunk,
             state=state,
             profile=self.profile,
+            form=self.form,
+            dot_precision=self.dot_precision,
             **common,
         ).to(hidden_states.dtype)
         o = self.out_norm(o, z.reshape(t, self.hv, self.dv))

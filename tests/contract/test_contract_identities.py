@@ -50,6 +50,16 @@ def test_policy_changes_move_numerical_policy_not_semantic(cfg_for, override):
     assert "semantic" not in diff
 
 
+def test_gdn_form_moves_numerical_policy_and_is_named(cfg_for):
+    """A trainer on the scan form and a rollout on the chunk form (or another dot precision) do not handshake."""
+    base = cfg_for("device=cuda")
+    for override in ("profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"):
+        assert changed(ids(base), ids(cfg_for("device=cuda", override))) == {"numerical_policy"}
+    a = build_contract(base).to_dict()["numerical_policy"]
+    b = build_contract(cfg_for("device=cuda", "profile.gdn_form=chunk")).to_dict()["numerical_policy"]
+    assert diff_paths(a, b) == [("constants.gdn_form", "scan", "chunk")]
+
+
 def test_leaves_change_is_named_in_policy_diff(cfg_for):
     a = build_contract(cfg_for()).to_dict()["numerical_policy"]
     b = build_contract(cfg_for("profile.leaves=16")).to_dict()["numerical_policy"]

@@ -35,6 +35,15 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
         ),
         (["profile.expert_leaves=3"], r"profile\.expert_leaves=3 must be a power of two"),
         (
+            ["profile.gdn_form=spiral"],
+            r"profile\.gdn_form='spiral' is not allowed; allowed values: \['scan', 'chunk'\]",
+        ),
+        (["profile.gdn_form=chunk"], r"profile\.gdn_form='chunk'.*need device=cuda and profile correctness"),
+        (
+            ["device=cuda", "profile=performance", "+profile.gdn_dot_precision=bf16"],
+            r"need device=cuda and profile corr",
+        ),
+        (
             ["model=tiny_moe", "profile.expert_leaves=64"],
             r"profile\.expert_leaves=64 does not divide model\.moe_ffn_hidden_size=32",
         ),

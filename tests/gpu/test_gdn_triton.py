@@ -334,7 +334,7 @@ def test_dispatch_selects_triton():
         assert lookup(op, "cuda", "correctness").impl_id == f"{op}.triton"
 
 
-def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int):
+def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int, extra: list[str] | tuple[str, ...] = ()):
     from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
     from megatron_iso.models.config import transformer_config
@@ -346,7 +346,7 @@ def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int):
     # tiny_hybrid is fp32, and the fp32 leaf-tree GEMM on the GPU needs K/leaves to be a multiple of its
     # block_k (32). Its column-parallel GEMMs (one leaf) have K = hidden = 64; its row-parallel ones
     # (attention out, MLP fc2, GDN out) all have K = 128, so 4 leaves (32 deep) instead of the default 8.
-    overrides = ["model=tiny_hybrid", "profile.gdn_chunk=16", "profile.leaves=4", "profile.tp_domain=[1,2,4]"]
+    overrides = ["model=tiny_hybrid", "profile.gdn_chunk=16", "profile.leaves=4", "profile.tp_domain=[1,2,4]", *extra]
     tc = transformer_config(load_config(overrides))
     assert tc.iso_leaves == 4
     model = build_model(tc, random_hf_state_dict(tc, seed=7)).eval()
@@ -367,10 +367,14 @@ def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int):
     return full, torch.cat(out)
 
 
+@pytest.mark.parametrize(
+    "gdn", [[], ["profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"]], ids=["scan", "chunk"]
+)
 @pytest.mark.parametrize(("prompt_len", "pieces"), [(15, [15]), (16, [16]), (21, [5, 11, 5])])
-def test_tiny_hybrid_training_forward_equals_prefill_decode(prompt_len, pieces):
+def test_tiny_hybrid_training_forward_equals_prefill_decode(prompt_len, pieces, gdn):
+    """The model path: profile.gdn_form / gdn_dot_precision reach the GDN kernels (scan: the registered form)."""
     from megatron_iso.parallel.world import single_process_world
 
     with single_process_world():
-        full, cached = _hybrid_prefill_decode(prompt_len, pieces, 20)
+        full, cached = _hybrid_prefill_decode(prompt_len, pieces, 20, gdn)
     assert same_bits(full, cached), f"max |dlogit| {maxdiff(full, cached):.3e}"

@@ -192,3 +192,19 @@ def test_iso_hybrid_moe_tp_and_prefill_decode():
         assert _equal(ref, rank_result), f"max |dlogp| {_max_diff(ref, rank_result):.3e}"
     full, cached = run_on_ranks(_prefill_decode, 1, args=(over, 9, [5, 4], 8))[0]
     assert torch.equal(bits(full), bits(cached)), f"max |dlogit| {(full - cached).abs().max():.3e}"
+
+
+def test_gdn_form_reaches_the_layer_and_the_cpu_refuses_the_chunk_form():
+    """profile.gdn_form travels config -> layer -> op; the chunk form is GPU-only, so a CPU forward says so (its GPU
+    equality test: tests/gpu/test_gdn_triton.py::test_tiny_hybrid_training_forward_equals_prefill_decode)."""
+    from megatron_iso.models.batch import pack
+    from megatron_iso.models.gdn import IsoGatedDeltaNet
+    from megatron_iso.parallel.world import single_process_world
+
+    with single_process_world():
+        tc, model = _setup([*BASE, "profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"])
+        layers = [m for m in model.modules() if isinstance(m, IsoGatedDeltaNet)]
+        assert layers and all((m.form, m.dot_precision) == ("chunk", "bf16") for m in layers)
+        ids, batch = pack(_sequences(tc.vocab_size, [0]))
+        with torch.no_grad(), pytest.raises(ValueError, match=r"form='chunk', dot_precision='bf16' choose GPU kernels"):
+            model.forward_packed(ids, batch)

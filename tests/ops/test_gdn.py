@@ -299,3 +299,24 @@ def test_step_layout_is_read_once_per_forward():
     assert len(reads) == 2
     with pytest.raises(ValueError, match="starts has 1 entries for 2 sequences"):
         reference._starts(cu, torch.tensor([0]))
+
+
+def test_gpu_only_forms_and_precisions_are_refused_on_cpu():
+    """profile.gdn_form / gdn_dot_precision choose GPU kernels; on the CPU reference they are refused, not ignored,
+    and form='scan' is the reference itself. The config layer checks their values and names the field."""
+    from megatron_iso.ops.gdn import gdn_profile_fields
+
+    x = _inputs(11, 3)
+    cu = torch.tensor([0, 11])
+    assert same_bits(gated_delta_rule(*x, cu, form="scan", chunk=8), gated_delta_rule(*x, cu, chunk=8))
+    for kw in ({"form": "chunk"}, {"dot_precision": "bf16"}):
+        with pytest.raises(ValueError, match=r"choose GPU kernels .*only form='scan' with dot_precision=None"):
+            gated_delta_rule(*x, cu, chunk=8, **kw)
+    assert gdn_profile_fields({"gdn_form": "chunk", "gdn_dot_precision": "bf16"}) == ("chunk", "bf16")
+    assert gdn_profile_fields({}) == ("scan", None)
+    with pytest.raises(
+        ValueError, match=r"profile.gdn_form='tiles' is not allowed; allowed values: \['scan', 'chunk'\]"
+    ):
+        gdn_profile_fields({"gdn_form": "tiles"})
+    with pytest.raises(ValueError, match="profile.gdn_dot_precision=16 must be null or a string"):
+        gdn_profile_fields({"gdn_dot_precision": 16})

@@ -8,11 +8,13 @@ Per-sequence state lives in :class:`~megatron_iso.ops.gdn.state_cache.GDNStateCa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from megatron_iso.ops.dispatch import select
+from megatron_iso.ops.dispatch import device_class_of, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
-from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, OUTPUT_FORMS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, GDNStateCache
 
 TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
@@ -45,6 +47,19 @@ def gdn_gates(
     return select("gdn_gates", a, profile, TRITON_MODULE)(a, b, A_log, dt_bias)
 
 
+def gdn_profile_fields(profile: Any) -> tuple[str, str | None]:
+    """(profile.gdn_form, profile.gdn_dot_precision), checked: the form one of :data:`OUTPUT_FORMS` (default
+    "scan"), the precision null or a string (the GPU kernels check its value when they run)."""
+    get = profile.get if hasattr(profile, "get") else lambda key, default=None: getattr(profile, key, default)
+    form = get("gdn_form", None) or "scan"
+    precision = get("gdn_dot_precision", None)
+    if form not in OUTPUT_FORMS:
+        raise ValueError(f"profile.gdn_form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
+    if precision is not None and not isinstance(precision, str):
+        raise ValueError(f"profile.gdn_dot_precision={precision!r} must be null or a string such as 'bf16'")
+    return str(form), precision
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,18 +74,35 @@ def gated_delta_rule(
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
     profile: str = "correctness",
+    form: str = "scan",
+    dot_precision: str | None = None,
 ) -> torch.Tensor:
-    """Gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see ``reference`` for the semantics."""
+    """Gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see ``reference`` for the semantics.
+
+    ``form`` and ``dot_precision`` (profile.gdn_form, profile.gdn_dot_precision) choose among the GPU kernels
+    (cuda, profile correctness; docs/GDN.md "Output forms"); elsewhere only the scan form at the implementation's own
+    precision exists, and anything else is refused rather than ignored."""
     fn = select("gated_delta_rule", q, profile, TRITON_MODULE)
-    return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts)
+    kw = {}
+    if device_class_of(q) == "cuda" and profile == "correctness":
+        kw = {"form": form, "dot_precision": dot_precision}
+    elif form != "scan" or dot_precision is not None:
+        raise ValueError(
+            f"gated_delta_rule: form={form!r}, dot_precision={dot_precision!r} choose GPU kernels (cuda, profile "
+            f"correctness); on {device_class_of(q)} with profile {profile!r} only form='scan' with dot_precision=None "
+            "exists (profile.gdn_form, profile.gdn_dot_precision)"
+        )
+    return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 
 
 __all__ = [
     "DEFAULT_CHUNK",
+    "OUTPUT_FORMS",
     "GDNLayerState",
     "GDNStateCache",
     "causal_conv1d",
     "gated_delta_rule",
     "gdn_gates",
+    "gdn_profile_fields",
     "l2norm",
 ]

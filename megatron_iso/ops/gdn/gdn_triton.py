@@ -108,7 +108,7 @@ import triton.language as tl
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.gdn import native
-from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, OUTPUT_FORMS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
@@ -154,7 +154,7 @@ DOT_PRECISION = "ieee/tf32x3"
 # How a chunk's outputs are computed (GDNConfig.form; module docstring, "Output forms"): "scan", the per-token
 # recurrence from the chunk's entry state (the registered default; decode is one scan step), or "chunk", output tiles
 # O = e^G (Q E) + P u on tensor cores (training and prefill fast; decode recomputes its open chunk's tiles).
-FORMS = ("scan", "chunk")
+FORMS = OUTPUT_FORMS
 FORM = "scan"
 # The chunk form's decode step computes its token's rows through 16-row tiles, so it takes only the precisions whose
 # row bits do not follow the tile's row count: on the H200 ieee, tf32 and bf16 held train == rollout at chunk 64,
