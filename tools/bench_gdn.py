@@ -231,7 +231,8 @@ def _state(slots: int):
     from megatron_iso.ops.gdn import GDNLayerState
 
     return GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D,
-                                  value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device=DEVICE)  # fmt: skip
+                                  value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device=DEVICE,
+                                  form=FORM or "scan")  # fmt: skip
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:

@@ -173,4 +173,5 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
         chunk=int(getattr(config, "iso_gdn_chunk", 64)),
         dtype=config.params_dtype,
         device=device,
+        form=getattr(config, "iso_gdn_form", "scan"),
     )

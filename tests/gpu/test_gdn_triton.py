@@ -46,18 +46,19 @@ def cu(lengths: list[int], device: str = "cuda") -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
 
 
-def new_state(slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda"):
+def new_state(slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda", form: str = "scan"):
     from megatron_iso.ops.gdn import GDNLayerState
 
     st = GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=hk, value_heads=hv, key_dim=d,
-                                value_dim=d, chunk=chunk, dtype=torch.float32, device=device)  # fmt: skip
-    for t in (st.running, st.entry, st.buf_k, st.buf_v, st.buf_g, st.buf_beta):
+                                value_dim=d, chunk=chunk, dtype=torch.float32, device=device, form=form)  # fmt: skip
+    for t in (st.running, st.entry, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u):
         t.fill_(float("nan"))  # stale slot content must never be read
     return st
 
 
 def incremental(gt, x, pieces, chunk, slot=1, st=None, **kw):
-    st = st or new_state(slot + 1, chunk, x[2].shape[-1], x[0].shape[1], x[2].shape[1], device=x[0].device.type)
+    st = st or new_state(slot + 1, chunk, x[2].shape[-1], x[0].shape[1], x[2].shape[1], device=x[0].device.type,
+                         form=kw.get("form") or "scan")  # fmt: skip
     outs, pos = [], 0
     dev = x[0].device
     for n in pieces:
@@ -175,7 +176,7 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
     lens, prev = [5, 2 * c + 3, 1, 3, 1, c], [3, 0, c - 1, 2 * c, c + 2, 5]
     seqs = [inputs(p + n, 70 + i, d) for i, (p, n) in enumerate(zip(prev, lens, strict=True))]
     alone = [incremental(gt, s, [p, n] if p else [n], c, **kw)[0][p:] for s, p, n in zip(seqs, prev, lens, strict=True)]
-    st = new_state(len(lens), c, d)
+    st = new_state(len(lens), c, d, form="chunk")
     for i, s in enumerate(seqs):
         if prev[i]:
             gt.gated_delta_rule(*(t[: prev[i]] for t in s), cu([prev[i]]), chunk=c, state=st,

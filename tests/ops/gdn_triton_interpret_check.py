@@ -53,6 +53,7 @@ def new_state(slots, hk=HK, hv=HV):
         value_dim=D,
         chunk=C,
         dtype=torch.float32,
+        form=FORM,
     )
 
 
@@ -68,7 +69,8 @@ def incremental(x, pieces, slot=1, st=None):
     return torch.cat(outs), st
 
 
-rule = gt.gated_delta_rule  # the form under check (check_rule sets it)
+rule = gt.gated_delta_rule  # the form under check (check_rule sets it and FORM)
+FORM = "scan"
 
 
 def train(x):
@@ -114,7 +116,8 @@ def count_launches(fn) -> dict[str, int]:
 
 
 def check_rule(form: str) -> None:
-    global rule
+    global rule, FORM
+    FORM = form
     # the chunk form's default is bf16, whose tl.dot the interpreter gets wrong: ieee here (calls may override it)
     rule = functools.partial(gt.gated_delta_rule, form=form, **({"dot_precision": "ieee"} if form == "chunk" else {}))
     # accuracy vs the CPU reference (state tolerance) on packed sequences
@@ -249,7 +252,7 @@ def check_rule(form: str) -> None:
     assert gt.config_for(D, D, C16).inv_block == gt.INV_BLOCK
     x = inputs(2 * C16 + 3, 47)
     st16 = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
-                                  chunk=C16, dtype=torch.float32)  # fmt: skip
+                                  chunk=C16, dtype=torch.float32, form=form)  # fmt: skip
     full = rule(*x, cu([2 * C16 + 3]), chunk=C16)
     err = float((full - ref.gated_delta_rule(*x, cu([2 * C16 + 3]), chunk=C16)).abs().max())
     assert err < 1e-5, f"chunk {C16} vs reference {err:.2e}"

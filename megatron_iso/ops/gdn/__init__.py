@@ -14,8 +14,8 @@ import torch
 
 from megatron_iso.ops.dispatch import device_class_of, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
-from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, OUTPUT_FORMS
-from megatron_iso.ops.gdn.state_cache import GDNLayerState, GDNStateCache
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
+from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
 
 TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
 

@@ -108,8 +108,8 @@ import triton.language as tl
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.gdn import native
-from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, OUTPUT_FORMS
-from megatron_iso.ops.gdn.state_cache import GDNLayerState
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
+from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
 # 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains
@@ -1080,7 +1080,7 @@ def _rule_forward(
     cfg = config_for(dk, dv, chunk, dot_precision, form)
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
-    slot_count = 0 if state is None else state.running.shape[0]
+    slot_count = 0 if state is None else state.entry.shape[0]
     # One plan per layout, shared by the layers of a forward; the slot count is part of the key because
     # the plan's bounds check depends on it.
     extra = (chunk, state is not None, dev, slot_count, cfg.form)
@@ -1096,6 +1096,12 @@ def _rule_forward(
         for name, buf in (("buf_k", bk), ("buf_v", bvv), ("buf_g", bg), ("buf_beta", bb), ("buf_u", state.buf_u)):
             if buf.dtype != torch.float32 or not buf.is_contiguous():
                 raise ValueError(f"gated_delta_rule: state.{name} must be contiguous fp32")
+        needs, shape = ("buf_u", (chunk, hv, dv)) if cfg.form == "chunk" else ("running", (hv, dk, dv))
+        if tuple(getattr(state, needs).shape[1:]) != shape:
+            raise ValueError(
+                f"gated_delta_rule: form={cfg.form!r} reads state.{needs}, but this state cache was allocated for the "
+                f"other form (GDNLayerState.allocate(..., form={cfg.form!r}); profile.gdn_form)"
+            )
         entry, running = state.entry, state.running
     else:
         # Never read or written (no buffered tokens, no buffer rows without a state); fp32 like the real

@@ -37,9 +37,6 @@ from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.tree import tree_sum_dim
 
 DEFAULT_CHUNK = 64
-# How a GPU call computes a chunk's outputs (profile.gdn_form; the Triton module's FORMS): "scan", the per-token
-# recurrence this module computes, or "chunk", output tiles (GPU only, docs/GDN.md "Output forms").
-OUTPUT_FORMS = ("scan", "chunk")
 L2NORM_EPS = 1e-6
 
 

@@ -3,7 +3,7 @@
 For each GDN layer and cache slot:
 
 - ``conv``: the last ``K - 1`` inputs of the causal conv (pre-activation q/k/v channels);
-- ``running``: the recurrent-scan state after the sequence's last token (fp32);
+- ``running``: the recurrent-scan state after the sequence's last token (fp32; the scan form's, empty for the chunk form);
 - ``entry``: the entry state of the sequence's open chunk, as the chunked state pass computed it (fp32);
 - ``buf_*``: the open chunk's tokens so far (k, v, g, beta; fp32), so that when the chunk closes the
   state pass can be re-run over the whole chunk, exactly as the training forward runs it; ``buf_u``: their u rows
@@ -22,17 +22,22 @@ from dataclasses import dataclass
 
 import torch
 
+# How a GPU call computes a chunk's outputs (profile.gdn_form; the Triton module's FORMS): "scan", the per-token
+# recurrence the CPU reference computes, or "chunk", output tiles (GPU only, docs/GDN.md "Output forms"). The state
+# cache holds what its form's decode reads.
+OUTPUT_FORMS = ("scan", "chunk")
+
 
 @dataclass
 class GDNLayerState:
     conv: torch.Tensor  # [slots, conv_dim, K - 1] (model dtype)
-    running: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
+    running: torch.Tensor  # [slots, Hv, Dk, Dv] fp32 (form "scan"; [slots, 0, 0, 0] for "chunk")
     entry: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
     buf_k: torch.Tensor  # [slots, C, Hk, Dk] fp32
     buf_v: torch.Tensor  # [slots, C, Hv, Dv] fp32
     buf_g: torch.Tensor  # [slots, C, Hv] fp32 (log decay)
     buf_beta: torch.Tensor  # [slots, C, Hv] fp32
-    buf_u: torch.Tensor  # [slots, C, Hv, Dv] fp32: the open chunk's u rows (the GPU kernels' chunk form only)
+    buf_u: torch.Tensor  # [slots, C, Hv, Dv] fp32: the open chunk's u rows (form "chunk"; [slots, 0, 0, 0] for "scan")
 
     @property
     def chunk(self) -> int:
@@ -52,17 +57,23 @@ class GDNLayerState:
         chunk: int,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        form: str = "scan",
     ) -> GDNLayerState:
+        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``buf_u`` (chunk) the kernels read; the other
+        is allocated empty, so the cache holds no state its form never touches."""
+        if form not in OUTPUT_FORMS:
+            raise ValueError(f"GDN state cache: form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
         f32 = {"dtype": torch.float32, "device": device}
+        scan = form == "scan"
         return cls(
             conv=torch.zeros(slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device),
-            running=torch.zeros(slots, value_heads, key_dim, value_dim, **f32),
+            running=torch.zeros(slots, *((value_heads, key_dim, value_dim) if scan else (0, 0, 0)), **f32),
             entry=torch.zeros(slots, value_heads, key_dim, value_dim, **f32),
             buf_k=torch.zeros(slots, chunk, key_heads, key_dim, **f32),
             buf_v=torch.zeros(slots, chunk, value_heads, value_dim, **f32),
             buf_g=torch.zeros(slots, chunk, value_heads, **f32),
             buf_beta=torch.zeros(slots, chunk, value_heads, **f32),
-            buf_u=torch.zeros(slots, chunk, value_heads, value_dim, **f32),
+            buf_u=torch.zeros(slots, *((0, 0, 0) if scan else (chunk, value_heads, value_dim)), **f32),
         )
 
 
