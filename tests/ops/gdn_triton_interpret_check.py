@@ -243,7 +243,8 @@ def check_rule(form: str) -> None:
             assert "form='chunk'" in str(e) and "'bf16'" in str(e), str(e)
     assert gt.config_for(D, D, C, "ieee/bf16", "chunk").form == "chunk"
     cfg = gt.config_for(D, D, C)
-    assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3" == gt._RULE_CONSTANTS["dot_precision"]
+    assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3"
+    assert gt._RULE_CONSTANTS["dot_precision_defaults"] == ["scan:ieee/tf32x3", "chunk:bf16"]
     assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gt.split_dot_precision(gt.DOT_PRECISION)
     assert gt.split_dot_precision("tf32") == ("tf32", "tf32") and gt.config_for(D, D, C, "tf32").dot_precision == "tf32"
     # chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum

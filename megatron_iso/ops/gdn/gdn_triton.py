@@ -1347,24 +1347,30 @@ def _probe_gates() -> dict[str, torch.Tensor]:
 
 _RULE_CONSTANTS = {
     "chunk_alignment": "position 0 of the sequence",
-    "state_pass": "WY form per chunk: tl.cumsum G, T^-1 by 16-row blocks (diagonal blocks by row substitution, "
-    "block rows below by K-blocked tl.dot), U0/W by fp32 tl.dot; "
-    "chain u = U0 - W E, E' = e^G_C E + KD^T u (fp32 tl.dot; ieee: K-blocked through memory, tensor-core "
-    "precisions: whole-K dots from registers), one program per (seq, head, Dv block)",
-    "dot_precision": DOT_PRECISION,
-    "output": "per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers",
-    "form": FORM,  # the registered output form; "chunk" is opt-in per call (FORMS)
-    "out_bv_chain_bv_bf16": [OUT_BV, CHAIN_BV_BF16],
-    "decode": "same scan kernel from the running state; state pass kernels re-run on the buffered chunk",
+    "state_pass": "WY form per chunk (closing chunks; chunk form: every chunk, rows past nrows zero): G by an ieee dot "
+    "with the lower-triangular ones, T^-1 by 16-row blocks (diagonal blocks by tl.fma chains over the rows above, "
+    "block rows below by K-blocked dots), U0/W by dots; chain u = U0 - W E, E' = e^G_C E + KD^T u (ieee: K-blocked "
+    "through memory, tensor-core precisions: whole-K dots from registers), one program per (seq, head, Dv block)",
+    # The form and the precision are the profile's (profile.gdn_form, profile.gdn_dot_precision, pinned constants of
+    # the same contract); here what a null precision means per form.
+    "form": "profile.gdn_form (scan or chunk)",
+    "dot_precision": "profile.gdn_dot_precision (null: the form's default)",
+    "dot_precision_defaults": [f"scan:{DOT_PRECISION}", f"chunk:{CHUNK_DOT_PRECISION}"],
+    "chunk_form_precisions": list(CHUNK_FORM_PRECISIONS),
+    "output": "scan: per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers; "
+    "chunk: O = e^G (Q E) + P u per (chunk, head, Dv block)",
+    "decode": "scan: one scan step from the running state, state pass kernels re-run on the buffered chunk at its "
+    "close; chunk: U0/W of the token's DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
-    "chain_bv_ieee_mma": [CHAIN_BV, CHAIN_BV_MMA],  # the chain's Dv block on its ieee / tensor-core path
-    "warps_scan_chain_prep": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS],
+    "chain_bv_ieee_mma_bf16": [CHAIN_BV, CHAIN_BV_MMA, CHAIN_BV_BF16],  # the chain's Dv block per dot path
+    "out_bv_decode_rows": [OUT_BV, DECODE_ROWS],
+    "warps_scan_chain_prep_out": [SCAN_WARPS, CHAIN_WARPS, PREP_WARPS, OUT_WARPS],
     "block_k": "max(16, next_pow2(Dk))",
     "exp": "tl.exp (fp32)",
     "inputs": "read in their own dtype (fp32/bf16/fp16, widened in-kernel) at their row stride; other dtypes or "
     "non-contiguous inner dims copied to contiguous fp32",
-    "chunk_buffer": "written by the scan kernel (after prep)",
+    "chunk_buffer": "scan: written by the scan kernel (after prep); chunk: by _buffer_kernel, last",
     "backward": "native chunked torch formula (with_plain_backward)",
     "triton": triton.__version__,
 }
