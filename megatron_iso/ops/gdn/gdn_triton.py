@@ -74,20 +74,22 @@ on the same closed chunk (same fp32 values in the same tile positions), so train
 for each precision, as long as both sides pass the same one. Accuracy against fp64 is measured on the GPU
 (``tools/bench_gdn.py --dot-precision``), not derived.
 
-Output forms (VERSION 6; ``GDNConfig.form``, per call ``form=``; the registered default stays "scan"):
+Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the model ``profile.gdn_form``; default "scan"):
 
 - **scan**: outputs from the per-token scan above; decode is one scan step (fast decode, training bound by the
   scan's fp32 CUDA-core math).
 - **chunk**: outputs as tiles, ``O = e^G (Q E) + P u`` with ``P[t, i] = e^{G_t - G_i} q_t.k_i`` (i <= t), one
   ``_chunk_out_kernel`` program per (chunk, value head, Dv block). The plan lists every chunk the call has tokens in,
   an open last chunk included (``nrows`` < C; its missing rows load as zeros); the chain stores each chunk's entry
-  state (``ex``) and u (over U0) and skips an open chunk's exit. A decode step or a chunked prefill runs the same
-  kernels on its chunk, rows before the call from the state cache's buffer: rows < n of every tile do not depend
-  on rows >= n (the MMA row probe, ``tools/probe_dot_rows.py``, 102 checks on the H200 for ieee, tf32, tf32x3,
-  bf16), so each row gets the training tile's bits. ``_buffer_kernel`` copies the tokens of a chunk left open into
-  the buffer after the output kernel has read the buffer. The cost: a decode step recomputes its open chunk's
-  tiles (H200, batch 64: 0.65 ms against the scan's 0.086 ms); training and prefill run on tensor cores (bf16:
-  8 x 4096 forward 4.6 ms against the scan form's 13.8 ms). ``state.running`` is not used by this form.
+  state (``ex``) and u (over U0) and skips an open chunk's exit; ``_buffer_kernel`` then copies the tokens (and u
+  rows) of a chunk left open into the state cache. A decode step (one token per sequence) computes its token's rows
+  only: ``_prep_kernel`` with ROWS = DECODE_ROWS (U0/W of the token's 16-row block), then ``_decode_row_kernel``
+  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
+  depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
+  ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this
+  form refuses: :data:`CHUNK_FORM_PRECISIONS`). Since VERSION 7 nothing row-determining is a layout-dependent
+  reduction (G by a ones-dot, the diagonal blocks of T^{-1} by fma chains). H200, bf16: training 8 x 4096 3.9 ms
+  (scan form 14.1), prefill 1024 0.21 ms, decode batch 64 0.34 ms (scan form 0.09).
 - "bf16" (in :data:`DOT_PRECISIONS`): operands rounded to bf16, fp32 accumulate, every dot of prep, chain and
   output; FLA's arithmetic class (H200, 1000 + 200 tokens vs fp64: 3.3e-4 max against FLA's 4.3e-4).
 
