@@ -42,7 +42,7 @@ def cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
 
-def new_state(slots, hk=HK, hv=HV):
+def new_state(slots, hk=HK, hv=HV, form=None):
     return GDNLayerState.allocate(
         slots,
         conv_dim=4,
@@ -53,7 +53,7 @@ def new_state(slots, hk=HK, hv=HV):
         value_dim=D,
         chunk=C,
         dtype=torch.float32,
-        form=FORM,
+        form=form or FORM,
     )
 
 
@@ -143,7 +143,7 @@ def check_rule(form: str) -> None:
         x = inputs(sum(pieces), 7)
         inc, st = incremental(x, pieces)
         assert same_bits(train(x), inc), f"pieces {pieces}"
-        rst = new_state(2)
+        rst = new_state(2, form="scan")  # the CPU reference's (scan) state
         pos = 0
         for n in pieces:
             r = slice(pos, pos + n)
