@@ -128,7 +128,7 @@ def parse_variant(variant: str) -> tuple[str | None, str]:
     return (form or None), prec
 
 
-def _split_precision(spec: str) -> str:
+def _split_variant(spec: str) -> str:
     """``kind:size@VARIANT`` -> ``kind:size``, setting DOT_PRECISION, FORM and VARIANT from it."""
     global DOT_PRECISION, FORM, VARIANT
     spec, at, variant = spec.partition("@")
@@ -434,7 +434,7 @@ def mismatch(prompt: int, decode: int) -> dict:
 def run_case(spec: str, args: argparse.Namespace) -> dict:
     """One case, in this process: ``train:BxT``, ``prefill:T``, ``decode:B``, ``mismatch:PxD`` (each may end in
     ``@P``, a dot precision of the state pass)."""
-    spec = _split_precision(spec)
+    spec = _split_variant(spec)
     kind, _, size = spec.partition(":")
     if kind == "train":
         b, t = (int(x) for x in size.split("x"))
@@ -461,7 +461,7 @@ def profile_case(spec: str, iters: int) -> dict:
     close to wall means the kernels themselves are slow, and the kernel table says which."""
     from megatron_iso.bench.profiling import kernel_launches, print_kernel_launches, print_summary, summarize
 
-    spec = _split_precision(spec)
+    spec = _split_variant(spec)
     kind, _, size = spec.partition(":")
     if kind in ("train", "trainbwd"):
         b, t = (int(x) for x in size.split("x"))

@@ -200,13 +200,13 @@ def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
 def _check_gdn_kernels(profile: Mapping[str, Any], device_class: str) -> None:
     """profile.gdn_form / gdn_dot_precision choose among the GDN GPU kernels (docs/GDN.md "Output forms"): refuse them
     where those kernels do not run, rather than write a contract whose composition computes something else."""
-    from megatron_iso.ops.gdn import gdn_profile_fields
+    from megatron_iso.ops.gdn import gdn_choice_runs_here, gdn_profile_fields
 
     try:
         form, precision = gdn_profile_fields(profile)
     except ValueError as e:
         raise ContractValidationError(str(e)) from None
-    if (form != "scan" or precision is not None) and not (device_class == "cuda" and profile["name"] == "correctness"):
+    if not gdn_choice_runs_here(form, precision, device_class, profile["name"]):
         raise ContractValidationError(
             f"profile.gdn_form={form!r}, profile.gdn_dot_precision={precision!r} need device=cuda and profile "
             f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile['name']!r} "

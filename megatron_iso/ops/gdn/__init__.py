@@ -60,6 +60,13 @@ def gdn_profile_fields(profile: Any) -> tuple[str, str | None]:
     return str(form), precision
 
 
+def gdn_choice_runs_here(form: str, dot_precision: str | None, device_class: str, profile: str) -> bool:
+    """Whether a (form, dot precision) choice exists for ``device_class`` and ``profile``: the scan form at the
+    implementation's own precision (None) everywhere, anything else only on the GPU kernels (cuda, correctness). The
+    one rule behind the op's refusal and the contract builder's."""
+    return (form == "scan" and dot_precision is None) or (device_class == "cuda" and profile == "correctness")
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,15 +90,15 @@ def gated_delta_rule(
     (cuda, profile correctness; docs/GDN.md "Output forms"); elsewhere only the scan form at the implementation's own
     precision exists, and anything else is refused rather than ignored."""
     fn = select("gated_delta_rule", q, profile, TRITON_MODULE)
-    kw = {}
-    if device_class_of(q) == "cuda" and profile == "correctness":
-        kw = {"form": form, "dot_precision": dot_precision}
-    elif form != "scan" or dot_precision is not None:
+    device_class = device_class_of(q)
+    if not gdn_choice_runs_here(form, dot_precision, device_class, profile):
         raise ValueError(
             f"gated_delta_rule: form={form!r}, dot_precision={dot_precision!r} choose GPU kernels (cuda, profile "
-            f"correctness); on {device_class_of(q)} with profile {profile!r} only form='scan' with dot_precision=None "
+            f"correctness); on {device_class} with profile {profile!r} only form='scan' with dot_precision=None "
             "exists (profile.gdn_form, profile.gdn_dot_precision)"
         )
+    gpu = device_class == "cuda" and profile == "correctness"  # the Triton module takes the choice; others have none
+    kw = {"form": form, "dot_precision": dot_precision} if gpu else {}
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 
 
@@ -102,6 +109,7 @@ __all__ = [
     "GDNStateCache",
     "causal_conv1d",
     "gated_delta_rule",
+    "gdn_choice_runs_here",
     "gdn_gates",
     "gdn_profile_fields",
     "l2norm",

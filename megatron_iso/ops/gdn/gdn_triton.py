@@ -345,6 +345,29 @@ def _buffered_or_packed(buf_ptrs, packed_ptrs, from_buf, mask):
 
 
 @triton.jit
+def _k_tile(k_ptr, bk_ptr, tok, cols, row0, brow0, nbuf, nrows, SK, HK, DK, hk):
+    """k of key head ``hk`` at chunk tokens ``tok`` and key columns ``cols``: tokens < ``nbuf`` from the state cache's
+    buffer, the others from the packed rows, tokens >= ``nrows`` and columns >= DK as zeros (every kernel that reads a
+    chunk's k reads it through here, so each sees the same tile)."""
+    return _buffered_or_packed(
+        bk_ptr + ((brow0 + tok)[:, None] * HK + hk) * DK + cols[None, :],
+        k_ptr + (row0 + tok)[:, None] * SK + hk * DK + cols[None, :],
+        (tok < nbuf)[:, None],
+        (cols < DK)[None, :] & (tok < nrows)[:, None],
+    )
+
+
+@triton.jit
+def _output_rows(q, k, e, u, g_rows, g_all, causal, PREC: tl.constexpr):
+    """Chunk-form output rows ``e^{G_t} (q_t E) + sum_{i <= t} e^{G_t - G_i} (q_t . k_i) u_i`` (``causal``: i <= t):
+    the one arithmetic of the training tile (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``)."""
+    qk = _dot(q, tl.trans(k), None, PREC)
+    p = tl.where(causal, qk * tl.exp(tl.where(causal, g_rows[:, None] - g_all[None, :], 0.0)), 0.0)
+    o = _dot(q, e, None, PREC) * tl.exp(g_rows)[:, None]
+    return _dot(p, u, o, PREC)
+
+
+@triton.jit
 def _chunk_row(chunk_ptr, cid):
     """A plan's chunk row (_prep_kernel's docstring): packed row of token 0, buffered tokens, buffer row base,
     tokens present."""
@@ -384,7 +407,6 @@ def _prep_kernel(
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
     ob = tl.arange(0, KB)
-    mk = ok < DK
     mv = ov < DV
     in_buf = ot < nbuf
     present = ot < nrows
@@ -408,22 +430,11 @@ def _prep_kernel(
         kk = tl.zeros([C, C], dtype=tl.float32)
         for kb in range(BK // KB):
             okb = kb * KB + ob
-            mkb = okb < DK
-            kcb = _buffered_or_packed(
-                bk_ptr + (brows[:, None] * HK + hk) * DK + okb[None, :],
-                k_ptr + rows[:, None] * SK + hk * DK + okb[None, :],
-                in_buf[:, None],
-                mkb[None, :] & present[:, None],
-            )
+            kcb = _k_tile(k_ptr, bk_ptr, ot, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             kk = _dot(kcb, tl.trans(kcb), kk, PREC)
             tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
     else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
-        kcf = _buffered_or_packed(
-            bk_ptr + (brows[:, None] * HK + hk) * DK + ok[None, :],
-            k_ptr + rows[:, None] * SK + hk * DK + ok[None, :],
-            in_buf[:, None],
-            mk[None, :] & present[:, None],
-        )
+        kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
         kk = _dot(kcf, tl.trans(kcf), None, PREC)
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], dkd[:, None] * kcf)
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
@@ -506,12 +517,7 @@ def _prep_kernel(
             rb = row0 + otb
             bb = brow0 + otb
             ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + otb[None, :])
-            kcb = _buffered_or_packed(
-                bk_ptr + (bb[:, None] * HK + hk) * DK + ok[None, :],
-                k_ptr + rb[:, None] * SK + hk * DK + ok[None, :],
-                ibb[:, None],
-                mk[None, :] & (otb < nrows)[:, None],
-            )
+            kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             bce = tl.load(bce_ptr + base * C + otb)
             w = _dot(ti, bce[:, None] * kcb, w, PREC)
         tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w)
@@ -644,28 +650,19 @@ def _chunk_out_kernel(
     ov = vb * BV + tl.arange(0, BV)
     mk = ok < DK
     mv = ov < DV
-    in_buf = ot < nbuf
     present = ot < nrows
     new = present & (ot >= nbuf)
     rows = row0 + ot
     base = cid * HV + h
     q = tl.load(q_ptr + rows[:, None] * SQ + hk * DK + ok[None, :], mask=new[:, None] & mk[None, :], other=0.0)
     q = q.to(tl.float32) * scale
-    k = _buffered_or_packed(
-        bk_ptr + ((brow0 + ot)[:, None] * HK + hk) * DK + ok[None, :],
-        k_ptr + rows[:, None] * SK + hk * DK + ok[None, :],
-        in_buf[:, None],
-        mk[None, :] & present[:, None],
-    )
+    k = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
     gc = tl.load(gcum_ptr + base * C + ot)
     e = tl.load(en_ptr + cid * HV * DK * DV + (h * DK + ok[:, None]) * DV + ov[None, :],
                 mask=mk[:, None] & mv[None, :], other=0.0)  # fmt: skip
     u = tl.load(u_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
     causal = ot[:, None] >= ot[None, :]
-    qk = _dot(q, tl.trans(k), None, PREC)
-    p = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    o = _dot(q, e, None, PREC) * tl.exp(gc)[:, None]
-    o = _dot(p, u, o, PREC)
+    o = _output_rows(q, k, e, u, gc, gc, causal, PREC)
     tl.store(o_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], o, mask=new[:, None] & mv[None, :])
 
 
@@ -724,19 +721,11 @@ def _decode_row_kernel(
     u_all = tl.load(ucache, mask=(ot <= t)[:, None] & mv[None, :], other=0.0)
     q = tl.load(q_ptr + (row0 + orr)[:, None] * SQ + hk * DK + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0)
     q = q.to(tl.float32) * scale
-    k = _buffered_or_packed(
-        bk_ptr + ((brow0 + ot)[:, None] * HK + hk) * DK + ok[None, :],
-        k_ptr + (row0 + ot)[:, None] * SK + hk * DK + ok[None, :],
-        (ot < nbuf)[:, None],
-        mk[None, :] & (ot < nrows)[:, None],
-    )
+    k = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
     gc = tl.load(gcum_ptr + base * C + ot)
     g_row = tl.load(gcum_ptr + base * C + orr)
     causal = orr[:, None] >= ot[None, :]
-    qk = _dot(q, tl.trans(k), None, PREC)
-    p = tl.where(causal, qk * tl.exp(tl.where(causal, g_row[:, None] - gc[None, :], 0.0)), 0.0)
-    o = _dot(q, e, None, PREC) * tl.exp(g_row)[:, None]
-    o = _dot(p, u_all, o, PREC)
+    o = _output_rows(q, k, e, u_all, g_row, gc, causal, PREC)
     tl.store(o_ptr + ((row0 + orr)[:, None] * HV + h) * DV + ov[None, :], o, mask=mine[:, None] & mv[None, :])
     e_next = e  # a fresh sequence's open chunk keeps its zero entry state for the next step
     if closes:  # the chain's exit state of the chunk, from the u rows in buf_u
