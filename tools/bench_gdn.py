@@ -8,7 +8,7 @@ here are the rule's, the hardest part of the layer-level target.
 Timings (median ms, ``triton.testing.do_bench``; Python wrapper time included, no CUDA graphs):
 - ``train``: packed batch x T tokens. ``ours_fwd_ms`` / ``fla_fwd_ms``: the training forward (inputs that
   require grad, as in a training step; ours: the invariant forward; FLA: ``chunk_gated_delta_rule``, bf16
-  q/k/v). ``ours_fwd_bwd_ms``: forward + backward (ours: the native chunked torch formula's backward).
+  q/k/v). ``ours_fwd_bwd_ms``: forward + backward (ours: the Triton chunk backward, gdn_triton_backward).
   ``fla_fwd_bwd_ms``: FLA's forward + backward, or ``fla_fwd_bwd`` = ``"unavailable: <reason>"`` where FLA
   refuses it (fla-core 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4, < 3.7.1).
   With ``--fla-bwd-unchecked`` the refusal is lifted in that case's process and ``fla_fwd_bwd_unchecked_ms`` is
@@ -539,6 +539,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     from triton.compiler import ASTSource
 
     from megatron_iso.ops.gdn import gdn_triton as G
+    from megatron_iso.ops.gdn import gdn_triton_backward as B
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
@@ -560,6 +561,16 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
                                                       "KB": cfg.kb, "ROWS": G.DECODE_ROWS or CHUNK,
                                                       "PREC": cfg.chain_precision}, G.CHAIN_WARPS, 3),
     }  # fmt: skip
+    bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
+    bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}
+    chain_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_CHAIN_BV, cfg.bv_full))}
+    ks = max(G.MIN_DOT, min(B.BWD_KS, cfg.bk))
+    kernels.update({
+        "_bwd_local_kernel": (B._bwd_local_kernel, bwd_dims, B.BWD_WARPS, 3),
+        "_bwd_chain_kernel": (B._bwd_chain_kernel, chain_bv, B.BWD_CHAIN_WARPS, 3),
+        "_bwd_output_kernel": (B._bwd_output_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
+        "_bwd_wy_kernel": (B._bwd_wy_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
+    })  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():
         sig = {}
@@ -628,6 +639,11 @@ TUNABLE = (
     "INV_BLOCK",
     "OUT_BV",
     "OUT_WARPS",
+    "BWD_BV",
+    "BWD_CHAIN_BV",
+    "BWD_KS",
+    "BWD_WARPS",
+    "BWD_CHAIN_WARPS",
 )
 
 
@@ -635,6 +651,7 @@ def _apply_tune(pairs: list[str]) -> None:
     """``NAME=INT`` pairs onto gdn_triton's tuning constants. The kernels' bits follow some of them (the scan's
     layout, the inverse's block); training and rollout in one run use the same values, so the bitwise checks hold."""
     from megatron_iso.ops.gdn import gdn_triton as G
+    from megatron_iso.ops.gdn import gdn_triton_backward as B
 
     for pair in pairs:
         name, _, val = pair.partition("=")
@@ -643,7 +660,7 @@ def _apply_tune(pairs: list[str]) -> None:
         n = int(val)
         if n < 1 or (not name.endswith("_STAGES") and n & (n - 1)):
             raise SystemExit(f"--tune {pair!r}: the value must be >= 1, and a power of two unless NAME is *_STAGES")
-        setattr(G, name, n)
+        setattr(B if name.startswith("BWD_") else G, name, n)
 
 
 def _meta(args: argparse.Namespace) -> dict:

@@ -20,7 +20,9 @@
 #   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
-#                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch)
+#                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch);
+#                  RLHYBRID_OVERRIDES: Hydra overrides appended (e.g. "profile.gdn_form=chunk profile.gdn_dot_precision=bf16",
+#                  with RLHYBRID_PROFILES=correctness: the performance profile refuses the chunk form)
 #   decode   200   bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens (cut per run)
 #   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs: what graphs save
 #   kvpaged  120   bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
@@ -72,7 +74,8 @@ for s in "$@"; do
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
     rlhybrid) step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
       --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --train-micro-batch-seqs 16 \
-      --out "$OUT/rl_step_hybrid.json" ;;
+      --profiles ${RLHYBRID_PROFILES:-correctness performance} --out "$OUT/rl_step_hybrid.json" \
+      ${RLHYBRID_OVERRIDES:-} ;;
     decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
       --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
     decodeeager) step decodeeager 150 12 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso native \

@@ -8,7 +8,8 @@ the state pass's dot-precision variants (tf32x3, tf32); chunk 16 (four blocks of
 inverse); conv, gates, l2norm. Launches: a mid-chunk decode step
 launches the scan kernel only. Errors: an unknown dot precision names the allowed ones. Tolerances: the rule and the
 state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
-gradients vs the reference's autograd (1e-5 relative).
+gradients (the Triton backward, both forms, Dk != Dv) vs fp64 autograd of the reference (1e-5 relative), and
+bitwise the same over two backward runs.
 
 triton 3.6's interpreter cannot loop to a run-time bound with numpy 2.x (``int()`` of a 1-element
 array); the first lines patch that one conversion.
@@ -316,18 +317,26 @@ assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs
 assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
 print("ok", round(time.time() - t_start, 1))
 
-# backward: invariant forward, native formula's gradients (close to the reference's autograd)
-x = inputs(21, 9)
-w8 = torch.randn(21, HV, D, generator=gen)
-lv = [t.clone().requires_grad_(True) for t in x]
-lr = [t.clone().requires_grad_(True) for t in x]
-y = gt.gated_delta_rule(*lv, cu([13, 8]), chunk=C)
-assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu([13, 8]), chunk=C)), "forward bits under autograd"
-(y * w8).sum().backward()
-(ref.gated_delta_rule(*lr, cu([13, 8]), chunk=C) * w8).sum().backward()
-for name, p, r in zip("qkvgb", lv, lr, strict=True):
-    e = float((p.grad - r.grad).abs().max() / r.grad.abs().max())
-    assert e < 1e-5, f"grad {name}: {e:.2e}"
+# backward (gdn_triton_backward's kernels): deterministic, close to fp64 autograd of the reference, per form (the
+# scan form recomputes the chunk-form state pass), with an open last chunk and Dk != Dv
+for form, prec, dv in (("scan", None, D), ("chunk", "ieee", D), ("chunk", "ieee", 12)):
+    lengths = [13, 8, 3]
+    x = random_gdn_inputs(24, 9, hk=HK, hv=HV, dk=D, dv=dv)
+    w8 = torch.randn(24, HV, dv, generator=gen)
+    kw = {"chunk": C, "form": form, "dot_precision": prec}
+    grads = []
+    for _ in range(2):
+        lv = [t.clone().requires_grad_(True) for t in x]
+        y = gt.gated_delta_rule(*lv, cu(lengths), **kw)
+        assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu(lengths), **kw)), "forward bits under autograd"
+        (y * w8).sum().backward()
+        grads.append([t.grad for t in lv])
+    assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), f"{form}: backward not deterministic"
+    lr = [t.double().requires_grad_(True) for t in x]
+    (ref.gated_delta_rule(*lr, cu(lengths), chunk=C) * w8.double()).sum().backward()
+    for name, p, r in zip("qkvgb", grads[0], lr, strict=True):
+        e = float((p.double() - r.grad).abs().max() / r.grad.abs().max())
+        assert e < 1e-5, f"{form} Dv {dv} grad {name}: {e:.2e}"
 xc = torch.randn(9, 12, generator=gen, requires_grad=True)
 wc = torch.randn(12, 4, generator=gen, requires_grad=True)
 xr, wr = xc.detach().clone().requires_grad_(True), wc.detach().clone().requires_grad_(True)

@@ -99,6 +99,7 @@ gradients of the native chunked torch formula (deterministic; not invariant, as 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -899,6 +900,13 @@ def _host_lists(cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tens
     return cu_l, st, sl
 
 
+def _cached_plan(cu, starts, slots, chunk, has_state, dev, slot_count, form) -> _Plan:
+    """:func:`_plan`, shared by the layers of a forward; the slot count is part of the key because the plan's bounds
+    check depends on it."""
+    extra = (chunk, has_state, dev, slot_count, form)
+    return _PLAN_CACHE.get((cu, starts, slots), extra, lambda: _plan(cu, starts, slots, *extra))
+
+
 def _plan(
     cu: torch.Tensor,
     starts: torch.Tensor | None,
@@ -1014,9 +1022,9 @@ def prep_chunks(
     chunks: torch.Tensor,
     cfg: GDNConfig,
     rows_computed: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
-    e^{G_C} and G of each chunk and value head. ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
+    e^{G_C}, G and T^{-1} of each chunk and value head (T^{-1} whole only when every row is computed). ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
     ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered).
     ``rows_computed``: the kernel's ROWS (None: the whole chunk)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
@@ -1028,14 +1036,31 @@ def prep_chunks(
     kd = torch.empty_like(w)
     egc = torch.empty(n, hv, dtype=torch.float32, device=dev)
     gcum = torch.empty(n, hv, c, dtype=torch.float32, device=dev)
-    tinv = torch.empty(n, hv, c, c, dtype=torch.float32, device=dev)  # scratch
+    tinv = torch.empty(n, hv, c, c, dtype=torch.float32, device=dev)  # the kernel's scratch, T^{-1} at the end
     bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
     _prep_kernel[(n, hv)](
         kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
         ROWS=rows_computed or c, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
     )  # fmt: skip
-    return u0, w, kd, egc, gcum
+    return u0, w, kd, egc, gcum, tinv
+
+
+def _state_pass(
+    plan: _Plan, prep_rows: tuple, buffers: tuple, entry: torch.Tensor, ex: torch.Tensor, cfg: GDNConfig
+) -> tuple[torch.Tensor, ...]:
+    """Prep and chain kernels over a plan's chunks and chains: U0 (u over it after the chain), W, KD, e^{G_C}, G and
+    T^{-1} per chunk (:func:`prep_chunks`); ``ex`` gets each chunk's exit (scan form) or entry state (chunk form)."""
+    terms = prep_chunks(prep_rows, buffers, plan.chunks, cfg) if plan.nchunks else (ex,) * 6
+    u0, w, kd, egc = terms[:4]
+    hv, dk, dv = ex.shape[1:]
+    if plan.nchains:
+        _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
+            plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
+            C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
+            ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
+        )  # fmt: skip
+    return terms
 
 
 def _rule_forward(
@@ -1053,7 +1078,10 @@ def _rule_forward(
     starts: torch.Tensor | None,
     dot_precision: str | None,
     form: str | None,
+    kept: dict | None = None,
 ) -> torch.Tensor:
+    """The forward (module docstring). ``kept``: a training call's dict for the backward: ``cfg``, ``scale`` and,
+    for the chunk form, ``plan`` and ``states`` (the chunk-form state pass, :mod:`.gdn_triton_backward`)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
     if q.shape != k.shape or v.shape[0] != t or g.shape != (t, hv) or beta.shape != (t, hv):
@@ -1072,10 +1100,9 @@ def _rule_forward(
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
     slot_count = 0 if state is None else state.entry.shape[0]
-    # One plan per layout, shared by the layers of a forward; the slot count is part of the key because
-    # the plan's bounds check depends on it.
-    extra = (chunk, state is not None, dev, slot_count, cfg.form)
-    plan = _PLAN_CACHE.get((cu_seqlens, starts, slots), extra, lambda: _plan(cu_seqlens, starts, slots, *extra))
+    plan = _cached_plan(cu_seqlens, starts, slots, chunk, state is not None, dev, slot_count, cfg.form)
+    if kept is not None:
+        kept.update(cfg=cfg, scale=scale)
     (qf, sq), (kf, sk), (vf, sv), (gf, sg), (bf, sb) = (_rows(x) for x in (q, k, v, g, beta))
     out = torch.empty(t, hv, dv, dtype=torch.float32, device=dev)
     if t == 0:
@@ -1103,7 +1130,7 @@ def _rule_forward(
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
         rows_computed = min(DECODE_ROWS or chunk, chunk)
-        u0, w, kd, egc, gcum = prep_chunks(prep_rows, (bk, bvv, bg, bb), plan.chunks, cfg, rows_computed)
+        u0, w, kd, egc, gcum, _ = prep_chunks(prep_rows, (bk, bvv, bg, bb), plan.chunks, cfg, rows_computed)
         _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.chain_bv))](
             qf, kf, bk, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, state.buf_u, out, scale, sq, sk, hk, hv,
             dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, ROWS=rows_computed,
@@ -1115,16 +1142,10 @@ def _rule_forward(
                 C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=False,
             )  # fmt: skip
         return out
-    if plan.nchunks:
-        u0, w, kd, egc, gcum = prep_chunks(prep_rows, (bk, bvv, bg, bb), plan.chunks, cfg)
-    else:
-        u0 = w = kd = egc = gcum = ex
-    if plan.nchains:
-        _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
-            plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
-            C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
-            ENTRIES=chunk_form, num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
-        )  # fmt: skip
+    terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
+    u0, gcum = terms[0], terms[4]
+    if kept is not None and chunk_form:
+        kept.update(plan=plan, states=(*terms, ex))
     if chunk_form:  # output tiles per chunk from its entry state (ex) and u (over U0); then the buffer
         _chunk_out_kernel[(plan.nchunks, hv, triton.cdiv(dv, cfg.out_bv))](
             qf, kf, bk, plan.chunks, ex, u0, gcum, out, scale, sq, sk, hk, hv, dk, dv, rep,
@@ -1186,8 +1207,41 @@ def gated_delta_rule(
         raise NotImplementedError(
             "gated_delta_rule (triton): gradients through a call with a GDN state cache (rollout) are not supported"
         )
-    plain = functools.partial(native.gated_delta_rule, cu_seqlens=cu_seqlens, scale=scale, chunk=chunk)
-    return with_plain_backward(fwd, plain, q, k, v, g, beta)
+    return _RuleFunction.apply(q, k, v, g, beta, fwd, cu_seqlens)
+
+
+class _RuleFunction(torch.autograd.Function):
+    """The invariant forward of a training call; backward: the Triton chunk backward (:mod:`.gdn_triton_backward`),
+    from the chunk-form state pass a chunk-form forward kept, or recomputed after a scan-form one (same chunks, same
+    algebra: the backward only has to be deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, fwd, cu_seqlens):  # type: ignore[override]
+        kept: dict = {}
+        out = fwd(q, k, v, g, beta, kept=kept)
+        ctx.cfg, ctx.scale, ctx.plan, ctx.cu = kept.get("cfg"), kept.get("scale"), kept.get("plan"), cu_seqlens
+        ctx.save_for_backward(q, k, v, g, beta, *kept.get("states", ()))
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        from megatron_iso.ops.gdn.gdn_triton_backward import rule_backward  # it imports this module's jit helpers
+
+        q, k, v, g, beta, *states = ctx.saved_tensors
+        inputs = (q, k, v, g, beta)
+        if q.shape[0] == 0:
+            return (*(torch.zeros_like(x) for x in inputs), None, None)
+        hk, dk = k.shape[1:]
+        hv, dv = v.shape[1:]
+        rows = tuple(_rows(x) for x in inputs)
+        cfg, plan = ctx.cfg, ctx.plan
+        if not states:  # scan-form forward: the chunk-form state pass of the same chunks
+            cfg = dataclasses.replace(cfg, form="chunk")
+            plan = _cached_plan(ctx.cu, None, None, cfg.chunk, False, q.device, 0, "chunk")
+            ex = torch.empty(max(plan.nchunks, 1), hv, dk, dv, dtype=torch.float32, device=q.device)
+            states = (*_state_pass(plan, rows[1:], (ex,) * 4, ex, ex, cfg), ex)
+        grads = rule_backward(d_out, rows, (hk, dk, hv, dv), plan, tuple(states), cfg, ctx.scale)
+        return (*(d.to(x.dtype) for d, x in zip(grads, inputs, strict=True)), None, None)
 
 
 # ------------------------------------------------------------------------------ conv and norms
@@ -1362,7 +1416,8 @@ _RULE_CONSTANTS = {
     "inputs": "read in their own dtype (fp32/bf16/fp16, widened in-kernel) at their row stride; other dtypes or "
     "non-contiguous inner dims copied to contiguous fp32",
     "chunk_buffer": "scan: written by the scan kernel (after prep); chunk: by _buffer_kernel, last",
-    "backward": "native chunked torch formula (with_plain_backward)",
+    "backward": "triton chunk backward (gdn_triton_backward: local, chain, output, WY kernels) at the chain's "
+    "precision, from the chunk-form state pass (kept by the chunk form, recomputed after the scan form)",
     "triton": triton.__version__,
 }
 for _op, _fn, _probe, _consts in (

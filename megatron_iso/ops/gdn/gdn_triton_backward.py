@@ -1,0 +1,324 @@
+"""Gated DeltaNet training backward in Triton: deterministic chunk kernels (no atomics, fixed-order dots and sums).
+
+The readable reference is :class:`megatron_iso.ops.gdn.native._ChunkRule`'s backward (same algebra, torch ops over
+``[chunk, B*H, ...]`` tiles); tests hold these kernels to it (``tests/ops/gdn_triton_interpret_check.py`` on CPU,
+``tests/gpu/test_gdn_triton.py`` on the GPU). The policy asks a backward to be deterministic, not invariant: its dots run
+at the forward chain's precision (``GDNConfig.chain_precision``), and nothing here needs to match a rollout.
+
+Inputs are the chunk-form state pass of the forward (per chunk and value head: u = U0 - W E, W, KD = e^{G_C-G} k,
+e^{G_C}, G, T^{-1}, and the entry state E), kept by a chunk-form forward or recomputed for a scan-form one
+(:func:`megatron_iso.ops.gdn.gdn_triton.chunk_state_pass`). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
+``dE'`` the gradient of the chunk's exit state:
+
+1. ``_bwd_local_kernel`` (chunks in parallel): ``dv_local = P^T dO``.
+2. ``_bwd_chain_kernel`` (one program per sequence, value head, Dv block; chunks last to first):
+   ``du = dv_local + KD dE'``, ``dE = e^{G_C} dE' + (q e^G)^T dO - W^T du``; stores every chunk's ``dE'`` and ``du``.
+3. ``_bwd_output_kernel`` (chunks in parallel, loops over Dv blocks): the gradients through ``O = e^G (q E) + P u``,
+   ``E' = e^{G_C} E + KD^T u`` and ``u = U0 - W E``: dq (final), dk and dG partials, ``du E^T`` (for dW).
+4. ``_bwd_wy_kernel`` (chunks in parallel): through ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)`` and
+   ``T = I + strict_lower(beta k k^T . e^{G_t-G_i})``: dv, dbeta, the rest of dk and dG, then dg as the reverse
+   in-chunk sum of dG.
+
+Grouped heads: dq and dk come out per value head and are summed over the value heads of a key head afterwards
+(a fixed-order torch sum). Training calls only (no state cache, sequences start at position 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_iso.ops.gdn.gdn_triton import _INTERPRET, MIN_DOT, _chunk_row, _dot
+
+# Dv block of the chain programs, and of the output and WY kernels' loops over Dv; warps of the kernels.
+BWD_CHAIN_BV = 4 if _INTERPRET else 64
+BWD_BV = 4 if _INTERPRET else 32
+BWD_KS = 4 if _INTERPRET else 32  # key columns per slice in the output and WY kernels (sm_90a: 32 spills nothing)
+BWD_WARPS = 8
+BWD_CHAIN_WARPS = 4
+
+
+@triton.jit
+def _row_tile(ptr, rows, present, stride, col0, cols, ncols):
+    """``[rows, cols]`` of a packed tensor (row stride ``stride``, columns from ``col0``), widened to fp32; rows not
+    ``present`` and columns >= ``ncols`` as zeros."""
+    mask = present[:, None] & (cols < ncols)[None, :]
+    return tl.load(ptr + rows[:, None] * stride + col0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bwd_local_kernel(
+    q_ptr, k_ptr, do_ptr, chunk_ptr, gcum_ptr, dvl_ptr,
+    scale, SQ, SK, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, value head): ``dv_local = P^T dO`` over all of Dv."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
+    row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BVF)
+    present = ot < nrows
+    rows = row0 + ot
+    base = cid * HV + h
+    q = _row_tile(q_ptr, rows, present, SQ, hk * DK, ok, DK) * scale
+    k = _row_tile(k_ptr, rows, present, SK, hk * DK, ok, DK)
+    gc = tl.load(gcum_ptr + base * C + ot)
+    causal = ot[:, None] >= ot[None, :]
+    p = tl.where(
+        causal, _dot(q, tl.trans(k), None, PREC) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0
+    )
+    do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
+    tl.store(dvl_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], _dot(tl.trans(p), do, None, PREC))
+
+
+@triton.jit
+def _bwd_chain_kernel(
+    q_ptr, do_ptr, chain_ptr, chunk_ptr, w_ptr, kd_ptr, gcum_ptr, egc_ptr, dvl_ptr, du_ptr, dsx_ptr,
+    scale, SQ, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per (sequence, value head, Dv block), chunks last to first from ``dE' = 0`` (the final state is not an output
+    of a training call): store ``dE'`` (``dsx``) and ``du = dv_local + KD dE'``, then
+    ``dE = e^{G_C} dE' + (q e^G)^T dO - W^T du``, the previous chunk's ``dE'``."""
+    sid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // REP
+    c0 = tl.load(chain_ptr + sid * 6).to(tl.int64)
+    nc = tl.load(chain_ptr + sid * 6 + 1)
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mv = ov < DV
+    m2 = (ok < DK)[:, None] & mv[None, :]
+    st = (h * DK + ok[:, None]) * DV + ov[None, :]
+    hsz = HV * DK * DV
+    ds = tl.zeros([BK, BV], dtype=tl.float32)
+    for jj in range(nc):
+        cid = c0 + nc - 1 - jj
+        base = cid * HV + h
+        row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+        present = ot < nrows
+        rows = row0 + ot
+        tl.store(dsx_ptr + cid * hsz + st, ds, mask=m2)
+        kd = tl.load(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
+        dvl = tl.load(dvl_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+        du = _dot(kd, ds, dvl, PREC)
+        tl.store(du_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], du, mask=mv[None, :])
+        gc = tl.load(gcum_ptr + base * C + ot)
+        qd = _row_tile(q_ptr, rows, present, SQ, hk * DK, ok, DK) * (scale * tl.exp(gc))[:, None]
+        do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
+        w = tl.load(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
+        ds = _dot(tl.trans(qd), do, tl.load(egc_ptr + base) * ds, PREC) - _dot(tl.trans(w), du, None, PREC)
+
+
+@triton.jit
+def _bwd_output_kernel(
+    q_ptr, k_ptr, do_ptr, chunk_ptr, u_ptr, du_ptr, ex_ptr, dsx_ptr, gcum_ptr, egc_ptr,
+    dq_ptr, dk_ptr, dgp_ptr, dwm_ptr,
+    scale, SQ, SK, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, value head): the gradients through the output, the exit state and ``u = U0 - W E``.
+
+    ``dP = dO u^T`` over Dv blocks first; then per slice of KS key columns, over Dv blocks: ``dO E^T``, ``u dE'^T``,
+    ``du E^T`` and ``sum(dE' . E)``, from which the slice's dq (stored, scaled: the input's gradient), dk's part
+    (``dk_ptr``, completed by the WY kernel) and ``du E^T`` (``dwm_ptr``: ``dW = -du E^T``); dG's part (``dgp_ptr``)
+    sums over the slices. Key slices keep every accumulator a ``[C, KS]`` tile (register pressure)."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
+    row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+    ot = tl.arange(0, C)
+    present = ot < nrows
+    rows = row0 + ot
+    base = cid * HV + h
+    hsz = HV * DK * DV
+    d_p = tl.zeros([C, C], dtype=tl.float32)
+    for vb in range(BVF // BV):
+        ov = vb * BV + tl.arange(0, BV)
+        do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
+        u = tl.load(u_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=present[:, None] & (ov < DV)[None, :],
+                    other=0.0)  # fmt: skip
+        d_p = _dot(do, tl.trans(u), d_p, PREC)
+    gc = tl.load(gcum_ptr + base * C + ot)
+    gl = tl.sum(tl.where(ot == C - 1, gc, 0.0), axis=0)
+    kdec = tl.exp(gl - gc)
+    eg = tl.exp(gc)
+    causal = ot[:, None] >= ot[None, :]
+    d_qk = tl.where(causal, d_p * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    d_g = tl.zeros([C], dtype=tl.float32)
+    f_sum = tl.zeros([C], dtype=tl.float32)
+    d_egc = tl.zeros([KS], dtype=tl.float32)
+    for ks in range(BK // KS):
+        oks = ks * KS + tl.arange(0, KS)
+        mks = oks < DK
+        d_qe = tl.zeros([C, KS], dtype=tl.float32)
+        d_kd = tl.zeros([C, KS], dtype=tl.float32)
+        du_e = tl.zeros([C, KS], dtype=tl.float32)
+        for vb in range(BVF // BV):
+            ov = vb * BV + tl.arange(0, BV)
+            mv = ov < DV
+            m2 = mks[:, None] & mv[None, :]
+            st = (h * DK + oks[:, None]) * DV + ov[None, :]
+            tile = (base * C + ot[:, None]) * BVF + ov[None, :]
+            do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
+            u = tl.load(u_ptr + tile, mask=present[:, None] & mv[None, :], other=0.0)
+            du = tl.load(du_ptr + tile, mask=mv[None, :], other=0.0).to(tl.float32)
+            e = tl.load(ex_ptr + cid * hsz + st, mask=m2, other=0.0)
+            dsx = tl.load(dsx_ptr + cid * hsz + st, mask=m2, other=0.0).to(tl.float32)
+            d_qe = _dot(do, tl.trans(e), d_qe, PREC)
+            d_kd = _dot(u, tl.trans(dsx), d_kd, PREC)
+            du_e = _dot(du, tl.trans(e), du_e, PREC)
+            d_egc += tl.sum(dsx * e, axis=1)
+        tl.store(dwm_ptr + (base * C + ot[:, None]) * BK + oks[None, :], du_e)
+        m_rows = present[:, None] & mks[None, :]
+        k = _row_tile(k_ptr, rows, present, SK, hk * DK, oks, DK)
+        f = tl.sum(d_kd * k, axis=1) * kdec  # dKD . KD per row (this slice)
+        f_sum += f
+        d_k = kdec[:, None] * d_kd
+        q = _row_tile(q_ptr, rows, present, SQ, hk * DK, oks, DK) * scale
+        d_q = eg[:, None] * d_qe
+        # Through P's decay: dG_t += sum_i dP_ti P_ti - sum_s dP_st P_st = q_t . dq_P,t - k_t . dk_P,t (no P tile)
+        d_q_p = _dot(d_qk, k, None, PREC)
+        d_g += tl.sum(q * (d_q + d_q_p), axis=1) - f
+        tl.store(dq_ptr + (rows[:, None] * HV + h) * DK + oks[None, :], (d_q + d_q_p) * scale, mask=m_rows)
+        d_k_p = _dot(tl.trans(d_qk), q, None, PREC)
+        d_g -= tl.sum(k * d_k_p, axis=1)
+        tl.store(dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :], d_k + d_k_p, mask=m_rows)
+    d_gl = tl.sum(f_sum, axis=0) + tl.load(egc_ptr + base) * tl.sum(d_egc, axis=0)
+    tl.store(dgp_ptr + base * C + ot, d_g + tl.where(ot == C - 1, d_gl, 0.0))
+
+
+@triton.jit
+def _bwd_wy_kernel(
+    k_ptr, v_ptr, b_ptr, chunk_ptr, du_ptr, tinv_ptr, gcum_ptr, dwm_ptr, dgp_ptr,
+    dk_ptr, dv_ptr, db_ptr, dg_ptr,
+    SK, SV, SB, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, value head): the gradients through the WY form, added to the output kernel's dk and dG parts.
+
+    ``dX1 = T^{-T} du`` (dv = beta dX1), ``dX2 = -T^{-T} (du E^T)``, ``dA = -strict_lower((dX1 (beta v)^T +
+    dX2 X2^T) T^{-T})`` with ``X2 = beta e^G k``; then through ``A = beta k k^T . e^{G_t - G_i}``; dg = the reverse
+    in-chunk sum of dG (G is the in-chunk cumulative sum of g). Key columns in slices of KS, as in the output kernel:
+    dk is read, added to and stored once per slice and pass."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
+    row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+    ot = tl.arange(0, C)
+    present = ot < nrows
+    rows = row0 + ot
+    base = cid * HV + h
+    beta = tl.load(b_ptr + rows * SB + h, mask=present, other=0.0).to(tl.float32)
+    tinv_t = tl.trans(tl.load(tinv_ptr + (base * C + ot[:, None]) * C + ot[None, :]))
+    d_b = tl.zeros([C], dtype=tl.float32)
+    m = tl.zeros([C, C], dtype=tl.float32)
+    for vb in range(BVF // BV):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < DV
+        du = tl.load(du_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
+        v = _row_tile(v_ptr, rows, present, SV, h * DV, ov, DV)
+        d_x1 = _dot(tinv_t, du, None, PREC)
+        tl.store(dv_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], beta[:, None] * d_x1,
+                 mask=present[:, None] & mv[None, :])  # fmt: skip
+        d_b += tl.sum(v * d_x1, axis=1)
+        m = _dot(d_x1, tl.trans(beta[:, None] * v), m, PREC)
+    gc = tl.load(gcum_ptr + base * C + ot)
+    eg = tl.exp(gc)
+    d_gt = tl.load(dgp_ptr + base * C + ot)
+    for ks in range(BK // KS):  # through X2
+        oks = ks * KS + tl.arange(0, KS)
+        m_rows = present[:, None] & (oks < DK)[None, :]
+        k = _row_tile(k_ptr, rows, present, SK, hk * DK, oks, DK)
+        x2 = (beta * eg)[:, None] * k
+        d_x2 = -_dot(tinv_t, tl.load(dwm_ptr + (base * C + ot[:, None]) * BK + oks[None, :]).to(tl.float32), None, PREC)
+        m = _dot(d_x2, tl.trans(x2), m, PREC)
+        d_gt += tl.sum(x2 * d_x2, axis=1)
+        d_b += tl.sum(eg[:, None] * k * d_x2, axis=1)
+        dk_at = dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :]
+        tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + (beta * eg)[:, None] * d_x2, mask=m_rows)
+    lower = ot[:, None] > ot[None, :]
+    dec = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
+    d_kk = tl.where(lower, -_dot(m, tinv_t, None, PREC), 0.0) * dec  # d(beta k k^T) on the strict lower triangle
+    for ks in range(BK // KS):  # through A
+        oks = ks * KS + tl.arange(0, KS)
+        m_rows = present[:, None] & (oks < DK)[None, :]
+        k = _row_tile(k_ptr, rows, present, SK, hk * DK, oks, DK)
+        kb = beta[:, None] * k
+        d_kb = _dot(d_kk, k, None, PREC)
+        d_k_a = _dot(tl.trans(d_kk), kb, None, PREC)
+        d_b += tl.sum(k * d_kb, axis=1)
+        # Through A's decay, as for P in the output kernel: dG_t += kb_t . dkb_t - k_t . dk_A,t (no A tile)
+        d_gt += tl.sum(kb * d_kb, axis=1) - tl.sum(k * d_k_a, axis=1)
+        dk_at = dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :]
+        tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + beta[:, None] * d_kb + d_k_a, mask=m_rows)
+    # dg_t = sum_{s >= t} dG_s: a dot with the upper-triangular ones (16 columns: tl.dot's minimum width)
+    o16 = tl.arange(0, 16)
+    upper_eq = tl.where(ot[:, None] <= ot[None, :], 1.0, 0.0)
+    d_g16 = tl.where(o16[None, :] == 0, d_gt[:, None], 0.0)
+    d_g = tl.sum(tl.where(o16[None, :] == 0, tl.dot(upper_eq, d_g16, input_precision="ieee"), 0.0), axis=1)
+    tl.store(db_ptr + rows * HV + h, d_b, mask=present)
+    tl.store(dg_ptr + rows * HV + h, d_g, mask=present)
+
+
+def rule_backward(
+    d_out: torch.Tensor,
+    rows: tuple[tuple[torch.Tensor, int], ...],
+    shapes: tuple[int, int, int, int],
+    plan,
+    states: tuple[torch.Tensor, ...],
+    cfg,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients (fp32) of q, k, v, g, beta from ``d_out`` ``[T, Hv, Dv]``.
+
+    ``rows``: q, k, v, g, beta as ``gdn_triton._rows`` returns them (tensor, row stride); ``shapes``: (Hk, Dk, Hv, Dv);
+    ``plan``: the call's chunk-form plan; ``states``: its chunk-form state pass, ``(u, W, KD, e^{G_C}, G, T^{-1},
+    E)`` (:func:`megatron_iso.ops.gdn.gdn_triton.chunk_state_pass`); ``cfg``: the forward's ``GDNConfig``."""
+    (qf, sq), (kf, sk), (vf, sv), (_gf, _sg), (bf, sb) = rows
+    hk, dk, hv, dv = shapes
+    u, w, kd, egc, gcum, tinv, ex = states
+    t, dev, c, n, rep = d_out.shape[0], d_out.device, cfg.chunk, plan.nchunks, hv // hk
+    prec = cfg.chain_precision
+    d_out = d_out.float().contiguous()
+    bv, chain_bv = (max(MIN_DOT, min(b, cfg.bv_full)) for b in (BWD_BV, BWD_CHAIN_BV))
+    f32 = {"dtype": torch.float32, "device": dev}
+    # du, dE' and du E^T only ever enter dots: with bf16 dots they are stored as the bf16 those dots round them to
+    # (dE' also enters sum(dE' . E), the gradient of e^{G_C}, there rounded)
+    mid = {"dtype": torch.bfloat16 if prec == "bf16" else torch.float32, "device": dev}
+    dvl = torch.empty(n, hv, c, cfg.bv_full, **f32)
+    du = torch.empty(n, hv, c, cfg.bv_full, **mid)
+    dsx = torch.empty(n, hv, dk, dv, **mid)
+    dwm = torch.empty(n, hv, c, cfg.bk, **mid)
+    dgp = torch.empty(n, hv, c, **f32)
+    dq = torch.empty(t, hv, dk, **f32)
+    dkk = torch.empty(t, hv, dk, **f32)
+    dvv = torch.empty(t, hv, dv, **f32)
+    db = torch.empty(t, hv, **f32)
+    dg = torch.empty(t, hv, **f32)
+    dims = {"C": c, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": prec}
+    ks = max(MIN_DOT, min(BWD_KS, cfg.bk))
+    _bwd_local_kernel[(n, hv)](
+        qf, kf, d_out, plan.chunks, gcum, dvl, scale, sq, sk, hk, hv, dk, dv, rep, **dims, num_warps=BWD_WARPS
+    )
+    _bwd_chain_kernel[(plan.nchains, hv, triton.cdiv(dv, chain_bv))](
+        qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, scale, sq, hk, hv, dk, dv, rep,
+        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS,
+    )  # fmt: skip
+    _bwd_output_kernel[(n, hv)](
+        qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep,
+        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS,
+    )  # fmt: skip
+    _bwd_wy_kernel[(n, hv)](
+        kf, vf, bf, plan.chunks, du, tinv, gcum, dwm, dgp, dkk, dvv, db, dg, sk, sv, sb, hk, hv, dk, dv, rep,
+        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS,
+    )  # fmt: skip
+    if rep > 1:  # value heads -> their key head, in a fixed order
+        dq, dkk = (x.view(t, hk, rep, dk).sum(2) for x in (dq, dkk))
+    return dq, dkk, dvv, dg, db
