@@ -563,7 +563,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
     bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}
-    chain_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_CHAIN_BV, cfg.bv_full))}
+    chain_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.chain_block(cfg.chain_precision), cfg.bv_full))}
     ks = max(G.MIN_DOT, min(B.BWD_KS, cfg.bk))
     kernels.update({
         "_bwd_local_kernel": (B._bwd_local_kernel, bwd_dims, B.BWD_WARPS, 3),
@@ -641,6 +641,7 @@ TUNABLE = (
     "OUT_WARPS",
     "BWD_BV",
     "BWD_CHAIN_BV",
+    "BWD_CHAIN_BV_BF16",
     "BWD_KS",
     "BWD_WARPS",
     "BWD_CHAIN_WARPS",

@@ -31,11 +31,15 @@ import triton.language as tl
 
 from megatron_iso.ops.gdn.gdn_triton import _INTERPRET, MIN_DOT, _chunk_row, _dot
 
-# Dv block of the chain programs, and of the output and WY kernels' loops over Dv; warps of the kernels.
-BWD_CHAIN_BV = 4 if _INTERPRET else 64
+# Tuning (H200, chunk:bf16, 8 x 4096, docs/PERFORMANCE.md "Session 9"). The chain's Dv block: 64 with bf16 operands
+# (1.86 ms; 32: 3.19), 32 with fp32 ones (64 needs more shared memory than sm_90 has at tf32). The output and WY
+# kernels loop over Dv blocks of BWD_BV and key slices of BWD_KS (sm_90a: slices of 32 spill nothing); 4 warps
+# (output 4.21 -> 2.61 ms, WY 2.82 -> 1.63 against 8).
+BWD_CHAIN_BV_BF16 = 4 if _INTERPRET else 64
+BWD_CHAIN_BV = 4 if _INTERPRET else 32
 BWD_BV = 4 if _INTERPRET else 32
-BWD_KS = 4 if _INTERPRET else 32  # key columns per slice in the output and WY kernels (sm_90a: 32 spills nothing)
-BWD_WARPS = 8
+BWD_KS = 4 if _INTERPRET else 32
+BWD_WARPS = 4
 BWD_CHAIN_WARPS = 4
 
 
@@ -267,6 +271,11 @@ def _bwd_wy_kernel(
     tl.store(dg_ptr + rows * HV + h, d_g, mask=present)
 
 
+def chain_block(prec: str) -> int:
+    """The chain program's Dv block at dot precision ``prec``."""
+    return BWD_CHAIN_BV_BF16 if prec == "bf16" else BWD_CHAIN_BV
+
+
 def rule_backward(
     d_out: torch.Tensor,
     rows: tuple[tuple[torch.Tensor, int], ...],
@@ -287,7 +296,7 @@ def rule_backward(
     t, dev, c, n, rep = d_out.shape[0], d_out.device, cfg.chunk, plan.nchunks, hv // hk
     prec = cfg.chain_precision
     d_out = d_out.float().contiguous()
-    bv, chain_bv = (max(MIN_DOT, min(b, cfg.bv_full)) for b in (BWD_BV, BWD_CHAIN_BV))
+    bv, chain_bv = (max(MIN_DOT, min(b, cfg.bv_full)) for b in (BWD_BV, chain_block(prec)))
     f32 = {"dtype": torch.float32, "device": dev}
     # du, dE' and du E^T only ever enter dots: with bf16 dots they are stored as the bf16 those dots round them to
     # (dE' also enters sum(dE' . E), the gradient of e^{G_C}, there rounded)
