@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_iso.ops.gdn import gdn_profile_fields
+from megatron_iso.ops.gdn import BACKWARD_STATES, gdn_profile_fields
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROFILES = ("correctness", "performance")
@@ -34,6 +34,7 @@ class IsoTransformerConfig(TransformerConfig):
     iso_gdn_chunk: int = 64  # CPR chunk of the Gated DeltaNet layers (profile.gdn_chunk)
     iso_gdn_form: str = "scan"  # GDN output form on the GPU (profile.gdn_form: scan or chunk)
     iso_gdn_dot_precision: str | None = None  # GDN kernels' dot precision on the GPU (profile.gdn_dot_precision)
+    iso_gdn_backward_states: str = "keep"  # what a GPU GDN forward keeps for the backward (rl.gdn_backward_states)
     # How HF checkpoints store GDN's input projections (model.hf_gdn_layout; naming only, same computation):
     # "qkvz" = Qwen3-Next's in_proj_qkvz/in_proj_ba grouped per key head, "split" = Qwen3.5's flat in_proj_qkv/z/b/a.
     hf_gdn_layout: str = "qkvz"
@@ -47,10 +48,11 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
+def gdn_fields(model: Any, profile: Any, rl: Any = None) -> dict[str, Any]:
     """Megatron's Gated DeltaNet fields (``experimental_attention_variant``, ``linear_*``) for a hybrid
     model (one with ``full_attention_interval``); empty otherwise. Every ``full_attention_interval``-th
-    layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``)."""
+    layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``). ``rl``: the trainer's
+    group, for ``rl.gdn_backward_states`` (default "keep")."""
     interval = _get(model, "full_attention_interval")
     if interval is None:
         return {}
@@ -60,6 +62,11 @@ def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
     if chunk < 1:
         raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
     form, precision = gdn_profile_fields(profile)
+    backward_states = str(_get(rl, "gdn_backward_states", "keep")) if rl is not None else "keep"
+    if backward_states not in BACKWARD_STATES:
+        raise ValueError(
+            f"rl.gdn_backward_states={backward_states!r} is not allowed; allowed values: {list(BACKWARD_STATES)}"
+        )
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
         raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
@@ -75,6 +82,7 @@ def gdn_fields(model: Any, profile: Any) -> dict[str, Any]:
         "iso_gdn_chunk": chunk,
         "iso_gdn_form": form,
         "iso_gdn_dot_precision": precision,
+        "iso_gdn_backward_states": backward_states,
     }
 
 
@@ -90,7 +98,7 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
     dtype = DTYPES[dtype_name]
     tp = int(_get(parallel, "tp", 1))
     return IsoTransformerConfig(
-        **gdn_fields(model, profile),
+        **gdn_fields(model, profile, _get(cfg, "rl")),
         **moe_fields(model, parallel),
         num_layers=int(model.num_layers),
         hidden_size=int(model.hidden_size),

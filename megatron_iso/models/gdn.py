@@ -65,6 +65,7 @@ class IsoGatedDeltaNet(MegatronModule):
         self.chunk = int(getattr(config, "iso_gdn_chunk", 64))
         self.form = getattr(config, "iso_gdn_form", "scan")
         self.dot_precision = getattr(config, "iso_gdn_dot_precision", None)
+        self.backward_states = getattr(config, "iso_gdn_backward_states", "keep")
         tp = config.tensor_model_parallel_size
         hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
@@ -150,6 +151,7 @@ class IsoGatedDeltaNet(MegatronModule):
             profile=self.profile,
             form=self.form,
             dot_precision=self.dot_precision,
+            backward_states=self.backward_states,
             **common,
         ).to(hidden_states.dtype)
         o = self.out_norm(o, z.reshape(t, self.hv, self.dv))

@@ -6,7 +6,8 @@ prefill pieces, packing, batch composition at mixed positions, a subset of heads
 fp32 copies, the state pass's tensor-core dot precisions (tf32x3, tf32) keep training == rollout; conv/gates/l2norm
 invariance; a
 tiny_hybrid model's training-forward logits == its prefill + decode logits. With tolerances (stated in
-each test): outputs and cached states against an fp64 recurrence and the CPU reference, gradients.
+each test): outputs and cached states against an fp64 recurrence and the CPU reference, gradients of the Triton
+backward per variant against fp64 autograd (deterministic, and the same bits whether the forward kept its states).
 """
 
 from __future__ import annotations
@@ -329,6 +330,9 @@ def test_backward_deterministic_and_close_to_reference(gt, chunk, d, variant):
         (y * w).sum().backward()
         grads.append([t.grad for t in leaves])
     assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), "backward not deterministic"
+    leaves = [t.clone().requires_grad_(True) for t in x]
+    (gt.gated_delta_rule(*leaves, cu(lengths), keep_states=False, **kw) * w).sum().backward()
+    assert all(same_bits(a, t.grad) for a, t in zip(grads[0], leaves, strict=True)), "keep_states changed the grads"
     lr = [t.cpu().double().requires_grad_(True) for t in x]
     (ref.gated_delta_rule(*lr, cu(lengths, "cpu"), chunk=chunk) * w.cpu().double()).sum().backward()
     for name, a, r in zip("qkvgb", grads[0], lr, strict=True):

@@ -208,3 +208,25 @@ def test_gdn_form_reaches_the_layer_and_the_cpu_refuses_the_chunk_form():
         ids, batch = pack(_sequences(tc.vocab_size, [0]))
         with torch.no_grad(), pytest.raises(ValueError, match=r"form='chunk', dot_precision='bf16' choose GPU kernels"):
             model.forward_packed(ids, batch)
+
+
+def test_gdn_backward_states_reaches_the_layer_and_bad_values_are_named():
+    """rl.gdn_backward_states (keep | recompute: what a GPU forward keeps for the backward) travels config -> layer;
+    another value is refused naming the field and the allowed values, by the config and by the op."""
+    from megatron_iso.config import load_config
+    from megatron_iso.models.config import gdn_fields
+    from megatron_iso.models.gdn import IsoGatedDeltaNet
+    from megatron_iso.ops.gdn import gated_delta_rule
+    from megatron_iso.parallel.world import single_process_world
+
+    with single_process_world():
+        tc, model = _setup([*BASE, "rl.gdn_backward_states=recompute"])
+        layers = [m for m in model.modules() if isinstance(m, IsoGatedDeltaNet)]
+        assert layers and all(m.backward_states == "recompute" for m in layers)
+        assert tc.iso_gdn_backward_states == "recompute"
+    cfg = load_config(["model=tiny_hybrid"])
+    with pytest.raises(ValueError, match=r"rl.gdn_backward_states='all' is not allowed; allowed values: \['keep', 'r"):
+        gdn_fields(cfg.model, cfg.profile, {"gdn_backward_states": "all"})
+    x = [torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1), torch.zeros(3, 1)]
+    with pytest.raises(ValueError, match=r"backward_states='all' is not allowed \(rl.gdn_backward_states\)"):
+        gated_delta_rule(*x, torch.tensor([0, 3]), backward_states="all")

@@ -332,6 +332,10 @@ for form, prec, dv in (("scan", None, D), ("chunk", "ieee", D), ("chunk", "ieee"
         (y * w8).sum().backward()
         grads.append([t.grad for t in lv])
     assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), f"{form}: backward not deterministic"
+    if form == "chunk":  # states recomputed in the backward instead of kept: the same kernels, the same bits
+        lv = [t.clone().requires_grad_(True) for t in x]
+        (gt.gated_delta_rule(*lv, cu(lengths), keep_states=False, **kw) * w8).sum().backward()
+        assert all(same_bits(a, t.grad) for a, t in zip(grads[0], lv, strict=True)), "keep_states changed the grads"
     lr = [t.double().requires_grad_(True) for t in x]
     (ref.gated_delta_rule(*lr, cu(lengths), chunk=C) * w8.double()).sum().backward()
     for name, p, r in zip("qkvgb", grads[0], lr, strict=True):

@@ -18,6 +18,10 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
 
 TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
+# What a GPU training forward keeps for the backward (rl.gdn_backward_states): "keep" its chunk-form state pass (u, W,
+# KD, T^{-1}, entry states: about 88 KB per token and layer at 32 value heads of 128), or "recompute" it in the
+# backward (the prep and chain kernels again). Gradients are bitwise the same either way.
+BACKWARD_STATES = ("keep", "recompute")
 
 
 def causal_conv1d(
@@ -83,12 +87,21 @@ def gated_delta_rule(
     profile: str = "correctness",
     form: str = "scan",
     dot_precision: str | None = None,
+    backward_states: str = "keep",
 ) -> torch.Tensor:
     """Gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see ``reference`` for the semantics.
+
+    ``backward_states`` (:data:`BACKWARD_STATES`): memory vs time of the GPU backward; elsewhere autograd of the
+    implementation decides what is kept.
 
     ``form`` and ``dot_precision`` (profile.gdn_form, profile.gdn_dot_precision) choose among the GPU kernels
     (cuda, profile correctness; docs/GDN.md "Output forms"); elsewhere only the scan form at the implementation's own
     precision exists, and anything else is refused rather than ignored."""
+    if backward_states not in BACKWARD_STATES:
+        raise ValueError(
+            f"gated_delta_rule: backward_states={backward_states!r} is not allowed (rl.gdn_backward_states); "
+            f"allowed values: {list(BACKWARD_STATES)}"
+        )
     fn = select("gated_delta_rule", q, profile, TRITON_MODULE)
     device_class = device_class_of(q)
     if not gdn_choice_runs_here(form, dot_precision, device_class, profile):
@@ -98,11 +111,12 @@ def gated_delta_rule(
             "exists (profile.gdn_form, profile.gdn_dot_precision)"
         )
     gpu = device_class == "cuda" and profile == "correctness"  # the Triton module takes the choice; others have none
-    kw = {"form": form, "dot_precision": dot_precision} if gpu else {}
+    kw = {"form": form, "dot_precision": dot_precision, "keep_states": backward_states == "keep"} if gpu else {}
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 
 
 __all__ = [
+    "BACKWARD_STATES",
     "DEFAULT_CHUNK",
     "OUTPUT_FORMS",
     "GDNLayerState",
