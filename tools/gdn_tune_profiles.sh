@@ -7,6 +7,7 @@
 #
 # VARIANTS: ";"-separated; each is "[@PRECISION] [NAME=INT ...]" (bench_gdn's --tune names; an empty variant is
 # the registered configuration). Default: the registered one; scan 64x2; the all-ieee state pass (chain BV 16).
+# GDN_TUNE_CASE=trainbwd profiles forward + backward instead (the BWD_* names tune the Triton backward).
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
 variants=${1:-";SCAN_BV=64 SCAN_WARPS=2;@ieee"}
@@ -14,7 +15,7 @@ i=0
 IFS=';' read -r -a list <<< "$variants"
 for v in "${list[@]}"; do
   i=$((i + 1))
-  case_spec="train:8x4096"
+  case_spec="${GDN_TUNE_CASE:-train}:8x4096"
   tune=()
   for w in $v; do
     case $w in
@@ -25,5 +26,5 @@ for v in "${list[@]}"; do
   echo "=== variant $i: ${v:-registered}"
   args=(--profile "$case_spec" --out "$OUT/gdn_tune_$i.json")
   if [ ${#tune[@]} -gt 0 ]; then args+=(--tune "${tune[@]}"); fi
-  timeout 70 python3 tools/bench_gdn.py "${args[@]}" 2>&1 | grep -E "^\| _|wall \(synced\)" | head -4
+  timeout 70 python3 tools/bench_gdn.py "${args[@]}" 2>&1 | grep -E "^\| _|wall \(synced\)" | head -8
 done

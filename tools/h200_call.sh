@@ -14,7 +14,8 @@
 #   gdndot   300   bench_gdn --dot-precision $GDN_VARIANTS (default ieee tf32x3 tf32): variants of the rule, dot
 #                  precision and output form (chunk:bf16 ...): train fwd, prefill 1024, decode 64, accuracy, bits
 #   gdntune  200   bench_gdn --profile train:8x4096 per tuning variant in GDN_TUNES (";"-separated --tune sets;
-#                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms
+#                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms;
+#                  GDN_TUNE_CASE=trainbwd: forward + backward (e.g. GDN_TUNES="@chunk:bf16;@chunk:bf16 BWD_KS=16")
 #   gdnbwd   200   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
 #                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd
 #   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)

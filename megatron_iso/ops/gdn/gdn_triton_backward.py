@@ -1,13 +1,13 @@
 """Gated DeltaNet training backward in Triton: deterministic chunk kernels (no atomics, fixed-order dots and sums).
 
 The readable reference is :class:`megatron_iso.ops.gdn.native._ChunkRule`'s backward (same algebra, torch ops over
-``[chunk, B*H, ...]`` tiles); tests hold these kernels to it (``tests/ops/gdn_triton_interpret_check.py`` on CPU,
-``tests/gpu/test_gdn_triton.py`` on the GPU). The policy asks a backward to be deterministic, not invariant: its dots run
+``[chunk, B*H, ...]`` tiles); tests hold these kernels to fp64 autograd of the CPU reference and to their own bits on a
+second run (``tests/ops/gdn_triton_interpret_check.py`` on CPU, ``tests/gpu/test_gdn_triton.py`` on the GPU). The policy asks a backward to be deterministic, not invariant: its dots run
 at the forward chain's precision (``GDNConfig.chain_precision``), and nothing here needs to match a rollout.
 
 Inputs are the chunk-form state pass of the forward (per chunk and value head: u = U0 - W E, W, KD = e^{G_C-G} k,
 e^{G_C}, G, T^{-1}, and the entry state E), kept by a chunk-form forward or recomputed for a scan-form one
-(:func:`megatron_iso.ops.gdn.gdn_triton.chunk_state_pass`). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
+(``gdn_triton._state_pass``, called from ``gdn_triton._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
 ``dE'`` the gradient of the chunk's exit state:
 
 1. ``_bwd_local_kernel`` (chunks in parallel): ``dv_local = P^T dO``.
@@ -289,7 +289,7 @@ def rule_backward(
 
     ``rows``: q, k, v, g, beta as ``gdn_triton._rows`` returns them (tensor, row stride); ``shapes``: (Hk, Dk, Hv, Dv);
     ``plan``: the call's chunk-form plan; ``states``: its chunk-form state pass, ``(u, W, KD, e^{G_C}, G, T^{-1},
-    E)`` (:func:`megatron_iso.ops.gdn.gdn_triton.chunk_state_pass`); ``cfg``: the forward's ``GDNConfig``."""
+    E)`` (``gdn_triton._state_pass`` and the entry states it fills); ``cfg``: the forward's ``GDNConfig``."""
     (qf, sq), (kf, sk), (vf, sv), (_gf, _sg), (bf, sb) = rows
     hk, dk, hv, dv = shapes
     u, w, kd, egc, gcum, tinv, ex = states
