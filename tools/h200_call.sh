@@ -73,7 +73,9 @@ for s in "$@"; do
     probe) step probe 90 100 python3 tools/probe_dot_rows.py --out "$OUT/probe_dot_rows.json" ;;
     rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
-    rlhybrid) step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
+    rlhybrid)  # RLHYBRID_PROFILES and RLHYBRID_OVERRIDES hold several words: word splitting on purpose
+      # shellcheck disable=SC2086
+      step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
       --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --train-micro-batch-seqs 16 \
       --profiles ${RLHYBRID_PROFILES:-correctness performance} --out "$OUT/rl_step_hybrid.json" \
       ${RLHYBRID_OVERRIDES:-} ;;
