@@ -62,7 +62,7 @@ def gdn_fields(model: Any, profile: Any, rl: Any = None) -> dict[str, Any]:
     if chunk < 1:
         raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
     form, precision = gdn_profile_fields(profile)
-    backward_states = str(_get(rl, "gdn_backward_states", "keep")) if rl is not None else "keep"
+    backward_states = str(_get(rl, "gdn_backward_states", "keep"))
     if backward_states not in BACKWARD_STATES:
         raise ValueError(
             f"rl.gdn_backward_states={backward_states!r} is not allowed; allowed values: {list(BACKWARD_STATES)}"

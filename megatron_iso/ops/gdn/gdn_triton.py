@@ -1225,10 +1225,8 @@ class _RuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, fwd, cu_seqlens, keep_states):  # type: ignore[override]
         kept: dict = {}
         out = fwd(q, k, v, g, beta, kept=kept)
-        if not keep_states:
-            kept.pop("states", None)
         ctx.cfg, ctx.scale, ctx.plan, ctx.cu = kept.get("cfg"), kept.get("scale"), kept.get("plan"), cu_seqlens
-        ctx.save_for_backward(q, k, v, g, beta, *kept.get("states", ()))
+        ctx.save_for_backward(q, k, v, g, beta, *(kept.get("states", ()) if keep_states else ()))
         return out
 
     @staticmethod
