@@ -547,6 +547,10 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
     form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
     cfg = G.config_for(D, D, CHUNK, prec, form or G.FORM)
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
+    bf16_ptrs = set()  # the pointers a call at this variant passes bf16 tensors to (the rest: fp32)
+    if cfg.mid_bf16:
+        bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
+    bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
         "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
@@ -577,8 +581,13 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
         for p in fn.params:
             if p.is_constexpr:
                 sig[p.name] = "constexpr"
+            elif p.name in int_tables:
+                sig[p.name] = "*i32"
             elif p.name.endswith("_ptr"):
-                sig[p.name] = "*i32" if p.name in int_tables else "*fp32"
+                bf16 = (bwd_bf16_ptrs if name.startswith("_bwd") else bf16_ptrs) - (
+                    {"ex_ptr"} if name == "_scan_kernel" else set()
+                )
+                sig[p.name] = "*bf16" if p.name in bf16 else "*fp32"
             else:
                 sig[p.name] = "fp32" if p.name in ("scale", "eps") else "i32"
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

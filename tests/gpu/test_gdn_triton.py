@@ -192,6 +192,28 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
+@pytest.mark.parametrize("prec", ["bf16", "ieee/bf16"])
+def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkeypatch):
+    """With bf16 chain dots, W, KD, u and the entry states are stored as bf16 (``MID_BF16``): the training forward,
+    prefill + decode outputs and the state cache are bitwise those of fp32 storage (every consumer is a bf16 dot,
+    which rounds an fp32 operand to the same bf16)."""
+    kw = {"dot_precision": prec, "form": "chunk"}
+    total = 3 * chunk + 7
+    x = inputs(total, 63, d)
+    got = {}
+    for mid in (True, False):
+        monkeypatch.setattr(gt, "MID_BF16", mid)
+        assert gt.config_for(d, d, chunk, prec, "chunk").mid_dtype == (torch.bfloat16 if mid else torch.float32)
+        full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
+        inc, st = incremental(gt, x, [chunk + 3, 1, 1, chunk - 5, 1, 1, total - 2 * chunk - 4], chunk, **kw)
+        # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
+        got[mid] = (full, inc, st.entry[1], st.buf_u[1, : total % chunk].bfloat16())
+    for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
+        assert same_bits(a, b), f"{prec} {name}: bf16 storage moved bits, max |d| {maxdiff(a, b):.3e}"
+    assert same_bits(got[True][0], got[True][1]), "train vs prefill + decode"
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
 def test_bf16_strided_inputs_read_in_kernel(gt, chunk, d):
     """v as the model passes it (a bf16 column slice of the conv output, row stride > Hv*Dv) and bf16 q/k are
     read and widened in-kernel: the same bits as their fp32 copies (a kernel compiled for other pointer dtypes

@@ -271,6 +271,32 @@ def check_rule(form: str) -> None:
 for form in gt.FORMS:
     check_rule(form)
 
+# bf16 storage of the dot-only intermediates (gt.MID_BF16: W, KD, u, entry states; chunk form, bf16 chain dots) is
+# bit-neutral: training, prefill + decode and the state cache as with fp32 storage. The interpreter's bf16 dot gives
+# wrong values, but a fixed function of the bf16 operands, which is all this plumbing check needs (the GPU test
+# test_bf16_storage_of_intermediates_is_bit_neutral holds the same on tensor cores).
+x = inputs(2 * C + 5, 44)
+got = {}
+for mid in (True, False):
+    gt.MID_BF16 = mid
+    kw = {"chunk": C, "form": "chunk", "dot_precision": "bf16"}
+    st = new_state(2, form="chunk")
+    outs, pos = [], 0
+    for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
+        r = slice(pos, pos + n)
+        outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
+                                        starts=torch.tensor([pos]), **kw))  # fmt: skip
+        pos += n
+    # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
+    got[mid] = (gt.gated_delta_rule(*x, cu([2 * C + 5]), **kw), torch.cat(outs), st.entry[1], st.buf_u[1].bfloat16())
+gt.MID_BF16 = True
+assert gt.config_for(D, D, C, "bf16", "chunk").mid_dtype == torch.bfloat16
+assert gt.config_for(D, D, C, "tf32", "chunk").mid_dtype == torch.float32
+for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
+    assert same_bits(a, b), f"bf16 storage: {name}"
+assert same_bits(got[True][0], got[True][1]), "bf16 storage: train vs prefill + decode"
+print("bf16 storage ok", round(time.time() - t_start, 1))
+
 # conv: prefill + decode == training, batch composition, against fp64
 gen = torch.Generator().manual_seed(3)
 for dtype in (torch.float32, torch.bfloat16):

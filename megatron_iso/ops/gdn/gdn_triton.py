@@ -169,6 +169,10 @@ CHUNK_FORM_PRECISIONS = ("ieee", "tf32", "bf16")
 CHUNK_DOT_PRECISION = "bf16"  # the chunk form's precision when a call names none
 # Dv block of the chunk-form output kernel: all of Dv (H200, bf16, 8 x 4096: 1.57 ms at 64, 1.98 at 32, 1.35 at 128)
 OUT_BV = 4 if _INTERPRET else 128
+# With bf16 chain dots, the state pass's intermediates that only ever enter those dots (W, KD; chunk form: u and the
+# entry states) are stored as bf16, the value the dot would round them to: the same bits, half the bytes
+# ("Intermediate storage" in the module docstring). False: fp32 storage, for the test that holds the bits equal.
+MID_BF16 = True
 OUT_WARPS = 4
 # Rows of U0/W and of the decode kernel's tiles in a chunk-form decode step: the 16 rows holding the token (tl.dot's
 # minimum). Under the interpreter the whole chunk, rows at their true positions: numpy's matmul bits follow M and the
@@ -195,6 +199,12 @@ class GDNConfig:
     chain_precision: str  # input_precision of the chain kernel's tl.dot (one of DOT_PRECISIONS)
     form: str = FORM  # "scan" or "chunk" (FORMS); the chunk-form output kernel's dots use chain_precision
     out_bv: int = OUT_BV
+    mid_bf16: bool = False  # W, KD (chunk form: u, entry states) stored as bf16: MID_BF16 with bf16 chain dots
+
+    @property
+    def mid_dtype(self) -> torch.dtype:
+        """Storage of W and KD (and in the chunk form of u and the entry states)."""
+        return torch.bfloat16 if self.mid_bf16 else torch.float32
 
     @property
     def dot_precision(self) -> str:
@@ -236,8 +246,20 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     chain_bv = {"ieee": CHAIN_BV, "bf16": CHAIN_BV_BF16}.get(chain_precision, CHAIN_BV_MMA)
     chain_bv = max(MIN_DOT, min(chain_bv, bvf))
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
+    mid_bf16 = MID_BF16 and chain_precision == "bf16"
     return GDNConfig(
-        bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv
+        bk,
+        bvf,
+        min(SCAN_BV, bvf),
+        chain_bv,
+        chunk,
+        kb,
+        inv_block,
+        prep_precision,
+        chain_precision,
+        form,
+        out_bv,
+        mid_bf16,
     )
 
 
@@ -436,11 +458,13 @@ def _prep_kernel(
             okb = kb * KB + ob
             kcb = _k_tile(k_ptr, bk_ptr, ot, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             kk = _dot(kcb, tl.trans(kcb), kk, PREC)
-            tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], dkd[:, None] * kcb)
+            tl.store(
+                kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], (dkd[:, None] * kcb).to(kd_ptr.dtype.element_ty)
+            )
     else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
         kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
         kk = _dot(kcf, tl.trans(kcf), None, PREC)
-        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], dkd[:, None] * kcf)
+        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], (dkd[:, None] * kcf).to(kd_ptr.dtype.element_ty))
     dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
     # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (module docstring, "Triangular inverse").
@@ -492,7 +516,7 @@ def _prep_kernel(
         u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
         tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
         w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
-        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w)
+        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
     else:
         tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
         tl.debug_barrier()  # other threads' scratch stores are read below
@@ -524,13 +548,13 @@ def _prep_kernel(
             kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             bce = tl.load(bce_ptr + base * C + otb)
             w = _dot(ti, bce[:, None] * kcb, w, PREC)
-        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w)
+        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
     tl.store(egc_ptr + base, tl.exp(gl))
 
 
 @triton.jit
 def _chain_kernel(
-    chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
+    chain_ptr, entry_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
     HV, DK, DV,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
     ENTRIES: tl.constexpr,
@@ -542,11 +566,12 @@ def _chain_kernel(
     last chunk does not close; its u is computed and stored, its exit state is not).
 
     ``ex_ptr`` row of chunk j: its exit state (scan form), or with ENTRIES (chunk form) its entry state, which the
-    output kernel reads; u is then stored over U0 on every path.
+    output kernel reads; u is then stored into ``u_ptr`` on every path (``u_ptr`` may be U0 itself: each program
+    reads its U0 columns before it stores u there, and no other program reads them).
 
     Per chunk, ``u = U0 - W E`` for all C rows (K = BK in blocks of KB, E's row blocks read back once each
-    from the state this program stored last: the entry row or the previous chunk's exit row), stored over
-    U0, then ``E' = dot(KD_b^T, u_b, E')`` over ascending row blocks b of u from ``e^{G_C} E`` (module
+    from the state this program stored last: the entry row or the previous chunk's exit row), stored into
+    ``u_ptr``, then ``E' = dot(KD_b^T, u_b, E')`` over ascending row blocks b of u from ``e^{G_C} E`` (module
     docstring, "K-blocked dots"). Each output element is the fma chain of VERSION 1 (k ascending from 0 for
     W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. With a tensor-core
     PREC (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler
@@ -581,7 +606,7 @@ def _chain_kernel(
         first = j == 0
         closes = (j < nc - 1) | (last_open == 0)
         if ENTRIES:
-            tl.store(ex_ptr + (c0 + j) * hsz + st, e, mask=m2)
+            tl.store(ex_ptr + (c0 + j) * hsz + st, e.to(ex_ptr.dtype.element_ty), mask=m2)
             if PREC == "ieee":
                 tl.debug_barrier()  # E's row blocks are read back below
         if PREC == "ieee":
@@ -600,25 +625,26 @@ def _chain_kernel(
                     e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
                     e_blk = tl.where(first, e_in, e_ex)
                 d = _dot(wblk, e_blk, d, PREC)
-            # u = U0 - W E replaces this program's columns of U0 (read by no one else), so the state update below
+            # u = U0 - W E goes to memory (this program's columns, read by no one else), so the state update below
             # can read u back in row blocks.
-            uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
-            tl.store(uptr, tl.load(uptr, mask=mv[None, :], other=0.0) - d, mask=mv[None, :])
+            tile = (base * C + oc[:, None]) * BVF + ov[None, :]
+            u = tl.load(u0_ptr + tile, mask=mv[None, :], other=0.0) - d
+            tl.store(u_ptr + tile, u.to(u_ptr.dtype.element_ty), mask=mv[None, :])
             tl.debug_barrier()  # u's rows stored by other threads are read below
             if closes:
                 acc = egc * e
                 for mb in range(C // KB):
                     om = mb * KB + ob
-                    ub = tl.load(u0_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+                    ub = tl.load(u_ptr + (base * C + om[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
                     kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
                     acc = _dot(tl.trans(kd), ub, acc, PREC)
                 e = acc
         else:  # tensor cores: two dots over the whole K per chunk, E and u from registers
             wfull = tl.load(w_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
-            uptr = u0_ptr + (base * C + oc[:, None]) * BVF + ov[None, :]
-            u = tl.load(uptr, mask=mv[None, :], other=0.0) - _dot(wfull, e, None, PREC)
+            tile = (base * C + oc[:, None]) * BVF + ov[None, :]
+            u = tl.load(u0_ptr + tile, mask=mv[None, :], other=0.0) - _dot(wfull, e, None, PREC)
             if ENTRIES:
-                tl.store(uptr, u, mask=mv[None, :])
+                tl.store(u_ptr + tile, u.to(u_ptr.dtype.element_ty), mask=mv[None, :])
             # an open chunk's exit is computed and dropped: a run-time branch around this dot crashes Triton 3.6's
             # prefetch pass at tf32 (chunk 16, Dk 32)
             kdfull = tl.load(kd_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
@@ -639,7 +665,7 @@ def _chunk_out_kernel(
 ):  # fmt: skip
     """Chunk-form outputs of one (chunk, value head, Dv block): ``O = e^G (Q E) + P u`` with
     ``P[t, i] = e^{G_t - G_i} (q_t . k_i)`` for i <= t (0 above), E the chunk's entry state (the chain's ``ex`` row),
-    u = U0 - W E (stored over U0 by the chain), G the prep kernel's cumulative decay. Rows ``buffered..nrows-1`` are
+    u = U0 - W E (the chain's ``u_ptr``), G the prep kernel's cumulative decay. Rows ``buffered..nrows-1`` are
     this call's tokens and are stored; a buffered row's q is not kept and loads as zero (its output was written by the
     call that brought it). Each output row is a function of its own q row, of the rows <= it of k, G and u, and of E:
     a decode step's tile (later rows zero) gives the training tile's bits (docs/GDN.md, "Design sketch").
@@ -756,8 +782,8 @@ def _buffer_kernel(
 ):  # fmt: skip
     """Chunk form: the tokens of a chunk this call leaves open (chunk row flag, column 4) into the state cache's fp32
     ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk and opens the next reuses
-    the slot's rows). k by the first value head of each key head. COPY_U: also the tokens' u rows (the chain's, over
-    U0) into ``buf_u``, for the decode steps that follow (a decode step stores its own)."""
+    the slot's rows). k by the first value head of each key head. COPY_U: also the tokens' u rows (the chain's
+    ``u_ptr``) into ``buf_u``, for the decode steps that follow (a decode step stores its own)."""
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
@@ -781,7 +807,7 @@ def _buffer_kernel(
     if COPY_U:
         mu = new[:, None] & (ov < DV)[None, :]
         u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
-        tl.store(bu_ptr + (br[:, None] * HV + h) * DV + ov[None, :], u, mask=mu)
+        tl.store(bu_ptr + (br[:, None] * HV + h) * DV + ov[None, :], u.to(tl.float32), mask=mu)
 
 
 @triton.jit
@@ -1027,7 +1053,8 @@ def prep_chunks(
     rows_computed: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
-    e^{G_C}, G and T^{-1} of each chunk and value head (T^{-1} whole only when every row is computed). ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
+    e^{G_C}, G and T^{-1} of each chunk and value head (T^{-1} whole only when every row is computed; W and KD in
+    ``cfg.mid_dtype``, the rest fp32). ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
     ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered).
     ``rows_computed``: the kernel's ROWS (None: the whole chunk)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
@@ -1035,7 +1062,7 @@ def prep_chunks(
     hv, dv = vf.shape[1:]
     n, c, dev = chunks.shape[0], cfg.chunk, kf.device
     u0 = torch.empty(n, hv, c, cfg.bv_full, dtype=torch.float32, device=dev)
-    w = torch.empty(n, hv, c, cfg.bk, dtype=torch.float32, device=dev)
+    w = torch.empty(n, hv, c, cfg.bk, dtype=cfg.mid_dtype, device=dev)
     kd = torch.empty_like(w)
     egc = torch.empty(n, hv, dtype=torch.float32, device=dev)
     gcum = torch.empty(n, hv, c, dtype=torch.float32, device=dev)
@@ -1049,21 +1076,40 @@ def prep_chunks(
     return u0, w, kd, egc, gcum, tinv
 
 
+def _state_rows(nchunks: int, hv: int, dk: int, dv: int, cfg: GDNConfig, dev: torch.device) -> torch.Tensor:
+    """The chain's ``ex`` rows (one state per chunk): fp32 exit states (scan form, the scan starts from them) or
+    entry states in ``cfg.mid_dtype`` (chunk form, read by dots only)."""
+    dtype = cfg.mid_dtype if cfg.form == "chunk" else torch.float32
+    return torch.empty(max(nchunks, 1), hv, dk, dv, dtype=dtype, device=dev)
+
+
+def _no_state(ex: torch.Tensor) -> torch.Tensor:
+    """What a call without a state cache passes for its fp32 buffers and entry/running rows (never read or written:
+    no buffered tokens, no buffer rows): fp32 like the real ones, so training and decode launch the same compiled
+    kernels. ``ex`` itself when it is fp32 (the scan form's)."""
+    return ex if ex.dtype == torch.float32 else torch.empty(1, dtype=torch.float32, device=ex.device)
+
+
 def _state_pass(
     plan: _Plan, prep_rows: tuple, buffers: tuple, entry: torch.Tensor, ex: torch.Tensor, cfg: GDNConfig
 ) -> tuple[torch.Tensor, ...]:
-    """Prep and chain kernels over a plan's chunks and chains: U0 (u over it after the chain), W, KD, e^{G_C}, G and
-    T^{-1} per chunk (:func:`prep_chunks`); ``ex`` gets each chunk's exit (scan form) or entry state (chunk form)."""
+    """Prep and chain kernels over a plan's chunks and chains: u (chunk form; the scan form: U0), W, KD, e^{G_C}, G
+    and T^{-1} per chunk (:func:`prep_chunks`); ``ex`` (:func:`_state_rows`) gets each chunk's exit (scan form) or
+    entry state (chunk form). The chunk form's u is a tensor of its own in ``cfg.mid_dtype``, or over U0 when that
+    is fp32."""
+    # no chunk: a chain may still store its (zero) entry state into the cache
     terms = prep_chunks(prep_rows, buffers, plan.chunks, cfg) if plan.nchunks else (ex,) * 6
-    u0, w, kd, egc = terms[:4]
+    u0, w, kd, egc, gcum, tinv = terms
+    own_u = plan.nchunks and cfg.form == "chunk" and cfg.mid_bf16
+    u = torch.empty(u0.shape, dtype=cfg.mid_dtype, device=u0.device) if own_u else u0
     hv, dk, dv = ex.shape[1:]
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
-            plan.chains, entry, u0, w, kd, egc, ex, hv, dk, dv,
+            plan.chains, entry, u0, u, w, kd, egc, ex, hv, dk, dv,
             C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
             ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
         )  # fmt: skip
-    return terms
+    return u, w, kd, egc, gcum, tinv
 
 
 def _rule_forward(
@@ -1111,7 +1157,7 @@ def _rule_forward(
     if t == 0:
         return out
     rep = hv // hk
-    ex = torch.empty(max(plan.nchunks, 1), hv, dk, dv, dtype=torch.float32, device=dev)
+    ex = _state_rows(plan.nchunks, hv, dk, dv, cfg, dev)
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
         for name, buf in (("buf_k", bk), ("buf_v", bvv), ("buf_g", bg), ("buf_beta", bb), ("buf_u", state.buf_u)):
@@ -1125,10 +1171,7 @@ def _rule_forward(
             )
         entry, running = state.entry, state.running
     else:
-        # Never read or written (no buffered tokens, no buffer rows without a state); fp32 like the real
-        # buffers, so training and decode launch the same compiled kernels.
-        bk = bvv = bg = bb = ex
-        entry = running = ex
+        bk = bvv = bg = bb = entry = running = _no_state(ex)
     chunk_form = cfg.form == "chunk"
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
@@ -1146,17 +1189,17 @@ def _rule_forward(
             )  # fmt: skip
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
-    u0, gcum = terms[0], terms[4]
+    u, gcum = terms[0], terms[4]
     if kept is not None and chunk_form:
         kept.update(plan=plan, states=(*terms, ex))
-    if chunk_form:  # output tiles per chunk from its entry state (ex) and u (over U0); then the buffer
+    if chunk_form:  # output tiles per chunk from its entry state (ex) and u; then the buffer
         _chunk_out_kernel[(plan.nchunks, hv, triton.cdiv(dv, cfg.out_bv))](
-            qf, kf, bk, plan.chunks, ex, u0, gcum, out, scale, sq, sk, hk, hv, dk, dv, rep,
+            qf, kf, bk, plan.chunks, ex, u, gcum, out, scale, sq, sk, hk, hv, dk, dv, rep,
             C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.out_bv, PREC=cfg.chain_precision, num_warps=OUT_WARPS,
         )  # fmt: skip
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
-                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, state.buf_u, sk, sv, sg, sb, hk, hv, dk, dv, rep,
+                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u, state.buf_u, sk, sv, sg, sb, hk, hv, dk, dv, rep,
                 C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=True,
             )  # fmt: skip
         return out
@@ -1244,8 +1287,9 @@ class _RuleFunction(torch.autograd.Function):
         if not states:  # scan-form forward (or states not kept): the chunk-form state pass of the same chunks
             cfg = dataclasses.replace(cfg, form="chunk")
             plan = _cached_plan(ctx.cu, None, None, cfg.chunk, False, q.device, 0, "chunk")
-            ex = torch.empty(max(plan.nchunks, 1), hv, dk, dv, dtype=torch.float32, device=q.device)
-            states = (*_state_pass(plan, rows[1:], (ex,) * 4, ex, ex, cfg), ex)
+            ex = _state_rows(plan.nchunks, hv, dk, dv, cfg, q.device)
+            unused = _no_state(ex)
+            states = (*_state_pass(plan, rows[1:], (unused,) * 4, unused, ex, cfg), ex)
         grads = rule_backward(d_out, rows, (hk, dk, hv, dv), plan, tuple(states), cfg, ctx.scale)
         return (*(d.to(x.dtype) for d, x in zip(grads, inputs, strict=True)), None, None, None)
 

@@ -6,7 +6,7 @@ second run (``tests/ops/gdn_triton_interpret_check.py`` on CPU, ``tests/gpu/test
 at the forward chain's precision (``GDNConfig.chain_precision``), and nothing here needs to match a rollout.
 
 Inputs are the chunk-form state pass of the forward (per chunk and value head: u = U0 - W E, W, KD = e^{G_C-G} k,
-e^{G_C}, G, T^{-1}, and the entry state E), kept by a chunk-form forward or recomputed for a scan-form one
+e^{G_C}, G, T^{-1}, and the entry state E; u, W, KD and E are bf16 with bf16 dots, ``GDNConfig.mid_dtype``), kept by a chunk-form forward or recomputed for a scan-form one
 (``gdn_triton._state_pass``, called from ``gdn_triton._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
 ``dE'`` the gradient of the chunk's exit state:
 
@@ -173,7 +173,7 @@ def _bwd_output_kernel(
             do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
             u = tl.load(u_ptr + tile, mask=present[:, None] & mv[None, :], other=0.0)
             du = tl.load(du_ptr + tile, mask=mv[None, :], other=0.0).to(tl.float32)
-            e = tl.load(ex_ptr + cid * hsz + st, mask=m2, other=0.0)
+            e = tl.load(ex_ptr + cid * hsz + st, mask=m2, other=0.0).to(tl.float32)  # bf16 with bf16 dots
             dsx = tl.load(dsx_ptr + cid * hsz + st, mask=m2, other=0.0).to(tl.float32)
             d_qe = _dot(do, tl.trans(e), d_qe, PREC)
             d_kd = _dot(u, tl.trans(dsx), d_kd, PREC)
