@@ -19,8 +19,8 @@ e^{G_C}, G, T^{-1}, and the entry state E; u, W, KD and E are bf16 with bf16 dot
    ``T = I + strict_lower(beta k k^T . e^{G_t-G_i})``: dv, dbeta, the rest of dk and dG, then dg as the reverse
    in-chunk sum of dG.
 
-Grouped heads: the output and WY kernels run one program per (chunk, key head) that takes its value heads in
-ascending order, each adding into the key head's dq and dk rows (a fixed-order sum, no second pass). Training calls only (no state cache, sequences start at position 0).
+Grouped heads: dq and dk come out per value head and are summed over the value heads of a key head afterwards
+(a fixed-order torch sum). Training calls only (no state cache, sequences start at position 0).
 """
 
 from __future__ import annotations
@@ -121,44 +121,21 @@ def _bwd_chain_kernel(
 
 
 @triton.jit
-def _add_to(ptr, val, mask, add):
-    """``*ptr = val`` for the first value head of a key head, ``*ptr += val`` (``add``) for the next ones: one program,
-    heads in ascending order, so the grouped-head sum runs in a fixed order."""
-    tl.store(ptr, tl.load(ptr, mask=mask & add, other=0.0) + val, mask=mask)
-
-
-@triton.jit
 def _bwd_output_kernel(
     q_ptr, k_ptr, do_ptr, chunk_ptr, u_ptr, du_ptr, ex_ptr, dsx_ptr, gcum_ptr, egc_ptr,
     dq_ptr, dk_ptr, dgp_ptr, dwm_ptr,
     scale, SQ, SK, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, key head), its value heads in ascending order: :func:`_bwd_output_head`."""
-    cid = tl.program_id(0).to(tl.int64)
-    hk = tl.program_id(1)
-    for r in range(REP):
-        _bwd_output_head(
-            q_ptr, k_ptr, do_ptr, chunk_ptr, u_ptr, du_ptr, ex_ptr, dsx_ptr, gcum_ptr, egc_ptr,
-            dq_ptr, dk_ptr, dgp_ptr, dwm_ptr, scale, SQ, SK, HK, HV, DK, DV, cid, hk, hk * REP + r, r > 0,
-            C, BK, BVF, BV, KS, PREC,
-        )  # fmt: skip
-
-
-@triton.jit
-def _bwd_output_head(
-    q_ptr, k_ptr, do_ptr, chunk_ptr, u_ptr, du_ptr, ex_ptr, dsx_ptr, gcum_ptr, egc_ptr,
-    dq_ptr, dk_ptr, dgp_ptr, dwm_ptr,
-    scale, SQ, SK, HK, HV, DK, DV, cid, hk, h, add,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """One (chunk, value head ``h``): the gradients through the output, the exit state and ``u = U0 - W E``.
+    """Per (chunk, value head): the gradients through the output, the exit state and ``u = U0 - W E``.
 
     ``dP = dO u^T`` over Dv blocks first; then per slice of KS key columns, over Dv blocks: ``dO E^T``, ``u dE'^T``,
-    ``du E^T`` and ``sum(dE' . E)``, from which the slice's dq (scaled: the input's gradient) and dk's part (completed
-    by the WY kernel), both added into the key head's rows (:func:`_add_to`), and ``du E^T`` (``dwm_ptr``:
-    ``dW = -du E^T``); dG's part (``dgp_ptr``) sums over the slices. Key slices keep every accumulator a ``[C, KS]``
-    tile (register pressure)."""
+    ``du E^T`` and ``sum(dE' . E)``, from which the slice's dq (stored, scaled: the input's gradient), dk's part
+    (``dk_ptr``, completed by the WY kernel) and ``du E^T`` (``dwm_ptr``: ``dW = -du E^T``); dG's part (``dgp_ptr``)
+    sums over the slices. Key slices keep every accumulator a ``[C, KS]`` tile (register pressure)."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
     row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     present = ot < nrows
@@ -213,11 +190,10 @@ def _bwd_output_head(
         # Through P's decay: dG_t += sum_i dP_ti P_ti - sum_s dP_st P_st = q_t . dq_P,t - k_t . dk_P,t (no P tile)
         d_q_p = _dot(d_qk, k, None, PREC)
         d_g += tl.sum(q * (d_q + d_q_p), axis=1) - f
-        at = (rows[:, None] * HK + hk) * DK + oks[None, :]
-        _add_to(dq_ptr + at, (d_q + d_q_p) * scale, m_rows, add)
+        tl.store(dq_ptr + (rows[:, None] * HV + h) * DK + oks[None, :], (d_q + d_q_p) * scale, mask=m_rows)
         d_k_p = _dot(tl.trans(d_qk), q, None, PREC)
         d_g -= tl.sum(k * d_k_p, axis=1)
-        _add_to(dk_ptr + at, d_k + d_k_p, m_rows, add)
+        tl.store(dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :], d_k + d_k_p, mask=m_rows)
     d_gl = tl.sum(f_sum, axis=0) + tl.load(egc_ptr + base) * tl.sum(d_egc, axis=0)
     tl.store(dgp_ptr + base * C + ot, d_g + tl.where(ot == C - 1, d_gl, 0.0))
 
@@ -229,29 +205,15 @@ def _bwd_wy_kernel(
     SK, SV, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, key head), its value heads in ascending order (they add into the key head's dk): :func:`_bwd_wy_head`."""
-    cid = tl.program_id(0).to(tl.int64)
-    hk = tl.program_id(1)
-    for r in range(REP):
-        _bwd_wy_head(
-            k_ptr, v_ptr, b_ptr, chunk_ptr, du_ptr, tinv_ptr, gcum_ptr, dwm_ptr, dgp_ptr, dk_ptr, dv_ptr, db_ptr, dg_ptr,
-            SK, SV, SB, HK, HV, DK, DV, cid, hk, hk * REP + r, C, BK, BVF, BV, KS, PREC,
-        )  # fmt: skip
-
-
-@triton.jit
-def _bwd_wy_head(
-    k_ptr, v_ptr, b_ptr, chunk_ptr, du_ptr, tinv_ptr, gcum_ptr, dwm_ptr, dgp_ptr,
-    dk_ptr, dv_ptr, db_ptr, dg_ptr,
-    SK, SV, SB, HK, HV, DK, DV, cid, hk, h,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """One (chunk, value head ``h``): the gradients through the WY form, added to the output kernel's dk and dG parts.
+    """Per (chunk, value head): the gradients through the WY form, added to the output kernel's dk and dG parts.
 
     ``dX1 = T^{-T} du`` (dv = beta dX1), ``dX2 = -T^{-T} (du E^T)``, ``dA = -strict_lower((dX1 (beta v)^T +
     dX2 X2^T) T^{-T})`` with ``X2 = beta e^G k``; then through ``A = beta k k^T . e^{G_t - G_i}``; dg = the reverse
     in-chunk sum of dG (G is the in-chunk cumulative sum of g). Key columns in slices of KS, as in the output kernel:
-    the key head's dk is read, added to and stored once per slice and pass."""
+    dk is read, added to and stored once per slice and pass."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
     row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     present = ot < nrows
@@ -283,7 +245,7 @@ def _bwd_wy_head(
         m = _dot(d_x2, tl.trans(x2), m, PREC)
         d_gt += tl.sum(x2 * d_x2, axis=1)
         d_b += tl.sum(eg[:, None] * k * d_x2, axis=1)
-        dk_at = dk_ptr + (rows[:, None] * HK + hk) * DK + oks[None, :]
+        dk_at = dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :]
         tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + (beta * eg)[:, None] * d_x2, mask=m_rows)
     lower = ot[:, None] > ot[None, :]
     dec = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
@@ -298,7 +260,7 @@ def _bwd_wy_head(
         d_b += tl.sum(k * d_kb, axis=1)
         # Through A's decay, as for P in the output kernel: dG_t += kb_t . dkb_t - k_t . dk_A,t (no A tile)
         d_gt += tl.sum(kb * d_kb, axis=1) - tl.sum(k * d_k_a, axis=1)
-        dk_at = dk_ptr + (rows[:, None] * HK + hk) * DK + oks[None, :]
+        dk_at = dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :]
         tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + beta[:, None] * d_kb + d_k_a, mask=m_rows)
     # dg_t = sum_{s >= t} dG_s: a dot with the upper-triangular ones (16 columns: tl.dot's minimum width)
     o16 = tl.arange(0, 16)
@@ -344,8 +306,8 @@ def rule_backward(
     dsx = torch.empty(n, hv, dk, dv, **mid)
     dwm = torch.empty(n, hv, c, cfg.bk, **mid)
     dgp = torch.empty(n, hv, c, **f32)
-    dq = torch.empty(t, hk, dk, **f32)
-    dkk = torch.empty(t, hk, dk, **f32)
+    dq = torch.empty(t, hv, dk, **f32)
+    dkk = torch.empty(t, hv, dk, **f32)
     dvv = torch.empty(t, hv, dv, **f32)
     db = torch.empty(t, hv, **f32)
     dg = torch.empty(t, hv, **f32)
@@ -358,12 +320,14 @@ def rule_backward(
         qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, scale, sq, hk, hv, dk, dv, rep,
         **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS,
     )  # fmt: skip
-    _bwd_output_kernel[(n, hk)](
+    _bwd_output_kernel[(n, hv)](
         qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep,
         **dims, BV=bv, KS=ks, num_warps=BWD_WARPS,
     )  # fmt: skip
-    _bwd_wy_kernel[(n, hk)](
+    _bwd_wy_kernel[(n, hv)](
         kf, vf, bf, plan.chunks, du, tinv, gcum, dwm, dgp, dkk, dvv, db, dg, sk, sv, sb, hk, hv, dk, dv, rep,
         **dims, BV=bv, KS=ks, num_warps=BWD_WARPS,
     )  # fmt: skip
+    if rep > 1:  # value heads -> their key head, in a fixed order
+        dq, dkk = (x.view(t, hk, rep, dk).sum(2) for x in (dq, dkk))
     return dq, dkk, dvv, dg, db
