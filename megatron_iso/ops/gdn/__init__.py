@@ -19,8 +19,9 @@ from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNSta
 
 TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
 # What a GPU training forward keeps for the backward (rl.gdn_backward_states): "keep" its chunk-form state pass (u, W,
-# KD, T^{-1}, entry states: about 88 KB per token and layer at 32 value heads of 128), or "recompute" it in the
-# backward (the prep and chain kernels again). Gradients are bitwise the same either way.
+# KD, T^{-1}, entry states: about 49 KB per token and layer at 32 value heads of 128 with bf16 dots, 88 KB with fp32
+# storage), or "recompute" it in the backward (the prep and chain kernels again). Gradients are bitwise the same
+# either way.
 BACKWARD_STATES = ("keep", "recompute")
 
 
