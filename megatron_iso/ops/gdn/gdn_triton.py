@@ -253,21 +253,10 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     chain_bv = {"ieee": CHAIN_BV, "bf16": CHAIN_BV_BF16}.get(chain_precision, CHAIN_BV_MMA)
     chain_bv = max(MIN_DOT, min(chain_bv, bvf))
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
-    mid_bf16 = MID_BF16 and chain_precision == "bf16"
     return GDNConfig(
-        bk,
-        bvf,
-        min(SCAN_BV, bvf),
-        chain_bv,
-        chunk,
-        kb,
-        inv_block,
-        prep_precision,
-        chain_precision,
-        form,
-        out_bv,
-        mid_bf16,
-    )
+        bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv,
+        mid_bf16=MID_BF16 and chain_precision == "bf16",
+    )  # fmt: skip
 
 
 @triton.jit
