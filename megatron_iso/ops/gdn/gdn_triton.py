@@ -82,8 +82,9 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   ``_chunk_out_kernel`` program per (chunk, value head, Dv block). The plan lists every chunk the call has tokens in,
   an open last chunk included (``nrows`` < C; its missing rows load as zeros); the chain stores each chunk's entry
   state (``ex``) and u (over U0, or bf16 tensors: "Intermediate storage") and skips an open chunk's exit;
-  ``_buffer_kernel`` then copies the tokens (and u rows) of a chunk left open into the state cache. A decode step (one token per sequence) computes its token's rows
-  only: ``_prep_kernel`` with ROWS = DECODE_ROWS (U0/W of the token's 16-row block), then ``_decode_row_kernel``
+  ``_buffer_kernel`` then copies the tokens (and u rows) of a chunk left open into the state cache. A decode step
+  (one token per sequence) computes its token's rows only: ``_prep_kernel`` with ROWS = DECODE_ROWS (U0/W of the
+  token's 16-row block), then ``_decode_row_kernel``
   (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
   depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
   ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this

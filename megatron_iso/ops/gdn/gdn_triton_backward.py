@@ -2,12 +2,14 @@
 
 The readable reference is :class:`megatron_iso.ops.gdn.native._ChunkRule`'s backward (same algebra, torch ops over
 ``[chunk, B*H, ...]`` tiles); tests hold these kernels to fp64 autograd of the CPU reference and to their own bits on a
-second run (``tests/ops/gdn_triton_interpret_check.py`` on CPU, ``tests/gpu/test_gdn_triton.py`` on the GPU). The policy asks a backward to be deterministic, not invariant: its dots run
-at the forward chain's precision (``GDNConfig.chain_precision``), and nothing here needs to match a rollout.
+second run (``tests/ops/gdn_triton_interpret_check.py`` on CPU, ``tests/gpu/test_gdn_triton.py`` on the GPU). The
+policy asks a backward to be deterministic, not invariant: its dots run at the forward chain's precision
+(``GDNConfig.chain_precision``), and nothing here needs to match a rollout.
 
 Inputs are the chunk-form state pass of the forward (per chunk and value head: u = U0 - W E, W, KD = e^{G_C-G} k,
-e^{G_C}, G, T^{-1}, and the entry state E; u, W, KD and E are bf16 with bf16 dots, ``GDNConfig.mid_dtype``), kept by a chunk-form forward or recomputed for a scan-form one
-(``gdn_triton._state_pass``, called from ``gdn_triton._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
+e^{G_C}, G, T^{-1}, and the entry state E; u, W, KD and E are bf16 with bf16 dots, ``GDNConfig.mid_dtype``), kept by
+a chunk-form forward or recomputed for a scan-form one (``gdn_triton._state_pass``, called from
+``gdn_triton._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
 ``dE'`` the gradient of the chunk's exit state:
 
 1. ``_bwd_local_kernel`` (chunks in parallel): ``dv_local = P^T dO``.
