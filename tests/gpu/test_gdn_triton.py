@@ -52,7 +52,7 @@ def new_state(slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device
 
     st = GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=hk, value_heads=hv, key_dim=d,
                                 value_dim=d, chunk=chunk, dtype=torch.float32, device=device, form=form)  # fmt: skip
-    for t in (st.running, st.entry, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u):
+    for t in (st.running, st.entry, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u, st.buf_tinv):
         t.fill_(float("nan"))  # stale slot content must never be read
     return st
 

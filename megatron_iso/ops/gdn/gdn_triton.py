@@ -186,6 +186,10 @@ OUT_WARPS = 4
 # minimum). Under the interpreter the whole chunk, rows at their true positions: numpy's matmul bits follow M and the
 # row's position (the probe's CPU run), the H200's do not.
 DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
+# The chunk-form decode row kernel's Dv block and warps (its dots' N split is bit-neutral: an MMA computes each output
+# column on its own), and the decode prep's warps.
+DECODE_BV = 4 if _INTERPRET else 64
+DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
@@ -208,6 +212,7 @@ class GDNConfig:
     form: str = FORM  # "scan" or "chunk" (FORMS); the chunk-form output kernel's dots use chain_precision
     out_bv: int = OUT_BV
     mid_bf16: bool = False  # W, KD (chunk form: u, entry states) stored as bf16: MID_BF16 with bf16 chain dots
+    decode_bv: int = DECODE_BV  # Dv block of the chunk-form decode row kernel
 
     @property
     def mid_dtype(self) -> torch.dtype:
@@ -256,7 +261,7 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
     return GDNConfig(
         bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv,
-        mid_bf16=MID_BF16 and chain_precision == "bf16",
+        mid_bf16=MID_BF16 and chain_precision == "bf16", decode_bv=max(MIN_DOT, min(DECODE_BV, bvf)),
     )  # fmt: skip
 
 
@@ -399,28 +404,127 @@ def _chunk_row(chunk_ptr, cid):
 
 
 @triton.jit
+def _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, rows, brows, in_buf, present, SG, SB, HV, h, C: tl.constexpr):
+    """beta and G = cumsum(g) of a chunk's rows (tokens in the buffer or packed, absent ones zero). G as an ieee dot
+    with the lower-triangular ones (one fma chain per row, i ascending: a row's value depends on nothing but
+    g_0..g_t, whatever the tile), not tl.cumsum, whose association follows the layout."""
+    ot = tl.arange(0, C)
+    gc = _buffered_or_packed(bg_ptr + brows * HV + h, g_ptr + rows * SG + h, in_buf, present)
+    bc = _buffered_or_packed(bb_ptr + brows * HV + h, b_ptr + rows * SB + h, in_buf, present)
+    o16 = tl.arange(0, 16)
+    lower_eq = tl.where(ot[:, None] >= ot[None, :], 1.0, 0.0)
+    g16 = tl.where(o16[None, :] == 0, gc[:, None], 0.0)
+    cum = tl.sum(tl.where(o16[None, :] == 0, tl.dot(lower_eq, g16, input_precision="ieee"), 0.0), axis=1)
+    return bc, cum
+
+
+@triton.jit
+def _kk_rows(k_ptr, bk_ptr, orr, kcf, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+             C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Rows ``orr`` (ROWS of them) of K K^T by ``_prep_kernel``'s dots (which computes all rows and stores KD on the
+    way): K-blocked over the key columns (ieee: KB at a time, ascending) or one whole-K dot with ``kcf`` (tensor
+    cores: the chunk's k tile, loaded by the caller). ROWS == C: the rows are the chunk's own k tile, as in the prep
+    (the interpreter's numpy computes ``x @ x.T`` of one array by another routine than of two)."""
+    ot = tl.arange(0, C)
+    if PREC == "ieee":
+        ob = tl.arange(0, KB)
+        kk = tl.zeros([ROWS, C], dtype=tl.float32)
+        for kb in range(BK // KB):
+            okb = kb * KB + ob
+            kcb = _k_tile(k_ptr, bk_ptr, ot, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
+            if ROWS == C:  # noqa: SIM108  (a constexpr branch: no second load at all)
+                krb = kcb
+            else:
+                krb = _k_tile(k_ptr, bk_ptr, orr, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
+            kk = _dot(krb, tl.trans(kcb), kk, PREC)
+    else:
+        if ROWS == C:  # a constexpr branch: no second load at all
+            krow = kcf
+        else:
+            krow = _k_tile(k_ptr, bk_ptr, orr, tl.arange(0, BK), row0, brow0, nbuf, nrows, SK, HK, DK, hk)
+        kk = _dot(krow, tl.trans(kcf), None, PREC)
+    return kk
+
+
+@triton.jit
+def _wy_rows(
+    k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tr_ptr, bce_ptr, u0_ptr, w_ptr,
+    orr, rmask, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Rows ``orr`` of U0 = T^{-1} (beta v) and W = T^{-1} (beta e^G k), T^{-1}'s rows read from ``tr_ptr`` (row r at
+    ``tr_ptr + r * C``; rows outside ``rmask`` as zeros), stored at those rows of this (chunk, head)'s U0 and W. With a
+    tensor-core PREC two whole-K dots (``kcf``: the chunk's k tile); ieee: K-blocked over the chunk's tokens (KB at a
+    time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch) reloaded per block."""
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BVF)
+    mv = ov < DV
+    if PREC != "ieee":
+        ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
+        vcf = _buffered_or_packed(
+            bvv_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :],
+            v_ptr + (row0 + ot)[:, None] * SV + h * DV + ov[None, :],
+            (ot < nbuf)[:, None],
+            mv[None, :] & (ot < nrows)[:, None],
+        )
+        u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
+        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
+        w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
+        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+    else:
+        ob = tl.arange(0, KB)
+        tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
+        tl.debug_barrier()  # other threads' scratch stores are read below
+        # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
+        u0 = tl.zeros([orr.shape[0], BVF], dtype=tl.float32)
+        for tb in range(C // KB):
+            otb = tb * KB + ob  # this block's tokens: the dot's K index
+            ibb = otb < nbuf
+            pb = otb < nrows
+            rb = row0 + otb
+            bb = brow0 + otb
+            ti = tl.load(tr_ptr + orr[:, None] * C + otb[None, :], mask=rmask[:, None], other=0.0)
+            vcb = _buffered_or_packed(
+                bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :],
+                v_ptr + rb[:, None] * SV + h * DV + ov[None, :],
+                ibb[:, None],
+                mv[None, :] & pb[:, None],
+            )
+            bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
+            u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
+        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
+        w = tl.zeros([orr.shape[0], BK], dtype=tl.float32)
+        for tb in range(C // KB):
+            otb = tb * KB + ob
+            ti = tl.load(tr_ptr + orr[:, None] * C + otb[None, :], mask=rmask[:, None], other=0.0)
+            kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
+            bce = tl.load(bce_ptr + base * C + otb)
+            w = _dot(ti, bce[:, None] * kcb, w, PREC)
+        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
     u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, tinv_ptr, bce_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, value head): U0, W, KD = e^{G_C-G} k, e^{G_C} of the WY form, and G (for the chunk-form output).
-
-    ROWS: the rows of U0 and W computed, the ROWS-row block holding row ``nrows - 1`` (C: all; a chunk-form decode
-    step: its token's block, ``DECODE_ROWS``). Everything before (G, A, T^{-1}) is computed for the whole chunk.
+    """Per (chunk, value head): U0, W, KD = e^{G_C-G} k, e^{G_C} of the WY form, G (for the chunk-form output) and
+    T^{-1} (``tinv_ptr``: the program's scratch, T^{-1} at the end).
 
     chunk row (int32 x CHUNK_COLS): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
     ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base, ``nrows``
     (tokens present: C for a closing chunk; rows from ``nrows`` on load as zeros, which leaves rows < nrows bitwise
     as they are in the full chunk, docs/GDN.md "Design sketch"), and a flag read by ``_buffer_kernel`` only.
 
-    The three dots run over K in blocks of KB with the accumulator carried in ascending k order (module
+    With an ieee PREC the dots run over K in blocks of KB with the accumulator carried in ascending k order (module
     docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
     same fp32 values), T^{-1} and beta e^G from this program's scratch rows ``tinv_ptr``/``bce_ptr``.
     Packed k/v/g/beta are read in their own dtype at row strides SK..SB and converted exactly to fp32 (the
-    buffer is fp32). PREC: the dots' ``input_precision`` (``GDNConfig.prep_precision``).
+    buffer is fp32). PREC: the dots' ``input_precision`` (``GDNConfig.prep_precision``). A decode step computes
+    one row of the same terms: ``_decode_prep_kernel``.
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -428,29 +532,19 @@ def _prep_kernel(
     row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
-    ov = tl.arange(0, BVF)
-    ob = tl.arange(0, KB)
-    mv = ov < DV
     in_buf = ot < nbuf
     present = ot < nrows
-    rows = row0 + ot
-    brows = brow0 + ot
-    gc = _buffered_or_packed(bg_ptr + brows * HV + h, g_ptr + rows * SG + h, in_buf, present)
-    bc = _buffered_or_packed(bb_ptr + brows * HV + h, b_ptr + rows * SB + h, in_buf, present)
-    # G_t = sum_{i<=t} g_i as an ieee dot with the lower-triangular ones (one fma chain per row, i ascending: a row's
-    # value depends on nothing but g_0..g_t, whatever the tile), not tl.cumsum, whose association follows the layout.
-    o16 = tl.arange(0, 16)
-    lower_eq = tl.where(ot[:, None] >= ot[None, :], 1.0, 0.0)
-    g16 = tl.where(o16[None, :] == 0, gc[:, None], 0.0)
-    cum = tl.sum(tl.where(o16[None, :] == 0, tl.dot(lower_eq, g16, input_precision="ieee"), 0.0), axis=1)
+    bc, cum = _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, row0 + ot, brow0 + ot, in_buf, present, SG, SB, HV, h, C)
     gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)  # G_C
     lower = ot[:, None] > ot[None, :]
     base = cid * HV + h
     tl.store(gcum_ptr + base * C + ot, cum)
     dkd = tl.exp(gl - cum)
-    if PREC == "ieee":
-        # K K^T over column blocks of k (K = BK); KD = e^{G_C-G} k is stored block by block on the way.
+    # K K^T (``_kk_rows`` computes rows of the same dots for a decode step), KD = e^{G_C-G} k stored on the way
+    if PREC == "ieee":  # over column blocks of k (K = BK), KD block by block
+        ob = tl.arange(0, KB)
         kk = tl.zeros([C, C], dtype=tl.float32)
+        kcf = kk  # not read: the ieee path reloads k in blocks
         for kb in range(BK // KB):
             okb = kb * KB + ob
             kcb = _k_tile(k_ptr, bk_ptr, ot, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
@@ -462,29 +556,30 @@ def _prep_kernel(
         kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
         kk = _dot(kcf, tl.trans(kcf), None, PREC)
         tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], (dkd[:, None] * kcf).to(kd_ptr.dtype.element_ty))
-    dec = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
-    a = tl.where(lower, bc[:, None] * dec * kk, 0.0)
+    a = tl.where(lower, bc[:, None] * tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (module docstring, "Triangular inverse").
     # A goes to the scratch rows first: the diagonal blocks are read row by row, the blocks below by dots.
-    tile = (base * C + ot[:, None]) * C + ot[None, :]
-    tl.store(tinv_ptr + tile, a)
+    tbase = tinv_ptr + base * C * C
+    tile = ot[:, None] * C + ot[None, :]
+    tl.store(tbase + tile, a)
     tl.debug_barrier()
     ob3 = tl.arange(0, C // IB)
     os3 = tl.arange(0, IB)
     # Every diagonal block at once, row s after row s-1, in the scratch over A's rows: X_s = e_s - sum_{r<s} A_sr X_r
     # as one explicit fma chain over r ascending per element (no reduction whose order follows a layout, so one row
-    # can be recomputed alone with the same bits). Row s of A is read before row s of X replaces it.
-    diag = (base * C + ob3[:, None] * IB) * C + ob3[:, None] * IB + os3[None, :]  # [NB, IB]: row 0 of each block
-    tl.store(tinv_ptr + diag, tl.where(os3[None, :] == 0, 1.0, 0.0))  # A's row 0 of a block is 0 there: X_0 = e_0
+    # can be recomputed alone with the same bits: _decode_prep_kernel). Row s of A is read before row s of X
+    # replaces it.
+    diag = (ob3[:, None] * IB) * C + ob3[:, None] * IB + os3[None, :]  # [NB, IB]: row 0 of each block
+    tl.store(tbase + diag, tl.where(os3[None, :] == 0, 1.0, 0.0))  # A's row 0 of a block is 0 there: X_0 = e_0
     tl.debug_barrier()
     for srow in tl.static_range(1, IB):
         acc = tl.zeros([C // IB, IB], dtype=tl.float32)
         for r in tl.static_range(srow):
-            a_sr = tl.load(tinv_ptr + (base * C + ob3 * IB + srow) * C + ob3 * IB + r)
-            acc = tl.fma(a_sr[:, None], tl.load(tinv_ptr + diag + r * C), acc)
+            a_sr = tl.load(tbase + (ob3 * IB + srow) * C + ob3 * IB + r)
+            acc = tl.fma(a_sr[:, None], tl.load(tbase + diag + r * C), acc)
         x_s = tl.where(os3[None, :] == srow, 1.0, 0.0) - acc
         tl.debug_barrier()  # row srow of A is read by every thread before it is overwritten
-        tl.store(tinv_ptr + diag + srow * C, x_s)
+        tl.store(tbase + diag + srow * C, x_s)
         tl.debug_barrier()
     # Block rows below: X_i. = -X_ii (sum_{j<i} A_ij X_j.), K-blocked over j (ascending), from A's blocks still in the
     # scratch; columns at and right of the diagonal block keep X_ii and A's zeros.
@@ -493,60 +588,98 @@ def _prep_kernel(
         rsum2 = tl.zeros([IB, C], dtype=tl.float32)
         for jb in tl.static_range(ib):
             rj = jb * IB + os3
-            a_ij = tl.load(tinv_ptr + (base * C + ri[:, None]) * C + rj[None, :])
-            x_j = tl.load(tinv_ptr + (base * C + rj[:, None]) * C + ot[None, :])
-            rsum2 = _dot(a_ij, x_j, rsum2, PREC)
-        x_ii = tl.load(tinv_ptr + (base * C + ri[:, None]) * C + ri[None, :])
-        x_i = -_dot(x_ii, rsum2, None, PREC)
+            rsum2 = _dot(tl.load(tbase + ri[:, None] * C + rj[None, :]), tl.load(tbase + rj[:, None] * C + ot[None, :]),
+                         rsum2, PREC)  # fmt: skip
+        x_i = -_dot(tl.load(tbase + ri[:, None] * C + ri[None, :]), rsum2, None, PREC)
         tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
-        tl.store(tinv_ptr + (base * C + ri[:, None]) * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
+        tl.store(tbase + ri[:, None] * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
         tl.debug_barrier()
-    orr = ((nrows - 1) // ROWS) * ROWS + tl.arange(0, ROWS)  # the rows of U0 and W computed
-    if PREC != "ieee":  # tensor cores: U0 and W as two whole-K dots with all of T^{-1}
-        ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + ot[None, :])
-        vcf = _buffered_or_packed(
-            bvv_ptr + (brows[:, None] * HV + h) * DV + ov[None, :],
-            v_ptr + rows[:, None] * SV + h * DV + ov[None, :],
-            in_buf[:, None],
-            mv[None, :] & present[:, None],
-        )
-        u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
-        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
-        w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
-        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
-    else:
-        tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
-        tl.debug_barrier()  # other threads' scratch stores are read below
-        # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
-        u0 = tl.zeros([ROWS, BVF], dtype=tl.float32)
-        for tb in range(C // KB):
-            otb = tb * KB + ob  # this block's tokens: the dot's K index
-            ibb = otb < nbuf
-            pb = otb < nrows
-            rb = row0 + otb
-            bb = brow0 + otb
-            ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + otb[None, :])
-            vcb = _buffered_or_packed(
-                bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :],
-                v_ptr + rb[:, None] * SV + h * DV + ov[None, :],
-                ibb[:, None],
-                mv[None, :] & pb[:, None],
-            )
-            bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
-            u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
-        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
-        w = tl.zeros([ROWS, BK], dtype=tl.float32)
-        for tb in range(C // KB):
-            otb = tb * KB + ob
-            ibb = otb < nbuf
-            rb = row0 + otb
-            bb = brow0 + otb
-            ti = tl.load(tinv_ptr + (base * C + orr[:, None]) * C + otb[None, :])
-            kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-            bce = tl.load(bce_ptr + base * C + otb)
-            w = _dot(ti, bce[:, None] * kcb, w, PREC)
-        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+    _wy_rows(
+        k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
+        ot, ot < C, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base, C, BK, BVF, KB, PREC,
+    )  # fmt: skip
     tl.store(egc_ptr + base, tl.exp(gl))
+
+
+@triton.jit
+def _decode_prep_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, a_ptr, bce_ptr,
+    SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """Chunk form, a decode step at chunk position t = nrows - 1, per (sequence, value head): ``_prep_kernel``'s terms
+    for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv, [slots, Hv, C, C]) instead of
+    inverting the chunk again, and row t stored there.
+
+    - G for the whole chunk (the prep's dot); A's rows of t's ROWS-row block (K K^T rows by the prep's dots, A's
+      elementwise formula) into this program's scratch ``a_ptr`` (ROWS x C).
+    - Row t of T^{-1}: its diagonal part by the prep's fma chain over the cached rows of t's IB-row block, then
+      (t past the first block) ``-X_ii (sum_{j<i} A_ij X_j.)`` by the prep's IB-row dots: A's block rows from the
+      scratch, X's from the cache; X_ii's rows > t load as zeros (it is lower triangular: they meet zeros of row t).
+    - U0 and W of the ROWS rows holding t (:func:`_wy_rows`, T^{-1}'s rows > t as zeros); KD and e^{G_C} at the
+      chunk's close.
+
+    Every dot is the prep's with the same K extent and order; a row's bits depend on nothing but that row and the
+    other operand (the MMA row probe), so row t is the training tile's. ROWS: ``DECODE_ROWS`` (the IB-row block on
+    the GPU; the whole chunk under the interpreter, whose numpy dot bits follow the tile's row count and position).
+    """
+    sid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // REP
+    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, sid)
+    t = nrows - 1
+    ib = t // IB
+    ot = tl.arange(0, C)
+    ok = tl.arange(0, BK)
+    os3 = tl.arange(0, IB)
+    r0 = (t // ROWS) * ROWS
+    orr = r0 + tl.arange(0, ROWS)
+    in_buf = ot < nbuf
+    present = ot < nrows
+    bc, cum = _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, row0 + ot, brow0 + ot, in_buf, present, SG, SB, HV, h, C)
+    base = sid * HV + h
+    tl.store(gcum_ptr + base * C + ot, cum)
+    tbase = bt_ptr + ((brow0 // C) * HV + h) * C * C  # this slot's T^{-1} rows
+    abase = a_ptr + base * ROWS * C  # A's rows orr
+    kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
+    kk = _kk_rows(k_ptr, bk_ptr, orr, kcf, row0, brow0, nbuf, nrows, SK, HK, DK, hk, C, BK, KB, PREC, ROWS)
+    tl.debug_barrier()  # G's rows stored by other threads are read below
+    bcr = _buffered_or_packed(bb_ptr + (brow0 + orr) * HV + h, b_ptr + (row0 + orr) * SB + h, orr < nbuf, orr < nrows)
+    cur = tl.load(gcum_ptr + base * C + orr)
+    lower = orr[:, None] > ot[None, :]
+    a = tl.where(lower, bcr[:, None] * tl.exp(tl.where(lower, cur[:, None] - cum[None, :], 0.0)) * kk, 0.0)
+    tl.store(abase + tl.arange(0, ROWS)[:, None] * C + ot[None, :], a)
+    tl.debug_barrier()
+    # Row t's diagonal part: X_t = e_t - sum_{r<s} A_tr X_r over the block's rows r before t (s = t - ib IB), computed
+    # over all C columns (left of the block it is replaced below; right of it every X_r is zero).
+    arow = abase + (t - r0) * C
+    acc = tl.zeros([C], dtype=tl.float32)
+    for r in range(t - ib * IB):
+        acc = tl.fma(tl.load(arow + ib * IB + r), tl.load(tbase + (ib * IB + r) * C + ot), acc)
+    tl.store(tbase + t * C + ot, tl.where(ot == t, 1.0, 0.0) - acc)
+    tl.debug_barrier()
+    if ib > 0:
+        ri = ib * IB + os3
+        rsum2 = tl.zeros([IB, C], dtype=tl.float32)
+        for jb in range(ib):
+            rj = jb * IB + os3
+            rsum2 = _dot(tl.load(abase + (ri - r0)[:, None] * C + rj[None, :]), tl.load(tbase + rj[:, None] * C + ot[None, :]),
+                         rsum2, PREC)  # fmt: skip
+        x_ii = tl.load(tbase + ri[:, None] * C + ri[None, :], mask=(ri <= t)[:, None], other=0.0)
+        x_i = -_dot(x_ii, rsum2, None, PREC)
+        tl.store(tbase + ri[:, None] * C + ot[None, :], x_i, mask=(ri == t)[:, None] & (ot < ib * IB)[None, :])
+        tl.debug_barrier()
+    _wy_rows(
+        k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
+        orr, orr <= t, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base, C, BK, BVF, KB, PREC,
+    )  # fmt: skip
+    if nrows == C:  # the chunk closes: KD and e^{G_C} for the decode row kernel's exit state
+        gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)
+        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :],
+                 (tl.exp(gl - cum)[:, None] * kcf).to(kd_ptr.dtype.element_ty))  # fmt: skip
+        tl.store(egc_ptr + base, tl.exp(gl))
 
 
 @triton.jit
@@ -773,14 +906,15 @@ def _decode_row_kernel(
 
 @triton.jit
 def _buffer_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr, u_ptr, bu_ptr,
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr, u_ptr, bu_ptr, tinv_ptr, bt_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, COPY_U: tl.constexpr,
 ):  # fmt: skip
     """Chunk form: the tokens of a chunk this call leaves open (chunk row flag, column 4) into the state cache's fp32
     ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk and opens the next reuses
     the slot's rows). k by the first value head of each key head. COPY_U: also the tokens' u rows (the chain's
-    ``u_ptr``) into ``buf_u``, for the decode steps that follow (a decode step stores its own)."""
+    ``u_ptr``) into ``buf_u`` and their T^{-1} rows (the prep's ``tinv_ptr``) into ``buf_tinv``, for the decode steps
+    that follow (a decode step stores its own)."""
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
@@ -805,6 +939,9 @@ def _buffer_kernel(
         mu = new[:, None] & (ov < DV)[None, :]
         u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
         tl.store(bu_ptr + (br[:, None] * HV + h) * DV + ov[None, :], u.to(tl.float32), mask=mu)
+        tile = ot[:, None] * C + ot[None, :]
+        ti = tl.load(tinv_ptr + (cid * HV + h) * C * C + tile, mask=new[:, None])
+        tl.store(bt_ptr + ((brow0 // C) * HV + h) * C * C + tile, ti, mask=new[:, None])
 
 
 @triton.jit
@@ -1042,35 +1179,61 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0)
 
 
+def _prep_outputs(n: int, hv: int, cfg: GDNConfig, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """U0, W, KD, e^{G_C}, G of ``n`` chunks (W and KD in ``cfg.mid_dtype``, the rest fp32)."""
+    c = cfg.chunk
+    w = torch.empty(n, hv, c, cfg.bk, dtype=cfg.mid_dtype, device=dev)
+    return (
+        torch.empty(n, hv, c, cfg.bv_full, dtype=torch.float32, device=dev),
+        w,
+        torch.empty_like(w),
+        torch.empty(n, hv, dtype=torch.float32, device=dev),
+        torch.empty(n, hv, c, dtype=torch.float32, device=dev),
+    )
+
+
 def prep_chunks(
-    rows: tuple[tuple[torch.Tensor, int], ...],
-    buffers: tuple[torch.Tensor, ...],
-    chunks: torch.Tensor,
-    cfg: GDNConfig,
-    rows_computed: int | None = None,
+    rows: tuple[tuple[torch.Tensor, int], ...], buffers: tuple[torch.Tensor, ...], chunks: torch.Tensor, cfg: GDNConfig
 ) -> tuple[torch.Tensor, ...]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
-    e^{G_C}, G and T^{-1} of each chunk and value head (T^{-1} whole only when every row is computed; W and KD in
-    ``cfg.mid_dtype``, the rest fp32). ``rows``: k, v, g, beta as :func:`_rows` returns them (tensor, row stride);
-    ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g, buf_beta (any fp32 tensor when no token is buffered).
-    ``rows_computed``: the kernel's ROWS (None: the whole chunk)."""
+    e^{G_C}, G and T^{-1} of each chunk and value head (:func:`_prep_outputs`; T^{-1} fp32). ``rows``: k, v, g, beta
+    as :func:`_rows` returns them (tensor, row stride); ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g,
+    buf_beta (any fp32 tensor when no token is buffered)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
     hv, dv = vf.shape[1:]
     n, c, dev = chunks.shape[0], cfg.chunk, kf.device
-    u0 = torch.empty(n, hv, c, cfg.bv_full, dtype=torch.float32, device=dev)
-    w = torch.empty(n, hv, c, cfg.bk, dtype=cfg.mid_dtype, device=dev)
-    kd = torch.empty_like(w)
-    egc = torch.empty(n, hv, dtype=torch.float32, device=dev)
-    gcum = torch.empty(n, hv, c, dtype=torch.float32, device=dev)
+    u0, w, kd, egc, gcum = terms = _prep_outputs(n, hv, cfg, dev)
     tinv = torch.empty(n, hv, c, c, dtype=torch.float32, device=dev)  # the kernel's scratch, T^{-1} at the end
     bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
     _prep_kernel[(n, hv)](
         kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        ROWS=rows_computed or c, num_warps=PREP_WARPS, num_stages=PREP_STAGES,
+        num_warps=PREP_WARPS, num_stages=PREP_STAGES,
     )  # fmt: skip
-    return u0, w, kd, egc, gcum, tinv
+    return (*terms, tinv)
+
+
+def _decode_prep(
+    rows: tuple, buffers: tuple[torch.Tensor, ...], buf_tinv: torch.Tensor, chunks: torch.Tensor, cfg: GDNConfig
+) -> tuple[torch.Tensor, ...]:
+    """``_decode_prep_kernel`` for a decode step's chunk rows (one per sequence): U0 and W of each token's
+    ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes its chunk, G (:func:`_prep_outputs`); the token's T^{-1} row
+    goes into ``buf_tinv``."""
+    (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
+    hk, dk = kf.shape[1:]
+    hv, dv = vf.shape[1:]
+    n, c, dev = chunks.shape[0], cfg.chunk, kf.device
+    nrows = min(DECODE_ROWS or c, c)
+    u0, w, kd, egc, gcum = terms = _prep_outputs(n, hv, cfg, dev)
+    a = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # scratch: A's rows
+    bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
+    _decode_prep_kernel[(n, hv)](
+        kf, vf, gf, bf, *buffers, buf_tinv, chunks, u0, w, kd, egc, gcum, a, bce, sk, sv, sg, sb, hk, hv, dk, dv,
+        hv // hk, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, ROWS=nrows,
+        num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
+    )  # fmt: skip
+    return terms
 
 
 def _state_rows(nchunks: int, hv: int, dk: int, dv: int, cfg: GDNConfig, dev: torch.device) -> torch.Tensor:
@@ -1155,34 +1318,35 @@ def _rule_forward(
         return out
     rep = hv // hk
     ex = _state_rows(plan.nchunks, hv, dk, dv, cfg, dev)
+    chunk_form = cfg.form == "chunk"
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
-        for name, buf in (("buf_k", bk), ("buf_v", bvv), ("buf_g", bg), ("buf_beta", bb), ("buf_u", state.buf_u)):
+        for name in ("buf_k", "buf_v", "buf_g", "buf_beta", "buf_u", "buf_tinv"):
+            buf = getattr(state, name)
             if buf.dtype != torch.float32 or not buf.is_contiguous():
                 raise ValueError(f"gated_delta_rule: state.{name} must be contiguous fp32")
-        needs, shape = ("buf_u", (chunk, hv, dv)) if cfg.form == "chunk" else ("running", (hv, dk, dv))
-        if tuple(getattr(state, needs).shape[1:]) != shape:
-            raise ValueError(
-                f"gated_delta_rule: form={cfg.form!r} reads state.{needs}, but this state cache was allocated for the "
-                f"other form (GDNLayerState.allocate(..., form={cfg.form!r}); profile.gdn_form)"
-            )
+        needs = {"buf_u": (chunk, hv, dv), "buf_tinv": (hv, chunk, chunk)} if chunk_form else {"running": (hv, dk, dv)}
+        for name, shape in needs.items():
+            if tuple(getattr(state, name).shape[1:]) != shape:
+                raise ValueError(
+                    f"gated_delta_rule: form={cfg.form!r} reads state.{name}, but this state cache was allocated for "
+                    f"the other form (GDNLayerState.allocate(..., form={cfg.form!r}); profile.gdn_form)"
+                )
         entry, running = state.entry, state.running
     else:
         bk = bvv = bg = bb = entry = running = _no_state(ex)
-    chunk_form = cfg.form == "chunk"
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
-        rows_computed = min(DECODE_ROWS or chunk, chunk)
-        u0, w, kd, egc, gcum, _ = prep_chunks(prep_rows, (bk, bvv, bg, bb), plan.chunks, cfg, rows_computed)
-        _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.chain_bv))](
+        u0, w, kd, egc, gcum = _decode_prep(prep_rows, (bk, bvv, bg, bb), state.buf_tinv, plan.chunks, cfg)
+        _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
             qf, kf, bk, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, state.buf_u, out, scale, sq, sk, hk, hv,
-            dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, ROWS=rows_computed,
-            PREC=cfg.chain_precision, num_warps=CHAIN_WARPS,
+            dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
+            ROWS=min(DECODE_ROWS or chunk, chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS,
         )  # fmt: skip
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
-                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, state.buf_u, sk, sv, sg, sb, hk, hv, dk, dv, rep,
-                C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=False,
+                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, state.buf_u, u0, state.buf_tinv, sk, sv, sg, sb, hk,
+                hv, dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=False,
             )  # fmt: skip
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
@@ -1196,8 +1360,8 @@ def _rule_forward(
         )  # fmt: skip
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
-                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u, state.buf_u, sk, sv, sg, sb, hk, hv, dk, dv, rep,
-                C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=True,
+                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u, state.buf_u, terms[5], state.buf_tinv, sk, sv, sg, sb,
+                hk, hv, dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=True,
             )  # fmt: skip
         return out
     fin = running
@@ -1452,7 +1616,9 @@ _RULE_CONSTANTS = {
     "output": "scan: per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers; "
     "chunk: O = e^G (Q E) + P u per (chunk, head, Dv block)",
     "decode": "scan: one scan step from the running state, state pass kernels re-run on the buffered chunk at its "
-    "close; chunk: U0/W of the token's DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
+    "close; chunk: the token's T^-1 row from the cached rows (the prep's fma chain and block dots), U0/W of its "
+    "DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
+    "decode_bv": DECODE_BV,
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
     "chain_bv_ieee_mma_bf16": [CHAIN_BV, CHAIN_BV_MMA, CHAIN_BV_BF16],  # the chain's Dv block per dot path

@@ -7,7 +7,9 @@ For each GDN layer and cache slot:
 - ``entry``: the entry state of the sequence's open chunk, as the chunked state pass computed it (fp32);
 - ``buf_*``: the open chunk's tokens so far (k, v, g, beta; fp32), so that when the chunk closes the
   state pass can be re-run over the whole chunk, exactly as the training forward runs it; ``buf_u``: their u rows
-  (the GPU kernels' chunk form, whose decode step reads the earlier rows instead of recomputing them).
+  (the GPU kernels' chunk form, whose decode step reads the earlier rows instead of recomputing them); ``buf_tinv``:
+  the rows of ``T^{-1}`` (the chunk's WY inverse) computed so far, per value head (chunk form: a decode step computes
+  its token's row from them instead of inverting the whole chunk again).
 
 How many tokens a slot holds is not stored here: the batch's ``cache_seqlens`` (one per sequence,
 shared with the KV cache) gives each sequence's position, and position ``p`` means ``p % chunk``
@@ -38,6 +40,7 @@ class GDNLayerState:
     buf_g: torch.Tensor  # [slots, C, Hv] fp32 (log decay)
     buf_beta: torch.Tensor  # [slots, C, Hv] fp32
     buf_u: torch.Tensor  # [slots, C, Hv, Dv] fp32: the open chunk's u rows (form "chunk"; [slots, 0, 0, 0] for "scan")
+    buf_tinv: torch.Tensor  # [slots, Hv, C, C] fp32: the open chunk's T^{-1} rows (form "chunk"; [slots, 0, 0, 0])
 
     @property
     def chunk(self) -> int:
@@ -59,8 +62,8 @@ class GDNLayerState:
         device: torch.device | str = "cpu",
         form: str = "scan",
     ) -> GDNLayerState:
-        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``buf_u`` (chunk) the kernels read; the other
-        is allocated empty, so the cache holds no state its form never touches."""
+        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``buf_u`` / ``buf_tinv`` (chunk) the kernels
+        read; the others are allocated empty, so the cache holds no state its form never touches."""
         if form not in OUTPUT_FORMS:
             raise ValueError(f"GDN state cache: form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
         f32 = {"dtype": torch.float32, "device": device}
@@ -74,6 +77,7 @@ class GDNLayerState:
             buf_g=torch.zeros(slots, chunk, value_heads, **f32),
             buf_beta=torch.zeros(slots, chunk, value_heads, **f32),
             buf_u=torch.zeros(slots, *((0, 0, 0) if scan else (chunk, value_heads, value_dim)), **f32),
+            buf_tinv=torch.zeros(slots, *((0, 0, 0) if scan else (value_heads, chunk, chunk)), **f32),
         )
 
 
