@@ -213,11 +213,9 @@ def check_rule(form: str) -> None:
     stc = GDNLayerState(*(t.clone() for t in vars(st).values()))
     rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
     counts = count_launches(lambda: rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
-    # chunk form: the decode prep (its T^{-1} row from the cached ones, U0/W of its row block), the row kernel, the
-    # buffer copy
-    want = {"_scan_kernel": 1}
-    if form == "chunk":
-        want = {"_decode_prep_kernel": 1, "_decode_row_kernel": 1, "_buffer_kernel": 1}
+    # chunk form: the decode prep (its T^{-1} row from the cached ones, U0/W/P of its rows, the token into the buffer)
+    # and the row kernel
+    want = {"_scan_kernel": 1} if form == "scan" else {"_decode_prep_kernel": 1, "_decode_row_kernel": 1}
     assert counts == want, f"{form} form: decode step launches {counts}"
     print("decode step launches", counts)
     # dot-precision variants of the state pass: train == prefill + decode for each (the interpreter's dot ignores the

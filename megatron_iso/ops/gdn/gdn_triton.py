@@ -386,11 +386,17 @@ def _k_tile(k_ptr, bk_ptr, tok, cols, row0, brow0, nbuf, nrows, SK, HK, DK, hk):
 
 
 @triton.jit
-def _output_rows(q, k, e, u, g_rows, g_all, causal, PREC: tl.constexpr):
-    """Chunk-form output rows ``e^{G_t} (q_t E) + sum_{i <= t} e^{G_t - G_i} (q_t . k_i) u_i`` (``causal``: i <= t):
-    the one arithmetic of the training tile (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``)."""
+def _output_p(q, k, g_rows, g_all, causal, PREC: tl.constexpr):
+    """``P[t, i] = e^{G_t - G_i} (q_t . k_i)`` for i <= t (``causal``), 0 above: the intra-chunk weights of the
+    chunk-form output rows (:func:`_output_rows`), in the training tile and in a decode step's prep."""
     qk = _dot(q, tl.trans(k), None, PREC)
-    p = tl.where(causal, qk * tl.exp(tl.where(causal, g_rows[:, None] - g_all[None, :], 0.0)), 0.0)
+    return tl.where(causal, qk * tl.exp(tl.where(causal, g_rows[:, None] - g_all[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _output_rows(q, e, u, p, g_rows, PREC: tl.constexpr):
+    """Chunk-form output rows ``e^{G_t} (q_t E) + P u`` (P: :func:`_output_p`): the one arithmetic of the training tile
+    (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``)."""
     o = _dot(q, e, None, PREC) * tl.exp(g_rows)[:, None]
     return _dot(p, u, o, PREC)
 
@@ -603,11 +609,11 @@ def _prep_kernel(
 
 @triton.jit
 def _decode_prep_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
-    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, a_ptr, bce_ptr,
-    SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
+    scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    ROWS: tl.constexpr,
+    OPREC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a decode step at chunk position t = nrows - 1, per (sequence, value head): ``_prep_kernel``'s terms
     for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv, [slots, Hv, C, C]) instead of
@@ -620,6 +626,8 @@ def _decode_prep_kernel(
       scratch, X's from the cache; X_ii's rows > t load as zeros (it is lower triangular: they meet zeros of row t).
     - U0 and W of the ROWS rows holding t (:func:`_wy_rows`, T^{-1}'s rows > t as zeros); KD and e^{G_C} at the
       chunk's close.
+    - Row t of the output's P (:func:`_output_p` at the output's precision OPREC, the chunk's k already in registers)
+      into ``p_ptr`` (ROWS x C per program), so that the row kernel reads no k.
 
     Every dot is the prep's with the same K extent and order; a row's bits depend on nothing but that row and the
     other operand (the MMA row probe), so row t is the training tile's. ROWS: ``DECODE_ROWS`` (the IB-row block on
@@ -636,6 +644,12 @@ def _decode_prep_kernel(
     os3 = tl.arange(0, IB)
     r0 = (t // ROWS) * ROWS
     orr = r0 + tl.arange(0, ROWS)
+    mine = orr == t
+    # The token into the buffer first, while no tile is live (chunk row flag: the call leaves its chunk open). No
+    # program reads buffer row t: every kernel of this step reads the token from the packed rows.
+    _buffer_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, orr,
+                 mine & (tl.load(chunk_ptr + sid * 5 + 4) == 1), row0, brow0, SK, SV, SG, SB, HK, HV, DK, DV, REP, h,
+                 BK, BVF)  # fmt: skip
     in_buf = ot < nbuf
     present = ot < nrows
     bc, cum = _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, row0 + ot, brow0 + ot, in_buf, present, SG, SB, HV, h, C)
@@ -651,6 +665,10 @@ def _decode_prep_kernel(
     lower = orr[:, None] > ot[None, :]
     a = tl.where(lower, bcr[:, None] * tl.exp(tl.where(lower, cur[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     tl.store(abase + tl.arange(0, ROWS)[:, None] * C + ot[None, :], a)
+    q = tl.load(q_ptr + (row0 + orr)[:, None] * SQ + hk * DK + ok[None, :], mask=mine[:, None] & (ok < DK)[None, :],
+                other=0.0)  # fmt: skip
+    p = _output_p(q.to(tl.float32) * scale, kcf, cur, cum, orr[:, None] >= ot[None, :], OPREC)
+    tl.store(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], p, mask=mine[:, None])
     tl.debug_barrier()
     # Row t's diagonal part: X_t = e_t - sum_{r<s} A_tr X_r over the block's rows r before t (s = t - ib IB), computed
     # over all C columns (left of the block it is replaced below; right of it every X_r is zero).
@@ -821,21 +839,21 @@ def _chunk_out_kernel(
     e = tl.load(en_ptr + cid * HV * DK * DV + (h * DK + ok[:, None]) * DV + ov[None, :],
                 mask=mk[:, None] & mv[None, :], other=0.0)  # fmt: skip
     u = tl.load(u_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
-    causal = ot[:, None] >= ot[None, :]
-    o = _output_rows(q, k, e, u, gc, gc, causal, PREC)
+    p = _output_p(q, k, gc, gc, ot[:, None] >= ot[None, :], PREC)
+    o = _output_rows(q, e, u, p, gc, PREC)
     tl.store(o_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], o, mask=new[:, None] & mv[None, :])
 
 
 @triton.jit
 def _decode_row_kernel(
-    q_ptr, k_ptr, bk_ptr, chunk_ptr, chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, bu_ptr, o_ptr,
-    scale, SQ, SK, HK, HV, DK, DV, REP,
+    q_ptr, chunk_ptr, chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr, o_ptr,
+    scale, SQ, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: per (sequence, value head,
-    Dv block) the token's rows of what training computes as tiles, from ``_prep_kernel``'s ROWS-row block of U0 and
-    W (row t's block) and the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic), stored into ``buf_u``;
+    Dv block) the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s U0, W and P rows and
+    the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic), stored into ``buf_u``;
     ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
     chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
     order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
@@ -844,7 +862,7 @@ def _decode_row_kernel(
     h = tl.program_id(1)
     vb = tl.program_id(2)
     hk = h // REP
-    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, sid)
+    row0, _, brow0, nrows = _chunk_row(chunk_ptr, sid)
     ekind = tl.load(chain_ptr + sid * 6 + 2)
     erow = tl.load(chain_ptr + sid * 6 + 3).to(tl.int64)
     closes = tl.load(chain_ptr + sid * 6 + 5) == 0
@@ -867,25 +885,22 @@ def _decode_row_kernel(
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
         for kb in range(BK // KB):
             okb = kb * KB + ob
-            wblk = tl.load(w_ptr + (base * C + orr[:, None]) * BK + okb[None, :])
+            wblk = tl.load(w_ptr + (base * C + orr[:, None]) * BK + okb[None, :], mask=mine[:, None], other=0.0)
             e_blk = tl.load(entry_ptr + erow * hsz + (h * DK + okb[:, None]) * DV + ov[None, :],
                             mask=(okb[:, None] < DK) & mv[None, :] & (ekind == 1), other=0.0)  # fmt: skip
             d = _dot(wblk, e_blk, d, PREC)
-        u = tl.load(uptr, mask=mv[None, :], other=0.0) - d
-    else:
-        wt = tl.load(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :])
-        u = tl.load(uptr, mask=mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
+        u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - d
+    else:  # only row t is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
+        wt = tl.load(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], mask=mine[:, None], other=0.0)
+        u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
     ucache = bu_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :]  # buf_u rows of this slot
     tl.store(bu_ptr + ((brow0 + orr)[:, None] * HV + h) * DV + ov[None, :], u, mask=mine[:, None] & mv[None, :])
     tl.debug_barrier()  # row t of buf_u, stored by other threads, is read below
     u_all = tl.load(ucache, mask=(ot <= t)[:, None] & mv[None, :], other=0.0)
     q = tl.load(q_ptr + (row0 + orr)[:, None] * SQ + hk * DK + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0)
     q = q.to(tl.float32) * scale
-    k = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-    gc = tl.load(gcum_ptr + base * C + ot)
-    g_row = tl.load(gcum_ptr + base * C + orr)
-    causal = orr[:, None] >= ot[None, :]
-    o = _output_rows(q, k, e, u_all, g_row, gc, causal, PREC)
+    p = tl.load(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], mask=mine[:, None], other=0.0)
+    o = _output_rows(q, e, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
     tl.store(o_ptr + ((row0 + orr)[:, None] * HV + h) * DV + ov[None, :], o, mask=mine[:, None] & mv[None, :])
     e_next = e  # a fresh sequence's open chunk keeps its zero entry state for the next step
     if closes:  # the chain's exit state of the chunk, from the u rows in buf_u
@@ -905,43 +920,51 @@ def _decode_row_kernel(
 
 
 @triton.jit
-def _buffer_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr, u_ptr, bu_ptr, tinv_ptr, bt_ptr,
-    SK, SV, SG, SB, HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, COPY_U: tl.constexpr,
-):  # fmt: skip
-    """Chunk form: the tokens of a chunk this call leaves open (chunk row flag, column 4) into the state cache's fp32
-    ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk and opens the next reuses
-    the slot's rows). k by the first value head of each key head. COPY_U: also the tokens' u rows (the chain's
-    ``u_ptr``) into ``buf_u`` and their T^{-1} rows (the prep's ``tinv_ptr``) into ``buf_tinv``, for the decode steps
-    that follow (a decode step stores its own)."""
-    cid = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
-    wflag = tl.load(chunk_ptr + cid * 5 + 4)
-    ot = tl.arange(0, C)
+def _buffer_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, tok, new, row0, brow0,
+                 SK, SV, SG, SB, HK, HV, DK, DV, REP, h, BK: tl.constexpr, BVF: tl.constexpr):  # fmt: skip
+    """Chunk tokens ``tok`` where ``new``: their packed k, v, g, beta as fp32 into the state cache's buffer rows
+    (k by the first value head of each key head)."""
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
-    new = (ot >= nbuf) & (ot < nrows) & (wflag == 1)
-    rows = row0 + ot
-    br = brow0 + ot
+    rows = row0 + tok
+    br = brow0 + tok
     hk = h // REP
-    v = tl.load(v_ptr + rows[:, None] * SV + h * DV + ov[None, :], mask=new[:, None] & (ov < DV)[None, :])
-    tl.store(
-        bv_ptr + (br[:, None] * HV + h) * DV + ov[None, :], v.to(tl.float32), mask=new[:, None] & (ov < DV)[None, :]
-    )
+    mv2 = new[:, None] & (ov < DV)[None, :]
+    v = tl.load(v_ptr + rows[:, None] * SV + h * DV + ov[None, :], mask=mv2)
+    tl.store(bv_ptr + (br[:, None] * HV + h) * DV + ov[None, :], v.to(tl.float32), mask=mv2)
     tl.store(bg_ptr + br * HV + h, tl.load(g_ptr + rows * SG + h, mask=new).to(tl.float32), mask=new)
     tl.store(bb_ptr + br * HV + h, tl.load(b_ptr + rows * SB + h, mask=new).to(tl.float32), mask=new)
     mk2 = new[:, None] & (ok < DK)[None, :] & (h % REP == 0)
     kt = tl.load(k_ptr + rows[:, None] * SK + hk * DK + ok[None, :], mask=mk2)
     tl.store(bk_ptr + (br[:, None] * HK + hk) * DK + ok[None, :], kt.to(tl.float32), mask=mk2)
-    if COPY_U:
-        mu = new[:, None] & (ov < DV)[None, :]
-        u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
-        tl.store(bu_ptr + (br[:, None] * HV + h) * DV + ov[None, :], u.to(tl.float32), mask=mu)
-        tile = ot[:, None] * C + ot[None, :]
-        ti = tl.load(tinv_ptr + (cid * HV + h) * C * C + tile, mask=new[:, None])
-        tl.store(bt_ptr + ((brow0 // C) * HV + h) * C * C + tile, ti, mask=new[:, None])
+
+
+@triton.jit
+def _buffer_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, chunk_ptr, u_ptr, bu_ptr, tinv_ptr, bt_ptr,
+    SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+):  # fmt: skip
+    """Chunk form, a call that is not a decode step: the tokens of a chunk it leaves open (chunk row flag, column 4)
+    into the state cache's fp32 ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk
+    and opens the next reuses the slot's rows), with their u rows (the chain's ``u_ptr``) into ``buf_u`` and their
+    T^{-1} rows (the prep's ``tinv_ptr``) into ``buf_tinv``, for the decode steps that follow (a decode step stores
+    its own, in ``_decode_prep_kernel`` and ``_decode_row_kernel``)."""
+    cid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, cid)
+    wflag = tl.load(chunk_ptr + cid * 5 + 4)
+    ot = tl.arange(0, C)
+    ov = tl.arange(0, BVF)
+    new = (ot >= nbuf) & (ot < nrows) & (wflag == 1)
+    _buffer_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, ot, new, row0, brow0,
+                 SK, SV, SG, SB, HK, HV, DK, DV, REP, h, BK, BVF)  # fmt: skip
+    mu = new[:, None] & (ov < DV)[None, :]
+    u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
+    tl.store(bu_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :], u.to(tl.float32), mask=mu)
+    tile = ot[:, None] * C + ot[None, :]
+    ti = tl.load(tinv_ptr + (cid * HV + h) * C * C + tile, mask=new[:, None])
+    tl.store(bt_ptr + ((brow0 // C) * HV + h) * C * C + tile, ti, mask=new[:, None])
 
 
 @triton.jit
@@ -1215,25 +1238,33 @@ def prep_chunks(
 
 
 def _decode_prep(
-    rows: tuple, buffers: tuple[torch.Tensor, ...], buf_tinv: torch.Tensor, chunks: torch.Tensor, cfg: GDNConfig
+    q: tuple[torch.Tensor, int],
+    rows: tuple,
+    buffers: tuple[torch.Tensor, ...],
+    buf_tinv: torch.Tensor,
+    chunks: torch.Tensor,
+    cfg: GDNConfig,
+    scale: float,
 ) -> tuple[torch.Tensor, ...]:
     """``_decode_prep_kernel`` for a decode step's chunk rows (one per sequence): U0 and W of each token's
-    ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes its chunk, G (:func:`_prep_outputs`); the token's T^{-1} row
-    goes into ``buf_tinv``."""
+    ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes its chunk, G (:func:`_prep_outputs`), and the output's P rows;
+    the token's T^{-1} row goes into ``buf_tinv``. ``q``, ``rows``: as :func:`_rows` returns them."""
+    qf, sq = q
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
     hv, dv = vf.shape[1:]
     n, c, dev = chunks.shape[0], cfg.chunk, kf.device
     nrows = min(DECODE_ROWS or c, c)
     u0, w, kd, egc, gcum = terms = _prep_outputs(n, hv, cfg, dev)
-    a = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # scratch: A's rows
+    p = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # the output's P rows
+    a = torch.empty_like(p)  # scratch: A's rows
     bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
     _decode_prep_kernel[(n, hv)](
-        kf, vf, gf, bf, *buffers, buf_tinv, chunks, u0, w, kd, egc, gcum, a, bce, sk, sv, sg, sb, hk, hv, dk, dv,
-        hv // hk, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, ROWS=nrows,
-        num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
+        qf, kf, vf, gf, bf, *buffers, buf_tinv, chunks, u0, w, kd, egc, gcum, p, a, bce, scale, sq, sk, sv, sg, sb, hk,
+        hv, dk, dv, hv // hk, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
+        OPREC=cfg.chain_precision, ROWS=nrows, num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
     )  # fmt: skip
-    return terms
+    return (*terms, p)
 
 
 def _state_rows(nchunks: int, hv: int, dk: int, dv: int, cfg: GDNConfig, dev: torch.device) -> torch.Tensor:
@@ -1337,17 +1368,13 @@ def _rule_forward(
         bk = bvv = bg = bb = entry = running = _no_state(ex)
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
-        u0, w, kd, egc, gcum = _decode_prep(prep_rows, (bk, bvv, bg, bb), state.buf_tinv, plan.chunks, cfg)
+        u0, w, kd, egc, gcum, p = _decode_prep((qf, sq), prep_rows, (bk, bvv, bg, bb), state.buf_tinv, plan.chunks,
+                                               cfg, scale)  # fmt: skip
         _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
-            qf, kf, bk, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, state.buf_u, out, scale, sq, sk, hk, hv,
-            dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
+            qf, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
+            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
             ROWS=min(DECODE_ROWS or chunk, chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS,
         )  # fmt: skip
-        if plan.buffers:
-            _buffer_kernel[(plan.nchunks, hv)](
-                kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u0, state.buf_u, u0, state.buf_tinv, sk, sv, sg, sb, hk,
-                hv, dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=False,
-            )  # fmt: skip
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
     u, gcum = terms[0], terms[4]
@@ -1361,7 +1388,7 @@ def _rule_forward(
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
                 kf, vf, gf, bf, bk, bvv, bg, bb, plan.chunks, u, state.buf_u, terms[5], state.buf_tinv, sk, sv, sg, sb,
-                hk, hv, dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, COPY_U=True,
+                hk, hv, dk, dv, rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full,
             )  # fmt: skip
         return out
     fin = running
