@@ -5,8 +5,8 @@ Tiny shapes (chunk 8, Dk = Dv = 8, Dv split into blocks of 4). Bitwise: training
 decode for P in {1, C-1, C, C+1, 2C+3}, chunked prefill pieces, packing, batch composition with
 sequences at mixed positions, a subset of heads (TP), a bf16 strided v (read in-kernel) == its fp32 copy;
 the state pass's dot-precision variants (tf32x3, tf32); chunk 16 (four blocks of the prep kernel's triangular
-inverse); conv, gates, l2norm. Launches: a mid-chunk decode step
-launches the scan kernel only. Errors: an unknown dot precision names the allowed ones. Tolerances: the rule and the
+inverse); conv, gates, l2norm. Launches: a mid-chunk decode step launches the scan kernel only (scan form), or
+the decode prep and row kernels (chunk form: T^{-1}'s row from the cached rows, no buffer kernel). Errors: an unknown dot precision names the allowed ones. Tolerances: the rule and the
 state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
 gradients (the Triton backward, both forms, Dk != Dv) vs fp64 autograd of the reference (1e-5 relative), and
 bitwise the same over two backward runs.

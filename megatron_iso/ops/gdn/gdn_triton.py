@@ -82,15 +82,17 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   ``_chunk_out_kernel`` program per (chunk, value head, Dv block). The plan lists every chunk the call has tokens in,
   an open last chunk included (``nrows`` < C; its missing rows load as zeros); the chain stores each chunk's entry
   state (``ex``) and u (over U0, or bf16 tensors: "Intermediate storage") and skips an open chunk's exit;
-  ``_buffer_kernel`` then copies the tokens (and u rows) of a chunk left open into the state cache. A decode step
-  (one token per sequence) computes its token's rows only: ``_prep_kernel`` with ROWS = DECODE_ROWS (U0/W of the
-  token's 16-row block), then ``_decode_row_kernel``
+  ``_buffer_kernel`` then copies the tokens (and their u and T^{-1} rows) of a chunk left open into the state cache.
+  A decode step (one token per sequence) computes its token's rows only: ``_decode_prep_kernel`` (row t of T^{-1}
+  from the rows before it in ``state.buf_tinv``, by the prep's own fma chain and block dots; U0/W of the token's
+  DECODE_ROWS rows; P's row t; the token into the buffer), then ``_decode_row_kernel``
   (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
   depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
   ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this
   form refuses: :data:`CHUNK_FORM_PRECISIONS`). Since VERSION 7 nothing row-determining is a layout-dependent
   reduction (G by a ones-dot, the diagonal blocks of T^{-1} by fma chains). H200, bf16: training 8 x 4096 3.9 ms
-  (scan form 14.1), prefill 1024 0.21 ms, decode batch 64 0.34 ms (scan form 0.09).
+  (scan form 14.1; 2.7 since Session 10), prefill 1024 0.21 ms, decode batch 64 0.34 ms (scan form 0.09; chunk form
+  0.235 since Session 11, the T^{-1} row cache).
 - "bf16" (in :data:`DOT_PRECISIONS`): operands rounded to bf16, fp32 accumulate, every dot of prep, chain and
   output; FLA's arithmetic class (H200, 1000 + 200 tokens vs fp64: 3.3e-4 max against FLA's 4.3e-4).
 
