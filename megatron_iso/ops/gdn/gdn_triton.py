@@ -604,7 +604,8 @@ def _prep_kernel(
         tl.debug_barrier()
     _wy_rows(
         k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
-        ot, ot < C, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base, C, BK, BVF, KB, PREC,
+        ot, ot < C, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+        C, BK, BVF, KB, PREC,
     )  # fmt: skip
     tl.store(egc_ptr + base, tl.exp(gl))
 
@@ -685,15 +686,16 @@ def _decode_prep_kernel(
         rsum2 = tl.zeros([IB, C], dtype=tl.float32)
         for jb in range(ib):
             rj = jb * IB + os3
-            rsum2 = _dot(tl.load(abase + (ri - r0)[:, None] * C + rj[None, :]), tl.load(tbase + rj[:, None] * C + ot[None, :]),
-                         rsum2, PREC)  # fmt: skip
+            a_ij = tl.load(abase + (ri - r0)[:, None] * C + rj[None, :])
+            rsum2 = _dot(a_ij, tl.load(tbase + rj[:, None] * C + ot[None, :]), rsum2, PREC)
         x_ii = tl.load(tbase + ri[:, None] * C + ri[None, :], mask=(ri <= t)[:, None], other=0.0)
         x_i = -_dot(x_ii, rsum2, None, PREC)
         tl.store(tbase + ri[:, None] * C + ot[None, :], x_i, mask=(ri == t)[:, None] & (ot < ib * IB)[None, :])
         tl.debug_barrier()
     _wy_rows(
         k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
-        orr, orr <= t, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base, C, BK, BVF, KB, PREC,
+        orr, orr <= t, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+        C, BK, BVF, KB, PREC,
     )  # fmt: skip
     if nrows == C:  # the chunk closes: KD and e^{G_C} for the decode row kernel's exit state
         gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)
