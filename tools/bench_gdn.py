@@ -558,7 +558,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
                          G.PREP_WARPS, G.PREP_STAGES),
         "_decode_prep_kernel": (G._decode_prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
                                                         "IB": cfg.inv_block, "PREC": cfg.prep_precision,
-                                                        "ROWS": G.DECODE_ROWS or CHUNK},
+                                                        "ROWS": G.decode_rows(CHUNK)},
                                 G.DECODE_PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
                                             "KB": cfg.kb, "PREC": cfg.chain_precision, "ENTRIES": cfg.form == "chunk"},
@@ -566,7 +566,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
         "_chunk_out_kernel": (G._chunk_out_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.out_bv,
                                                     "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
         "_decode_row_kernel": (G._decode_row_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full,
-                                                      "BV": cfg.decode_bv, "KB": cfg.kb, "ROWS": G.DECODE_ROWS or CHUNK,
+                                                      "BV": cfg.decode_bv, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK),
                                                       "PREC": cfg.chain_precision}, G.DECODE_WARPS, 3),
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}

@@ -427,12 +427,14 @@ def _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, rows, brows, in_buf, present, SG,
 
 
 @triton.jit
-def _kk_rows(k_ptr, bk_ptr, orr, kcf, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
-             C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """Rows ``orr`` (ROWS of them) of K K^T by ``_prep_kernel``'s dots (which computes all rows and stores KD on the
-    way): K-blocked over the key columns (ieee: KB at a time, ascending) or one whole-K dot with ``kcf`` (tensor
-    cores: the chunk's k tile, loaded by the caller). ROWS == C: the rows are the chunk's own k tile, as in the prep
-    (the interpreter's numpy computes ``x @ x.T`` of one array by another routine than of two)."""
+def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+             C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
+             STORE_KD: tl.constexpr):  # fmt: skip
+    """Rows ``orr`` (ROWS of them) of K K^T: K-blocked over the key columns (ieee: KB at a time, ascending) or one
+    whole-K dot with ``kcf`` (tensor cores: the chunk's k tile, loaded by the caller). ROWS == C: the rows are the
+    chunk's own k tile (the interpreter's numpy computes ``x @ x.T`` of one array by another routine than of two, so
+    a decode step under the interpreter must use it as the prep does). STORE_KD (the prep, ROWS == C): also
+    KD = e^{G_C-G} k (``dkd`` = e^{G_C-G}) into this (chunk, head)'s KD rows on the way, block by block."""
     ot = tl.arange(0, C)
     if PREC == "ieee":
         ob = tl.arange(0, KB)
@@ -445,12 +447,18 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
             else:
                 krb = _k_tile(k_ptr, bk_ptr, orr, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             kk = _dot(krb, tl.trans(kcb), kk, PREC)
+            if STORE_KD:
+                tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :],
+                         (dkd[:, None] * kcb).to(kd_ptr.dtype.element_ty))  # fmt: skip
     else:
         if ROWS == C:  # a constexpr branch: no second load at all
             krow = kcf
         else:
             krow = _k_tile(k_ptr, bk_ptr, orr, tl.arange(0, BK), row0, brow0, nbuf, nrows, SK, HK, DK, hk)
         kk = _dot(krow, tl.trans(kcf), None, PREC)
+        if STORE_KD:
+            tl.store(kd_ptr + (base * C + ot[:, None]) * BK + tl.arange(0, BK)[None, :],
+                     (dkd[:, None] * kcf).to(kd_ptr.dtype.element_ty))  # fmt: skip
     return kk
 
 
@@ -548,22 +556,12 @@ def _prep_kernel(
     base = cid * HV + h
     tl.store(gcum_ptr + base * C + ot, cum)
     dkd = tl.exp(gl - cum)
-    # K K^T (``_kk_rows`` computes rows of the same dots for a decode step), KD = e^{G_C-G} k stored on the way
-    if PREC == "ieee":  # over column blocks of k (K = BK), KD block by block
-        ob = tl.arange(0, KB)
-        kk = tl.zeros([C, C], dtype=tl.float32)
-        kcf = kk  # not read: the ieee path reloads k in blocks
-        for kb in range(BK // KB):
-            okb = kb * KB + ob
-            kcb = _k_tile(k_ptr, bk_ptr, ot, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-            kk = _dot(kcb, tl.trans(kcb), kk, PREC)
-            tl.store(
-                kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :], (dkd[:, None] * kcb).to(kd_ptr.dtype.element_ty)
-            )
+    if PREC == "ieee":
+        kcf = tl.zeros([C, BK], dtype=tl.float32)  # not read: the ieee path reloads k in blocks
     else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
         kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-        kk = _dot(kcf, tl.trans(kcf), None, PREC)
-        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :], (dkd[:, None] * kcf).to(kd_ptr.dtype.element_ty))
+    kk = _kk_rows(k_ptr, bk_ptr, ot, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+                  C, BK, KB, PREC, C, True)  # fmt: skip
     a = tl.where(lower, bc[:, None] * tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (module docstring, "Triangular inverse").
     # A goes to the scratch rows first: the diagonal blocks are read row by row, the blocks below by dots.
@@ -661,7 +659,8 @@ def _decode_prep_kernel(
     tbase = bt_ptr + ((brow0 // C) * HV + h) * C * C  # this slot's T^{-1} rows
     abase = a_ptr + base * ROWS * C  # A's rows orr
     kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-    kk = _kk_rows(k_ptr, bk_ptr, orr, kcf, row0, brow0, nbuf, nrows, SK, HK, DK, hk, C, BK, KB, PREC, ROWS)
+    kk = _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, cum, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+                  C, BK, KB, PREC, ROWS, False)  # fmt: skip
     tl.debug_barrier()  # G's rows stored by other threads are read below
     bcr = _buffered_or_packed(bb_ptr + (brow0 + orr) * HV + h, b_ptr + (row0 + orr) * SB + h, orr < nbuf, orr < nrows)
     cur = tl.load(gcum_ptr + base * C + orr)
@@ -1241,6 +1240,11 @@ def prep_chunks(
     return (*terms, tinv)
 
 
+def decode_rows(chunk: int) -> int:
+    """The row count of a chunk-form decode step's tiles (``DECODE_ROWS``; its 0 means the whole chunk)."""
+    return min(DECODE_ROWS or chunk, chunk)
+
+
 def _decode_prep(
     q: tuple[torch.Tensor, int],
     rows: tuple,
@@ -1258,7 +1262,7 @@ def _decode_prep(
     hk, dk = kf.shape[1:]
     hv, dv = vf.shape[1:]
     n, c, dev = chunks.shape[0], cfg.chunk, kf.device
-    nrows = min(DECODE_ROWS or c, c)
+    nrows = decode_rows(c)
     u0, w, kd, egc, gcum = terms = _prep_outputs(n, hv, cfg, dev)
     p = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # the output's P rows
     a = torch.empty_like(p)  # scratch: A's rows
@@ -1377,7 +1381,7 @@ def _rule_forward(
         _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
             qf, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
             rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
-            ROWS=min(DECODE_ROWS or chunk, chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS,
+            ROWS=decode_rows(chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS,
         )  # fmt: skip
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
