@@ -380,8 +380,8 @@ def _k_tile(k_ptr, bk_ptr, tok, cols, row0, brow0, nbuf, nrows, SK, HK, DK, hk):
     buffer, the others from the packed rows, tokens >= ``nrows`` and columns >= DK as zeros (every kernel that reads a
     chunk's k reads it through here, so each sees the same tile)."""
     return _buffered_or_packed(
-        bk_ptr + ((brow0 + tok)[:, None] * HK + hk) * DK + cols[None, :],
-        k_ptr + (row0 + tok)[:, None] * SK + hk * DK + cols[None, :],
+        (bk_ptr + (brow0 * HK + hk) * DK) + tok[:, None] * (HK * DK) + cols[None, :],
+        (k_ptr + row0 * SK + hk * DK) + tok[:, None] * SK + cols[None, :],
         (tok < nbuf)[:, None],
         (cols < DK)[None, :] & (tok < nrows)[:, None],
     )
@@ -448,7 +448,7 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrow
                 krb = _k_tile(k_ptr, bk_ptr, orr, okb, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             kk = _dot(krb, tl.trans(kcb), kk, PREC)
             if STORE_KD:
-                tl.store(kd_ptr + (base * C + ot[:, None]) * BK + okb[None, :],
+                tl.store((kd_ptr + base * C * BK) + ot[:, None] * BK + okb[None, :],
                          (dkd[:, None] * kcb).to(kd_ptr.dtype.element_ty))  # fmt: skip
     else:
         if ROWS == C:  # a constexpr branch: no second load at all
@@ -457,7 +457,7 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrow
             krow = _k_tile(k_ptr, bk_ptr, orr, tl.arange(0, BK), row0, brow0, nbuf, nrows, SK, HK, DK, hk)
         kk = _dot(krow, tl.trans(kcf), None, PREC)
         if STORE_KD:
-            tl.store(kd_ptr + (base * C + ot[:, None]) * BK + tl.arange(0, BK)[None, :],
+            tl.store((kd_ptr + base * C * BK) + ot[:, None] * BK + tl.arange(0, BK)[None, :],
                      (dkd[:, None] * kcf).to(kd_ptr.dtype.element_ty))  # fmt: skip
     return kk
 
@@ -479,15 +479,15 @@ def _wy_rows(
     if PREC != "ieee":
         ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
         vcf = _buffered_or_packed(
-            bvv_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :],
-            v_ptr + (row0 + ot)[:, None] * SV + h * DV + ov[None, :],
+            (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
+            (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
             (ot < nbuf)[:, None],
             mv[None, :] & (ot < nrows)[:, None],
         )
         u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
-        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
+        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0)
         w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
-        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
     else:
         ob = tl.arange(0, KB)
         tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
@@ -502,14 +502,14 @@ def _wy_rows(
             bb = brow0 + otb
             ti = tl.load(tr_ptr + orr[:, None] * C + otb[None, :], mask=rmask[:, None], other=0.0)
             vcb = _buffered_or_packed(
-                bvv_ptr + (bb[:, None] * HV + h) * DV + ov[None, :],
-                v_ptr + rb[:, None] * SV + h * DV + ov[None, :],
+                (bvv_ptr + (brow0 * HV + h) * DV) + otb[:, None] * (HV * DV) + ov[None, :],
+                (v_ptr + row0 * SV + h * DV) + otb[:, None] * SV + ov[None, :],
                 ibb[:, None],
                 mv[None, :] & pb[:, None],
             )
             bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
             u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
-        tl.store(u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :], u0)
+        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0)
         w = tl.zeros([orr.shape[0], BK], dtype=tl.float32)
         for tb in range(C // KB):
             otb = tb * KB + ob
@@ -517,7 +517,7 @@ def _wy_rows(
             kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             bce = tl.load(bce_ptr + base * C + otb)
             w = _dot(ti, bce[:, None] * kcb, w, PREC)
-        tl.store(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -667,7 +667,7 @@ def _decode_prep_kernel(
     lower = orr[:, None] > ot[None, :]
     a = tl.where(lower, bcr[:, None] * tl.exp(tl.where(lower, cur[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     tl.store(abase + tl.arange(0, ROWS)[:, None] * C + ot[None, :], a)
-    q = tl.load(q_ptr + (row0 + orr)[:, None] * SQ + hk * DK + ok[None, :], mask=mine[:, None] & (ok < DK)[None, :],
+    q = tl.load((q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & (ok < DK)[None, :],
                 other=0.0)  # fmt: skip
     p = _output_p(q.to(tl.float32) * scale, kcf, cur, cum, orr[:, None] >= ot[None, :], OPREC)
     tl.store(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], p, mask=mine[:, None])
@@ -698,7 +698,7 @@ def _decode_prep_kernel(
     )  # fmt: skip
     if nrows == C:  # the chunk closes: KD and e^{G_C} for the decode row kernel's exit state
         gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)
-        tl.store(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :],
+        tl.store((kd_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :],
                  (tl.exp(gl - cum)[:, None] * kcf).to(kd_ptr.dtype.element_ty))  # fmt: skip
         tl.store(egc_ptr + base, tl.exp(gl))
 
@@ -833,18 +833,18 @@ def _chunk_out_kernel(
     mv = ov < DV
     present = ot < nrows
     new = present & (ot >= nbuf)
-    rows = row0 + ot
     base = cid * HV + h
-    q = tl.load(q_ptr + rows[:, None] * SQ + hk * DK + ok[None, :], mask=new[:, None] & mk[None, :], other=0.0)
+    q = tl.load((q_ptr + row0 * SQ + hk * DK) + ot[:, None] * SQ + ok[None, :], mask=new[:, None] & mk[None, :],
+                other=0.0)  # fmt: skip
     q = q.to(tl.float32) * scale
     k = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
     gc = tl.load(gcum_ptr + base * C + ot)
     e = tl.load(en_ptr + cid * HV * DK * DV + (h * DK + ok[:, None]) * DV + ov[None, :],
                 mask=mk[:, None] & mv[None, :], other=0.0)  # fmt: skip
-    u = tl.load(u_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+    u = tl.load((u_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], mask=mv[None, :], other=0.0)
     p = _output_p(q, k, gc, gc, ot[:, None] >= ot[None, :], PREC)
     o = _output_rows(q, e, u, p, gc, PREC)
-    tl.store(o_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], o, mask=new[:, None] & mv[None, :])
+    tl.store((o_ptr + (row0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :], o, mask=new[:, None] & mv[None, :])
 
 
 @triton.jit
@@ -883,28 +883,34 @@ def _decode_row_kernel(
     hsz = HV * DK * DV
     base = sid * HV + h
     e = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
-    uptr = u0_ptr + (base * C + orr[:, None]) * BVF + ov[None, :]
+    uptr = (u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :]
     if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
         for kb in range(BK // KB):
             okb = kb * KB + ob
-            wblk = tl.load(w_ptr + (base * C + orr[:, None]) * BK + okb[None, :], mask=mine[:, None], other=0.0)
+            wblk = tl.load((w_ptr + base * C * BK) + orr[:, None] * BK + okb[None, :], mask=mine[:, None], other=0.0)
             e_blk = tl.load(entry_ptr + erow * hsz + (h * DK + okb[:, None]) * DV + ov[None, :],
                             mask=(okb[:, None] < DK) & mv[None, :] & (ekind == 1), other=0.0)  # fmt: skip
             d = _dot(wblk, e_blk, d, PREC)
         u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - d
     else:  # only row t is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
-        wt = tl.load(w_ptr + (base * C + orr[:, None]) * BK + ok[None, :], mask=mine[:, None], other=0.0)
+        wt = tl.load((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], mask=mine[:, None], other=0.0)
         u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
-    ucache = bu_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :]  # buf_u rows of this slot
-    tl.store(bu_ptr + ((brow0 + orr)[:, None] * HV + h) * DV + ov[None, :], u, mask=mine[:, None] & mv[None, :])
+    ucache = (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :]  # buf_u rows of this slot
+    tl.store(
+        (bu_ptr + (brow0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], u, mask=mine[:, None] & mv[None, :]
+    )
     tl.debug_barrier()  # row t of buf_u, stored by other threads, is read below
     u_all = tl.load(ucache, mask=(ot <= t)[:, None] & mv[None, :], other=0.0)
-    q = tl.load(q_ptr + (row0 + orr)[:, None] * SQ + hk * DK + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0)
+    q = tl.load(
+        (q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0
+    )
     q = q.to(tl.float32) * scale
     p = tl.load(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], mask=mine[:, None], other=0.0)
     o = _output_rows(q, e, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
-    tl.store(o_ptr + ((row0 + orr)[:, None] * HV + h) * DV + ov[None, :], o, mask=mine[:, None] & mv[None, :])
+    tl.store(
+        (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
+    )
     e_next = e  # a fresh sequence's open chunk keeps its zero entry state for the next step
     if closes:  # the chain's exit state of the chunk, from the u rows in buf_u
         egc = tl.load(egc_ptr + base)
@@ -912,11 +918,15 @@ def _decode_row_kernel(
             acc = egc * e
             for mb in range(C // KB):
                 om = mb * KB + ob
-                ub = tl.load(bu_ptr + ((brow0 + om)[:, None] * HV + h) * DV + ov[None, :], mask=mv[None, :], other=0.0)
-                kd = tl.load(kd_ptr + (base * C + om[:, None]) * BK + ok[None, :])
+                ub = tl.load(
+                    (bu_ptr + (brow0 * HV + h) * DV) + om[:, None] * (HV * DV) + ov[None, :],
+                    mask=mv[None, :],
+                    other=0.0,
+                )
+                kd = tl.load((kd_ptr + base * C * BK) + om[:, None] * BK + ok[None, :])
                 acc = _dot(tl.trans(kd), ub, acc, PREC)
         else:
-            kdfull = tl.load(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
+            kdfull = tl.load((kd_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :])
             acc = _dot(tl.trans(kdfull), u_all, egc * e, PREC)
         e_next = acc
     tl.store(entry_ptr + erow * hsz + st, e_next, mask=m2 & (closes | (ekind == 0)))
@@ -933,13 +943,13 @@ def _buffer_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, tok
     br = brow0 + tok
     hk = h // REP
     mv2 = new[:, None] & (ov < DV)[None, :]
-    v = tl.load(v_ptr + rows[:, None] * SV + h * DV + ov[None, :], mask=mv2)
-    tl.store(bv_ptr + (br[:, None] * HV + h) * DV + ov[None, :], v.to(tl.float32), mask=mv2)
+    v = tl.load((v_ptr + row0 * SV + h * DV) + tok[:, None] * SV + ov[None, :], mask=mv2)
+    tl.store((bv_ptr + (brow0 * HV + h) * DV) + tok[:, None] * (HV * DV) + ov[None, :], v.to(tl.float32), mask=mv2)
     tl.store(bg_ptr + br * HV + h, tl.load(g_ptr + rows * SG + h, mask=new).to(tl.float32), mask=new)
     tl.store(bb_ptr + br * HV + h, tl.load(b_ptr + rows * SB + h, mask=new).to(tl.float32), mask=new)
     mk2 = new[:, None] & (ok < DK)[None, :] & (h % REP == 0)
-    kt = tl.load(k_ptr + rows[:, None] * SK + hk * DK + ok[None, :], mask=mk2)
-    tl.store(bk_ptr + (br[:, None] * HK + hk) * DK + ok[None, :], kt.to(tl.float32), mask=mk2)
+    kt = tl.load((k_ptr + row0 * SK + hk * DK) + tok[:, None] * SK + ok[None, :], mask=mk2)
+    tl.store((bk_ptr + (brow0 * HK + hk) * DK) + tok[:, None] * (HK * DK) + ok[None, :], kt.to(tl.float32), mask=mk2)
 
 
 @triton.jit
@@ -964,7 +974,7 @@ def _buffer_kernel(
                  SK, SV, SG, SB, HK, HV, DK, DV, REP, h, BK, BVF)  # fmt: skip
     mu = new[:, None] & (ov < DV)[None, :]
     u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
-    tl.store(bu_ptr + ((brow0 + ot)[:, None] * HV + h) * DV + ov[None, :], u.to(tl.float32), mask=mu)
+    tl.store((bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :], u.to(tl.float32), mask=mu)
     tile = ot[:, None] * C + ot[None, :]
     ti = tl.load(tinv_ptr + (cid * HV + h) * C * C + tile, mask=new[:, None])
     tl.store(bt_ptr + ((brow0 // C) * HV + h) * C * C + tile, ti, mask=new[:, None])
