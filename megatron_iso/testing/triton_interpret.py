@@ -4,7 +4,9 @@ and for running a check in a child process (the variable must be set before trit
 - :func:`allow_runtime_loop_bounds`: triton 3.6's interpreter cannot loop to a run-time bound with numpy
   2.x (``int()`` of a 1-element array); give the interpreter's tensors an ``__index__``. Call it in the
   interpreted process before the first launch.
-- :func:`run_interpreted`: run ``python -c SOURCE`` or ``python SCRIPT`` with the interpreter on.
+- :func:`run_interpreted`: run ``python -c SOURCE`` or ``python SCRIPT [ARGS]`` with the interpreter on.
+- :func:`run_interpreted_concurrently`: one such child per argument list, all at once (the interpreter is
+  single-threaded Python, so children of a long check share the cores instead of queueing on one).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -29,11 +33,31 @@ def allow_runtime_loop_bounds() -> None:
 
 
 def run_interpreted(
-    source: str | None = None, *, script: Path | None = None, timeout: float
+    source: str | None = None,
+    *,
+    script: Path | None = None,
+    args: Sequence[str] = (),
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """A child Python with ``TRITON_INTERPRET=1`` running ``source`` (``-c``) or ``script``; output captured."""
+    """A child Python with ``TRITON_INTERPRET=1`` running ``source`` (``-c``) or ``script`` with ``args``; output
+    captured. ``env``: extra variables for the child."""
     if (source is None) == (script is None):
         raise ValueError("run_interpreted: give exactly one of source= or script=")
     argv = [sys.executable, "-c", source] if source is not None else [sys.executable, str(script)]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    child_env = dict(os.environ, **(env or {}), TRITON_INTERPRET="1")
+    return subprocess.run([*argv, *args], env=child_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_interpreted_concurrently(
+    script: Path, arg_lists: Sequence[Sequence[str]], *, timeout: float
+) -> list[subprocess.CompletedProcess]:
+    """``script`` once per argument list, the children all running at once, each on one intra-op thread (they
+    share the cores); results in the order of ``arg_lists``. ``timeout`` is each child's."""
+    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(max_workers=len(arg_lists)) as pool:
+        jobs = [
+            pool.submit(run_interpreted, script=script, args=list(a), timeout=timeout, env=one_thread)
+            for a in arg_lists
+        ]
+        return [j.result() for j in jobs]

@@ -6,13 +6,18 @@ decode for P in {1, C-1, C, C+1, 2C+3}, chunked prefill pieces, packing, batch c
 sequences at mixed positions, a subset of heads (TP), a bf16 strided v (read in-kernel) == its fp32 copy;
 the state pass's dot-precision variants (tf32x3, tf32); chunk 16 (four blocks of the prep kernel's triangular
 inverse); conv, gates, l2norm. Launches: a mid-chunk decode step launches the scan kernel only (scan form), or
-the decode prep and row kernels (chunk form: T^{-1}'s row from the cached rows, no buffer kernel). Errors: an unknown dot precision names the allowed ones. Tolerances: the rule and the
+the decode prep and row kernels (chunk form: T^{-1}'s row from the cached rows, no buffer kernel). Errors: an
+unknown dot precision names the allowed ones. Tolerances: the rule and the
 state cache vs the CPU reference (1e-5), conv vs fp64 F.conv1d, gates/l2norm vs the reference (1e-6),
 gradients (the Triton backward, both forms, Dk != Dv) vs fp64 autograd of the reference (1e-5 relative), and
 bitwise the same over two backward runs.
 
 triton 3.6's interpreter cannot loop to a run-time bound with numpy 2.x (``int()`` of a 1-element
 array); the first lines patch that one conversion.
+
+Parts (``PARTS``; the command line names which to run, default all): ``scan`` and ``chunk`` (the rule per form),
+``bf16_storage``, ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
+interpreter keeps one core busy and the check took 12 minutes in one process.
 """
 
 # ruff: noqa: E402
@@ -21,6 +26,7 @@ from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
 allow_runtime_loop_bounds()
 
 import functools
+import sys
 import time
 
 import torch
@@ -269,109 +275,144 @@ def check_rule(form: str) -> None:
     print(f"rule ok ({form} form)", round(time.time() - t_start, 1))
 
 
-for form in gt.FORMS:
-    check_rule(form)
-
-# bf16 storage of the dot-only intermediates (gt.MID_BF16: W, KD, u, entry states; chunk form, bf16 chain dots) is
-# bit-neutral: training, prefill + decode and the state cache as with fp32 storage. The interpreter's bf16 dot gives
-# wrong values, but a fixed function of the bf16 operands, which is all this plumbing check needs (the GPU test
-# test_bf16_storage_of_intermediates_is_bit_neutral holds the same on tensor cores).
-x = inputs(2 * C + 5, 44)
-got = {}
-for mid in (True, False):
-    gt.MID_BF16 = mid
-    kw = {"chunk": C, "form": "chunk", "dot_precision": "bf16"}
-    st = new_state(2, form="chunk")
-    outs, pos = [], 0
-    for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
-        r = slice(pos, pos + n)
-        outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
-                                        starts=torch.tensor([pos]), **kw))  # fmt: skip
-        pos += n
-    # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
-    got[mid] = (gt.gated_delta_rule(*x, cu([2 * C + 5]), **kw), torch.cat(outs), st.entry[1], st.buf_u[1].bfloat16())
-gt.MID_BF16 = True
-assert gt.config_for(D, D, C, "bf16", "chunk").mid_dtype == torch.bfloat16
-assert gt.config_for(D, D, C, "tf32", "chunk").mid_dtype == torch.float32
-for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
-    assert same_bits(a, b), f"bf16 storage: {name}"
-assert same_bits(got[True][0], got[True][1]), "bf16 storage: train vs prefill + decode"
-print("bf16 storage ok", round(time.time() - t_start, 1))
-
-# conv: prefill + decode == training, batch composition, against fp64
-gen = torch.Generator().manual_seed(3)
-for dtype in (torch.float32, torch.bfloat16):
-    xc, w = torch.randn(14, 12, generator=gen).to(dtype), torch.randn(12, 4, generator=gen).to(dtype)
-    full = gt.causal_conv1d(xc, w, cu([14]))
-    cs = torch.full((2, 12, 3), float("nan"), dtype=dtype)
-    outs, pos = [], 0
-    for n in (2, 5, 1, 1, 1, 4):
-        outs.append(
-            gt.causal_conv1d(
-                xc[pos : pos + n], w, cu([n]), conv_state=cs, slots=torch.tensor([1]), starts=torch.tensor([pos])
-            )
+def check_bf16_storage() -> None:
+    # bf16 storage of the dot-only intermediates (gt.MID_BF16: W, KD, u, entry states; chunk form, bf16 chain dots) is
+    # bit-neutral: training, prefill + decode and the state cache as with fp32 storage. The interpreter's bf16 dot gives
+    # wrong values, but a fixed function of the bf16 operands, which is all this plumbing check needs (the GPU test
+    # test_bf16_storage_of_intermediates_is_bit_neutral holds the same on tensor cores).
+    x = inputs(2 * C + 5, 44)
+    got = {}
+    for mid in (True, False):
+        gt.MID_BF16 = mid
+        kw = {"chunk": C, "form": "chunk", "dot_precision": "bf16"}
+        st = new_state(2, form="chunk")
+        outs, pos = [], 0
+        for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
+            r = slice(pos, pos + n)
+            outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
+                                            starts=torch.tensor([pos]), **kw))  # fmt: skip
+            pos += n
+        # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
+        got[mid] = (
+            gt.gated_delta_rule(*x, cu([2 * C + 5]), **kw),
+            torch.cat(outs),
+            st.entry[1],
+            st.buf_u[1].bfloat16(),
         )
-        pos += n
-    assert same_bits(full, torch.cat(outs)), "conv prefill/decode"
-    assert same_bits(cs[1], xc[-3:].t()), "conv state"
-    two = gt.causal_conv1d(torch.cat([xc[:5], xc]), w, cu([5, 14]))
-    assert same_bits(two[5:], full) and same_bits(two[:5], full[:5]), "conv packing"
-    r64 = torch.nn.functional.silu(
-        torch.nn.functional.conv1d(xc.double().t()[None], w.double()[:, None], padding=3, groups=12)[0, :, :14].t()
+    gt.MID_BF16 = True
+    assert gt.config_for(D, D, C, "bf16", "chunk").mid_dtype == torch.bfloat16
+    assert gt.config_for(D, D, C, "tf32", "chunk").mid_dtype == torch.float32
+    for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
+        assert same_bits(a, b), f"bf16 storage: {name}"
+    assert same_bits(got[True][0], got[True][1]), "bf16 storage: train vs prefill + decode"
+    print("bf16 storage ok", round(time.time() - t_start, 1))
+
+
+def check_conv() -> None:
+    # conv: prefill + decode == training, batch composition, against fp64
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        xc, w = torch.randn(14, 12, generator=gen).to(dtype), torch.randn(12, 4, generator=gen).to(dtype)
+        full = gt.causal_conv1d(xc, w, cu([14]))
+        cs = torch.full((2, 12, 3), float("nan"), dtype=dtype)
+        outs, pos = [], 0
+        for n in (2, 5, 1, 1, 1, 4):
+            outs.append(
+                gt.causal_conv1d(
+                    xc[pos : pos + n], w, cu([n]), conv_state=cs, slots=torch.tensor([1]), starts=torch.tensor([pos])
+                )
+            )
+            pos += n
+        assert same_bits(full, torch.cat(outs)), "conv prefill/decode"
+        assert same_bits(cs[1], xc[-3:].t()), "conv state"
+        two = gt.causal_conv1d(torch.cat([xc[:5], xc]), w, cu([5, 14]))
+        assert same_bits(two[5:], full) and same_bits(two[:5], full[:5]), "conv packing"
+        r64 = torch.nn.functional.silu(
+            torch.nn.functional.conv1d(xc.double().t()[None], w.double()[:, None], padding=3, groups=12)[0, :, :14].t()
+        )
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert float((full.double() - r64).abs().max()) < tol, "conv accuracy"
+        rc = ref.causal_conv1d(xc, w, cu([14]))
+        assert float((full.double() - rc.double()).abs().max()) < tol
+    # a sequence shorter than K-1 keeps the older history in its conv state
+    cs = torch.zeros(1, 12, 3)
+    xc = torch.randn(6, 12, generator=gen)
+    gt.causal_conv1d(
+        xc[:4], torch.ones(12, 4), cu([4]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([0])
     )
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert float((full.double() - r64).abs().max()) < tol, "conv accuracy"
-    rc = ref.causal_conv1d(xc, w, cu([14]))
-    assert float((full.double() - rc.double()).abs().max()) < tol
-# a sequence shorter than K-1 keeps the older history in its conv state
-cs = torch.zeros(1, 12, 3)
-xc = torch.randn(6, 12, generator=gen)
-gt.causal_conv1d(xc[:4], torch.ones(12, 4), cu([4]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([0]))
-gt.causal_conv1d(xc[4:5], torch.ones(12, 4), cu([1]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([4]))
-assert same_bits(cs[0], xc[2:5].t()), "conv state of a short call"
-print("conv ok")
+    gt.causal_conv1d(
+        xc[4:5], torch.ones(12, 4), cu([1]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([4])
+    )
+    assert same_bits(cs[0], xc[2:5].t()), "conv state of a short call"
+    print("conv ok")
 
-# gates and l2norm: batch invariant, accurate
-a, b, xn = torch.randn(33, HV, generator=gen) * 8, torch.randn(33, HV, generator=gen), torch.randn(33, 3, 24)
-al, dt = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
-g, beta = gt.gdn_gates(a, b, al, dt)
-nrm = gt.l2norm(xn)
-for i in (0, 17, 32):
-    gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
-    assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(gt.l2norm(xn[i : i + 1])[0], nrm[i])
-rg, rb = ref.gdn_gates(a, b, al, dt)
-assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs().max()) < 1e-6
-assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
-print("ok", round(time.time() - t_start, 1))
 
-# backward (gdn_triton_backward's kernels): deterministic, close to fp64 autograd of the reference, per form (the
-# scan form recomputes the chunk-form state pass), with an open last chunk and Dk != Dv
-for form, prec, dv in (("scan", None, D), ("chunk", "ieee", D), ("chunk", "ieee", 12)):
-    lengths = [13, 8, 3]
-    x = random_gdn_inputs(24, 9, hk=HK, hv=HV, dk=D, dv=dv)
-    w8 = torch.randn(24, HV, dv, generator=gen)
-    kw = {"chunk": C, "form": form, "dot_precision": prec}
-    grads = []
-    for _ in range(2):
-        lv = [t.clone().requires_grad_(True) for t in x]
-        y = gt.gated_delta_rule(*lv, cu(lengths), **kw)
-        assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu(lengths), **kw)), "forward bits under autograd"
-        (y * w8).sum().backward()
-        grads.append([t.grad for t in lv])
-    assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), f"{form}: backward not deterministic"
-    if form == "chunk":  # states recomputed in the backward instead of kept: the same kernels, the same bits
-        lv = [t.clone().requires_grad_(True) for t in x]
-        (gt.gated_delta_rule(*lv, cu(lengths), keep_states=False, **kw) * w8).sum().backward()
-        assert all(same_bits(a, t.grad) for a, t in zip(grads[0], lv, strict=True)), "keep_states changed the grads"
-    lr = [t.double().requires_grad_(True) for t in x]
-    (ref.gated_delta_rule(*lr, cu(lengths), chunk=C) * w8.double()).sum().backward()
-    for name, p, r in zip("qkvgb", grads[0], lr, strict=True):
-        e = float((p.double() - r.grad).abs().max() / r.grad.abs().max())
-        assert e < 1e-5, f"{form} Dv {dv} grad {name}: {e:.2e}"
-xc = torch.randn(9, 12, generator=gen, requires_grad=True)
-wc = torch.randn(12, 4, generator=gen, requires_grad=True)
-xr, wr = xc.detach().clone().requires_grad_(True), wc.detach().clone().requires_grad_(True)
-(gt.causal_conv1d(xc, wc, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
-(ref.causal_conv1d(xr, wr, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
-assert float((xc.grad - xr.grad).abs().max()) < 1e-3 and float((wc.grad - wr.grad).abs().max()) < 1e-3, "conv grads"
-print("grad ok", round(time.time() - t_start, 1))
+def check_gates() -> None:
+    # gates and l2norm: batch invariant, accurate
+    gen = torch.Generator().manual_seed(5)
+    a, b, xn = torch.randn(33, HV, generator=gen) * 8, torch.randn(33, HV, generator=gen), torch.randn(33, 3, 24)
+    al, dt = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    g, beta = gt.gdn_gates(a, b, al, dt)
+    nrm = gt.l2norm(xn)
+    for i in (0, 17, 32):
+        gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
+        assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+    rg, rb = ref.gdn_gates(a, b, al, dt)
+    assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs().max()) < 1e-6
+    assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
+    print("gates ok", round(time.time() - t_start, 1))
+
+
+def check_grads() -> None:
+    # backward (gdn_triton_backward's kernels): deterministic, close to fp64 autograd of the reference, per form (the
+    # scan form recomputes the chunk-form state pass), with an open last chunk and Dk != Dv
+    gen = torch.Generator().manual_seed(7)
+    for form, prec, dv in (("scan", None, D), ("chunk", "ieee", D), ("chunk", "ieee", 12)):
+        lengths = [13, 8, 3]
+        x = random_gdn_inputs(24, 9, hk=HK, hv=HV, dk=D, dv=dv)
+        w8 = torch.randn(24, HV, dv, generator=gen)
+        kw = {"chunk": C, "form": form, "dot_precision": prec}
+        grads = []
+        for _ in range(2):
+            lv = [t.clone().requires_grad_(True) for t in x]
+            y = gt.gated_delta_rule(*lv, cu(lengths), **kw)
+            assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu(lengths), **kw)), "forward bits under autograd"
+            (y * w8).sum().backward()
+            grads.append([t.grad for t in lv])
+        assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), f"{form}: backward not deterministic"
+        if form == "chunk":  # states recomputed in the backward instead of kept: the same kernels, the same bits
+            lv = [t.clone().requires_grad_(True) for t in x]
+            (gt.gated_delta_rule(*lv, cu(lengths), keep_states=False, **kw) * w8).sum().backward()
+            assert all(same_bits(a, t.grad) for a, t in zip(grads[0], lv, strict=True)), "keep_states changed the grads"
+        lr = [t.double().requires_grad_(True) for t in x]
+        (ref.gated_delta_rule(*lr, cu(lengths), chunk=C) * w8.double()).sum().backward()
+        for name, p, r in zip("qkvgb", grads[0], lr, strict=True):
+            e = float((p.double() - r.grad).abs().max() / r.grad.abs().max())
+            assert e < 1e-5, f"{form} Dv {dv} grad {name}: {e:.2e}"
+    xc = torch.randn(9, 12, generator=gen, requires_grad=True)
+    wc = torch.randn(12, 4, generator=gen, requires_grad=True)
+    xr, wr = xc.detach().clone().requires_grad_(True), wc.detach().clone().requires_grad_(True)
+    (gt.causal_conv1d(xc, wc, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
+    (ref.causal_conv1d(xr, wr, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
+    assert float((xc.grad - xr.grad).abs().max()) < 1e-3 and float((wc.grad - wr.grad).abs().max()) < 1e-3, "conv grads"
+    print("grad ok", round(time.time() - t_start, 1))
+
+
+PARTS = {
+    "scan": functools.partial(check_rule, "scan"),
+    "chunk": functools.partial(check_rule, "chunk"),
+    "bf16_storage": check_bf16_storage,
+    "conv": check_conv,
+    "gates": check_gates,
+    "grads": check_grads,
+}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(PARTS)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        raise SystemExit(f"unknown part(s) {unknown}; allowed: {list(PARTS)}")
+    for name in names:
+        PARTS[name]()
+    print("parts ok:", " ".join(names))

@@ -1,10 +1,13 @@
 """The GDN Triton kernels on CPU under TRITON_INTERPRET=1 (tiny shapes; skipped without triton).
 
-The checks live in ``gdn_triton_interpret_check.py`` (see its docstring) and run in a subprocess,
+The checks live in ``gdn_triton_interpret_check.py`` (see its docstring) and run in subprocesses,
 because TRITON_INTERPRET must be set before triton is first imported. What the interpreter shows: the
 kernels' logic (segments, chunk buffer, resync, chains, state writes, conv history) and the CPR
 invariance of their structure; the interpreter's dot is numpy's matmul, so the GPU bits are checked by
 tests/gpu/test_gdn_triton.py.
+
+The check's parts run in three concurrent children (each form's rule checks, then everything else: about
+4, 5 and 3 minutes of one core each), so the test takes about as long as its longest child on two cores.
 """
 
 from __future__ import annotations
@@ -15,10 +18,27 @@ import pytest
 
 pytest.importorskip("triton")
 
-from megatron_iso.testing.triton_interpret import run_interpreted
+from megatron_iso.testing.triton_interpret import run_interpreted_concurrently
+
+SCRIPT = Path(__file__).with_name("gdn_triton_interpret_check.py")
+GROUPS = (("scan",), ("chunk",), ("bf16_storage", "conv", "gates", "grads"))
 
 
 def test_gdn_triton_kernels_under_interpreter():
-    res = run_interpreted(script=Path(__file__).with_name("gdn_triton_interpret_check.py"), timeout=900)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0 and "grad ok" in res.stdout, out[-4000:]
+    results = run_interpreted_concurrently(SCRIPT, GROUPS, timeout=900)
+    for parts, res in zip(GROUPS, results, strict=True):
+        want = "parts ok: " + " ".join(parts)
+        assert res.returncode == 0 and want in res.stdout, f"parts {parts}:\n" + (res.stdout + res.stderr)[-4000:]
+
+
+def test_every_part_of_the_check_is_run():
+    """GROUPS covers the script's PARTS exactly once (a part added to the script but not here would never run)."""
+    import ast
+
+    tree = ast.parse(SCRIPT.read_text())
+    parts = next(
+        [k.value for k in node.value.keys]
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PARTS"
+    )
+    assert sorted(p for g in GROUPS for p in g) == sorted(parts)
