@@ -883,6 +883,11 @@ def _decode_row_kernel(
     hsz = HV * DK * DV
     base = sid * HV + h
     e = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
+    u_prev = tl.load(  # buf_u's rows before t (this slot's, from earlier calls)
+        (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
+        mask=(ot < t)[:, None] & mv[None, :],
+        other=0.0,
+    )
     uptr = (u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :]
     if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
@@ -896,12 +901,14 @@ def _decode_row_kernel(
     else:  # only row t is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
         wt = tl.load((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], mask=mine[:, None], other=0.0)
         u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
-    ucache = (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :]  # buf_u rows of this slot
     tl.store(
         (bu_ptr + (brow0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], u, mask=mine[:, None] & mv[None, :]
     )
-    tl.debug_barrier()  # row t of buf_u, stored by other threads, is read below
-    u_all = tl.load(ucache, mask=(ot <= t)[:, None] & mv[None, :], other=0.0)
+    # u's rows as the output dot reads them: rows < t from buf_u (loaded above), row t from registers, exactly the
+    # value buf_u now holds (as stored, then widened). The row is picked out of u's ROWS rows by a sum whose other
+    # terms are -0.0, the identity of + (x + -0 == x for every x, +0 and -0 included), so no bit moves.
+    u_t = tl.sum(tl.where(mine[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
+    u_all = tl.where((ot == t)[:, None], u_t[None, :], u_prev)
     q = tl.load(
         (q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0
     )
@@ -911,11 +918,12 @@ def _decode_row_kernel(
     tl.store(
         (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
     )
-    e_next = e  # a fresh sequence's open chunk keeps its zero entry state for the next step
-    if closes:  # the chain's exit state of the chunk, from the u rows in buf_u
-        egc = tl.load(egc_ptr + base)
+    if closes:  # the chain's exit state of the chunk, from the u rows
+        # E again from memory (unchanged since the load above): the output's E tile is dead by now, so the exit
+        # state's accumulator does not share the registers with it
+        ec = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0) * tl.load(egc_ptr + base)
         if PREC == "ieee":
-            acc = egc * e
+            tl.debug_barrier()  # row t of buf_u, stored by other threads, is read below
             for mb in range(C // KB):
                 om = mb * KB + ob
                 ub = tl.load(
@@ -924,12 +932,13 @@ def _decode_row_kernel(
                     other=0.0,
                 )
                 kd = tl.load((kd_ptr + base * C * BK) + om[:, None] * BK + ok[None, :])
-                acc = _dot(tl.trans(kd), ub, acc, PREC)
+                ec = _dot(tl.trans(kd), ub, ec, PREC)
         else:
             kdfull = tl.load((kd_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :])
-            acc = _dot(tl.trans(kdfull), u_all, egc * e, PREC)
-        e_next = acc
-    tl.store(entry_ptr + erow * hsz + st, e_next, mask=m2 & (closes | (ekind == 0)))
+            ec = _dot(tl.trans(kdfull), u_all, ec, PREC)
+        tl.store(entry_ptr + erow * hsz + st, ec, mask=m2)
+    else:  # a fresh sequence's open chunk keeps a zero entry state for the next step
+        tl.store(entry_ptr + erow * hsz + st, tl.zeros([BK, BV], dtype=tl.float32), mask=m2 & (ekind == 0))
 
 
 @triton.jit
