@@ -579,6 +579,10 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
         "_bwd_output_kernel": (B._bwd_output_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
         "_bwd_wy_kernel": (B._bwd_wy_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
     })  # fmt: skip
+    caps = {
+        "_decode_row_kernel": G._maxnreg(G.DECODE_MAXNREG),
+        "_decode_prep_kernel": G._maxnreg(G.DECODE_PREP_MAXNREG),
+    }
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():
         sig = {}
@@ -595,7 +599,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
             else:
                 sig[p.name] = "fp32" if p.name in ("scale", "eps") else "i32"
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+                           options={"num_warps": warps, "num_stages": stages, **caps.get(name, {})})  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.ptx"
             src.write_text(k.asm["ptx"])
@@ -655,6 +659,8 @@ TUNABLE = (
     "DECODE_BV",
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
+    "DECODE_MAXNREG",
+    "DECODE_PREP_MAXNREG",
     "BWD_BV",
     "BWD_CHAIN_BV",
     "BWD_CHAIN_BV_BF16",
@@ -675,7 +681,10 @@ def _apply_tune(pairs: list[str]) -> None:
         if name not in TUNABLE or not val.lstrip("-").isdigit():
             raise SystemExit(f"--tune {pair!r}: expected NAME=INT with NAME one of {list(TUNABLE)}")
         n = int(val)
-        if n < 1 or (not name.endswith("_STAGES") and n & (n - 1)):
+        if name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
+            if n != 0 and not 24 <= n <= 255:
+                raise SystemExit(f"--tune {pair!r}: a register cap is 0 (none) or in 24..255")
+        elif n < 1 or (not name.endswith("_STAGES") and n & (n - 1)):
             raise SystemExit(f"--tune {pair!r}: the value must be >= 1, and a power of two unless NAME is *_STAGES")
         setattr(B if name.startswith("BWD_") else G, name, n)
 

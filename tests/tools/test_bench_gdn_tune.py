@@ -32,3 +32,17 @@ def test_tune_sets_forward_and_backward_constants_and_names_bad_ones(monkeypatch
         bench._apply_tune(["BWD_TILES=2"])
     with pytest.raises(SystemExit, match="a power of two"):
         bench._apply_tune(["BWD_KS=24"])
+
+
+def test_tune_register_caps_take_any_ptxas_value_and_refuse_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_iso.ops.gdn import gdn_triton as G
+
+    bench = _bench_module()
+    monkeypatch.setattr(G, "DECODE_MAXNREG", G.DECODE_MAXNREG)
+    monkeypatch.setattr(G, "_INTERPRET", False)  # the cap is passed on the GPU only
+    bench._apply_tune(["DECODE_MAXNREG=168"])  # not a power of two: a cap is any register count
+    assert G.DECODE_MAXNREG == 168 and G._maxnreg(G.DECODE_MAXNREG) == {"maxnreg": 168}
+    assert G._maxnreg(0) == {}
+    for bad in ("DECODE_MAXNREG=300", "DECODE_PREP_MAXNREG=8"):
+        with pytest.raises(SystemExit, match=r"0 \(none\) or in 24\.\.255"):
+            bench._apply_tune([bad])

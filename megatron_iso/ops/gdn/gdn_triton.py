@@ -192,6 +192,9 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # column on its own), and the decode prep's warps.
 DECODE_BV = 4 if _INTERPRET else 64
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
+# Register caps (ptxas .maxnreg) of the two decode kernels, 0: ptxas' own choice. A cap trades spills for programs per
+# SM; it changes no arithmetic. Not passed under the interpreter.
+DECODE_MAXNREG, DECODE_PREP_MAXNREG = 0, 0
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
@@ -1264,6 +1267,11 @@ def decode_rows(chunk: int) -> int:
     return min(DECODE_ROWS or chunk, chunk)
 
 
+def _maxnreg(cap: int) -> dict[str, int]:
+    """The launch option for a register cap (none for 0 or under the interpreter)."""
+    return {"maxnreg": cap} if cap and not _INTERPRET else {}
+
+
 def _decode_prep(
     q: tuple[torch.Tensor, int],
     rows: tuple,
@@ -1290,6 +1298,7 @@ def _decode_prep(
         qf, kf, vf, gf, bf, *buffers, buf_tinv, chunks, u0, w, kd, egc, gcum, p, a, bce, scale, sq, sk, sv, sg, sb, hk,
         hv, dk, dv, hv // hk, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
         OPREC=cfg.chain_precision, ROWS=nrows, num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
+        **_maxnreg(DECODE_PREP_MAXNREG),
     )  # fmt: skip
     return (*terms, p)
 
@@ -1400,7 +1409,7 @@ def _rule_forward(
         _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
             qf, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
             rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
-            ROWS=decode_rows(chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS,
+            ROWS=decode_rows(chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **_maxnreg(DECODE_MAXNREG),
         )  # fmt: skip
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
