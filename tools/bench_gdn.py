@@ -340,23 +340,27 @@ def _decode_ours(n: int):
     return (lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts)), (q, k, v, g, beta)
 
 
+def _decode_fla(fla_rec, inputs: tuple[torch.Tensor, ...]):
+    """FLA's decode step (fused recurrent, one token per sequence from its state) on ``_decode_ours``'s inputs.
+
+    FLA 0.6.0: fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...): the 5th positional is gk (per-key
+    decay [B, T, Hv, Dk]), so beta goes by keyword. q, k [B, 1, Hk, D]; v [B, 1, Hv, D]; g, beta [B, 1, Hv];
+    initial_state [B, Hv, Dk, Dv] fp32 (the K-first layout, state_v_first=False)."""
+    q, k, v, g, beta = inputs
+    fq, fk, fv = (x[:, None].bfloat16().contiguous() for x in (q, k, v))
+    fg, fb = g[:, None].contiguous(), beta[:, None].contiguous()
+    h0 = torch.randn(q.shape[0], HV, D, D, device=DEVICE)
+    return lambda: fla_rec(fq, fk, fv, fg, beta=fb, scale=D**-0.5, initial_state=h0, output_final_state=True)
+
+
 def bench_decode(n: int, quick: bool) -> dict:
     _, fla_rec, _ = _fla()
-    ours, (q, k, v, g, beta) = _decode_ours(n)
+    ours, inputs = _decode_ours(n)
     row: dict = {"case": "decode", "batch": n}
     with torch.no_grad():
         row["ours_ms"] = _bench(ours, quick)
         if fla_rec is not None:
-            # FLA 0.6.0: fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...): the 5th positional is
-            # gk (per-key decay [B, T, Hv, Dk]), so beta goes by keyword. q, k [B, 1, Hk, D]; v [B, 1, Hv, D];
-            # g, beta [B, 1, Hv]; initial_state [B, Hv, Dk, Dv] fp32 (the K-first layout, state_v_first=False).
-            fq, fk, fv = (x[:, None].bfloat16().contiguous() for x in (q, k, v))
-            fg, fb = g[:, None].contiguous(), beta[:, None].contiguous()
-            h0 = torch.randn(n, HV, D, D, device=DEVICE)
-            row["fla_ms"] = _bench(
-                lambda: fla_rec(fq, fk, fv, fg, beta=fb, scale=D**-0.5, initial_state=h0, output_final_state=True),
-                quick,
-            )
+            row["fla_ms"] = _bench(_decode_fla(fla_rec, inputs), quick)
             row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
     return row
 
@@ -451,7 +455,7 @@ def run_case(spec: str, args: argparse.Namespace) -> dict:
 
 def profile_case(spec: str, iters: int) -> dict:
     """Our forward of one case (``train:BxT``, ``prefill:T``, ``decode:B``; ``trainbwd:BxT``: the training forward
-    and backward, gradient of the output fixed) under torch.profiler, after two
+    and backward, gradient of the output fixed; ``flatrain:BxT``, ``fladecode:B``: FLA's) under torch.profiler, after two
     warm calls (Triton compiles, plan cache filled): per-kernel device time, calls, launch shapes, and host
     vs device time of the ``iters`` profiled calls.
 
@@ -485,8 +489,15 @@ def profile_case(spec: str, iters: int) -> dict:
         fn, _ = _prefill_ours(int(size))
     elif kind == "decode":
         fn, _ = _decode_ours(int(size))
+    elif kind == "fladecode":  # FLA's decode step on the same inputs: its device time beside ours
+        _, fla_rec, fla_err = _fla()
+        if fla_rec is None:
+            raise SystemExit(f"--profile {spec!r}: fla-core unavailable: {fla_err}")
+        fn = _decode_fla(fla_rec, _decode_ours(int(size))[1])
     else:
-        raise SystemExit(f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, flatrain:BxT, prefill:T or decode:B")
+        raise SystemExit(
+            f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, flatrain:BxT, prefill:T, decode:B or fladecode:B"
+        )
     cuda = DEVICE == "cuda"
 
     def sync() -> None:
@@ -840,7 +851,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: interpreter dry run")
     ap.add_argument("--shape", default=f"{HK},{HV},{D},{CHUNK}", help="Hk,Hv,D,chunk")
     ap.add_argument("--profile", metavar="CASE", help="profile our forward of one case (train:BxT, prefill:T, "
-                    "decode:B; trainbwd:BxT: forward + backward; flatrain:BxT: FLA's chunk forward) under torch.profiler; writes the kernel table to "
+                    "decode:B; trainbwd:BxT: forward + backward; flatrain:BxT, fladecode:B: FLA's) under torch.profiler; writes the kernel table to "
                     "--out")  # fmt: skip
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
