@@ -590,10 +590,12 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
         "_bwd_output_kernel": (B._bwd_output_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
         "_bwd_wy_kernel": (B._bwd_wy_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
     })  # fmt: skip
-    caps = {
-        "_decode_row_kernel": G._maxnreg(G.DECODE_MAXNREG),
-        "_decode_prep_kernel": G._maxnreg(G.DECODE_PREP_MAXNREG),
-    }
+    caps = {  # each kernel's register cap, as its launch passes it
+        "_scan_kernel": G.SCAN_MAXNREG, "_prep_kernel": G.PREP_MAXNREG, "_decode_prep_kernel": G.DECODE_PREP_MAXNREG,
+        "_chain_kernel": G.CHAIN_MAXNREG, "_chunk_out_kernel": G.OUT_MAXNREG, "_decode_row_kernel": G.DECODE_MAXNREG,
+        "_bwd_local_kernel": B.BWD_MAXNREG, "_bwd_chain_kernel": B.BWD_CHAIN_MAXNREG,
+        "_bwd_output_kernel": B.BWD_MAXNREG, "_bwd_wy_kernel": B.BWD_MAXNREG,
+    }  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
     for name, (fn, consts, warps, stages) in kernels.items():
         sig = {}
@@ -610,7 +612,7 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
             else:
                 sig[p.name] = "fp32" if p.name in ("scale", "eps") else "i32"
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages, **caps.get(name, {})})  # fmt: skip
+                           options={"num_warps": warps, "num_stages": stages, **G._maxnreg(caps[name])})  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.ptx"
             src.write_text(k.asm["ptx"])
@@ -670,6 +672,10 @@ TUNABLE = (
     "DECODE_BV",
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
+    "PREP_MAXNREG",
+    "CHAIN_MAXNREG",
+    "OUT_MAXNREG",
+    "SCAN_MAXNREG",
     "DECODE_MAXNREG",
     "DECODE_PREP_MAXNREG",
     "BWD_BV",
@@ -678,6 +684,8 @@ TUNABLE = (
     "BWD_KS",
     "BWD_WARPS",
     "BWD_CHAIN_WARPS",
+    "BWD_MAXNREG",
+    "BWD_CHAIN_MAXNREG",
 )
 
 

@@ -36,12 +36,15 @@ def test_tune_sets_forward_and_backward_constants_and_names_bad_ones(monkeypatch
 
 def test_tune_register_caps_take_any_ptxas_value_and_refuse_others(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_iso.ops.gdn import gdn_triton as G
+    from megatron_iso.ops.gdn import gdn_triton_backward as B
 
     bench = _bench_module()
     monkeypatch.setattr(G, "DECODE_MAXNREG", G.DECODE_MAXNREG)
+    monkeypatch.setattr(B, "BWD_MAXNREG", B.BWD_MAXNREG)
     monkeypatch.setattr(G, "_INTERPRET", False)  # the cap is passed on the GPU only
-    bench._apply_tune(["DECODE_MAXNREG=168"])  # not a power of two: a cap is any register count
+    bench._apply_tune(["DECODE_MAXNREG=168", "BWD_MAXNREG=200"])  # not powers of two: a cap is any register count
     assert G.DECODE_MAXNREG == 168 and G._maxnreg(G.DECODE_MAXNREG) == {"maxnreg": 168}
+    assert B.BWD_MAXNREG == 200 and not hasattr(G, "BWD_MAXNREG")
     assert G._maxnreg(0) == {}
     for bad in ("DECODE_MAXNREG=300", "DECODE_PREP_MAXNREG=8"):
         with pytest.raises(SystemExit, match=r"0 \(none\) or in 24\.\.255"):

@@ -193,8 +193,11 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # column on its own), and the decode prep's warps.
 DECODE_BV = 4 if _INTERPRET else 64
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
-# Register caps (ptxas .maxnreg) of the two decode kernels, 0: ptxas' own choice. A cap trades spills for programs per
-# SM; it changes no arithmetic. Not passed under the interpreter.
+# Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
+# no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16 (PERFORMANCE.md Session 12): both
+# decode kernels at 168 cut their device time 0.187 -> 0.170 ms, but one bench run read slower, so all stay 0 until
+# timed again. The training kernels' caps are untimed knobs for the same sweep (``bench_gdn.py --tune``).
+PREP_MAXNREG, CHAIN_MAXNREG, OUT_MAXNREG, SCAN_MAXNREG = 0, 0, 0, 0
 DECODE_MAXNREG, DECODE_PREP_MAXNREG = 0, 0
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
@@ -1258,7 +1261,7 @@ def prep_chunks(
     _prep_kernel[(n, hv)](
         kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        num_warps=PREP_WARPS, num_stages=PREP_STAGES,
+        num_warps=PREP_WARPS, num_stages=PREP_STAGES, **_maxnreg(PREP_MAXNREG),
     )  # fmt: skip
     return (*terms, tinv)
 
@@ -1335,7 +1338,7 @@ def _state_pass(
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, entry, u0, u, w, kd, egc, ex, hv, dk, dv,
             C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
-            ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
+            ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES, **_maxnreg(CHAIN_MAXNREG),
         )  # fmt: skip
     return u, w, kd, egc, gcum, tinv
 
@@ -1421,6 +1424,7 @@ def _rule_forward(
         _chunk_out_kernel[(plan.nchunks, hv, triton.cdiv(dv, cfg.out_bv))](
             qf, kf, bk, plan.chunks, ex, u, gcum, out, scale, sq, sk, hk, hv, dk, dv, rep,
             C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.out_bv, PREC=cfg.chain_precision, num_warps=OUT_WARPS,
+            **_maxnreg(OUT_MAXNREG),
         )  # fmt: skip
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
@@ -1436,7 +1440,7 @@ def _rule_forward(
     # buffer rows are reused (a sequence whose call closes a chunk restarts its buffer at row 0).
     _scan_kernel[(plan.nseg, hv, triton.cdiv(dv, cfg.scan_bv))](
         qf, kf, vf, gf, bf, out, plan.seg, running, ex, fin, bk, bvv, bg, bb, scale, sq, sk, sv, sg, sb,
-        hk, hv, dk, dv, rep, BK=cfg.bk, BV=cfg.scan_bv, num_warps=SCAN_WARPS,
+        hk, hv, dk, dv, rep, BK=cfg.bk, BV=cfg.scan_bv, num_warps=SCAN_WARPS, **_maxnreg(SCAN_MAXNREG),
     )  # fmt: skip
     if state is not None and plan.scratch:
         running.index_copy_(0, slots.to(device=dev, dtype=torch.int64), fin)

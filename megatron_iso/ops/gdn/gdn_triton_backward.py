@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gdn.gdn_triton import _INTERPRET, MIN_DOT, _chunk_row, _dot
+from megatron_iso.ops.gdn.gdn_triton import _INTERPRET, MIN_DOT, _chunk_row, _dot, _maxnreg
 
 # Tuning (H200, chunk:bf16, 8 x 4096, docs/PERFORMANCE.md "Session 9"). The chain's Dv block: 64 with bf16 operands
 # (1.86 ms; 32: 3.19), 32 with fp32 ones (64 needs more shared memory than sm_90 has at tf32). The output and WY
@@ -43,6 +43,8 @@ BWD_BV = 4 if _INTERPRET else 32
 BWD_KS = 4 if _INTERPRET else 32
 BWD_WARPS = 4
 BWD_CHAIN_WARPS = 4
+# Register caps (gdn_triton's *_MAXNREG): the local, output and WY kernels, and the chain; 0 = ptxas' choice
+BWD_MAXNREG, BWD_CHAIN_MAXNREG = 0, 0
 
 
 @triton.jit
@@ -316,19 +318,20 @@ def rule_backward(
     dims = {"C": c, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": prec}
     ks = max(MIN_DOT, min(BWD_KS, cfg.bk))
     _bwd_local_kernel[(n, hv)](
-        qf, kf, d_out, plan.chunks, gcum, dvl, scale, sq, sk, hk, hv, dk, dv, rep, **dims, num_warps=BWD_WARPS
-    )
+        qf, kf, d_out, plan.chunks, gcum, dvl, scale, sq, sk, hk, hv, dk, dv, rep, **dims, num_warps=BWD_WARPS,
+        **_maxnreg(BWD_MAXNREG),
+    )  # fmt: skip
     _bwd_chain_kernel[(plan.nchains, hv, triton.cdiv(dv, chain_bv))](
         qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, scale, sq, hk, hv, dk, dv, rep,
-        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS,
+        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS, **_maxnreg(BWD_CHAIN_MAXNREG),
     )  # fmt: skip
     _bwd_output_kernel[(n, hv)](
         qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep,
-        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS,
+        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **_maxnreg(BWD_MAXNREG),
     )  # fmt: skip
     _bwd_wy_kernel[(n, hv)](
         kf, vf, bf, plan.chunks, du, tinv, gcum, dwm, dgp, dkk, dvv, db, dg, sk, sv, sb, hk, hv, dk, dv, rep,
-        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS,
+        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **_maxnreg(BWD_MAXNREG),
     )  # fmt: skip
     if rep > 1:  # value heads -> their key head, in a fixed order
         dq, dkk = (x.view(t, hk, rep, dk).sum(2) for x in (dq, dkk))
