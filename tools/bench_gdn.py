@@ -18,7 +18,9 @@ Timings (median ms, ``triton.testing.do_bench``; Python wrapper time included, n
 - ``decode``: one token for each of B sequences, each mid-chunk, from its cached state (ours: the scan kernel
   from the running state; FLA: ``fused_recurrent_gated_delta_rule`` with ``initial_state`` [B, Hv, Dk, Dv]
   fp32). Ours is timed with its per-call plan cached, as in a model forward where every GDN layer reuses
-  the plan of the first.
+  the plan of the first. ``ours_kernel_ms`` / ``fla_kernel_ms`` (and ``ours_over_fla_kernels``): the device time
+  of each side's kernels alone (torch.profiler), since a decode step is short enough for the Python wrapper to
+  show in the ``do_bench`` figure (H200, batch 64: FLA's 0.093 ms kernel read 0.097-0.111 ms there).
 
 Mismatch (``mismatch`` in the JSON), on one sequence of ``--mm-prompt`` prompt + ``--mm-decode`` decoded
 tokens, random inputs shaped like the model's (q, k l2-normalised; v ~ N(0, 1); g = -exp(A_log) *
@@ -353,15 +355,38 @@ def _decode_fla(fla_rec, inputs: tuple[torch.Tensor, ...]):
     return lambda: fla_rec(fq, fk, fv, fg, beta=fb, scale=D**-0.5, initial_state=h0, output_final_state=True)
 
 
+def _kernel_ms(fn, iters: int = 5) -> float | None:
+    """Device time of ``fn``'s kernels per call (torch.profiler, after one warm call): the kernels alone, without
+    the Python wrapper that ``do_bench``'s figure includes wherever the host is slower than the device. None off
+    the GPU."""
+    if DEVICE != "cuda":
+        return None
+    from megatron_iso.bench.profiling import kernel_launches
+
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(k["device_ms"] for k in kernel_launches(prof)) / iters
+
+
 def bench_decode(n: int, quick: bool) -> dict:
     _, fla_rec, _ = _fla()
     ours, inputs = _decode_ours(n)
     row: dict = {"case": "decode", "batch": n}
     with torch.no_grad():
         row["ours_ms"] = _bench(ours, quick)
+        row["ours_kernel_ms"] = _kernel_ms(ours)
         if fla_rec is not None:
-            row["fla_ms"] = _bench(_decode_fla(fla_rec, inputs), quick)
+            fla = _decode_fla(fla_rec, inputs)
+            row["fla_ms"] = _bench(fla, quick)
+            row["fla_kernel_ms"] = _kernel_ms(fla)
             row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
+            if row["ours_kernel_ms"] and row["fla_kernel_ms"]:
+                row["ours_over_fla_kernels"] = row["ours_kernel_ms"] / row["fla_kernel_ms"]
     return row
 
 
@@ -739,8 +764,12 @@ def _print_row(row: dict) -> None:
     elif case in ("prefill", "decode"):
         shape = f"T={row['T']}" if case == "prefill" else f"B={row['batch']}"
         fla_ms = row.get("fla_ms", math.nan)
+        kernels = ""
+        if "ours_over_fla_kernels" in row:
+            kernels = (f" | kernels alone: ours {row['ours_kernel_ms']:.3f} ms, fla {row['fla_kernel_ms']:.3f} ms, "
+                       f"ours/fla {row['ours_over_fla_kernels']:.2f}")  # fmt: skip
         print(f"{case} {shape}: ours {row['ours_ms']:.3f} ms, fla {fla_ms:.3f} ms, ours/fla "
-              f"{row['ours_ms'] / fla_ms:.2f}", flush=True)  # fmt: skip
+              f"{row['ours_ms'] / fla_ms:.2f}{kernels}", flush=True)  # fmt: skip
     else:
         print(f"mismatch prompt={row['prompt']} decode={row['decode']}:", flush=True)
         for key in ("ours_train_vs_rollout", "ours_vs_fp64", "fla_train_vs_rollout", "fla_chunk_vs_recurrent",
