@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_iso.ops.gdn import BACKWARD_STATES, gdn_profile_fields
+from megatron_iso.ops.gdn import check_backward_states, gdn_profile_fields
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROFILES = ("correctness", "performance")
@@ -62,11 +62,7 @@ def gdn_fields(model: Any, profile: Any, rl: Any = None) -> dict[str, Any]:
     if chunk < 1:
         raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
     form, precision = gdn_profile_fields(profile)
-    backward_states = str(_get(rl, "gdn_backward_states", "keep"))
-    if backward_states not in BACKWARD_STATES:
-        raise ValueError(
-            f"rl.gdn_backward_states={backward_states!r} is not allowed; allowed values: {list(BACKWARD_STATES)}"
-        )
+    backward_states = check_backward_states(str(_get(rl, "gdn_backward_states", "keep")), "rl.gdn_backward_states")
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
         raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")

@@ -228,5 +228,7 @@ def test_gdn_backward_states_reaches_the_layer_and_bad_values_are_named():
     with pytest.raises(ValueError, match=r"rl.gdn_backward_states='all' is not allowed; allowed values: \['keep', 'r"):
         gdn_fields(cfg.model, cfg.profile, {"gdn_backward_states": "all"})
     x = [torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1), torch.zeros(3, 1)]
-    with pytest.raises(ValueError, match=r"backward_states='all' is not allowed \(rl.gdn_backward_states\)"):
+    with pytest.raises(
+        ValueError, match=r"backward_states \(rl.gdn_backward_states\)='all' is not allowed; allowed values: \['keep'"
+    ):
         gated_delta_rule(*x, torch.tensor([0, 3]), backward_states="all")

@@ -25,6 +25,14 @@ TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
 BACKWARD_STATES = ("keep", "recompute")
 
 
+def check_backward_states(value: str, field: str) -> str:
+    """``value`` if it is one of :data:`BACKWARD_STATES`, else a ValueError naming ``field`` and the allowed values
+    (the one check, for the op's argument and for the config's ``rl.gdn_backward_states``)."""
+    if value not in BACKWARD_STATES:
+        raise ValueError(f"{field}={value!r} is not allowed; allowed values: {list(BACKWARD_STATES)}")
+    return value
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -98,11 +106,7 @@ def gated_delta_rule(
     ``form`` and ``dot_precision`` (profile.gdn_form, profile.gdn_dot_precision) choose among the GPU kernels
     (cuda, profile correctness; docs/GDN.md "Output forms"); elsewhere only the scan form at the implementation's own
     precision exists, and anything else is refused rather than ignored."""
-    if backward_states not in BACKWARD_STATES:
-        raise ValueError(
-            f"gated_delta_rule: backward_states={backward_states!r} is not allowed (rl.gdn_backward_states); "
-            f"allowed values: {list(BACKWARD_STATES)}"
-        )
+    check_backward_states(backward_states, "gated_delta_rule: backward_states (rl.gdn_backward_states)")
     fn = select("gated_delta_rule", q, profile, TRITON_MODULE)
     device_class = device_class_of(q)
     if not gdn_choice_runs_here(form, dot_precision, device_class, profile):
@@ -123,6 +127,7 @@ __all__ = [
     "GDNLayerState",
     "GDNStateCache",
     "causal_conv1d",
+    "check_backward_states",
     "gated_delta_rule",
     "gdn_choice_runs_here",
     "gdn_gates",
