@@ -562,10 +562,12 @@ def profile_case(spec: str, iters: int) -> dict:
     return row
 
 
-def kernel_resources(dot_precision: str | None = None) -> dict:
+def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = None) -> dict:
     """Registers, spills and shared memory of the GDN state-pass and scan kernels at the bench shape,
     compiled for sm_90a on this machine (no GPU needed: Triton's bundled ptxas). The numbers ptxas reports
-    are static (per kernel), not dynamic counts; a kernel that spills keeps its tiles in local memory."""
+    are static (per kernel), not dynamic counts; a kernel that spills keeps its tiles in local memory.
+    ``sass_dir``: also each kernel's SASS (Triton's bundled nvdisasm) as ``<kernel>[.<variant>].sass``, to see
+    how loads are scheduled against the arithmetic that waits on them."""
     import re
     import subprocess as sp
     import tempfile
@@ -643,6 +645,12 @@ def kernel_resources(dot_precision: str | None = None) -> dict:
             src.write_text(k.asm["ptx"])
             log = sp.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
                          capture_output=True, text=True, check=True).stderr  # fmt: skip
+            if sass_dir is not None:
+                sass = sp.run([str(ptxas.with_name("nvdisasm")), "-c", str(Path(tmp) / "k.o")],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+                sass_dir.mkdir(parents=True, exist_ok=True)
+                variant = f".{dot_precision.replace(':', '_').replace('/', '_')}" if dot_precision else ""
+                (sass_dir / f"{name}{variant}.sass").write_text(sass)
 
         def num(pattern: str, log: str = log) -> int | None:
             m = re.search(pattern, log)
@@ -893,6 +901,8 @@ def main() -> int:
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
                     "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
+    ap.add_argument("--sass", metavar="DIR", help="with --resources: also write each kernel's SASS (nvdisasm) "
+                    "into DIR")  # fmt: skip
     ap.add_argument("--dot-precision", nargs="+", metavar="V", help="time variants of our rule: a dot precision "
                     "(ieee, tf32x3, tf32, bf16, or PREP/CHAIN such as ieee/tf32x3), optionally after an output form "
                     "(chunk:bf16, scan:tf32): per variant the training forward, the first --prefill length, decode at "
@@ -911,6 +921,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.mm_prompt < 1 or args.mm_decode < 0:
         ap.error("--mm-prompt must be >= 1 and --mm-decode >= 0")
+    if args.sass and not args.resources:
+        ap.error("--sass goes with --resources (the SASS of the kernels it compiles)")
     DEVICE = args.device
     _set_shape(args.shape)
     _apply_tune(args.tune)
@@ -921,7 +933,12 @@ def main() -> int:
             except ValueError as e:
                 ap.error(f"--dot-precision {p!r}: {e}")
     if args.resources:
-        res = {p: kernel_resources(p) for p in args.dot_precision} if args.dot_precision else kernel_resources()
+        sass = Path(args.sass) if args.sass else None
+        res = (
+            {p: kernel_resources(p, sass) for p in args.dot_precision}
+            if args.dot_precision
+            else kernel_resources(sass_dir=sass)
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**_meta(args), "resources": res}, indent=1))
         return 0
