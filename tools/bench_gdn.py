@@ -355,21 +355,39 @@ def _decode_fla(fla_rec, inputs: tuple[torch.Tensor, ...]):
     return lambda: fla_rec(fq, fk, fv, fg, beta=fb, scale=D**-0.5, initial_state=h0, output_final_state=True)
 
 
+def _profiled_calls(fn, iters: int, warm: int = 2) -> tuple[torch.profiler.profile, float, float]:
+    """``iters`` calls of ``fn`` under torch.profiler (CUDA activity on the GPU), after ``warm`` unprofiled ones:
+    the profile, the host seconds spent inside the calls, and the wall seconds of all of them with a final sync."""
+    cuda = DEVICE == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(warm):
+        fn()
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    host = 0.0
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t1 = time.perf_counter()
+            fn()
+            host += time.perf_counter() - t1
+        sync()
+        wall = time.perf_counter() - t0
+    return prof, host, wall
+
+
 def _kernel_ms(fn, iters: int = 5) -> float | None:
-    """Device time of ``fn``'s kernels per call (torch.profiler, after one warm call): the kernels alone, without
-    the Python wrapper that ``do_bench``'s figure includes wherever the host is slower than the device. None off
-    the GPU."""
+    """Device time of ``fn``'s kernels per call: the kernels alone, without the Python wrapper that ``do_bench``'s
+    figure includes wherever the host is slower than the device. None off the GPU."""
     if DEVICE != "cuda":
         return None
     from megatron_iso.bench.profiling import kernel_launches
 
-    fn()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
+    prof, _, _ = _profiled_calls(fn, iters, warm=1)
     return sum(k["device_ms"] for k in kernel_launches(prof)) / iters
 
 
@@ -524,27 +542,9 @@ def profile_case(spec: str, iters: int) -> dict:
             f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, flatrain:BxT, prefill:T, decode:B or fladecode:B"
         )
     cuda = DEVICE == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     # the training forwards run with inputs that require grad, as in the bench
-    grad = kind.startswith(("train", "flatrain"))
-    with torch.set_grad_enabled(grad):
-        for _ in range(2):
-            fn()
-        sync()
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        host = 0.0
-        with torch.profiler.profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                t1 = time.perf_counter()
-                fn()
-                host += time.perf_counter() - t1
-            sync()
-            wall = time.perf_counter() - t0
+    with torch.set_grad_enabled(kind.startswith(("train", "flatrain"))):
+        prof, host, wall = _profiled_calls(fn, iters)
     summary = summarize(prof, 15, device=cuda)
     kernels = kernel_launches(prof) if cuda else []
     busy = summary["device_busy_s"]

@@ -1,5 +1,6 @@
 """Seeded random inputs of the gated delta rule for tests: the one recipe the CPU, interpreter and GPU
-tests share, so their cases draw the same numbers."""
+tests share, so their cases draw the same numbers; and the backward's bitwise claims checked in one place
+(:func:`checked_rule_grads`), for the interpreter check and the GPU test alike."""
 
 from __future__ import annotations
 
@@ -20,3 +21,24 @@ def random_gdn_inputs(
     a, b = torch.randn(n, hv, generator=gen) * 2, torch.randn(n, hv, generator=gen)
     g, beta = gdn_gates(a, b, torch.rand(hv, generator=gen).mul(2).log(), torch.ones(hv))
     return tuple(t.to(device) for t in (q, k, v, g, beta))
+
+
+def checked_rule_grads(rule, x: tuple[torch.Tensor, ...], cu: torch.Tensor, w: torch.Tensor, **kw) -> list:
+    """Gradients of ``(rule(*x, cu, **kw) * w).sum()`` for q, k, v, g, beta, once the backward's own claims hold bit
+    for bit: the forward under autograd equals the plain forward, a second backward gives the same gradients, and
+    so does one that recomputes the state pass (``keep_states=False``) instead of keeping it. The interpreter check
+    and the GPU test hold these gradients to an fp64 reference at their own tolerances."""
+    from megatron_iso.testing.bits import same_bits
+
+    def grads(**extra) -> list:
+        leaves = [t.clone().requires_grad_(True) for t in x]
+        y = rule(*leaves, cu, **kw, **extra)
+        assert same_bits(y.detach(), rule(*x, cu, **kw, **extra)), f"{kw}: forward bits under autograd"
+        (y * w).sum().backward()
+        return [t.grad for t in leaves]
+
+    first, second = grads(), grads()
+    assert all(same_bits(a, b) for a, b in zip(first, second, strict=True)), f"{kw}: backward not deterministic"
+    kept = grads(keep_states=False)
+    assert all(same_bits(a, b) for a, b in zip(first, kept, strict=True)), f"{kw}: keep_states changed the grads"
+    return first

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_iso.testing.bits import same_bits
+from megatron_iso.testing.gdn_inputs import checked_rule_grads, random_gdn_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,8 +39,6 @@ def gt():
 
 
 def inputs(n: int, seed: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda"):
-    from megatron_iso.testing.gdn_inputs import random_gdn_inputs
-
     return random_gdn_inputs(n, seed, hk=hk, hv=hv, dk=d, dv=d, device=device)
 
 
@@ -344,20 +343,10 @@ def test_backward_deterministic_and_close_to_reference(gt, chunk, d, variant):
     n = sum(lengths)
     x = inputs(n, 9, d)
     w = torch.randn(n, HV, d, generator=torch.Generator().manual_seed(1)).cuda()
-    grads = []
-    for _ in range(2):
-        leaves = [t.clone().requires_grad_(True) for t in x]
-        y = gt.gated_delta_rule(*leaves, cu(lengths), **kw)
-        assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu(lengths), **kw)), "forward bits under autograd"
-        (y * w).sum().backward()
-        grads.append([t.grad for t in leaves])
-    assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), "backward not deterministic"
-    leaves = [t.clone().requires_grad_(True) for t in x]
-    (gt.gated_delta_rule(*leaves, cu(lengths), keep_states=False, **kw) * w).sum().backward()
-    assert all(same_bits(a, t.grad) for a, t in zip(grads[0], leaves, strict=True)), "keep_states changed the grads"
+    grads = checked_rule_grads(gt.gated_delta_rule, x, cu(lengths), w, **kw)
     lr = [t.cpu().double().requires_grad_(True) for t in x]
     (ref.gated_delta_rule(*lr, cu(lengths, "cpu"), chunk=chunk) * w.cpu().double()).sum().backward()
-    for name, a, r in zip("qkvgb", grads[0], lr, strict=True):
+    for name, a, r in zip("qkvgb", grads, lr, strict=True):
         rel = maxdiff(a, r.grad) / float(r.grad.abs().max())
         assert rel < BACKWARD_TOLERANCE[variant], f"grad {name}: relative error {rel:.2e}"
 

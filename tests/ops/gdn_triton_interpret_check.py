@@ -35,7 +35,7 @@ from megatron_iso.ops.gdn import GDNLayerState
 from megatron_iso.ops.gdn import gdn_triton as gt
 from megatron_iso.ops.gdn import reference as ref
 from megatron_iso.testing.bits import same_bits
-from megatron_iso.testing.gdn_inputs import random_gdn_inputs
+from megatron_iso.testing.gdn_inputs import checked_rule_grads, random_gdn_inputs
 
 HK, HV, D, C = 2, 4, 8, 8
 t_start = time.time()
@@ -373,21 +373,10 @@ def check_grads() -> None:
         x = random_gdn_inputs(24, 9, hk=HK, hv=HV, dk=D, dv=dv)
         w8 = torch.randn(24, HV, dv, generator=gen)
         kw = {"chunk": C, "form": form, "dot_precision": prec}
-        grads = []
-        for _ in range(2):
-            lv = [t.clone().requires_grad_(True) for t in x]
-            y = gt.gated_delta_rule(*lv, cu(lengths), **kw)
-            assert same_bits(y.detach(), gt.gated_delta_rule(*x, cu(lengths), **kw)), "forward bits under autograd"
-            (y * w8).sum().backward()
-            grads.append([t.grad for t in lv])
-        assert all(same_bits(a, b) for a, b in zip(*grads, strict=True)), f"{form}: backward not deterministic"
-        if form == "chunk":  # states recomputed in the backward instead of kept: the same kernels, the same bits
-            lv = [t.clone().requires_grad_(True) for t in x]
-            (gt.gated_delta_rule(*lv, cu(lengths), keep_states=False, **kw) * w8).sum().backward()
-            assert all(same_bits(a, t.grad) for a, t in zip(grads[0], lv, strict=True)), "keep_states changed the grads"
+        grads = checked_rule_grads(gt.gated_delta_rule, x, cu(lengths), w8, **kw)
         lr = [t.double().requires_grad_(True) for t in x]
         (ref.gated_delta_rule(*lr, cu(lengths), chunk=C) * w8.double()).sum().backward()
-        for name, p, r in zip("qkvgb", grads[0], lr, strict=True):
+        for name, p, r in zip("qkvgb", grads, lr, strict=True):
             e = float((p.double() - r.grad).abs().max() / r.grad.abs().max())
             assert e < 1e-5, f"{form} Dv {dv} grad {name}: {e:.2e}"
     xc = torch.randn(9, 12, generator=gen, requires_grad=True)
