@@ -1,6 +1,7 @@
-"""The GDN Triton module's call plan (host side, no kernels): which chunks, chains and buffer copies a call gets, per
-output form. Bitwise behaviour is tested under the interpreter (test_gdn_triton_interpret.py) and on the GPU; these
-pin the tables those kernels read (columns: ``_prep_kernel``'s and ``_chain_kernel``'s docstrings)."""
+"""The GDN Triton module's host side (no kernels): the call plan (which chunks, chains and buffer copies a call gets,
+per output form) and the backward's key-head sum. Bitwise behaviour is tested under the interpreter
+(test_gdn_triton_interpret.py) and on the GPU; these pin the tables those kernels read (columns: ``_prep_kernel``'s
+and ``_chain_kernel``'s docstrings)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,23 @@ def test_bad_form_and_precision_are_named():
         gt.config_for(8, 8, C, "ieee", "spiral")
     with pytest.raises(ValueError, match="form='chunk' with dot_precision='tf32x3'"):
         gt.config_for(8, 8, C, "tf32x3", "chunk")
+
+
+@pytest.mark.parametrize("rep", [1, 2, 3])
+def test_key_head_sum_adds_each_key_heads_value_heads_in_order(rep):
+    """The backward's dq/dk per value head -> per key head: value heads ``j * rep .. j * rep + rep - 1`` of key head
+    j, added left to right (bit patterns of an explicit fp32 loop), never mixing key heads."""
+    from megatron_iso.ops.gdn.gdn_triton_backward import key_head_sum
+
+    hk, d = 3, 5
+    x = torch.randn(7, hk * rep, d)
+    got = key_head_sum(x, hk)
+    want = torch.empty(7, hk, d)
+    for j in range(hk):
+        acc = x[:, j * rep]
+        for r in range(1, rep):
+            acc = acc + x[:, j * rep + r]
+        want[:, j] = acc
+    assert got.shape == (7, hk, d)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert got.data_ptr() != x.data_ptr()  # a new tensor even for rep == 1 (callers may write to it)
