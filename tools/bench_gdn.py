@@ -585,7 +585,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
     cfg = G.config_for(D, D, CHUNK, prec, form or G.FORM)
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
-    bf16_ptrs = set()  # the pointers a call at this variant passes bf16 tensors to (the rest: fp32)
+    bf16_ptrs = {"entry_bf16_ptr"}  # the pointers a call at this variant passes bf16 tensors to (the rest: fp32)
     if cfg.mid_bf16:
         bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
     bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())

@@ -11,11 +11,13 @@
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   flaprof   90   bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward (our budget)
-#   gdndot   300   bench_gdn --dot-precision $GDN_VARIANTS (default ieee tf32x3 tf32): variants of the rule, dot
-#                  precision and output form (chunk:bf16 ...): train fwd, prefill 1024, decode 64, accuracy, bits
+#   gdndot   300   bench_gdn --dot-precision $GDN_VARIANTS (default ieee tf32x3 tf32) $GDN_BENCH_ARGS: variants of
+#                  the rule, dot precision and output form (chunk:bf16 ...): train fwd (+bwd), prefill 1024, decode
+#                  64, accuracy, bits
 #   gdntune  200   bench_gdn --profile train:8x4096 per tuning variant in GDN_TUNES (";"-separated --tune sets;
 #                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms;
-#                  GDN_TUNE_CASE=trainbwd: forward + backward (e.g. GDN_TUNES="@chunk:bf16;@chunk:bf16 BWD_KS=16")
+#                  GDN_TUNE_CASE=trainbwd: forward + backward (e.g. GDN_TUNES="@chunk:bf16;@chunk:bf16 BWD_KS=16");
+#                  GDN_TUNE_CASE=decode:64: the decode step; GDN_TUNE_TAG: a prefix for this sweep's JSON names
 #   gdnbwd   200   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
 #                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd
 #   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)
@@ -61,11 +63,12 @@ for s in "$@"; do
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     flaprof) step flaprof 90 24 python3 tools/bench_gdn.py --profile flatrain:8x4096 --out "$OUT/fla_prof_train.json" ;;
-    gdndot)  # GDN_VARIANTS: the variants (default the state pass's precisions), e.g. "chunk:bf16 chunk:tf32"
+    gdndot)  # GDN_VARIANTS: the variants (default the state pass's precisions), e.g. "chunk:bf16 chunk:tf32";
+      # GDN_BENCH_ARGS: more bench_gdn arguments (e.g. "--fla-bwd-unchecked --tune DECODE_MAXNREG=168")
       # shellcheck disable=SC2086
-      step gdndot 300 14 python3 tools/bench_gdn.py --quick --prefill 1024 --decode 64 \
-        --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} --out "$OUT/bench_gdn_dot.json" ;;
-    gdntune) step gdntune 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
+      step "gdndot${GDN_TUNE_TAG:-}" 300 14 python3 tools/bench_gdn.py --quick --prefill 1024 --decode 64 \
+        --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} ${GDN_BENCH_ARGS:-} --out "$OUT/bench_gdn_dot${GDN_TUNE_TAG:-}.json" ;;
+    gdntune) step "gdntune${GDN_TUNE_TAG:-}" 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
     gdnbwd)
       step gdnbwd 140 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
         --out "$OUT/bench_gdn_bwd.json"

@@ -323,13 +323,15 @@ def test_gpu_only_forms_and_precisions_are_refused_on_cpu():
 
 
 def test_state_cache_holds_only_its_forms_state():
-    """The scan form's decode reads ``running``, the chunk form's ``buf_u``: each cache allocates the one its form
-    reads (the other empty, slots kept), and an unknown form is named."""
+    """The scan form's decode reads ``running``, the chunk form's ``buf_u`` and ``entry_bf16``: each cache allocates
+    what its form reads (the rest empty, slots kept), and an unknown form is named."""
     shape = {"conv_dim": 4, "conv_kernel": 4, "key_heads": HK, "value_heads": HV, "key_dim": D, "value_dim": D,
              "chunk": 8, "dtype": torch.float32}  # fmt: skip
     scan, chunk = (GDNLayerState.allocate(3, form=f, **shape) for f in ("scan", "chunk"))
     assert scan.running.shape == (3, HV, D, D) and scan.buf_u.shape == (3, 0, 0, 0)
     assert chunk.running.shape == (3, 0, 0, 0) and chunk.buf_u.shape == (3, 8, HV, D)
     assert scan.entry.shape == chunk.entry.shape == (3, HV, D, D)
+    assert scan.entry_bf16.shape == (3, 0, 0, 0) and chunk.entry_bf16.shape == (3, HV, D, D)
+    assert chunk.entry_bf16.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"form='tiles' is not allowed; allowed values: \['scan', 'chunk'\]"):
         GDNLayerState.allocate(3, form="tiles", **shape)

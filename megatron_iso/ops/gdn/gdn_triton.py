@@ -712,7 +712,7 @@ def _decode_prep_kernel(
 
 @triton.jit
 def _chain_kernel(
-    chain_ptr, entry_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
+    chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
     HV, DK, DV,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
     ENTRIES: tl.constexpr,
@@ -720,8 +720,9 @@ def _chain_kernel(
     """Per (sequence, value head, Dv block): entry -> exit state over the sequence's chunks.
 
     chain row (int32 x 6): first chunk index, number of chunks, entry kind (0 zeros / 1 entry_ptr
-    row), entry row (the slot), write back (1: store the last state into entry_ptr's row), last open (1: the
-    last chunk does not close; its u is computed and stored, its exit state is not).
+    row), entry row (the slot), write back (1: store the last state into entry_ptr's row; with ENTRIES also its bf16
+    rounding into entry_bf16_ptr's, ``GDNLayerState.entry_bf16``), last open (1: the last chunk does not close; its
+    u is computed and stored, its exit state is not).
 
     ``ex_ptr`` row of chunk j: its exit state (scan form), or with ENTRIES (chunk form) its entry state, which the
     output kernel reads; u is then stored into ``u_ptr`` on every path (``u_ptr`` may be U0 itself: each program
@@ -813,6 +814,8 @@ def _chain_kernel(
                 tl.debug_barrier()  # the next chunk reads this state's row blocks stored by other threads
     if wb == 1:
         tl.store(entry_ptr + erow * hsz + st, e, mask=m2)
+        if ENTRIES:
+            tl.store(entry_bf16_ptr + erow * hsz + st, e.to(tl.bfloat16), mask=m2)
 
 
 @triton.jit
@@ -856,14 +859,16 @@ def _chunk_out_kernel(
 
 @triton.jit
 def _decode_row_kernel(
-    q_ptr, chunk_ptr, chain_ptr, entry_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr, o_ptr,
+    q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
+    o_ptr,
     scale, SQ, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: per (sequence, value head,
     Dv block) the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s U0, W and P rows and
-    the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic), stored into ``buf_u``;
+    the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic; with bf16 dots E from ``entry_bf16``), stored
+    into ``buf_u``;
     ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
     chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
     order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
@@ -889,7 +894,10 @@ def _decode_row_kernel(
     st = (h * DK + ok[:, None]) * DV + ov[None, :]
     hsz = HV * DK * DV
     base = sid * HV + h
-    e = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
+    if PREC == "bf16":  # E as the dots round it, stored so at the chunk's close: the same bits from half the bytes
+        e = tl.load(entry_bf16_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
+    else:
+        e = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
     u_prev = tl.load(  # buf_u's rows before t (this slot's, from earlier calls)
         (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
         mask=(ot < t)[:, None] & mv[None, :],
@@ -944,8 +952,10 @@ def _decode_row_kernel(
             kdfull = tl.load((kd_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :])
             ec = _dot(tl.trans(kdfull), u_all, ec, PREC)
         tl.store(entry_ptr + erow * hsz + st, ec, mask=m2)
+        tl.store(entry_bf16_ptr + erow * hsz + st, ec.to(tl.bfloat16), mask=m2)
     else:  # a fresh sequence's open chunk keeps a zero entry state for the next step
         tl.store(entry_ptr + erow * hsz + st, tl.zeros([BK, BV], dtype=tl.float32), mask=m2 & (ekind == 0))
+        tl.store(entry_bf16_ptr + erow * hsz + st, tl.zeros([BK, BV], dtype=tl.bfloat16), mask=m2 & (ekind == 0))
 
 
 @triton.jit
@@ -1214,6 +1224,7 @@ def _plan(
 
 # ---------------------------------------------------------------------------------- the rule
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read in-kernel, widened exactly to fp32
+_FP32_BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta", "buf_u", "buf_tinv")  # the state cache's fp32 rows
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1321,13 +1332,24 @@ def _no_state(ex: torch.Tensor) -> torch.Tensor:
     return ex if ex.dtype == torch.float32 else torch.empty(1, dtype=torch.float32, device=ex.device)
 
 
+def _no_entries(ex: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain's ``entry`` / ``entry_bf16`` pointers of a call without a state cache (never read or written: no
+    chain writes back): fp32 and bf16 like the cache's, for the same compiled kernels."""
+    return _no_state(ex), torch.empty(1, dtype=torch.bfloat16, device=ex.device)
+
+
 def _state_pass(
-    plan: _Plan, prep_rows: tuple, buffers: tuple, entry: torch.Tensor, ex: torch.Tensor, cfg: GDNConfig
+    plan: _Plan,
+    prep_rows: tuple,
+    buffers: tuple,
+    entries: tuple[torch.Tensor, torch.Tensor],
+    ex: torch.Tensor,
+    cfg: GDNConfig,
 ) -> tuple[torch.Tensor, ...]:
     """Prep and chain kernels over a plan's chunks and chains: u (chunk form; the scan form: U0), W, KD, e^{G_C}, G
     and T^{-1} per chunk (:func:`prep_chunks`); ``ex`` (:func:`_state_rows`) gets each chunk's exit (scan form) or
     entry state (chunk form). The chunk form's u is a tensor of its own in ``cfg.mid_dtype``, or over U0 when that
-    is fp32."""
+    is fp32. ``entries``: the state cache's ``entry`` and ``entry_bf16`` (without a cache, :func:`_no_entries`)."""
     # no chunk: a chain may still store its (zero) entry state into the cache
     terms = prep_chunks(prep_rows, buffers, plan.chunks, cfg) if plan.nchunks else (ex,) * 6
     u0, w, kd, egc, gcum, tinv = terms
@@ -1336,7 +1358,7 @@ def _state_pass(
     hv, dk, dv = ex.shape[1:]
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
-            plan.chains, entry, u0, u, w, kd, egc, ex, hv, dk, dv,
+            plan.chains, *entries, u0, u, w, kd, egc, ex, hv, dk, dv,
             C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
             ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES, **_maxnreg(CHAIN_MAXNREG),
         )  # fmt: skip
@@ -1392,31 +1414,36 @@ def _rule_forward(
     chunk_form = cfg.form == "chunk"
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
-        for name in ("buf_k", "buf_v", "buf_g", "buf_beta", "buf_u", "buf_tinv"):
+        for name, dtype in (*((b, torch.float32) for b in _FP32_BUFFERS), ("entry_bf16", torch.bfloat16)):
             buf = getattr(state, name)
-            if buf.dtype != torch.float32 or not buf.is_contiguous():
-                raise ValueError(f"gated_delta_rule: state.{name} must be contiguous fp32")
-        needs = {"buf_u": (chunk, hv, dv), "buf_tinv": (hv, chunk, chunk)} if chunk_form else {"running": (hv, dk, dv)}
+            if buf.dtype != dtype or not buf.is_contiguous():
+                raise ValueError(f"gated_delta_rule: state.{name} must be contiguous {dtype}")
+        needs = (
+            {"buf_u": (chunk, hv, dv), "buf_tinv": (hv, chunk, chunk), "entry_bf16": (hv, dk, dv)}
+            if chunk_form
+            else {"running": (hv, dk, dv)}
+        )
         for name, shape in needs.items():
             if tuple(getattr(state, name).shape[1:]) != shape:
                 raise ValueError(
                     f"gated_delta_rule: form={cfg.form!r} reads state.{name}, but this state cache was allocated for "
                     f"the other form (GDNLayerState.allocate(..., form={cfg.form!r}); profile.gdn_form)"
                 )
-        entry, running = state.entry, state.running
+        entries, running = (state.entry, state.entry_bf16), state.running
     else:
-        bk = bvv = bg = bb = entry = running = _no_state(ex)
+        bk = bvv = bg = bb = running = _no_state(ex)
+        entries = _no_entries(ex)
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
         u0, w, kd, egc, gcum, p = _decode_prep((qf, sq), prep_rows, (bk, bvv, bg, bb), state.buf_tinv, plan.chunks,
                                                cfg, scale)  # fmt: skip
         _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
-            qf, plan.chunks, plan.chains, entry, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
+            qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
             rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
             ROWS=decode_rows(chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **_maxnreg(DECODE_MAXNREG),
         )  # fmt: skip
         return out
-    terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entry, ex, cfg)
+    terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entries, ex, cfg)
     u, gcum = terms[0], terms[4]
     if kept is not None and chunk_form:
         kept.update(plan=plan, states=(*terms, ex))
@@ -1518,7 +1545,7 @@ class _RuleFunction(torch.autograd.Function):
             plan = _cached_plan(ctx.cu, None, None, cfg.chunk, False, q.device, 0, "chunk")
             ex = _state_rows(plan.nchunks, hv, dk, dv, cfg, q.device)
             unused = _no_state(ex)
-            states = (*_state_pass(plan, rows[1:], (unused,) * 4, unused, ex, cfg), ex)
+            states = (*_state_pass(plan, rows[1:], (unused,) * 4, _no_entries(ex), ex, cfg), ex)
         grads = rule_backward(d_out, rows, (hk, dk, hv, dv), plan, tuple(states), cfg, ctx.scale)
         return (*(d.to(x.dtype) for d, x in zip(grads, inputs, strict=True)), None, None, None)
 

@@ -5,6 +5,7 @@ For each GDN layer and cache slot:
 - ``conv``: the last ``K - 1`` inputs of the causal conv (pre-activation q/k/v channels);
 - ``running``: the recurrent-scan state after the sequence's last token (fp32; the scan form's, empty for the chunk form);
 - ``entry``: the entry state of the sequence's open chunk, as the chunked state pass computed it (fp32);
+  ``entry_bf16``: the same rounded to bf16 (chunk form: what its bf16 decode dots read);
 - ``buf_*``: the open chunk's tokens so far (k, v, g, beta; fp32), so that when the chunk closes the
   state pass can be re-run over the whole chunk, exactly as the training forward runs it; ``buf_u``: their u rows
   (the GPU kernels' chunk form, whose decode step reads the earlier rows instead of recomputing them); ``buf_tinv``:
@@ -35,6 +36,9 @@ class GDNLayerState:
     conv: torch.Tensor  # [slots, conv_dim, K - 1] (model dtype)
     running: torch.Tensor  # [slots, Hv, Dk, Dv] fp32 (form "scan"; [slots, 0, 0, 0] for "chunk")
     entry: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
+    # [slots, Hv, Dk, Dv] bf16: ``entry`` rounded to bf16, the operand a bf16 decode dot rounds it to anyway, so a
+    # decode step reads half the bytes for the same bits (form "chunk"; [slots, 0, 0, 0] for "scan")
+    entry_bf16: torch.Tensor
     buf_k: torch.Tensor  # [slots, C, Hk, Dk] fp32
     buf_v: torch.Tensor  # [slots, C, Hv, Dv] fp32
     buf_g: torch.Tensor  # [slots, C, Hv] fp32 (log decay)
@@ -62,8 +66,8 @@ class GDNLayerState:
         device: torch.device | str = "cpu",
         form: str = "scan",
     ) -> GDNLayerState:
-        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``buf_u`` / ``buf_tinv`` (chunk) the kernels
-        read; the others are allocated empty, so the cache holds no state its form never touches."""
+        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``entry_bf16`` / ``buf_u`` / ``buf_tinv``
+        (chunk) the kernels read; the others are allocated empty, so the cache holds no state its form never touches."""
         if form not in OUTPUT_FORMS:
             raise ValueError(f"GDN state cache: form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
         f32 = {"dtype": torch.float32, "device": device}
@@ -72,6 +76,9 @@ class GDNLayerState:
             conv=torch.zeros(slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device),
             running=torch.zeros(slots, *((value_heads, key_dim, value_dim) if scan else (0, 0, 0)), **f32),
             entry=torch.zeros(slots, value_heads, key_dim, value_dim, **f32),
+            entry_bf16=torch.zeros(
+                slots, *((0, 0, 0) if scan else (value_heads, key_dim, value_dim)), dtype=torch.bfloat16, device=device
+            ),
             buf_k=torch.zeros(slots, chunk, key_heads, key_dim, **f32),
             buf_v=torch.zeros(slots, chunk, value_heads, value_dim, **f32),
             buf_g=torch.zeros(slots, chunk, value_heads, **f32),
