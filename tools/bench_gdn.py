@@ -613,7 +613,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     ks = max(G.MIN_DOT, min(B.BWD_KS, cfg.bk))
     kernels.update({
         "_bwd_local_kernel": (B._bwd_local_kernel, bwd_dims, B.BWD_WARPS, 3),
-        "_bwd_chain_kernel": (B._bwd_chain_kernel, chain_bv, B.BWD_CHAIN_WARPS, 3),
+        "_bwd_chain_kernel": (B._bwd_chain_kernel, chain_bv, B.BWD_CHAIN_WARPS, B.BWD_CHAIN_STAGES),
         "_bwd_output_kernel": (B._bwd_output_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
         "_bwd_wy_kernel": (B._bwd_wy_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
     })  # fmt: skip
@@ -717,6 +717,7 @@ TUNABLE = (
     "BWD_KS",
     "BWD_WARPS",
     "BWD_CHAIN_WARPS",
+    "BWD_CHAIN_STAGES",
     "BWD_MAXNREG",
     "BWD_CHAIN_MAXNREG",
 )

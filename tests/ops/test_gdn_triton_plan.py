@@ -63,20 +63,15 @@ def test_bad_form_and_precision_are_named():
 
 
 @pytest.mark.parametrize("rep", [1, 2, 3])
-def test_key_head_sum_adds_each_key_heads_value_heads_in_order(rep):
-    """The backward's dq/dk per value head -> per key head: value heads ``j * rep .. j * rep + rep - 1`` of key head
-    j, added left to right (bit patterns of an explicit fp32 loop), never mixing key heads."""
+def test_key_head_sum_adds_a_key_heads_planes_in_order(rep):
+    """The backward's dq/dk per value head, plane r holding value head ``j * rep + r`` of key head j, -> per key head:
+    planes added left to right (bit patterns of an explicit fp32 loop)."""
     from megatron_iso.ops.gdn.gdn_triton_backward import key_head_sum
 
-    hk, d = 3, 5
-    x = torch.randn(7, hk * rep, d)
-    got = key_head_sum(x, hk)
-    want = torch.empty(7, hk, d)
-    for j in range(hk):
-        acc = x[:, j * rep]
-        for r in range(1, rep):
-            acc = acc + x[:, j * rep + r]
-        want[:, j] = acc
-    assert got.shape == (7, hk, d)
+    planes = torch.randn(rep, 7, 3, 5)
+    want = planes[0].clone()
+    for r in range(1, rep):
+        want = want + planes[r]
+    got = key_head_sum(planes)
+    assert got.shape == (7, 3, 5)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert got.data_ptr() != x.data_ptr()  # a new tensor even for rep == 1 (callers may write to it)

@@ -194,11 +194,11 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 DECODE_BV = 4 if _INTERPRET else 64
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
-# no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16 (PERFORMANCE.md Session 12): both
-# decode kernels at 168 cut their device time 0.187 -> 0.170 ms, but one bench run read slower, so all stay 0 until
-# timed again. The training kernels' caps are untimed knobs for the same sweep (``bench_gdn.py --tune``).
+# no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
+# programs per SM instead of 2), device time 0.180 -> 0.157 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
+# stay uncapped: at 168 the prep and the backward's local/output/WY kernels went 9.17 -> 10.6 ms of fwd+bwd (Session 13).
 PREP_MAXNREG, CHAIN_MAXNREG, OUT_MAXNREG, SCAN_MAXNREG = 0, 0, 0, 0
-DECODE_MAXNREG, DECODE_PREP_MAXNREG = 0, 0
+DECODE_MAXNREG, DECODE_PREP_MAXNREG = 168, 168
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program

@@ -21,8 +21,8 @@ a chunk-form forward or recomputed for a scan-form one (``gdn_triton._state_pass
    ``T = I + strict_lower(beta k k^T . e^{G_t-G_i})``: dv, dbeta, the rest of dk and dG, then dg as the reverse
    in-chunk sum of dG.
 
-Grouped heads: dq and dk come out per value head and are summed over the value heads of a key head afterwards
-(:func:`key_head_sum`, a fixed order). Training calls only (no state cache, sequences start at position 0).
+Grouped heads: dq and dk come out per value head, in one plane per value head of a key head, and the planes are added
+afterwards (:func:`key_head_sum`, a fixed order). Training calls only (no state cache, sequences start at position 0).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ BWD_BV = 4 if _INTERPRET else 32
 BWD_KS = 4 if _INTERPRET else 32
 BWD_WARPS = 4
 BWD_CHAIN_WARPS = 4
+# Software-pipelining depth of the chain's loop over chunks (Triton's default 3; it only moves loads)
+BWD_CHAIN_STAGES = 3
 # Register caps (gdn_triton's *_MAXNREG): the local, output and WY kernels, and the chain; 0 = ptxas' choice
 BWD_MAXNREG, BWD_CHAIN_MAXNREG = 0, 0
 
@@ -53,6 +55,14 @@ def _row_tile(ptr, rows, present, stride, col0, cols, ncols):
     ``present`` and columns >= ``ncols`` as zeros."""
     mask = present[:, None] & (cols < ncols)[None, :]
     return tl.load(ptr + rows[:, None] * stride + col0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_grad_rows(ptr, rows, cols, h, hk, NT, HK, DK, REP):
+    """Addresses of dq or dk at packed ``rows`` and key columns ``cols`` of value head h: plane ``h % REP`` of a
+    ``[REP, NT, HK, DK]`` tensor, so that the planes of a key head's value heads are whole contiguous tensors for
+    :func:`key_head_sum` to add."""
+    return ptr + (((h % REP) * NT + rows[:, None]) * HK + hk) * DK + cols[None, :]
 
 
 @triton.jit
@@ -128,7 +138,7 @@ def _bwd_chain_kernel(
 def _bwd_output_kernel(
     q_ptr, k_ptr, do_ptr, chunk_ptr, u_ptr, du_ptr, ex_ptr, dsx_ptr, gcum_ptr, egc_ptr,
     dq_ptr, dk_ptr, dgp_ptr, dwm_ptr,
-    scale, SQ, SK, HK, HV, DK, DV, REP,
+    scale, SQ, SK, HK, HV, DK, DV, REP, NT,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head): the gradients through the output, the exit state and ``u = U0 - W E``.
@@ -194,10 +204,11 @@ def _bwd_output_kernel(
         # Through P's decay: dG_t += sum_i dP_ti P_ti - sum_s dP_st P_st = q_t . dq_P,t - k_t . dk_P,t (no P tile)
         d_q_p = _dot(d_qk, k, None, PREC)
         d_g += tl.sum(q * (d_q + d_q_p), axis=1) - f
-        tl.store(dq_ptr + (rows[:, None] * HV + h) * DK + oks[None, :], (d_q + d_q_p) * scale, mask=m_rows)
+        dq_at = _key_grad_rows(dq_ptr, rows, oks, h, hk, NT, HK, DK, REP)
+        tl.store(dq_at, (d_q + d_q_p) * scale, mask=m_rows)
         d_k_p = _dot(tl.trans(d_qk), q, None, PREC)
         d_g -= tl.sum(k * d_k_p, axis=1)
-        tl.store(dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :], d_k + d_k_p, mask=m_rows)
+        tl.store(_key_grad_rows(dk_ptr, rows, oks, h, hk, NT, HK, DK, REP), d_k + d_k_p, mask=m_rows)
     d_gl = tl.sum(f_sum, axis=0) + tl.load(egc_ptr + base) * tl.sum(d_egc, axis=0)
     tl.store(dgp_ptr + base * C + ot, d_g + tl.where(ot == C - 1, d_gl, 0.0))
 
@@ -206,7 +217,7 @@ def _bwd_output_kernel(
 def _bwd_wy_kernel(
     k_ptr, v_ptr, b_ptr, chunk_ptr, du_ptr, tinv_ptr, gcum_ptr, dwm_ptr, dgp_ptr,
     dk_ptr, dv_ptr, db_ptr, dg_ptr,
-    SK, SV, SB, HK, HV, DK, DV, REP,
+    SK, SV, SB, HK, HV, DK, DV, REP, NT,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head): the gradients through the WY form, added to the output kernel's dk and dG parts.
@@ -249,7 +260,7 @@ def _bwd_wy_kernel(
         m = _dot(d_x2, tl.trans(x2), m, PREC)
         d_gt += tl.sum(x2 * d_x2, axis=1)
         d_b += tl.sum(eg[:, None] * k * d_x2, axis=1)
-        dk_at = dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :]
+        dk_at = _key_grad_rows(dk_ptr, rows, oks, h, hk, NT, HK, DK, REP)
         tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + (beta * eg)[:, None] * d_x2, mask=m_rows)
     lower = ot[:, None] > ot[None, :]
     dec = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
@@ -264,7 +275,7 @@ def _bwd_wy_kernel(
         d_b += tl.sum(k * d_kb, axis=1)
         # Through A's decay, as for P in the output kernel: dG_t += kb_t . dkb_t - k_t . dk_A,t (no A tile)
         d_gt += tl.sum(kb * d_kb, axis=1) - tl.sum(k * d_k_a, axis=1)
-        dk_at = dk_ptr + (rows[:, None] * HV + h) * DK + oks[None, :]
+        dk_at = _key_grad_rows(dk_ptr, rows, oks, h, hk, NT, HK, DK, REP)
         tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + beta[:, None] * d_kb + d_k_a, mask=m_rows)
     # dg_t = sum_{s >= t} dG_s: a dot with the upper-triangular ones (16 columns: tl.dot's minimum width)
     o16 = tl.arange(0, 16)
@@ -311,8 +322,8 @@ def rule_backward(
     dsx = torch.empty(n, hv, dk, dv, **mid)
     dwm = torch.empty(n, hv, c, cfg.bk, **mid)
     dgp = torch.empty(n, hv, c, **f32)
-    dq = torch.empty(t, hv, dk, **f32)
-    dkk = torch.empty(t, hv, dk, **f32)
+    dq = torch.empty(rep, t, hk, dk, **f32)  # per value head, in planes (_key_grad_rows)
+    dkk = torch.empty(rep, t, hk, dk, **f32)
     # dv is final where the WY kernel stores it: in v's dtype, rounded there as a torch cast would (no cast kernel after)
     dvv = torch.empty(t, hv, dv, dtype=vf.dtype, device=dev)
     db = torch.empty(t, hv, **f32)
@@ -325,29 +336,25 @@ def rule_backward(
     )  # fmt: skip
     _bwd_chain_kernel[(plan.nchains, hv, triton.cdiv(dv, chain_bv))](
         qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, scale, sq, hk, hv, dk, dv, rep,
-        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS, **_maxnreg(BWD_CHAIN_MAXNREG),
+        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS, num_stages=BWD_CHAIN_STAGES, **_maxnreg(BWD_CHAIN_MAXNREG),
     )  # fmt: skip
     _bwd_output_kernel[(n, hv)](
-        qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep,
+        qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep, t,
         **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **_maxnreg(BWD_MAXNREG),
     )  # fmt: skip
     _bwd_wy_kernel[(n, hv)](
-        kf, vf, bf, plan.chunks, du, tinv, gcum, dwm, dgp, dkk, dvv, db, dg, sk, sv, sb, hk, hv, dk, dv, rep,
+        kf, vf, bf, plan.chunks, du, tinv, gcum, dwm, dgp, dkk, dvv, db, dg, sk, sv, sb, hk, hv, dk, dv, rep, t,
         **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **_maxnreg(BWD_MAXNREG),
     )  # fmt: skip
-    if rep > 1:
-        dq, dkk = (key_head_sum(x, hk) for x in (dq, dkk))
-    return dq, dkk, dvv, dg, db
+    return key_head_sum(dq), key_head_sum(dkk), dvv, dg, db
 
 
-def key_head_sum(x: torch.Tensor, hk: int) -> torch.Tensor:
-    """``[T, Hv, D]`` per value head -> ``[T, Hk, D]``: the value heads of each key head added one after another in
-    ascending order (a fixed order: deterministic). Not ``view(T, Hk, rep, D).sum(2)``: torch reduces over that
-    strided middle dim of size rep with a slow kernel (H200, 8 x 4096, Hv 32: 0.29 ms each for dq and dk, against
-    one elementwise add per extra value head)."""
-    t, hv, d = x.shape
-    heads = x.view(t, hk, hv // hk, d).unbind(2)
-    out = heads[0] + heads[1] if len(heads) > 1 else heads[0].clone()
-    for h in heads[2:]:
-        out += h
+def key_head_sum(planes: torch.Tensor) -> torch.Tensor:
+    """``[rep, T, Hk, D]`` -> ``[T, Hk, D]``: plane r holds value head ``j * rep + r`` of key head j; the planes are
+    added one after another in ascending order (fixed: deterministic), each add over whole contiguous tensors. H200,
+    8 x 4096, Hv 32, per dq and dk: 0.29 ms as a torch sum over a strided middle dim of size rep (``[T, Hk, rep, D]``),
+    0.23 ms as adds of strided views of it (PERFORMANCE.md, Session 13)."""
+    out = planes[0]
+    for r in range(1, planes.shape[0]):
+        out = out + planes[r]
     return out
