@@ -43,8 +43,10 @@ BWD_BV = 4 if _INTERPRET else 32
 BWD_KS = 4 if _INTERPRET else 32
 BWD_WARPS = 4
 BWD_CHAIN_WARPS = 4
-# Software-pipelining depth of the chain's loop over chunks (Triton's default 3; it only moves loads)
-BWD_CHAIN_STAGES = 3
+# Software-pipelining depth of the chain's loop over chunks (it only moves loads). 1: 48 KB of shared memory, so two
+# programs fit on an SM; Triton's default 3 took 144 KB, one program per SM (H200, chunk:bf16, 8 x 4096: 1.55 -> 0.99
+# ms; 2 stages 1.47 ms; PERFORMANCE.md Session 13)
+BWD_CHAIN_STAGES = 1
 # Register caps (gdn_triton's *_MAXNREG): the local, output and WY kernels, and the chain; 0 = ptxas' choice
 BWD_MAXNREG, BWD_CHAIN_MAXNREG = 0, 0
 
