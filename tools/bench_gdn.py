@@ -605,8 +605,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
                                                     "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
         "_decode_row_kernel": (G._decode_row_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full,
                                                       "BV": cfg.decode_bv, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK),
-                                                      "PREC": cfg.chain_precision, "ONE_DOT": G.DECODE_ONE_DOT},
-                                G.DECODE_WARPS, 3),
+                                                      "PREC": cfg.chain_precision}, G.DECODE_WARPS, 3),
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
     bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}
@@ -712,7 +711,6 @@ TUNABLE = (
     "SCAN_MAXNREG",
     "DECODE_MAXNREG",
     "DECODE_PREP_MAXNREG",
-    "DECODE_ONE_DOT",
     "BWD_BV",
     "BWD_CHAIN_BV",
     "BWD_CHAIN_BV_BF16",
@@ -723,9 +721,6 @@ TUNABLE = (
     "BWD_MAXNREG",
     "BWD_CHAIN_MAXNREG",
 )
-
-
-TUNABLE_SWITCHES = ("DECODE_ONE_DOT",)  # 0 or 1 (the rest: sizes and counts)
 
 
 def _apply_tune(pairs: list[str]) -> None:
@@ -739,10 +734,7 @@ def _apply_tune(pairs: list[str]) -> None:
         if name not in TUNABLE or not val.lstrip("-").isdigit():
             raise SystemExit(f"--tune {pair!r}: expected NAME=INT with NAME one of {list(TUNABLE)}")
         n = int(val)
-        if name in TUNABLE_SWITCHES:
-            if n not in (0, 1):
-                raise SystemExit(f"--tune {pair!r}: {name} is a switch, 0 or 1")
-        elif name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
+        if name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
             if n != 0 and not 24 <= n <= 255:
                 raise SystemExit(f"--tune {pair!r}: a register cap is 0 (none) or in 24..255")
         elif n < 1 or (not name.endswith("_STAGES") and n & (n - 1)):

@@ -192,9 +192,6 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # The chunk-form decode row kernel's Dv block and warps (its dots' N split is bit-neutral: an MMA computes each output
 # column on its own), and the decode prep's warps.
 DECODE_BV = 4 if _INTERPRET else 64
-# The decode row kernel's W_t E and q_t E at a tensor-core precision as one dot (q_t in another row of W's tile). Not
-# under the interpreter, where numpy's bits follow a row's position in the tile (two dots there, rows in place).
-DECODE_ONE_DOT = not _INTERPRET
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
@@ -406,10 +403,11 @@ def _output_p(q, k, g_rows, g_all, causal, PREC: tl.constexpr):
 
 
 @triton.jit
-def _output_rows(qe, u, p, g_rows, PREC: tl.constexpr):
-    """Chunk-form output rows ``e^{G_t} (q_t E) + P u`` from ``qe`` = Q E (a dot at PREC; P: :func:`_output_p`): the
-    one arithmetic of the training tile (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``)."""
-    return _dot(p, u, qe * tl.exp(g_rows)[:, None], PREC)
+def _output_rows(q, e, u, p, g_rows, PREC: tl.constexpr):
+    """Chunk-form output rows ``e^{G_t} (q_t E) + P u`` (P: :func:`_output_p`): the one arithmetic of the training tile
+    (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``)."""
+    o = _dot(q, e, None, PREC) * tl.exp(g_rows)[:, None]
+    return _dot(p, u, o, PREC)
 
 
 @triton.jit
@@ -855,7 +853,7 @@ def _chunk_out_kernel(
                 mask=mk[:, None] & mv[None, :], other=0.0)  # fmt: skip
     u = tl.load((u_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], mask=mv[None, :], other=0.0)
     p = _output_p(q, k, gc, gc, ot[:, None] >= ot[None, :], PREC)
-    o = _output_rows(_dot(q, e, None, PREC), u, p, gc, PREC)
+    o = _output_rows(q, e, u, p, gc, PREC)
     tl.store((o_ptr + (row0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :], o, mask=new[:, None] & mv[None, :])
 
 
@@ -865,7 +863,7 @@ def _decode_row_kernel(
     o_ptr,
     scale, SQ, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr, ONE_DOT: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: per (sequence, value head,
     Dv block) the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s U0, W and P rows and
@@ -906,10 +904,6 @@ def _decode_row_kernel(
         other=0.0,
     )
     uptr = (u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :]
-    q = tl.load(
-        (q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0
-    )
-    q = q.to(tl.float32) * scale
     if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
         for kb in range(BK // KB):
@@ -919,21 +913,9 @@ def _decode_row_kernel(
                             mask=(okb[:, None] < DK) & mv[None, :] & (ekind == 1), other=0.0)  # fmt: skip
             d = _dot(wblk, e_blk, d, PREC)
         u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - d
-        qe = _dot(q, e, None, PREC)
-    else:  # only row t of W is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
+    else:  # only row t is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
         wt = tl.load((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], mask=mine[:, None], other=0.0)
-        if ONE_DOT:
-            # W_t E and q_t E by one dot: q_t goes into the row after t (mod ROWS) of W's tile, so E is staged for the
-            # tensor cores once. A row's bits depend on nothing but that row and E, wherever it sits in the tile (the
-            # MMA row probe); q_t E is then picked out by a -0.0 sum (below) and put back at row t.
-            qrow = orr == (t // ROWS) * ROWS + (t + 1) % ROWS
-            q_t = tl.sum(tl.where(mine[:, None], q, -0.0), axis=0)
-            we = _dot(tl.where(qrow[:, None], q_t[None, :], wt), e, None, PREC)
-            qe = tl.where(mine[:, None], tl.sum(tl.where(qrow[:, None], we, -0.0), axis=0)[None, :], 0.0)
-        else:
-            we = _dot(wt, e, None, PREC)
-            qe = _dot(q, e, None, PREC)
-        u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - we  # rows other than t: never read
+        u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
     tl.store(
         (bu_ptr + (brow0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], u, mask=mine[:, None] & mv[None, :]
     )
@@ -942,8 +924,12 @@ def _decode_row_kernel(
     # terms are -0.0, the identity of + (x + -0 == x for every x, +0 and -0 included), so no bit moves.
     u_t = tl.sum(tl.where(mine[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
     u_all = tl.where((ot == t)[:, None], u_t[None, :], u_prev)
+    q = tl.load(
+        (q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0
+    )
+    q = q.to(tl.float32) * scale
     p = tl.load(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], mask=mine[:, None], other=0.0)
-    o = _output_rows(qe, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
+    o = _output_rows(q, e, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
     tl.store(
         (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
     )
@@ -1454,8 +1440,7 @@ def _rule_forward(
         _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
             qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
             rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
-            ROWS=decode_rows(chunk), PREC=cfg.chain_precision, ONE_DOT=DECODE_ONE_DOT, num_warps=DECODE_WARPS,
-            **_maxnreg(DECODE_MAXNREG),
+            ROWS=decode_rows(chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **_maxnreg(DECODE_MAXNREG),
         )  # fmt: skip
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entries, ex, cfg)
