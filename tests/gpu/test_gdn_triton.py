@@ -51,7 +51,7 @@ def new_state(slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device
 
     st = GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=hk, value_heads=hv, key_dim=d,
                                 value_dim=d, chunk=chunk, dtype=torch.float32, device=device, form=form)  # fmt: skip
-    for t in (st.running, st.entry, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u, st.buf_tinv):
+    for t in (st.running, st.entry, st.entry_bf16, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u, st.buf_tinv):
         t.fill_(float("nan"))  # stale slot content must never be read
     return st
 
@@ -162,10 +162,12 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
     x = inputs(total, 62, d)
     full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
     for p in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3):
-        inc, _ = incremental(gt, x, [p] + [1] * (total - p), chunk, **kw)
+        inc, st = incremental(gt, x, [p] + [1] * (total - p), chunk, **kw)
         assert same_bits(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
+        assert same_bits(st.entry_bf16[1], st.entry[1].bfloat16()), f"P={p}: state.entry_bf16 after decode"
     inc, st = incremental(gt, x, [2, chunk - 1, 6, chunk, total - 2 * chunk - 7], chunk, **kw)
     assert same_bits(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(st.entry_bf16[1], st.entry[1].bfloat16()), "state.entry_bf16 is not state.entry rounded"
     nb = total % chunk
     assert same_bits(st.buf_k[1, :nb], x[1][-nb:]) and same_bits(st.buf_v[1, :nb], x[2][-nb:]), "buffer rows"
     ref, _ = naive64(*x)

@@ -13,7 +13,8 @@ gradients (the Triton backward, both forms, Dk != Dv) vs fp64 autograd of the re
 bitwise the same over two backward runs.
 
 triton 3.6's interpreter cannot loop to a run-time bound with numpy 2.x (``int()`` of a 1-element
-array); the first lines patch that one conversion.
+array); the first lines patch that one conversion. Its fp32 -> bf16 ``.to()`` truncates where the GPU rounds to
+nearest even (:func:`triton_bf16`); the kernels' bf16 values are compared with that, not with torch's rounding.
 
 Parts (``PARTS``; the command line names which to run, default all): ``scan`` and ``chunk`` (the rule per form),
 ``bf16_storage``, ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
@@ -30,6 +31,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from megatron_iso.ops.gdn import GDNLayerState
 from megatron_iso.ops.gdn import gdn_triton as gt
@@ -122,6 +125,28 @@ def count_launches(fn) -> dict[str, int]:
     return counts
 
 
+@triton.jit
+def _to_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n).to(tl.bfloat16), mask=o < n)
+
+
+def triton_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bf16 the way a kernel's ``.to(tl.bfloat16)`` rounds it here: the interpreter truncates (torch
+    and the GPU round to nearest even), and a bf16 dot's operands are rounded the same way, so the decode dots see
+    these values on either."""
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _to_bf16_kernel[(triton.cdiv(x.numel(), 256),)](x.contiguous(), y, x.numel(), BLOCK=256)
+    return y
+
+
+def check_entry_bf16(st) -> None:
+    """The chunk form's ``entry_bf16`` is ``entry`` rounded to bf16 in the slot a check used (slot 1), whichever kernel
+    wrote ``entry`` last (the chain's write-back or the decode row kernel's close): the row kernel reads it instead."""
+    if FORM == "chunk":
+        assert same_bits(st.entry_bf16[1], triton_bf16(st.entry[1])), "state.entry_bf16 is not state.entry rounded"
+
+
 def check_rule(form: str) -> None:
     global rule, FORM
     FORM = form
@@ -144,12 +169,14 @@ def check_rule(form: str) -> None:
         full = train(x)
         inc, st = incremental(x, [p] + [1] * (total - p))
         assert same_bits(full, inc), f"prefill {p} + decode: max |d| {(full - inc).abs().max():.3e}"
+        check_entry_bf16(st)
         assert float((full - ref.gated_delta_rule(*x, cu([total]), chunk=C)).abs().max()) < 1e-5
     # chunked prefill of any pieces, and the state cache against the reference's
     for pieces in ([3, 5, 9], [8, 8, 1, 7], [1, 1, 13, 2, 4], [2, 15, 6]):
         x = inputs(sum(pieces), 7)
         inc, st = incremental(x, pieces)
         assert same_bits(train(x), inc), f"pieces {pieces}"
+        check_entry_bf16(st)
         rst = new_state(2, form="scan")  # the CPU reference's (scan) state
         pos = 0
         for n in pieces:
@@ -292,6 +319,7 @@ def check_bf16_storage() -> None:
             outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
                                             starts=torch.tensor([pos]), **kw))  # fmt: skip
             pos += n
+        assert same_bits(st.entry_bf16[1], triton_bf16(st.entry[1])), "bf16 storage: state.entry_bf16"
         # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
         got[mid] = (
             gt.gated_delta_rule(*x, cu([2 * C + 5]), **kw),
