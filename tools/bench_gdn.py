@@ -45,8 +45,8 @@ when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why 
 
 Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
 ``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the
-training forward, the first ``--prefill`` length and the mismatch case (our rule called with ``dot_precision=P``),
-then prints one summary line per variant: forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|,
+training forward, the first ``--prefill`` length, decode at every ``--decode`` batch and the mismatch case (our rule
+called with ``dot_precision=P``), then prints one summary line per variant: forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|,
 bitwise). Exit status 1 if a variant's train vs rollout is not bitwise. A case spec may also name one directly:
 ``--profile train:8x4096@tf32x3``.
 
@@ -795,7 +795,10 @@ def _variant_summary(result: dict) -> bool:
     print("variant          | train fwd ms | prefill ms | decode ms | ours vs fp64 max / mean | train vs rollout max "
           "|d|, bitwise")  # fmt: skip
     for prec in result["dot_precisions"]:
-        rows = {r["case"]: r for r in result["rows"] if r.get("dot_precision") == prec}
+        rows: dict = {}
+        for r in result["rows"]:  # the first row of each case (decode: the first --decode batch)
+            if r.get("dot_precision") == prec:
+                rows.setdefault(r["case"], r)
         tr, pf, dc, mm = (rows.get(c, {}) for c in ("train", "prefill", "decode", "mismatch"))
         fwd, pms, dms = tr.get("ours_fwd_ms", math.nan), pf.get("ours_ms", math.nan), dc.get("ours_ms", math.nan)
         if not mm:
@@ -817,7 +820,7 @@ def _parent(args: argparse.Namespace) -> int:
         for p in args.dot_precision:
             cases.append(f"train:{b}x{t}@{p}")
             cases += [f"prefill:{n}@{p}" for n in prefills[:1]]
-            cases += [f"decode:{int(n)}@{p}" for n in args.decode.split(",")[:1] if n]
+            cases += [f"decode:{int(n)}@{p}" for n in args.decode.split(",") if n]
             cases.append(f"mismatch:{args.mm_prompt}x{args.mm_decode}@{p}")
     else:
         cases = [f"train:{b}x{t}"]
@@ -907,7 +910,7 @@ def main() -> int:
     ap.add_argument("--dot-precision", nargs="+", metavar="V", help="time variants of our rule: a dot precision "
                     "(ieee, tf32x3, tf32, bf16, or PREP/CHAIN such as ieee/tf32x3), optionally after an output form "
                     "(chunk:bf16, scan:tf32): per variant the training forward, the first --prefill length, decode at "
-                    "the first --decode batch and the mismatch case (ours vs fp64, train vs rollout, which must be "
+                    "every --decode batch and the mismatch case (ours vs fp64, train vs rollout, which must be "
                     "bitwise); with --resources, the kernels compiled for each")  # fmt: skip
     ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
                     f"constants in this run (one of {', '.join(TUNABLE)}), e.g. SCAN_BV=8 SCAN_WARPS=1")  # fmt: skip
