@@ -1,20 +1,9 @@
 """tools/bench_gdn.py's per-variant summary: the first row of each case (decode: the first --decode batch), and the
 exit status follows the mismatch row's bitwise flag."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_gdn.py"
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_gdn_summary_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _mismatch(bitwise: bool) -> dict:
@@ -27,15 +16,16 @@ def _mismatch(bitwise: bool) -> dict:
 
 
 @pytest.mark.parametrize("bitwise", [True, False])
-def test_summary_reads_the_first_decode_batch_and_the_bits(bitwise: bool, capsys: pytest.CaptureFixture) -> None:
-    bench = _bench_module()
+def test_summary_reads_the_first_decode_batch_and_the_bits(
+    bench_gdn, bitwise: bool, capsys: pytest.CaptureFixture
+) -> None:
     rows = [
         {"case": "train", "dot_precision": "chunk:bf16", "ours_fwd_ms": 2.5},
         {"case": "decode", "batch": 64, "dot_precision": "chunk:bf16", "ours_ms": 0.16},
         {"case": "decode", "batch": 256, "dot_precision": "chunk:bf16", "ours_ms": 0.61},
         _mismatch(bitwise),
     ]
-    ok = bench._variant_summary({"dot_precisions": ["chunk:bf16"], "rows": rows})
+    ok = bench_gdn._variant_summary({"dot_precisions": ["chunk:bf16"], "rows": rows})
     line = capsys.readouterr().out.splitlines()[-1]
     assert ok is bitwise
     cells = [c.strip() for c in line.split("|")]
@@ -44,6 +34,5 @@ def test_summary_reads_the_first_decode_batch_and_the_bits(bitwise: bool, capsys
     assert cells[-1].endswith(str(bitwise))
 
 
-def test_summary_without_a_mismatch_row_fails() -> None:
-    bench = _bench_module()
-    assert not bench._variant_summary({"dot_precisions": ["ieee"], "rows": []})
+def test_summary_without_a_mismatch_row_fails(bench_gdn) -> None:
+    assert not bench_gdn._variant_summary({"dot_precisions": ["ieee"], "rows": []})

@@ -1,0 +1,18 @@
+"""Fixtures of the tools' tests: the bench scripts are files under tools/, not package modules."""
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+@pytest.fixture
+def bench_gdn() -> ModuleType:
+    """tools/bench_gdn.py, loaded as a module (a fresh one per test)."""
+    spec = importlib.util.spec_from_file_location("bench_gdn_under_test", TOOLS / "bench_gdn.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
