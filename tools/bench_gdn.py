@@ -46,9 +46,9 @@ when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why 
 Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
 ``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the
 training forward, the first ``--prefill`` length, decode at every ``--decode`` batch and the mismatch case (our rule
-called with ``dot_precision=P``), then prints one summary line per variant: forward ms, ours vs fp64 (max / mean |d|), train vs rollout (max |d|,
-bitwise). Exit status 1 if a variant's train vs rollout is not bitwise. A case spec may also name one directly:
-``--profile train:8x4096@tf32x3``.
+called with ``dot_precision=P``), then prints one summary line per variant: forward ms, ours vs fp64 (max / mean
+|d|), train vs rollout (max |d|, bitwise). Exit status 1 if a variant's train vs rollout is not bitwise. A case
+spec may also name one directly: ``--profile train:8x4096@tf32x3``.
 
 CPU dry run of the same case logic (no timings worth reading): ``--device cpu`` runs our Triton kernels and
 FLA's fused recurrent kernel under ``TRITON_INTERPRET=1`` (set for the child processes) at the shapes given by

@@ -67,7 +67,8 @@ for s in "$@"; do
       # GDN_BENCH_ARGS: more bench_gdn arguments (e.g. "--fla-bwd-unchecked --tune DECODE_MAXNREG=168")
       # shellcheck disable=SC2086
       step "gdndot${GDN_TUNE_TAG:-}" 300 14 python3 tools/bench_gdn.py --quick --prefill 1024 --decode 64 \
-        --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} ${GDN_BENCH_ARGS:-} --out "$OUT/bench_gdn_dot${GDN_TUNE_TAG:-}.json" ;;
+        --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} ${GDN_BENCH_ARGS:-} \
+        --out "$OUT/bench_gdn_dot${GDN_TUNE_TAG:-}.json" ;;
     gdntune) step "gdntune${GDN_TUNE_TAG:-}" 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
     gdnbwd)
       step gdnbwd 140 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \

@@ -196,8 +196,9 @@ DECODE_BV = 4 if _INTERPRET else 64
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
-# programs per SM instead of 2), device time 0.180 -> 0.157 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
-# stay uncapped: at 168 the prep and the backward's local/output/WY kernels went 9.17 -> 10.6 ms of fwd+bwd (Session 13).
+# programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
+# stay uncapped: the prep and the backward's local/output/WY kernels at 168 made the profiled fwd+bwd 10.44 -> 11.89 ms
+# (the backward's output kernel 2.44 -> 3.58; Session 13).
 PREP_MAXNREG, CHAIN_MAXNREG, OUT_MAXNREG, SCAN_MAXNREG = 0, 0, 0, 0
 DECODE_MAXNREG, DECODE_PREP_MAXNREG = 168, 168
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
@@ -1225,7 +1226,11 @@ def _plan(
 
 # ---------------------------------------------------------------------------------- the rule
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read in-kernel, widened exactly to fp32
-_FP32_BUFFERS = ("buf_k", "buf_v", "buf_g", "buf_beta", "buf_u", "buf_tinv")  # the state cache's fp32 rows
+# The state cache's tensors the kernels read and write in place, and their dtypes
+_STATE_DTYPES = {
+    **dict.fromkeys(("buf_k", "buf_v", "buf_g", "buf_beta", "buf_u", "buf_tinv"), torch.float32),
+    "entry_bf16": torch.bfloat16,
+}
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1415,7 +1420,7 @@ def _rule_forward(
     chunk_form = cfg.form == "chunk"
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
-        for name, dtype in (*((b, torch.float32) for b in _FP32_BUFFERS), ("entry_bf16", torch.bfloat16)):
+        for name, dtype in _STATE_DTYPES.items():
             buf = getattr(state, name)
             if buf.dtype != dtype or not buf.is_contiguous():
                 raise ValueError(f"gated_delta_rule: state.{name} must be contiguous {dtype}")

@@ -312,8 +312,7 @@ def rule_backward(
     u, w, kd, egc, gcum, tinv, ex = states
     t, dev, c, n, rep = d_out.shape[0], d_out.device, cfg.chunk, plan.nchunks, hv // hk
     prec = cfg.chain_precision
-    # read in its own dtype (widened in-kernel, exactly), so a bf16 gradient is not copied to fp32 first
-    d_out = d_out.contiguous() if d_out.dtype in (torch.float32, torch.bfloat16, torch.float16) else d_out.float()
+    d_out = d_out.float().contiguous()  # the rule's output is fp32, so its gradient already is: no copy
     bv, chain_bv = (max(MIN_DOT, min(b, cfg.bv_full)) for b in (BWD_BV, chain_block(prec)))
     f32 = {"dtype": torch.float32, "device": dev}
     # du, dE' and du E^T only ever enter dots: with bf16 dots they are stored as the bf16 those dots round them to
@@ -326,7 +325,7 @@ def rule_backward(
     dgp = torch.empty(n, hv, c, **f32)
     dq = torch.empty(rep, t, hk, dk, **f32)  # per value head, in planes (_key_grad_rows)
     dkk = torch.empty(rep, t, hk, dk, **f32)
-    # dv is final where the WY kernel stores it: in v's dtype, rounded there as a torch cast would (no cast kernel after)
+    # dv is final where the WY kernel stores it: in v's dtype, rounded as a torch cast would (no cast kernel after)
     dvv = torch.empty(t, hv, dv, dtype=vf.dtype, device=dev)
     db = torch.empty(t, hv, **f32)
     dg = torch.empty(t, hv, **f32)
@@ -354,8 +353,8 @@ def rule_backward(
 def key_head_sum(planes: torch.Tensor) -> torch.Tensor:
     """``[rep, T, Hk, D]`` -> ``[T, Hk, D]``: plane r holds value head ``j * rep + r`` of key head j; the planes are
     added one after another in ascending order (fixed: deterministic), each add over whole contiguous tensors. H200,
-    8 x 4096, Hv 32, per dq and dk: 0.29 ms as a torch sum over a strided middle dim of size rep (``[T, Hk, rep, D]``),
-    0.23 ms as adds of strided views of it (PERFORMANCE.md, Session 13)."""
+    8 x 4096, Hv 32, per dq and dk: 0.185 ms, at copy bandwidth; 0.29 ms as a torch sum over a strided middle dim of
+    size rep (``[T, Hk, rep, D]``), 0.23 ms as adds of strided views of it (PERFORMANCE.md, Session 13)."""
     out = planes[0]
     for r in range(1, planes.shape[0]):
         out = out + planes[r]
