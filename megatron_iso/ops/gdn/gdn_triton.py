@@ -474,11 +474,12 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrow
 @triton.jit
 def _wy_rows(
     k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tr_ptr, bce_ptr, u0_ptr, w_ptr,
-    orr, rmask, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+    orr, rmask, smask, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Rows ``orr`` of U0 = T^{-1} (beta v) and W = T^{-1} (beta e^G k), T^{-1}'s rows read from ``tr_ptr`` (row r at
-    ``tr_ptr + r * C``; rows outside ``rmask`` as zeros), stored at those rows of this (chunk, head)'s U0 and W. With a
+    ``tr_ptr + r * C``; rows outside ``rmask`` as zeros), stored at those of the rows that ``smask`` keeps (a decode
+    step: the token's row, the only one its row kernel reads) of this (chunk, head)'s U0 and W. With a
     tensor-core PREC two whole-K dots (``kcf``: the chunk's k tile); ieee: K-blocked over the chunk's tokens (KB at a
     time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch) reloaded per block."""
     ot = tl.arange(0, C)
@@ -494,9 +495,10 @@ def _wy_rows(
             mv[None, :] & (ot < nrows)[:, None],
         )
         u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
-        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0)
+        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0, mask=smask[:, None])
         w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
-        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=smask[:, None])  # fmt: skip
     else:
         ob = tl.arange(0, KB)
         tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
@@ -518,7 +520,7 @@ def _wy_rows(
             )
             bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
             u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
-        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0)
+        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0, mask=smask[:, None])
         w = tl.zeros([orr.shape[0], BK], dtype=tl.float32)
         for tb in range(C // KB):
             otb = tb * KB + ob
@@ -526,7 +528,8 @@ def _wy_rows(
             kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             bce = tl.load(bce_ptr + base * C + otb)
             w = _dot(ti, bce[:, None] * kcb, w, PREC)
-        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
+        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=smask[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -611,7 +614,7 @@ def _prep_kernel(
         tl.debug_barrier()
     _wy_rows(
         k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
-        ot, ot < C, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+        ot, ot < C, ot < C, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
         C, BK, BVF, KB, PREC,
     )  # fmt: skip
     tl.store(egc_ptr + base, tl.exp(gl))
@@ -682,11 +685,15 @@ def _decode_prep_kernel(
     tl.store(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], p, mask=mine[:, None])
     tl.debug_barrier()
     # Row t's diagonal part: X_t = e_t - sum_{r<s} A_tr X_r over the block's rows r before t (s = t - ib IB), computed
-    # over all C columns (left of the block it is replaced below; right of it every X_r is zero).
+    # over all C columns (left of the block it is replaced below; right of it every X_r is zero). Unrolled over the
+    # IB - 1 rows a block can have before t, the rows r >= s masked and passed over by a select: the prep's fmas, in
+    # its order, with every load issued at once (a run-time loop made one dependent round trip per row).
     arow = abase + (t - r0) * C
     acc = tl.zeros([C], dtype=tl.float32)
-    for r in range(t - ib * IB):
-        acc = tl.fma(tl.load(arow + ib * IB + r), tl.load(tbase + (ib * IB + r) * C + ot), acc)
+    for r in tl.static_range(IB - 1):
+        live = r < t - ib * IB
+        x_r = tl.load(tbase + (ib * IB + r) * C + ot, mask=live & (ot < C), other=0.0)
+        acc = tl.where(live, tl.fma(tl.load(arow + ib * IB + r, mask=live, other=0.0), x_r, acc), acc)
     tl.store(tbase + t * C + ot, tl.where(ot == t, 1.0, 0.0) - acc)
     tl.debug_barrier()
     if ib > 0:
@@ -702,7 +709,7 @@ def _decode_prep_kernel(
         tl.debug_barrier()
     _wy_rows(
         k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
-        orr, orr <= t, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+        orr, orr <= t, mine, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
         C, BK, BVF, KB, PREC,
     )  # fmt: skip
     if nrows == C:  # the chunk closes: KD and e^{G_C} for the decode row kernel's exit state
