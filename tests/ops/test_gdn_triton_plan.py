@@ -75,3 +75,15 @@ def test_key_head_sum_adds_a_key_heads_planes_in_order(rep):
     got = key_head_sum(planes)
     assert got.shape == (7, 3, 5)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_decode_wy_split_only_where_every_block_fits_a_dot(monkeypatch):
+    # The decode prep's U0/W column blocks: tensor-core precisions only (ieee keeps its K-blocked fma chains), and never
+    # narrower than a dot allows (a block below MIN_DOT would not compile on the GPU).
+    monkeypatch.setattr(gt, "DECODE_WY_SPLIT", 2)
+    monkeypatch.setattr(gt, "MIN_DOT", 16)
+    assert gt._decode_wy_split(gt.config_for(128, 128, 64, "bf16", "chunk")) == 2
+    assert gt._decode_wy_split(gt.config_for(128, 128, 64, "ieee", "chunk")) == 1
+    assert gt._decode_wy_split(gt.config_for(16, 32, 16, "bf16", "chunk")) == 1  # Dk 16 / 2 < 16
+    monkeypatch.setattr(gt, "DECODE_WY_SPLIT", 4)
+    assert gt._decode_wy_split(gt.config_for(64, 128, 64, "tf32", "chunk")) == 4

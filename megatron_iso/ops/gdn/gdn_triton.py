@@ -93,8 +93,9 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   reduction (G by a ones-dot, the diagonal blocks of T^{-1} by fma chains; the row kernel picks u_t out of its tile
   by a sum whose other terms are -0.0, exact in any order). H200, bf16: training 8 x 4096 3.9 ms (scan form 14.1;
   2.7 since Session 10), prefill 1024 0.21 ms, decode batch 64 0.34 ms (scan form 0.09; chunk form 0.235 since
-  Session 11, the T^{-1} row cache; 0.192 since Session 12; since Session 13 0.159 ms of kernels against FLA's 0.093,
-  with E read as bf16 from ``state.entry_bf16`` and both decode kernels capped at 168 registers).
+  Session 11, the T^{-1} row cache; 0.192 since Session 12; 0.159 ms of kernels against FLA's 0.093 since Session 13,
+  with E read as bf16 from ``state.entry_bf16`` and both decode kernels capped at 168 registers; 0.145 against 0.094
+  since Session 14: the unrolled diagonal chain, one-row operands and one address tile per k/v tile).
 - "bf16" (in :data:`DOT_PRECISIONS`): operands rounded to bf16, fp32 accumulate, every dot of prep, chain and
   output; FLA's arithmetic class (H200, 1000 + 200 tokens vs fp64: 3.3e-4 max against FLA's 4.3e-4).
 
@@ -194,6 +195,9 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # column on its own), and the decode prep's warps.
 DECODE_BV = 4 if _INTERPRET else 64
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
+# Column blocks of the decode prep's U0 and W dots (``_wy_rows``' NS): the [C, Dv] v tile and the [C, Dk] k tile are
+# loaded a block at a time, not held whole through the prep. Under the interpreter 1: numpy's matmul bits follow N.
+DECODE_WY_SPLIT = 1 if _INTERPRET else 2
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
 # programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
@@ -397,6 +401,25 @@ def _k_tile(k_ptr, bk_ptr, tok, cols, row0, brow0, nbuf, nrows, SK, HK, DK, hk):
 
 
 @triton.jit
+def _decode_tile(buf_ptr, packed_ptr, rows, cols, t, RS, NCOLS):
+    """A decode step's chunk tile (token t: buffered = t, present = t + 1): rows < t from the state cache's buffer
+    (``buf_ptr``: row 0, rows RS apart), row t the token's packed row (``packed_ptr``), rows > t and columns >= NCOLS
+    zeros. The values :func:`_k_tile` and the prep's v tile read there, from one tile of addresses instead of two."""
+    cm = cols < NCOLS
+    buf = tl.load(buf_ptr + rows[:, None] * RS + cols[None, :], mask=(rows < t)[:, None] & cm[None, :], other=0.0)
+    tok = tl.load(packed_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    return tl.where((rows == t)[:, None], tok[None, :], buf)
+
+
+@triton.jit
+def _token_tile(row_ptr, cols, ncols, mine):
+    """A decode step's ROWS-row dot operand holding one row, the token's (``mine``), zeros elsewhere: the values of a
+    tile load masked to that row, from one row of addresses instead of ROWS."""
+    x = tl.load(row_ptr + cols, mask=cols < ncols, other=0.0)
+    return tl.where(mine[:, None], x[None, :], 0.0)
+
+
+@triton.jit
 def _output_p(q, k, g_rows, g_all, causal, PREC: tl.constexpr):
     """``P[t, i] = e^{G_t - G_i} (q_t . k_i)`` for i <= t (``causal``), 0 above: the intra-chunk weights of the
     chunk-form output rows (:func:`_output_rows`), in the training tile and in a decode step's prep."""
@@ -436,13 +459,13 @@ def _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, rows, brows, in_buf, present, SG,
 
 
 @triton.jit
-def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+def _kk_rows(k_ptr, bk_ptr, orr, kcf, krow, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
              C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
              STORE_KD: tl.constexpr):  # fmt: skip
     """Rows ``orr`` (ROWS of them) of K K^T: K-blocked over the key columns (ieee: KB at a time, ascending) or one
-    whole-K dot with ``kcf`` (tensor cores: the chunk's k tile, loaded by the caller). ROWS == C: the rows are the
-    chunk's own k tile (the interpreter's numpy computes ``x @ x.T`` of one array by another routine than of two, so
-    a decode step under the interpreter must use it as the prep does). STORE_KD (the prep, ROWS == C): also
+    whole-K dot of ``krow`` (k's rows orr) with ``kcf`` (tensor cores: the chunk's k tile; both loaded by the caller;
+    with ROWS == C krow must be kcf itself: the interpreter's numpy computes ``x @ x.T`` of one array by another
+    routine than of two, so a decode step under the interpreter must pass it as the prep does). STORE_KD (the prep, ROWS == C): also
     KD = e^{G_C-G} k (``dkd`` = e^{G_C-G}) into this (chunk, head)'s KD rows on the way, block by block."""
     ot = tl.arange(0, C)
     if PREC == "ieee":
@@ -460,10 +483,6 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrow
                 tl.store((kd_ptr + base * C * BK) + ot[:, None] * BK + okb[None, :],
                          (dkd[:, None] * kcb).to(kd_ptr.dtype.element_ty))  # fmt: skip
     else:
-        if ROWS == C:  # a constexpr branch: no second load at all
-            krow = kcf
-        else:
-            krow = _k_tile(k_ptr, bk_ptr, orr, tl.arange(0, BK), row0, brow0, nbuf, nrows, SK, HK, DK, hk)
         kk = _dot(krow, tl.trans(kcf), None, PREC)
         if STORE_KD:
             tl.store((kd_ptr + base * C * BK) + ot[:, None] * BK + tl.arange(0, BK)[None, :],
@@ -475,18 +494,37 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrow
 def _wy_rows(
     k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tr_ptr, bce_ptr, u0_ptr, w_ptr,
     orr, rmask, smask, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr = 1,
 ):  # fmt: skip
     """Rows ``orr`` of U0 = T^{-1} (beta v) and W = T^{-1} (beta e^G k), T^{-1}'s rows read from ``tr_ptr`` (row r at
     ``tr_ptr + r * C``; rows outside ``rmask`` as zeros), stored at those of the rows that ``smask`` keeps (a decode
     step: the token's row, the only one its row kernel reads) of this (chunk, head)'s U0 and W. With a
     tensor-core PREC two whole-K dots (``kcf``: the chunk's k tile); ieee: K-blocked over the chunk's tokens (KB at a
-    time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch) reloaded per block."""
+    time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch) reloaded per block.
+
+    NS > 1 (tensor cores; a decode step, whose token is t = ``nbuf``: :func:`_decode_tile`): each dot in NS column
+    blocks, v's and k's columns loaded per block (``kcf`` not read), so no whole [C, Dv] or [C, Dk] tile is live. An MMA computes every output column on its own, so a
+    column block's bits are the whole dot's (the decode row kernel's Dv blocks rest on the same fact)."""
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
     mv = ov < DV
-    if PREC != "ieee":
+    if PREC != "ieee" and NS > 1:
+        ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
+        for ns in tl.static_range(NS):
+            ovb = ns * (BVF // NS) + tl.arange(0, BVF // NS)
+            vcb = _decode_tile(bvv_ptr + (brow0 * HV + h) * DV, v_ptr + (row0 + nbuf) * SV + h * DV, ot, ovb, nbuf,
+                               HV * DV, DV)  # fmt: skip
+            u0 = _dot(ti, bc[:, None] * vcb, None, PREC)
+            tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ovb[None, :], u0, mask=smask[:, None])
+        for ns in tl.static_range(NS):
+            okb = ns * (BK // NS) + tl.arange(0, BK // NS)
+            kcb = _decode_tile(bk_ptr + (brow0 * HK + hk) * DK, k_ptr + (row0 + nbuf) * SK + hk * DK, ot, okb, nbuf,
+                               HK * DK, DK)  # fmt: skip
+            w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcb, None, PREC)
+            tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + okb[None, :], w.to(w_ptr.dtype.element_ty),
+                     mask=smask[:, None])  # fmt: skip
+    elif PREC != "ieee":
         ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
         vcf = _buffered_or_packed(
             (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
@@ -572,7 +610,7 @@ def _prep_kernel(
         kcf = tl.zeros([C, BK], dtype=tl.float32)  # not read: the ieee path reloads k in blocks
     else:  # tensor cores: whole-K dots (MMA operands are staged through shared memory, nothing to spill)
         kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-    kk = _kk_rows(k_ptr, bk_ptr, ot, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+    kk = _kk_rows(k_ptr, bk_ptr, ot, kcf, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
                   C, BK, KB, PREC, C, True)  # fmt: skip
     a = tl.where(lower, bc[:, None] * tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (module docstring, "Triangular inverse").
@@ -626,7 +664,7 @@ def _decode_prep_kernel(
     u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
     scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    OPREC: tl.constexpr, ROWS: tl.constexpr,
+    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a decode step at chunk position t = nrows - 1, per (sequence, value head): ``_prep_kernel``'s terms
     for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv, [slots, Hv, C, C]) instead of
@@ -659,7 +697,8 @@ def _decode_prep_kernel(
     orr = r0 + tl.arange(0, ROWS)
     mine = orr == t
     # The token into the buffer first, while no tile is live (chunk row flag: the call leaves its chunk open). No
-    # program reads buffer row t: every kernel of this step reads the token from the packed rows.
+    # program reads buffer row t: every kernel of this step reads the token from the packed rows. (As a one-row tile,
+    # tl.arange(0, 1), the prep took 0.085 -> 0.098 ms on the H200, Session 14: kept as the masked ROWS-row tile.)
     _buffer_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, orr,
                  mine & (tl.load(chunk_ptr + sid * 5 + 4) == 1), row0, brow0, SK, SV, SG, SB, HK, HV, DK, DV, REP, h,
                  BK, BVF)  # fmt: skip
@@ -670,8 +709,13 @@ def _decode_prep_kernel(
     tl.store(gcum_ptr + base * C + ot, cum)
     tbase = bt_ptr + ((brow0 // C) * HV + h) * C * C  # this slot's T^{-1} rows
     abase = a_ptr + base * ROWS * C  # A's rows orr
-    kcf = _k_tile(k_ptr, bk_ptr, ot, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
-    kk = _kk_rows(k_ptr, bk_ptr, orr, kcf, kd_ptr, base, cum, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
+    kbuf, ktok = bk_ptr + (brow0 * HK + hk) * DK, k_ptr + (row0 + t) * SK + hk * DK
+    kcf = _decode_tile(kbuf, ktok, ot, ok, t, HK * DK, DK)
+    if ROWS == C:  # noqa: SIM108  (a constexpr branch: no second load at all)
+        krow = kcf
+    else:
+        krow = _decode_tile(kbuf, ktok, orr, ok, t, HK * DK, DK)
+    kk = _kk_rows(k_ptr, bk_ptr, orr, kcf, krow, kd_ptr, base, cum, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
                   C, BK, KB, PREC, ROWS, False)  # fmt: skip
     tl.debug_barrier()  # G's rows stored by other threads are read below
     bcr = _buffered_or_packed(bb_ptr + (brow0 + orr) * HV + h, b_ptr + (row0 + orr) * SB + h, orr < nbuf, orr < nrows)
@@ -679,8 +723,7 @@ def _decode_prep_kernel(
     lower = orr[:, None] > ot[None, :]
     a = tl.where(lower, bcr[:, None] * tl.exp(tl.where(lower, cur[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     tl.store(abase + tl.arange(0, ROWS)[:, None] * C + ot[None, :], a)
-    q = tl.load((q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & (ok < DK)[None, :],
-                other=0.0)  # fmt: skip
+    q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine)
     p = _output_p(q.to(tl.float32) * scale, kcf, cur, cum, orr[:, None] >= ot[None, :], OPREC)
     tl.store(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], p, mask=mine[:, None])
     tl.debug_barrier()
@@ -710,12 +753,14 @@ def _decode_prep_kernel(
     _wy_rows(
         k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
         orr, orr <= t, mine, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
-        C, BK, BVF, KB, PREC,
+        C, BK, BVF, KB, PREC, WY_SPLIT,
     )  # fmt: skip
     if nrows == C:  # the chunk closes: KD and e^{G_C} for the decode row kernel's exit state
         gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)
+        # k reloaded (one step in C closes a chunk), so that the k tile is dead after P's dot
+        kcl = _decode_tile(kbuf, ktok, ot, ok, t, HK * DK, DK)
         tl.store((kd_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :],
-                 (tl.exp(gl - cum)[:, None] * kcf).to(kd_ptr.dtype.element_ty))  # fmt: skip
+                 (tl.exp(gl - cum)[:, None] * kcl).to(kd_ptr.dtype.element_ty))  # fmt: skip
         tl.store(egc_ptr + base, tl.exp(gl))
 
 
@@ -912,7 +957,7 @@ def _decode_row_kernel(
         mask=(ot < t)[:, None] & mv[None, :],
         other=0.0,
     )
-    uptr = (u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :]
+    u0_t = _token_tile(u0_ptr + (base * C + t) * BVF, ov, DV, mine)
     if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
         for kb in range(BK // KB):
@@ -921,10 +966,9 @@ def _decode_row_kernel(
             e_blk = tl.load(entry_ptr + erow * hsz + (h * DK + okb[:, None]) * DV + ov[None, :],
                             mask=(okb[:, None] < DK) & mv[None, :] & (ekind == 1), other=0.0)  # fmt: skip
             d = _dot(wblk, e_blk, d, PREC)
-        u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - d
+        u = u0_t - d
     else:  # only row t is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
-        wt = tl.load((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], mask=mine[:, None], other=0.0)
-        u = tl.load(uptr, mask=mine[:, None] & mv[None, :], other=0.0) - _dot(wt, e, None, PREC)
+        u = u0_t - _dot(_token_tile(w_ptr + (base * C + t) * BK, ok, BK, mine), e, None, PREC)
     tl.store(
         (bu_ptr + (brow0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], u, mask=mine[:, None] & mv[None, :]
     )
@@ -933,11 +977,8 @@ def _decode_row_kernel(
     # terms are -0.0, the identity of + (x + -0 == x for every x, +0 and -0 included), so no bit moves.
     u_t = tl.sum(tl.where(mine[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
     u_all = tl.where((ot == t)[:, None], u_t[None, :], u_prev)
-    q = tl.load(
-        (q_ptr + row0 * SQ + hk * DK) + orr[:, None] * SQ + ok[None, :], mask=mine[:, None] & mk[None, :], other=0.0
-    )
-    q = q.to(tl.float32) * scale
-    p = tl.load(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], mask=mine[:, None], other=0.0)
+    q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
+    p = _token_tile(p_ptr + (base * ROWS + t - (t // ROWS) * ROWS) * C, ot, C, mine)
     o = _output_rows(q, e, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
     tl.store(
         (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
@@ -1300,6 +1341,13 @@ def _maxnreg(cap: int) -> dict[str, int]:
     return {"maxnreg": cap} if cap and not _INTERPRET else {}
 
 
+def _decode_wy_split(cfg: GDNConfig) -> int:
+    """The decode prep's column blocks of U0 and W (``DECODE_WY_SPLIT``; 1 at ieee, or where a block would be
+    narrower than a dot allows)."""
+    split = DECODE_WY_SPLIT if cfg.prep_precision != "ieee" else 1
+    return split if min(cfg.bv_full, cfg.bk) // split >= MIN_DOT else 1
+
+
 def _decode_prep(
     q: tuple[torch.Tensor, int],
     rows: tuple,
@@ -1325,7 +1373,7 @@ def _decode_prep(
     _decode_prep_kernel[(n, hv)](
         qf, kf, vf, gf, bf, *buffers, buf_tinv, chunks, u0, w, kd, egc, gcum, p, a, bce, scale, sq, sk, sv, sg, sb, hk,
         hv, dk, dv, hv // hk, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        OPREC=cfg.chain_precision, ROWS=nrows, num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
+        OPREC=cfg.chain_precision, ROWS=nrows, WY_SPLIT=_decode_wy_split(cfg), num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
         **_maxnreg(DECODE_PREP_MAXNREG),
     )  # fmt: skip
     return (*terms, p)
