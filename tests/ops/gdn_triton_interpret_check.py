@@ -17,7 +17,7 @@ array); the first lines patch that one conversion. Its fp32 -> bf16 ``.to()`` tr
 nearest even (:func:`triton_bf16`); the kernels' bf16 values are compared with that, not with torch's rounding.
 
 Parts (``PARTS``; the command line names which to run, default all): ``scan`` and ``chunk`` (the rule per form),
-``bf16_storage``, ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
+``bf16_storage``, ``wy_split`` (the decode prep's U0/W column blocks, as values), ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
 interpreter keeps one core busy and the check took 12 minutes in one process.
 """
 
@@ -337,6 +337,31 @@ def check_bf16_storage() -> None:
     print("bf16 storage ok", round(time.time() - t_start, 1))
 
 
+def check_wy_split() -> None:
+    # The decode prep's U0/W in column blocks (gt.DECODE_WY_SPLIT > 1; 1 under the interpreter, whose numpy matmul
+    # bits follow N, so the GPU tests hold its bits): here its indexing, as values. Prefill + decode steps across a
+    # chunk close with 2 blocks against 1: equal up to numpy's summation order, where a wrong block would be O(1) off.
+    x = inputs(2 * C + 3, 45)
+    kw = {"chunk": C, "form": "chunk", "dot_precision": "tf32"}
+    got = {}
+    for split in (1, 2):
+        gt.DECODE_WY_SPLIT = split
+        assert gt._decode_wy_split(gt.config_for(D, D, C, "tf32", "chunk")) == split
+        st = new_state(2, form="chunk")
+        outs, pos = [], 0
+        for n in [C - 2, *[1] * (C + 5)]:
+            r = slice(pos, pos + n)
+            outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
+                                            starts=torch.tensor([pos]), **kw))  # fmt: skip
+            pos += n
+        got[split] = (torch.cat(outs), st.entry[1].clone())
+    gt.DECODE_WY_SPLIT = 1
+    for name, a, b in zip(("outputs", "state.entry"), *got.values(), strict=True):
+        err = (a - b).abs().max().item()
+        assert err < 1e-5, f"decode with U0/W in 2 column blocks vs 1: {name} differ by {err}"
+    print("wy split ok", round(time.time() - t_start, 1))
+
+
 def check_conv() -> None:
     # conv: prefill + decode == training, batch composition, against fp64
 
@@ -421,6 +446,7 @@ PARTS = {
     "scan": functools.partial(check_rule, "scan"),
     "chunk": functools.partial(check_rule, "chunk"),
     "bf16_storage": check_bf16_storage,
+    "wy_split": check_wy_split,
     "conv": check_conv,
     "gates": check_gates,
     "grads": check_grads,
