@@ -18,6 +18,9 @@
 #                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms;
 #                  GDN_TUNE_CASE=trainbwd: forward + backward (e.g. GDN_TUNES="@chunk:bf16;@chunk:bf16 BWD_KS=16");
 #                  GDN_TUNE_CASE=decode:64: the decode step; GDN_TUNE_TAG: a prefix for this sweep's JSON names
+#   gdncopies 240  bench_gdn --profile $GDN_COPY_CASE (default decode:64@chunk:bf16) once per code copy in GDN_COPIES
+#                  (folders holding megatron_iso/ and tools/, e.g. `git archive REV megatron_iso tools`; carry them):
+#                  several versions of the kernels timed in one call (tools/gdn_code_copies.sh)
 #   gdnbwd   200   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
 #                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd
 #   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)
@@ -36,7 +39,7 @@
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof flaprof gdndot gdntune gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdn gdnprof flaprof gdndot gdntune gdncopies gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -70,6 +73,7 @@ for s in "$@"; do
         --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} ${GDN_BENCH_ARGS:-} \
         --out "$OUT/bench_gdn_dot${GDN_TUNE_TAG:-}.json" ;;
     gdntune) step "gdntune${GDN_TUNE_TAG:-}" 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
+    gdncopies) step gdncopies 240 60 bash tools/gdn_code_copies.sh ;;
     gdnbwd)
       step gdnbwd 140 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
         --out "$OUT/bench_gdn_bwd.json"
