@@ -607,6 +607,12 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
         "_decode_row_kernel": (G._decode_row_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full,
                                                       "BV": cfg.decode_bv, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK),
                                                       "PREC": cfg.chain_precision}, G.DECODE_WARPS, 3),
+        "_decode_fused_kernel": (G._decode_fused_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full,
+                                                          "BV": cfg.decode_bv, "KB": cfg.kb, "IB": cfg.inv_block,
+                                                          "PPREC": cfg.prep_precision, "PREC": cfg.chain_precision,
+                                                          "ROWS": G.decode_rows(CHUNK),
+                                                          "WY_SPLIT": G._decode_wy_split(cfg)},
+                                 G.DECODE_PREP_WARPS, G.PREP_STAGES),
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
     bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}
@@ -620,6 +626,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     })  # fmt: skip
     caps = {  # each kernel's register cap, as its launch passes it
         "_scan_kernel": G.SCAN_MAXNREG, "_prep_kernel": G.PREP_MAXNREG, "_decode_prep_kernel": G.DECODE_PREP_MAXNREG,
+        "_decode_fused_kernel": G.DECODE_PREP_MAXNREG,
         "_chain_kernel": G.CHAIN_MAXNREG, "_chunk_out_kernel": G.OUT_MAXNREG, "_decode_row_kernel": G.DECODE_MAXNREG,
         "_bwd_local_kernel": B.BWD_MAXNREG, "_bwd_chain_kernel": B.BWD_CHAIN_MAXNREG,
         "_bwd_output_kernel": B.BWD_MAXNREG, "_bwd_wy_kernel": B.BWD_MAXNREG,
@@ -707,6 +714,7 @@ TUNABLE = (
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
     "DECODE_WY_SPLIT",
+    "DECODE_FUSED",
     "PREP_MAXNREG",
     "CHAIN_MAXNREG",
     "OUT_MAXNREG",

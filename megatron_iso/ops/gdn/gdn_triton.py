@@ -86,7 +86,8 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   A decode step (one token per sequence) computes its token's rows only: ``_decode_prep_kernel`` (row t of T^{-1}
   from the rows before it in ``state.buf_tinv``, by the prep's own fma chain and block dots; U0/W of the token's
   DECODE_ROWS rows; P's row t; the token into the buffer), then ``_decode_row_kernel``
-  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
+  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close), or both in one launch
+  (``_decode_fused_kernel``, ``DECODE_FUSED``: the same bodies and hand-off). Rows < n of every tile do not
   depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
   ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this
   form refuses: :data:`CHUNK_FORM_PRECISIONS`). Since VERSION 7 nothing row-determining is a layout-dependent
@@ -198,6 +199,9 @@ DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # Column blocks of the decode prep's U0 and W dots (``_wy_rows``' NS): the [C, Dv] v tile and the [C, Dk] k tile are
 # loaded a block at a time, not held whole through the prep. Under the interpreter 1: numpy's matmul bits follow N.
 DECODE_WY_SPLIT = 1 if _INTERPRET else 2
+# 1: a decode step as one kernel (``_decode_fused_kernel``: the prep, a barrier, the row kernel's Dv blocks in turn; the
+# same arithmetic and hand-off through memory, so the same bits). Off until timed on a GPU (docs/GDN.md).
+DECODE_FUSED = 0
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
 # programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
@@ -659,14 +663,15 @@ def _prep_kernel(
 
 
 @triton.jit
-def _decode_prep_kernel(
+def _decode_prep_rows(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
     u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
     scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    sid, h,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
     OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Chunk form, a decode step at chunk position t = nrows - 1, per (sequence, value head): ``_prep_kernel``'s terms
+    """Chunk form, a decode step at chunk position t = nrows - 1, for sequence ``sid`` and value head ``h``: ``_prep_kernel``'s terms
     for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv, [slots, Hv, C, C]) instead of
     inverting the chunk again, and row t stored there.
 
@@ -684,8 +689,6 @@ def _decode_prep_kernel(
     other operand (the MMA row probe), so row t is the training tile's. ROWS: ``DECODE_ROWS`` (the IB-row block on
     the GPU; the whole chunk under the interpreter, whose numpy dot bits follow the tile's row count and position).
     """
-    sid = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     hk = h // REP
     row0, nbuf, brow0, nrows = _chunk_row(chunk_ptr, sid)
     t = nrows - 1
@@ -912,24 +915,22 @@ def _chunk_out_kernel(
 
 
 @triton.jit
-def _decode_row_kernel(
+def _decode_row_block(
     q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
     o_ptr,
     scale, SQ, HV, DK, DV, REP,
+    sid, h, vb,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """Chunk form, a call of one token per sequence (a decode step) at chunk position t: per (sequence, value head,
-    Dv block) the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s U0, W and P rows and
+    """Chunk form, a call of one token per sequence (a decode step) at chunk position t: for sequence ``sid``, value
+    head ``h`` and Dv block ``vb``, the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s U0, W and P rows and
     the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic; with bf16 dots E from ``entry_bf16``), stored
     into ``buf_u``;
     ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
     chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
     order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
     probe). Chunk and chain rows are the plan's (one each per sequence)."""
-    sid = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
     hk = h // REP
     row0, _, brow0, nrows = _chunk_row(chunk_ptr, sid)
     ekind = tl.load(chain_ptr + sid * 6 + 2)
@@ -1006,6 +1007,69 @@ def _decode_row_kernel(
     else:  # a fresh sequence's open chunk keeps a zero entry state for the next step
         tl.store(entry_ptr + erow * hsz + st, tl.zeros([BK, BV], dtype=tl.float32), mask=m2 & (ekind == 0))
         tl.store(entry_bf16_ptr + erow * hsz + st, tl.zeros([BK, BV], dtype=tl.bfloat16), mask=m2 & (ekind == 0))
+
+
+@triton.jit
+def _decode_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
+    scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
+    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_decode_prep_rows` per (sequence, value head): a decode step's first kernel (its second:
+    ``_decode_row_kernel``)."""
+    _decode_prep_rows(
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr,
+        gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), C, BK, BVF, KB, IB, PREC, OPREC, ROWS, WY_SPLIT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _decode_row_kernel(
+    q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
+    o_ptr,
+    scale, SQ, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel."""
+    _decode_row_block(
+        q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr, o_ptr,
+        scale, SQ, HV, DK, DV, REP,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC,
+    )  # fmt: skip
+
+
+@triton.jit
+def _decode_fused_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, chain_ptr, entry_ptr,
+    entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, bu_ptr, o_ptr,
+    scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr,
+    PPREC: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A decode step in one kernel (``DECODE_FUSED``): per (sequence, value head) :func:`_decode_prep_rows`, a barrier,
+    then :func:`_decode_row_block` for each Dv block in ascending order. The two kernels' arithmetic and their hand-off
+    through memory (U0, W, P, G, KD rows, stored then read back by every thread of the program after the barrier), so
+    the same bits; one launch and one wave of programs instead of two, each program holding the prep's tiles or a
+    row block's, never both. PPREC: the prep's dot precision, PREC: the chain's (the output's too, as in the two
+    kernels)."""
+    sid = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    _decode_prep_rows(
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr,
+        gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+        sid, h, C, BK, BVF, KB, IB, PPREC, PREC, ROWS, WY_SPLIT,
+    )  # fmt: skip
+    tl.debug_barrier()  # the rows the prep stored are read by every thread below
+    for vb in tl.static_range(BVF // BV):
+        _decode_row_block(
+            q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr, o_ptr,
+        scale, SQ, HV, DK, DV, REP,
+            sid, h, vb, C, BK, BVF, BV, KB, ROWS, PREC,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -1348,35 +1412,54 @@ def _decode_wy_split(cfg: GDNConfig) -> int:
     return split if min(cfg.bv_full, cfg.bk) // split >= MIN_DOT else 1
 
 
-def _decode_prep(
+def _decode_step(
     q: tuple[torch.Tensor, int],
     rows: tuple,
     buffers: tuple[torch.Tensor, ...],
-    buf_tinv: torch.Tensor,
-    chunks: torch.Tensor,
+    state: GDNLayerState,
+    plan: _Plan,
+    entries: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
     cfg: GDNConfig,
     scale: float,
-) -> tuple[torch.Tensor, ...]:
-    """``_decode_prep_kernel`` for a decode step's chunk rows (one per sequence): U0 and W of each token's
-    ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes its chunk, G (:func:`_prep_outputs`), and the output's P rows;
-    the token's T^{-1} row goes into ``buf_tinv``. ``q``, ``rows``: as :func:`_rows` returns them."""
+) -> None:
+    """A chunk-form decode step (one token per sequence, ``plan``'s chunk and chain rows one per sequence) into
+    ``out``: ``_decode_prep_kernel`` (U0 and W of each token's ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes
+    its chunk, G (:func:`_prep_outputs`), the output's P rows; the token's T^{-1} row into ``state.buf_tinv``), then
+    ``_decode_row_kernel`` (u, o, the exit state at a close); or both in ``_decode_fused_kernel`` (``DECODE_FUSED``).
+    ``q``, ``rows``: as :func:`_rows` returns them."""
     qf, sq = q
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
     hv, dv = vf.shape[1:]
-    n, c, dev = chunks.shape[0], cfg.chunk, kf.device
+    n, c, dev = plan.n, cfg.chunk, kf.device
     nrows = decode_rows(c)
-    u0, w, kd, egc, gcum = terms = _prep_outputs(n, hv, cfg, dev)
+    u0, w, kd, egc, gcum = _prep_outputs(n, hv, cfg, dev)
     p = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # the output's P rows
     a = torch.empty_like(p)  # scratch: A's rows
     bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
+    dims = {"C": c, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": nrows}
+    prep = {"IB": cfg.inv_block, "WY_SPLIT": _decode_wy_split(cfg), "num_warps": DECODE_PREP_WARPS,
+            "num_stages": PREP_STAGES, **_maxnreg(DECODE_PREP_MAXNREG)}  # fmt: skip
+    inputs, sizes = (
+        (qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks),
+        (sk, sv, sg, sb, hk, hv, dk, dv, hv // hk),
+    )
+    if DECODE_FUSED:
+        _decode_fused_kernel[(n, hv)](
+            *inputs, plan.chains, *entries, u0, w, kd, egc, gcum, p, a, bce, state.buf_u, out, scale, sq, *sizes,
+            BV=cfg.decode_bv, PPREC=cfg.prep_precision, PREC=cfg.chain_precision, **dims, **prep,
+        )  # fmt: skip
+        return
     _decode_prep_kernel[(n, hv)](
-        qf, kf, vf, gf, bf, *buffers, buf_tinv, chunks, u0, w, kd, egc, gcum, p, a, bce, scale, sq, sk, sv, sg, sb, hk,
-        hv, dk, dv, hv // hk, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        OPREC=cfg.chain_precision, ROWS=nrows, WY_SPLIT=_decode_wy_split(cfg), num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
-        **_maxnreg(DECODE_PREP_MAXNREG),
+        *inputs, u0, w, kd, egc, gcum, p, a, bce, scale, sq, *sizes, PREC=cfg.prep_precision, OPREC=cfg.chain_precision,
+        **dims, **prep,
     )  # fmt: skip
-    return (*terms, p)
+    _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
+        qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
+        hv // hk, BV=cfg.decode_bv, PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **dims,
+        **_maxnreg(DECODE_MAXNREG),
+    )  # fmt: skip
 
 
 def _state_rows(nchunks: int, hv: int, dk: int, dv: int, cfg: GDNConfig, dev: torch.device) -> torch.Tensor:
@@ -1496,13 +1579,7 @@ def _rule_forward(
         entries = _no_entries(ex)
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
-        u0, w, kd, egc, gcum, p = _decode_prep((qf, sq), prep_rows, (bk, bvv, bg, bb), state.buf_tinv, plan.chunks,
-                                               cfg, scale)  # fmt: skip
-        _decode_row_kernel[(plan.n, hv, triton.cdiv(dv, cfg.decode_bv))](
-            qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
-            rep, C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.decode_bv, KB=cfg.kb,
-            ROWS=decode_rows(chunk), PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **_maxnreg(DECODE_MAXNREG),
-        )  # fmt: skip
+        _decode_step((qf, sq), prep_rows, (bk, bvv, bg, bb), state, plan, entries, out, cfg, scale)
         return out
     terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entries, ex, cfg)
     u, gcum = terms[0], terms[4]
@@ -1775,6 +1852,7 @@ _RULE_CONSTANTS = {
     "close; chunk: the token's T^-1 row from the cached rows (the prep's fma chain and block dots), U0/W of its "
     "DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
+    "decode_wy_split_fused": [DECODE_WY_SPLIT, DECODE_FUSED],  # U0/W column blocks; one decode kernel or two
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
     "chain_bv_ieee_mma_bf16": [CHAIN_BV, CHAIN_BV_MMA, CHAIN_BV_BF16],  # the chain's Dv block per dot path
