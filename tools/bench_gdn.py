@@ -733,6 +733,9 @@ TUNABLE = (
 )
 
 
+TUNABLE_FLAGS = ("DECODE_FUSED",)  # switches among TUNABLE: 0 or 1
+
+
 def _apply_tune(pairs: list[str]) -> None:
     """``NAME=INT`` pairs onto gdn_triton's tuning constants. The kernels' bits follow some of them (the scan's
     layout, the inverse's block); training and rollout in one run use the same values, so the bitwise checks hold."""
@@ -744,7 +747,10 @@ def _apply_tune(pairs: list[str]) -> None:
         if name not in TUNABLE or not val.lstrip("-").isdigit():
             raise SystemExit(f"--tune {pair!r}: expected NAME=INT with NAME one of {list(TUNABLE)}")
         n = int(val)
-        if name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
+        if name in TUNABLE_FLAGS:
+            if n not in (0, 1):
+                raise SystemExit(f"--tune {pair!r}: {name} is a switch, 0 (off) or 1 (on)")
+        elif name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
             if n != 0 and not 24 <= n <= 255:
                 raise SystemExit(f"--tune {pair!r}: a register cap is 0 (none) or in 24..255")
         elif n < 1 or (not name.endswith("_STAGES") and n & (n - 1)):
