@@ -68,14 +68,15 @@ def new_state(slots, hk=HK, hv=HV, form=None):
     )
 
 
-def incremental(x, pieces, slot=1, st=None):
+def incremental(x, pieces, slot=1, st=None, **kw):
+    """``x`` in calls of ``pieces`` tokens from one cache slot (the rule under check; ``kw``: more of its arguments,
+    e.g. a form and precision that override it)."""
     st = st or new_state(slot + 1, x[0].shape[1], x[2].shape[1])
     outs, pos = [], 0
     for n in pieces:
         r = slice(pos, pos + n)
-        outs.append(
-            rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([slot]), starts=torch.tensor([pos]))
-        )
+        outs.append(rule(*(t[r] for t in x), cu([n]), chunk=C, state=st, slots=torch.tensor([slot]),
+                         starts=torch.tensor([pos]), **kw))  # fmt: skip
         pos += n
     return torch.cat(outs), st
 
@@ -313,19 +314,13 @@ def check_bf16_storage() -> None:
     got = {}
     for mid in (True, False):
         gt.MID_BF16 = mid
-        kw = {"chunk": C, "form": "chunk", "dot_precision": "bf16"}
-        st = new_state(2, form="chunk")
-        outs, pos = [], 0
-        for n in [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1]:
-            r = slice(pos, pos + n)
-            outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
-                                            starts=torch.tensor([pos]), **kw))  # fmt: skip
-            pos += n
+        kw = {"form": "chunk", "dot_precision": "bf16"}
+        inc, st = incremental(x, [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1], st=new_state(2, form="chunk"), **kw)
         check_entry_bf16(st)
         # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
         got[mid] = (
-            gt.gated_delta_rule(*x, cu([2 * C + 5]), **kw),
-            torch.cat(outs),
+            gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, **kw),
+            inc,
             st.entry[1],
             st.buf_u[1].bfloat16(),
         )
@@ -343,19 +338,13 @@ def check_wy_split() -> None:
     # bits follow N, so the GPU tests hold its bits): here its indexing, as values. Prefill + decode steps across a
     # chunk close with 2 blocks against 1: equal up to numpy's summation order, where a wrong block would be O(1) off.
     x = inputs(2 * C + 3, 45)
-    kw = {"chunk": C, "form": "chunk", "dot_precision": "tf32"}
     got = {}
     for split in (1, 2):
         gt.DECODE_WY_SPLIT = split
         assert gt._decode_wy_split(gt.config_for(D, D, C, "tf32", "chunk")) == split
-        st = new_state(2, form="chunk")
-        outs, pos = [], 0
-        for n in [C - 2, *[1] * (C + 5)]:
-            r = slice(pos, pos + n)
-            outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
-                                            starts=torch.tensor([pos]), **kw))  # fmt: skip
-            pos += n
-        got[split] = (torch.cat(outs), st.entry[1].clone())
+        inc, st = incremental(x, [C - 2, *[1] * (C + 5)], st=new_state(2, form="chunk"), form="chunk",
+                              dot_precision="tf32")  # fmt: skip
+        got[split] = (inc, st.entry[1].clone())
     gt.DECODE_WY_SPLIT = 1
     for name, a, b in zip(("outputs", "state.entry"), *got.values(), strict=True):
         err = (a - b).abs().max().item()
@@ -370,31 +359,25 @@ def check_fused_decode() -> None:
     x = inputs(2 * C + 5, 46)
     pieces = [C - 3, *[1] * (C + 8)]
     for prec in ("bf16", "ieee"):
-        kw = {"chunk": C, "form": "chunk", "dot_precision": prec}
+        kw = {"form": "chunk", "dot_precision": prec}
         got = {}
         for fused in (0, 1):
             gt.DECODE_FUSED = fused
-            st = new_state(2, form="chunk")
-            outs, pos = [], 0
-            for n in pieces:
-                r = slice(pos, pos + n)
-                outs.append(gt.gated_delta_rule(*(t[r] for t in x), cu([n]), state=st, slots=torch.tensor([1]),
-                                                starts=torch.tensor([pos]), **kw))  # fmt: skip
-                pos += n
-            launches = count_launches(
-                lambda st=st, pos=pos, kw=kw: gt.gated_delta_rule(*(t[pos - 1 : pos] for t in x), cu([1]), state=st,
-                                                                   slots=torch.tensor([0]), starts=torch.tensor([3]),
-                                                                   **kw)
+            inc, st = incremental(x, pieces, st=new_state(2, form="chunk"), **kw)
+            launches = count_launches(  # one more decode step, slot 0 at position 3
+                lambda st=st, kw=kw: gt.gated_delta_rule(*(t[-1:] for t in x), cu([1]), chunk=C, state=st,
+                                                          slots=torch.tensor([0]), starts=torch.tensor([3]), **kw)
             )  # fmt: skip
             kernels = {k: v for k, v in launches.items() if k.startswith("_")}
             want = {"_decode_fused_kernel": 1} if fused else {"_decode_prep_kernel": 1, "_decode_row_kernel": 1}
             assert kernels == want, f"fused={fused}: a decode step launched {kernels}"
-            got[fused] = (torch.cat(outs), st.entry[1], st.entry_bf16[1], st.buf_u[1], st.buf_tinv[1])
+            got[fused] = (inc, st.entry[1], st.entry_bf16[1], st.buf_u[1], st.buf_tinv[1])
         gt.DECODE_FUSED = 0
         names = ("outputs", "state.entry", "state.entry_bf16", "state.buf_u", "state.buf_tinv")
         for name, a, b in zip(names, *got.values(), strict=True):
             assert same_bits(a, b), f"{prec}: fused decode vs two kernels: {name}"
-        assert same_bits(got[1][0], gt.gated_delta_rule(*x, cu([2 * C + 5]), **kw)), f"{prec}: fused vs training"
+        train_out = gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, **kw)
+        assert same_bits(got[1][0], train_out), f"{prec}: fused vs training"
     print("fused decode ok", round(time.time() - t_start, 1))
 
 
