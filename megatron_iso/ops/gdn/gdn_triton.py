@@ -469,8 +469,9 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, krow, kd_ptr, base, dkd, row0, brow0, nbuf
     """Rows ``orr`` (ROWS of them) of K K^T: K-blocked over the key columns (ieee: KB at a time, ascending) or one
     whole-K dot of ``krow`` (k's rows orr) with ``kcf`` (tensor cores: the chunk's k tile; both loaded by the caller;
     with ROWS == C krow must be kcf itself: the interpreter's numpy computes ``x @ x.T`` of one array by another
-    routine than of two, so a decode step under the interpreter must pass it as the prep does). STORE_KD (the prep, ROWS == C): also
-    KD = e^{G_C-G} k (``dkd`` = e^{G_C-G}) into this (chunk, head)'s KD rows on the way, block by block."""
+    routine than of two, so a decode step under the interpreter must pass it as the prep does). STORE_KD (the prep,
+    ROWS == C): also KD = e^{G_C-G} k (``dkd`` = e^{G_C-G}) into this (chunk, head)'s KD rows on the way, block by
+    block."""
     ot = tl.arange(0, C)
     if PREC == "ieee":
         ob = tl.arange(0, KB)
@@ -507,14 +508,16 @@ def _wy_rows(
     time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch) reloaded per block.
 
     NS > 1 (tensor cores; a decode step, whose token is t = ``nbuf``: :func:`_decode_tile`): each dot in NS column
-    blocks, v's and k's columns loaded per block (``kcf`` not read), so no whole [C, Dv] or [C, Dk] tile is live. An MMA computes every output column on its own, so a
-    column block's bits are the whole dot's (the decode row kernel's Dv blocks rest on the same fact)."""
+    blocks, v's and k's columns loaded per block (``kcf`` not read), so no whole [C, Dv] or [C, Dk] tile is live. An
+    MMA computes every output column on its own, so a column block's bits are the whole dot's (the decode row kernel's
+    Dv blocks rest on the same fact)."""
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
     mv = ov < DV
-    if PREC != "ieee" and NS > 1:
+    if PREC != "ieee":
         ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
+    if PREC != "ieee" and NS > 1:
         for ns in tl.static_range(NS):
             ovb = ns * (BVF // NS) + tl.arange(0, BVF // NS)
             vcb = _decode_tile(bvv_ptr + (brow0 * HV + h) * DV, v_ptr + (row0 + nbuf) * SV + h * DV, ot, ovb, nbuf,
@@ -529,7 +532,6 @@ def _wy_rows(
             tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + okb[None, :], w.to(w_ptr.dtype.element_ty),
                      mask=smask[:, None])  # fmt: skip
     elif PREC != "ieee":
-        ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
         vcf = _buffered_or_packed(
             (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
             (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
@@ -671,9 +673,9 @@ def _decode_prep_rows(
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
     OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Chunk form, a decode step at chunk position t = nrows - 1, for sequence ``sid`` and value head ``h``: ``_prep_kernel``'s terms
-    for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv, [slots, Hv, C, C]) instead of
-    inverting the chunk again, and row t stored there.
+    """Chunk form, a decode step at chunk position t = nrows - 1, for sequence ``sid`` and value head ``h``:
+    ``_prep_kernel``'s terms for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv,
+    [slots, Hv, C, C]) instead of inverting the chunk again, and row t stored there.
 
     - G for the whole chunk (the prep's dot); A's rows of t's ROWS-row block (K K^T rows by the prep's dots, A's
       elementwise formula) into this program's scratch ``a_ptr`` (ROWS x C).
@@ -924,9 +926,9 @@ def _decode_row_block(
     PREC: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: for sequence ``sid``, value
-    head ``h`` and Dv block ``vb``, the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s U0, W and P rows and
-    the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic; with bf16 dots E from ``entry_bf16``), stored
-    into ``buf_u``;
+    head ``h`` and Dv block ``vb``, the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s
+    U0, W and P rows and the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic; with bf16 dots E from
+    ``entry_bf16``), stored into ``buf_u``;
     ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
     chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
     order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
@@ -1020,8 +1022,8 @@ def _decode_prep_kernel(
     """:func:`_decode_prep_rows` per (sequence, value head): a decode step's first kernel (its second:
     ``_decode_row_kernel``)."""
     _decode_prep_rows(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr,
-        gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr,
+        egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
         tl.program_id(0).to(tl.int64), tl.program_id(1), C, BK, BVF, KB, IB, PREC, OPREC, ROWS, WY_SPLIT,
     )  # fmt: skip
 
@@ -1036,8 +1038,8 @@ def _decode_row_kernel(
 ):  # fmt: skip
     """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel."""
     _decode_row_block(
-        q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr, o_ptr,
-        scale, SQ, HV, DK, DV, REP,
+        q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
+        o_ptr, scale, SQ, HV, DK, DV, REP,
         tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC,
     )  # fmt: skip
 
@@ -1059,15 +1061,15 @@ def _decode_fused_kernel(
     sid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     _decode_prep_rows(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr,
-        gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr,
+        egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
         sid, h, C, BK, BVF, KB, IB, PPREC, PREC, ROWS, WY_SPLIT,
     )  # fmt: skip
     tl.debug_barrier()  # the rows the prep stored are read by every thread below
-    for vb in range(BVF // BV):  # a loop, not unrolled: ptxas spilled 5.5 KB with both blocks unrolled, 4.3 KB so
+    for vb in range(BVF // BV):  # a run-time loop: unrolled, ptxas spilled 5.5 KB here (4.3 KB as a loop)
         _decode_row_block(
-            q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr, o_ptr,
-        scale, SQ, HV, DK, DV, REP,
+            q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
+            bu_ptr, o_ptr, scale, SQ, HV, DK, DV, REP,
             sid, h, vb, C, BK, BVF, BV, KB, ROWS, PREC,
         )  # fmt: skip
 
