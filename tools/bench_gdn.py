@@ -589,29 +589,25 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     if cfg.mid_bf16:
         bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
     bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())
+    decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK)}
+    decode_prep = {**decode_dims, "IB": cfg.inv_block, "PREC": cfg.prep_precision, "WY_SPLIT": G._decode_wy_split(cfg)}
+    decode_row = {**decode_dims, "BV": cfg.decode_bv, "PREC": cfg.chain_precision}
     kernels = {
         "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
         "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
                                           "IB": cfg.inv_block, "PREC": cfg.prep_precision},
                          G.PREP_WARPS, G.PREP_STAGES),
-        "_decode_prep_kernel": (G._decode_prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
-                                                        "IB": cfg.inv_block, "PREC": cfg.prep_precision,
-                                                        "ROWS": G.decode_rows(CHUNK),
-                                                        "WY_SPLIT": G._decode_wy_split(cfg)},
-                                G.DECODE_PREP_WARPS, G.PREP_STAGES),
+        "_decode_prep_kernel": (G._decode_prep_kernel, decode_prep, G.DECODE_PREP_WARPS, G.PREP_STAGES),
         "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
                                             "KB": cfg.kb, "PREC": cfg.chain_precision, "ENTRIES": cfg.form == "chunk"},
                           G.CHAIN_WARPS, G.CHAIN_STAGES),
         "_chunk_out_kernel": (G._chunk_out_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.out_bv,
                                                     "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
-        "_decode_row_kernel": (G._decode_row_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full,
-                                                      "BV": cfg.decode_bv, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK),
-                                                      "PREC": cfg.chain_precision}, G.DECODE_WARPS, 3),
-        "_decode_fused_kernel": (G._decode_fused_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full,
-                                                          "BV": cfg.decode_bv, "KB": cfg.kb, "IB": cfg.inv_block,
-                                                          "PPREC": cfg.prep_precision, "PREC": cfg.chain_precision,
-                                                          "ROWS": G.decode_rows(CHUNK),
-                                                          "WY_SPLIT": G._decode_wy_split(cfg)},
+        "_decode_row_kernel": (G._decode_row_kernel, decode_row, G.DECODE_WARPS, 3),
+        # both bodies in one program: the row kernel's constexprs, and the prep's under their own names
+        "_decode_fused_kernel": (G._decode_fused_kernel, {**decode_row, "IB": decode_prep["IB"],
+                                                          "PPREC": decode_prep["PREC"],
+                                                          "WY_SPLIT": decode_prep["WY_SPLIT"]},
                                  G.DECODE_PREP_WARPS, G.PREP_STAGES),
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
