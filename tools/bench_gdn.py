@@ -382,13 +382,14 @@ def _profiled_calls(fn, iters: int, warm: int = 2) -> tuple[torch.profiler.profi
 
 def _kernel_ms(fn, iters: int = 5) -> float | None:
     """Device time of ``fn``'s kernels per call: the kernels alone, without the Python wrapper that ``do_bench``'s
-    figure includes wherever the host is slower than the device. None off the GPU."""
+    figure includes wherever the host is slower than the device; the time they cover, so kernels that overlap (a
+    programmatic dependent launch) count once. None off the GPU."""
     if DEVICE != "cuda":
         return None
-    from megatron_iso.bench.profiling import kernel_launches
+    from megatron_iso.bench.profiling import kernel_events, kernel_span_ms
 
     prof, _, _ = _profiled_calls(fn, iters, warm=1)
-    return sum(k["device_ms"] for k in kernel_launches(prof)) / iters
+    return kernel_span_ms(kernel_events(prof)) / iters
 
 
 def bench_decode(n: int, quick: bool) -> dict:
@@ -503,10 +504,17 @@ def profile_case(spec: str, iters: int) -> dict:
     vs device time of the ``iters`` profiled calls.
 
     ``host_ms_per_call``: wall time until the call returns (launches only, no sync); ``wall_ms_per_call``:
-    with a device sync after the calls; ``device_busy_ms_per_call``: sum of self device time of all ops.
-    Device busy far below wall means the host (or gaps between kernels) is the bottleneck; device busy
+    with a device sync after the calls; ``device_busy_ms_per_call``: sum of self device time of all ops;
+    ``kernel_span_ms_per_call``: the device time the kernels cover (overlapping kernels counted once). Device busy far below wall means the host (or gaps between kernels) is the bottleneck; device busy
     close to wall means the kernels themselves are slow, and the kernel table says which."""
-    from megatron_iso.bench.profiling import kernel_launches, print_kernel_launches, print_summary, summarize
+    from megatron_iso.bench.profiling import (
+        kernel_events,
+        kernel_launches,
+        kernel_span_ms,
+        print_kernel_launches,
+        print_summary,
+        summarize,
+    )
 
     spec = _split_variant(spec)
     kind, _, size = spec.partition(":")
@@ -546,16 +554,19 @@ def profile_case(spec: str, iters: int) -> dict:
     with torch.set_grad_enabled(kind.startswith(("train", "flatrain"))):
         prof, host, wall = _profiled_calls(fn, iters)
     summary = summarize(prof, 15, device=cuda)
-    kernels = kernel_launches(prof) if cuda else []
+    events = kernel_events(prof) if cuda else []
+    kernels = kernel_launches(events)
+    span = kernel_span_ms(events) / iters if cuda else None
     busy = summary["device_busy_s"]
     row = {
         "case": "profile", "spec": spec, "iters": iters, "shape": {"Hk": HK, "Hv": HV, "D": D, "chunk": CHUNK},
         "host_ms_per_call": 1e3 * host / iters, "wall_ms_per_call": 1e3 * wall / iters,
-        "device_busy_ms_per_call": None if busy is None else 1e3 * busy / iters,
+        "device_busy_ms_per_call": None if busy is None else 1e3 * busy / iters, "kernel_span_ms_per_call": span,
         "kernels": kernels, "summary": summary,
     }  # fmt: skip
     print(f"profile {spec} ({iters} calls): host {row['host_ms_per_call']:.3f} ms/call, wall (synced) "
-          f"{row['wall_ms_per_call']:.3f} ms/call, device busy {row['device_busy_ms_per_call']} ms/call")  # fmt: skip
+          f"{row['wall_ms_per_call']:.3f} ms/call, device busy {row['device_busy_ms_per_call']} ms/call, kernel span "
+          f"{span} ms/call")  # fmt: skip
     if kernels:
         print_kernel_launches(kernels)
     print_summary(summary)
@@ -589,7 +600,8 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     if cfg.mid_bf16:
         bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
     bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())
-    decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK)}
+    decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK),
+                   "PDL": bool(G.DECODE_PDL)}  # fmt: skip
     decode_prep = {**decode_dims, "IB": cfg.inv_block, "PREC": cfg.prep_precision, "WY_SPLIT": G._decode_wy_split(cfg)}
     decode_row = {**decode_dims, "BV": cfg.decode_bv, "PREC": cfg.chain_precision}
     kernels = {
@@ -605,10 +617,6 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
                                                     "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
         "_decode_row_kernel": (G._decode_row_kernel, decode_row, G.DECODE_WARPS, 3),
         # both bodies in one program: the row kernel's constexprs, and the prep's under their own names
-        "_decode_fused_kernel": (G._decode_fused_kernel, {**decode_row, "IB": decode_prep["IB"],
-                                                          "PPREC": decode_prep["PREC"],
-                                                          "WY_SPLIT": decode_prep["WY_SPLIT"]},
-                                 G.DECODE_PREP_WARPS, G.PREP_STAGES),
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
     bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}
@@ -622,7 +630,6 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     })  # fmt: skip
     caps = {  # each kernel's register cap, as its launch passes it
         "_scan_kernel": G.SCAN_MAXNREG, "_prep_kernel": G.PREP_MAXNREG, "_decode_prep_kernel": G.DECODE_PREP_MAXNREG,
-        "_decode_fused_kernel": G.DECODE_PREP_MAXNREG,
         "_chain_kernel": G.CHAIN_MAXNREG, "_chunk_out_kernel": G.OUT_MAXNREG, "_decode_row_kernel": G.DECODE_MAXNREG,
         "_bwd_local_kernel": B.BWD_MAXNREG, "_bwd_chain_kernel": B.BWD_CHAIN_MAXNREG,
         "_bwd_output_kernel": B.BWD_MAXNREG, "_bwd_wy_kernel": B.BWD_MAXNREG,
@@ -710,7 +717,7 @@ TUNABLE = (
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
     "DECODE_WY_SPLIT",
-    "DECODE_FUSED",
+    "DECODE_PDL",
     "PREP_MAXNREG",
     "CHAIN_MAXNREG",
     "OUT_MAXNREG",
@@ -729,7 +736,7 @@ TUNABLE = (
 )
 
 
-TUNABLE_FLAGS = ("DECODE_FUSED",)  # switches among TUNABLE: 0 or 1
+TUNABLE_FLAGS = ("DECODE_PDL",)  # switches among TUNABLE: 0 or 1
 
 
 def _apply_tune(pairs: list[str]) -> None:

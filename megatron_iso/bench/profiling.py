@@ -7,8 +7,11 @@ step goes, per model part and per op.
 - :func:`summarize`: a profiler's top ops by self device and self CPU time, the ranges as parts,
   and the device-busy time (sum of self device time: far below wall time means host bound).
 - :func:`print_summary`: the same as markdown tables.
+- :func:`kernel_events`: the device kernels of a profile's trace (exported once: torch allows no second export).
 - :func:`kernel_launches`: every device kernel of a profile, grouped by name, with its launch shape
   (grid, block, registers per thread, shared memory, estimated occupancy) read from the trace.
+- :func:`kernel_span_ms`: the device time its kernels cover, overlaps counted once (the measure of a step
+  whose kernels overlap through a programmatic dependent launch).
 """
 
 from __future__ import annotations
@@ -108,11 +111,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def kernel_launches(prof: torch.profiler.profile) -> list[dict[str, Any]]:
-    """Device kernels of ``prof`` by name, most device time first: calls, total and mean ms, and the
-    launch shapes the trace records (distinct grids; block, registers per thread, static + dynamic
-    shared bytes, est. achieved occupancy % of the first launch). The grid is not in
-    ``key_averages()``; the exported Chrome trace carries it in each kernel event's ``args``."""
+def kernel_events(prof: torch.profiler.profile) -> list[dict[str, Any]]:
+    """The device kernel events of ``prof``'s Chrome trace (each with ``ts``, ``dur`` in us and its ``args``), the
+    input of :func:`kernel_launches` and :func:`kernel_span_ms`. A profile's trace can be exported once only (torch
+    raises "Trace is already saved"), so read it once and pass the list on."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -121,10 +123,28 @@ def kernel_launches(prof: torch.profiler.profile) -> list[dict[str, Any]]:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
+    return [ev for ev in events if ev.get("cat") == "kernel"]
+
+
+def kernel_span_ms(events: list[dict[str, Any]]) -> float:
+    """Device time covered by the kernel ``events`` (:func:`kernel_events`): the length of the union of their [start, end) intervals, in ms.
+    Kernels that overlap (a programmatic dependent launch starts the next kernel while the last one runs) count
+    once, idle gaps not at all; for kernels that run one after another it equals the sum of their durations."""
+    span, end = 0.0, float("-inf")
+    for ev in sorted(events, key=lambda ev: ev["ts"]):
+        start, stop = ev["ts"], ev["ts"] + ev.get("dur", 0.0)
+        span += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return span / 1e3
+
+
+def kernel_launches(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The kernel ``events`` of a profile (:func:`kernel_events`) by name, most device time first: calls, total and
+    mean ms, and the launch shapes the trace records (distinct grids; block, registers per thread, static + dynamic
+    shared bytes, est. achieved occupancy % of the first launch). The grid is not in ``key_averages()``; the
+    exported Chrome trace carries it in each kernel event's ``args``."""
     rows: dict[str, dict[str, Any]] = {}
     for ev in events:
-        if ev.get("cat") != "kernel":
-            continue
         a = ev.get("args", {})
         r = rows.setdefault(ev["name"], {
             "name": ev["name"], "calls": 0, "device_ms": 0.0, "grids": [], "block": a.get("block"),

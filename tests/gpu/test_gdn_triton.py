@@ -194,23 +194,24 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
 @pytest.mark.parametrize("prec", ["bf16", "ieee"])
-def test_fused_decode_equals_two_kernels(gt, chunk, d, prec, monkeypatch):
-    """``DECODE_FUSED``: a decode step as one kernel gives the two kernels' bits (outputs, entry, entry_bf16, buf_u,
-    buf_tinv) across two chunk closes, and training's; a batch of sequences at mixed positions, too."""
+def test_pdl_decode_equals_plain_launches(gt, chunk, d, prec, monkeypatch):
+    """``DECODE_PDL``: the row kernel as a programmatic dependent launch of the prep (started early, waiting on the
+    prep's rows) gives the plain launches' bits (outputs, entry, entry_bf16, buf_u, buf_tinv) across two chunk
+    closes, and training's; a batch of sequences at mixed positions, too."""
     kw = {"dot_precision": prec, "form": "chunk"}
     total = 2 * chunk + 5
     x = inputs(total, 63, d)
     got = {}
-    for fused in (0, 1):
-        monkeypatch.setattr(gt, "DECODE_FUSED", fused)
+    for pdl in (0, 1):
+        monkeypatch.setattr(gt, "DECODE_PDL", pdl)
         inc, st = incremental(gt, x, [chunk - 3] + [1] * (total - chunk + 3), chunk, **kw)
-        got[fused] = (inc, st.entry[1], st.entry_bf16[1], st.buf_u[1, : total % chunk], st.buf_tinv[1])
+        got[pdl] = (inc, st.entry[1], st.entry_bf16[1], st.buf_u[1, : total % chunk], st.buf_tinv[1])
     names = ("outputs", "state.entry", "state.entry_bf16", "state.buf_u", "state.buf_tinv")
     for name, a, b in zip(names, *got.values(), strict=True):
         rows = a if name != "state.buf_tinv" else a[:, : total % chunk]  # rows past the open chunk's are stale NaNs
         other = b if name != "state.buf_tinv" else b[:, : total % chunk]
-        assert same_bits(rows, other), f"{prec}: fused decode vs two kernels: {name}"
-    assert same_bits(got[1][0], gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)), f"{prec}: fused vs training"
+        assert same_bits(rows, other), f"{prec}: PDL decode vs plain launches: {name}"
+    assert same_bits(got[1][0], gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)), f"{prec}: PDL vs training"
     # one decode step of four sequences at mixed positions (one closes its chunk) == each alone
     prev = [3, chunk - 1, chunk + 2, 2 * chunk - 1]
     seqs = [inputs(p + 1, 80 + i, d) for i, p in enumerate(prev)]
@@ -224,7 +225,7 @@ def test_fused_decode_equals_two_kernels(gt, chunk, d, prec, monkeypatch):
                               slots=torch.arange(len(prev), device="cuda"),
                               starts=torch.tensor(prev, device="cuda"), **kw)  # fmt: skip
     for i in range(len(prev)):
-        assert same_bits(out[i : i + 1], alone[i]), f"{prec}: fused batch, sequence {i}"
+        assert same_bits(out[i : i + 1], alone[i]), f"{prec}: PDL batch, sequence {i}"
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)

@@ -109,7 +109,7 @@ def test_dispatch_and_plain_backward():
 def test_iso_exp_sigmoid_one_launch_and_chain_gradients():
     """pointwise.iso_exp / iso_sigmoid of a CUDA tensor: one Triton launch, the chain's bits (forward, vs the
     same torch chain on CUDA) and the chain's gradient bits (with_plain_backward)."""
-    from megatron_iso.bench.profiling import kernel_launches
+    from megatron_iso.bench.profiling import kernel_events, kernel_launches
     from megatron_iso.ops.activation import pointwise
 
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -120,7 +120,7 @@ def test_iso_exp_sigmoid_one_launch_and_chain_gradients():
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn(x.detach())
                 torch.cuda.synchronize()
-            launches = sum(row["calls"] for row in kernel_launches(prof))
+            launches = sum(row["calls"] for row in kernel_launches(kernel_events(prof)))
             _same(fn(x.detach()), chain(x.detach()))
         assert launches <= 2, launches  # the kernel (+ at most one contiguous copy), not ~30 chain ops
         y = fn(x)

@@ -17,8 +17,7 @@ array); the first lines patch that one conversion. Its fp32 -> bf16 ``.to()`` tr
 nearest even (:func:`triton_bf16`); the kernels' bf16 values are compared with that, not with torch's rounding.
 
 Parts (``PARTS``; the command line names which to run, default all): ``scan`` and ``chunk`` (the rule per form),
-``bf16_storage``, ``wy_split`` (the decode prep's U0/W column blocks, as values), ``fused_decode`` (the one-kernel
-decode step, bitwise against the two kernels), ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
+``bf16_storage``, ``wy_split`` (the decode prep's U0/W column blocks, as values), ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
 interpreter keeps one core busy and the check took 12 minutes in one process.
 """
 
@@ -352,35 +351,6 @@ def check_wy_split() -> None:
     print("wy split ok", round(time.time() - t_start, 1))
 
 
-def check_fused_decode() -> None:
-    # gt.DECODE_FUSED: a decode step as one kernel (the prep, a barrier, the row kernel's Dv blocks) gives the two
-    # kernels' bits: outputs and every state the step writes, over prefill + decode steps across two chunk closes, at
-    # the default chunk precision (bf16) and at ieee (the row kernel's K-blocked path); one launch per step.
-    x = inputs(2 * C + 5, 46)
-    pieces = [C - 3, *[1] * (C + 8)]
-    for prec in ("bf16", "ieee"):
-        kw = {"form": "chunk", "dot_precision": prec}
-        got = {}
-        for fused in (0, 1):
-            gt.DECODE_FUSED = fused
-            inc, st = incremental(x, pieces, st=new_state(2, form="chunk"), **kw)
-            launches = count_launches(  # one more decode step, slot 0 at position 3
-                lambda st=st, kw=kw: gt.gated_delta_rule(*(t[-1:] for t in x), cu([1]), chunk=C, state=st,
-                                                          slots=torch.tensor([0]), starts=torch.tensor([3]), **kw)
-            )  # fmt: skip
-            kernels = {k: v for k, v in launches.items() if k.startswith("_")}
-            want = {"_decode_fused_kernel": 1} if fused else {"_decode_prep_kernel": 1, "_decode_row_kernel": 1}
-            assert kernels == want, f"fused={fused}: a decode step launched {kernels}"
-            got[fused] = (inc, st.entry[1], st.entry_bf16[1], st.buf_u[1], st.buf_tinv[1])
-        gt.DECODE_FUSED = 0
-        names = ("outputs", "state.entry", "state.entry_bf16", "state.buf_u", "state.buf_tinv")
-        for name, a, b in zip(names, *got.values(), strict=True):
-            assert same_bits(a, b), f"{prec}: fused decode vs two kernels: {name}"
-        train_out = gt.gated_delta_rule(*x, cu([2 * C + 5]), chunk=C, **kw)
-        assert same_bits(got[1][0], train_out), f"{prec}: fused vs training"
-    print("fused decode ok", round(time.time() - t_start, 1))
-
-
 def check_conv() -> None:
     # conv: prefill + decode == training, batch composition, against fp64
 
@@ -466,7 +436,6 @@ PARTS = {
     "chunk": functools.partial(check_rule, "chunk"),
     "bf16_storage": check_bf16_storage,
     "wy_split": check_wy_split,
-    "fused_decode": check_fused_decode,
     "conv": check_conv,
     "gates": check_gates,
     "grads": check_grads,

@@ -86,8 +86,8 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   A decode step (one token per sequence) computes its token's rows only: ``_decode_prep_kernel`` (row t of T^{-1}
   from the rows before it in ``state.buf_tinv``, by the prep's own fma chain and block dots; U0/W of the token's
   DECODE_ROWS rows; P's row t; the token into the buffer), then ``_decode_row_kernel``
-  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close), or both in one launch
-  (``_decode_fused_kernel``, ``DECODE_FUSED``: the same bodies and hand-off). Rows < n of every tile do not
+  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close; with ``DECODE_PDL`` a
+  programmatic dependent launch that overlaps the prep's last wave). Rows < n of every tile do not
   depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
   ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this
   form refuses: :data:`CHUNK_FORM_PRECISIONS`). Since VERSION 7 nothing row-determining is a layout-dependent
@@ -199,9 +199,10 @@ DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # Column blocks of the decode prep's U0 and W dots (``_wy_rows``' NS): the [C, Dv] v tile and the [C, Dk] k tile are
 # loaded a block at a time, not held whole through the prep. Under the interpreter 1: numpy's matmul bits follow N.
 DECODE_WY_SPLIT = 1 if _INTERPRET else 2
-# 1: a decode step as one kernel (``_decode_fused_kernel``: the prep, a barrier, the row kernel's Dv blocks in turn; the
-# same arithmetic and hand-off through memory, so the same bits). Off until timed on a GPU (docs/GDN.md).
-DECODE_FUSED = 0
+# 1: a decode step's row kernel is a programmatic dependent launch of its prep (Hopper and later; ``_decode_pdl``): its
+# programs start in the SMs the prep's last wave leaves idle, load E, u's earlier rows and q, compute q_t E, then wait
+# for the prep (``gdc_wait``). The same operations, so the same bits. Off until timed on a GPU.
+DECODE_PDL = 0
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
 # programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
@@ -434,9 +435,15 @@ def _output_p(q, k, g_rows, g_all, causal, PREC: tl.constexpr):
 @triton.jit
 def _output_rows(q, e, u, p, g_rows, PREC: tl.constexpr):
     """Chunk-form output rows ``e^{G_t} (q_t E) + P u`` (P: :func:`_output_p`): the one arithmetic of the training tile
-    (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``)."""
-    o = _dot(q, e, None, PREC) * tl.exp(g_rows)[:, None]
-    return _dot(p, u, o, PREC)
+    (``_chunk_out_kernel``) and of a decode step's rows (``_decode_row_kernel``, which computes ``q_t E`` early:
+    :func:`_output_rows_from`)."""
+    return _output_rows_from(_dot(q, e, None, PREC), u, p, g_rows, PREC)
+
+
+@triton.jit
+def _output_rows_from(qe, u, p, g_rows, PREC: tl.constexpr):
+    """:func:`_output_rows` from its ``q E`` dot (``qe``), computed by the caller."""
+    return _dot(p, u, qe * tl.exp(g_rows)[:, None], PREC)
 
 
 @triton.jit
@@ -923,7 +930,7 @@ def _decode_row_block(
     scale, SQ, HV, DK, DV, REP,
     sid, h, vb,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: for sequence ``sid``, value
     head ``h`` and Dv block ``vb``, the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s
@@ -932,7 +939,11 @@ def _decode_row_block(
     ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
     chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
     order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
-    probe). Chunk and chain rows are the plan's (one each per sequence)."""
+    probe). Chunk and chain rows are the plan's (one each per sequence).
+
+    PDL (``DECODE_PDL``; the kernel launched as a programmatic dependent of the prep): what does not depend on the
+    prep (E, u's earlier rows, q and ``q_t E``) is loaded and computed first, then ``gdc_wait`` until the prep's
+    stores are visible, then the rest; the same operations on the same values, so the same bits."""
     hk = h // REP
     row0, _, brow0, nrows = _chunk_row(chunk_ptr, sid)
     ekind = tl.load(chain_ptr + sid * 6 + 2)
@@ -960,6 +971,10 @@ def _decode_row_block(
         mask=(ot < t)[:, None] & mv[None, :],
         other=0.0,
     )
+    q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
+    qe = _dot(q, e, None, PREC)
+    if PDL:  # everything above is the prep's input or an earlier step's output; below, the prep's rows are read
+        tl.extra.cuda.gdc_wait()
     u0_t = _token_tile(u0_ptr + (base * C + t) * BVF, ov, DV, mine)
     if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
@@ -980,9 +995,8 @@ def _decode_row_block(
     # terms are -0.0, the identity of + (x + -0 == x for every x, +0 and -0 included), so no bit moves.
     u_t = tl.sum(tl.where(mine[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
     u_all = tl.where((ot == t)[:, None], u_t[None, :], u_prev)
-    q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
     p = _token_tile(p_ptr + (base * ROWS + t - (t // ROWS) * ROWS) * C, ot, C, mine)
-    o = _output_rows(q, e, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
+    o = _output_rows_from(qe, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
     tl.store(
         (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
     )
@@ -1017,10 +1031,13 @@ def _decode_prep_kernel(
     u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
     scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
+    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_decode_prep_rows` per (sequence, value head): a decode step's first kernel (its second:
-    ``_decode_row_kernel``)."""
+    ``_decode_row_kernel``). PDL: the row kernel may be scheduled as soon as every prep program has started (it waits
+    for the prep's completion before it reads the prep's rows), so its programs fill the SMs of the prep's last wave."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     _decode_prep_rows(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr,
         egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
@@ -1034,44 +1051,14 @@ def _decode_row_kernel(
     o_ptr,
     scale, SQ, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel."""
     _decode_row_block(
         q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
         o_ptr, scale, SQ, HV, DK, DV, REP,
-        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC, PDL,
     )  # fmt: skip
-
-
-@triton.jit
-def _decode_fused_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, chain_ptr, entry_ptr,
-    entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, bu_ptr, o_ptr,
-    scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr,
-    PPREC: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
-):  # fmt: skip
-    """A decode step in one kernel (``DECODE_FUSED``): per (sequence, value head) :func:`_decode_prep_rows`, a barrier,
-    then :func:`_decode_row_block` for each Dv block in ascending order. The two kernels' arithmetic and their hand-off
-    through memory (U0, W, P, G, KD rows, stored then read back by every thread of the program after the barrier), so
-    the same bits; one launch and one wave of programs instead of two, each program holding the prep's tiles or a
-    row block's, never both. PPREC: the prep's dot precision, PREC: the chain's (the output's too, as in the two
-    kernels)."""
-    sid = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    _decode_prep_rows(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr,
-        egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
-        sid, h, C, BK, BVF, KB, IB, PPREC, PREC, ROWS, WY_SPLIT,
-    )  # fmt: skip
-    tl.debug_barrier()  # the rows the prep stored are read by every thread below
-    for vb in range(BVF // BV):  # a run-time loop: unrolled, ptxas spilled 5.5 KB here (4.3 KB as a loop)
-        _decode_row_block(
-            q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
-            bu_ptr, o_ptr, scale, SQ, HV, DK, DV, REP,
-            sid, h, vb, C, BK, BVF, BV, KB, ROWS, PREC,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -1414,6 +1401,12 @@ def _decode_wy_split(cfg: GDNConfig) -> int:
     return split if min(cfg.bv_full, cfg.bk) // split >= MIN_DOT else 1
 
 
+def _decode_pdl(dev: torch.device) -> bool:
+    """Whether a decode step launches its row kernel as a programmatic dependent of its prep (``DECODE_PDL``): on a
+    GPU that has it (Hopper, sm_90, and later), never under the interpreter."""
+    return bool(DECODE_PDL) and not _INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
 def _decode_step(
     q: tuple[torch.Tensor, int],
     rows: tuple,
@@ -1428,7 +1421,7 @@ def _decode_step(
     """A chunk-form decode step (one token per sequence, ``plan``'s chunk and chain rows one per sequence) into
     ``out``: ``_decode_prep_kernel`` (U0 and W of each token's ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes
     its chunk, G (:func:`_prep_outputs`), the output's P rows; the token's T^{-1} row into ``state.buf_tinv``), then
-    ``_decode_row_kernel`` (u, o, the exit state at a close); or both in ``_decode_fused_kernel`` (``DECODE_FUSED``).
+    ``_decode_row_kernel`` (u, o, the exit state at a close; a programmatic dependent launch with ``DECODE_PDL``).
     ``q``, ``rows``: as :func:`_rows` returns them."""
     qf, sq = q
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
@@ -1447,20 +1440,15 @@ def _decode_step(
         (qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks),
         (sk, sv, sg, sb, hk, hv, dk, dv, hv // hk),
     )
-    if DECODE_FUSED:
-        _decode_fused_kernel[(n, hv)](
-            *inputs, plan.chains, *entries, u0, w, kd, egc, gcum, p, a, bce, state.buf_u, out, scale, sq, *sizes,
-            BV=cfg.decode_bv, PPREC=cfg.prep_precision, PREC=cfg.chain_precision, **dims, **prep,
-        )  # fmt: skip
-        return
+    pdl = _decode_pdl(dev)
     _decode_prep_kernel[(n, hv)](
         *inputs, u0, w, kd, egc, gcum, p, a, bce, scale, sq, *sizes, PREC=cfg.prep_precision, OPREC=cfg.chain_precision,
-        **dims, **prep,
+        PDL=pdl, **dims, **prep,
     )  # fmt: skip
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
         qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
-        hv // hk, BV=cfg.decode_bv, PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **dims,
-        **_maxnreg(DECODE_MAXNREG),
+        hv // hk, BV=cfg.decode_bv, PREC=cfg.chain_precision, PDL=pdl, num_warps=DECODE_WARPS, **dims,
+        **_maxnreg(DECODE_MAXNREG), **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
 
 
@@ -1854,7 +1842,7 @@ _RULE_CONSTANTS = {
     "close; chunk: the token's T^-1 row from the cached rows (the prep's fma chain and block dots), U0/W of its "
     "DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
-    "decode_wy_split_fused": [DECODE_WY_SPLIT, DECODE_FUSED],  # U0/W column blocks; one decode kernel or two
+    "decode_wy_split_pdl": [DECODE_WY_SPLIT, DECODE_PDL],  # U0/W column blocks; row kernel a dependent launch
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
     "chain_bv_ieee_mma_bf16": [CHAIN_BV, CHAIN_BV_MMA, CHAIN_BV_BF16],  # the chain's Dv block per dot path
