@@ -98,12 +98,14 @@ def _native_ep_gaps() -> dict[str, float]:
     return out
 
 
-def test_native_moe_differs_across_ep():
+def test_native_moe_at_ep2_matches_ep1_up_to_rounding():
     gaps = _native_ep_gaps()
     print(f"native MoE max |dlogp| vs EP=1 (fp32, tiny_moe): {gaps}")
-    # Stock experts run torch.matmul on however many rows each expert gets, and unpermute sums slots
-    # with scatter_add: an EP change moves the last bits (measured > 0 for these seeds).
-    assert max(gaps.values()) > 0.0
+    # The stock path (router, all-to-all dispatcher, SequentialMLP) computes the same function at EP=2: a wrong
+    # dispatch or unpermute would move logprobs by O(1). Whether its last bits move depends on the CPU's matmul and
+    # scatter_add kernels (> 0 on the machines of Sessions 1-14, exactly 0 on Session 15's), so only the bound is
+    # asserted; the iso tests above hold the bits.
+    assert max(gaps.values()) < 1e-4
 
 
 def _grads_each(runs: list[list[str]]) -> list[dict[str, torch.Tensor]]:
