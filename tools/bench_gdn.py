@@ -503,10 +503,11 @@ def profile_case(spec: str, iters: int) -> dict:
     warm calls (Triton compiles, plan cache filled): per-kernel device time, calls, launch shapes, and host
     vs device time of the ``iters`` profiled calls.
 
-    ``host_ms_per_call``: wall time until the call returns (launches only, no sync); ``wall_ms_per_call``:
-    with a device sync after the calls; ``device_busy_ms_per_call``: sum of self device time of all ops;
-    ``kernel_span_ms_per_call``: the device time the kernels cover (overlapping kernels counted once). Device busy far below wall means the host (or gaps between kernels) is the bottleneck; device busy
-    close to wall means the kernels themselves are slow, and the kernel table says which."""
+    ``host_ms_per_call``: wall time until the call returns (launches only, no sync); ``wall_ms_per_call``: with a device
+    sync after the calls; ``device_busy_ms_per_call``: sum of self device time of all ops; ``kernel_span_ms_per_call``:
+    the device time the kernels cover (overlapping kernels counted once). Device busy far below wall means the host (or
+    gaps between kernels) is the bottleneck; device busy close to wall means the kernels themselves are slow, and the
+    kernel table says which."""
     from megatron_iso.bench.profiling import (
         kernel_events,
         kernel_launches,

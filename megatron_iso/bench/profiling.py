@@ -127,9 +127,10 @@ def kernel_events(prof: torch.profiler.profile) -> list[dict[str, Any]]:
 
 
 def kernel_span_ms(events: list[dict[str, Any]]) -> float:
-    """Device time covered by the kernel ``events`` (:func:`kernel_events`): the length of the union of their [start, end) intervals, in ms.
-    Kernels that overlap (a programmatic dependent launch starts the next kernel while the last one runs) count
-    once, idle gaps not at all; for kernels that run one after another it equals the sum of their durations."""
+    """Device time covered by the kernel ``events`` (:func:`kernel_events`): the length of the union of their [start,
+    end) intervals, in ms. Kernels that overlap (a programmatic dependent launch starts the next kernel while the last
+    one runs) count once, idle gaps not at all; for kernels that run one after another it equals the sum of their
+    durations."""
     span, end = 0.0, float("-inf")
     for ev in sorted(events, key=lambda ev: ev["ts"]):
         start, stop = ev["ts"], ev["ts"] + ev.get("dur", 0.0)

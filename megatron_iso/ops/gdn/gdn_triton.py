@@ -132,11 +132,11 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-# 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains
-# (no layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6: chunk-form outputs (opt-in),
-# bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision (tf32x3, tf32) runs whole-K
-# dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots on tensor
-# cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
+# 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains (no
+# layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6: chunk-form outputs (opt-in),
+# bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision
+# (tf32x3, tf32) runs whole-K dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots
+# on tensor cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
 VERSION = "7"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
@@ -167,8 +167,9 @@ PREP_STAGES, CHAIN_STAGES = 1, 2
 # training == rollout bitwise: both sides run the same kernel on the same closed chunk (module docstring, "Dot
 # precision"). A spec is one of DOT_PRECISIONS for both kernels, or "PREP/CHAIN". The default is the one the
 # contract registers, "ieee/tf32x3": the prep kernel's dots stay FMA chains (tf32x3 did not pay there: 6.3 ms K-blocked,
-# 5.2 ms whole-K since VERSION 5, vs 5.3 ms ieee), the chain's two whole-K dots per chunk run on tensor cores (2.85 vs 7.65 ms), with the same error
-# against fp64 (6.0e-8 vs 6.1e-8 max at the bench's mismatch case). The others are opt-in per call.
+# 5.2 ms whole-K since VERSION 5, vs 5.3 ms ieee), the chain's two whole-K dots per chunk run on tensor cores (2.85 vs
+# 7.65 ms), with the same error against fp64 (6.0e-8 vs 6.1e-8 max at the bench's mismatch case). The others are
+# opt-in per call.
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")  # bf16: operands rounded to bf16, fp32 accumulate (FLA's class)
 DOT_PRECISION = "ieee/tf32x3"
 # How a chunk's outputs are computed (GDNConfig.form; module docstring, "Output forms"): "scan", the per-token
