@@ -617,7 +617,6 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
         "_chunk_out_kernel": (G._chunk_out_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.out_bv,
                                                     "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
         "_decode_row_kernel": (G._decode_row_kernel, decode_row, G.DECODE_WARPS, 3),
-        # both bodies in one program: the row kernel's constexprs, and the prep's under their own names
     }  # fmt: skip
     bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
     bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}

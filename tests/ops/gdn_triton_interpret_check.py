@@ -17,8 +17,9 @@ array); the first lines patch that one conversion. Its fp32 -> bf16 ``.to()`` tr
 nearest even (:func:`triton_bf16`); the kernels' bf16 values are compared with that, not with torch's rounding.
 
 Parts (``PARTS``; the command line names which to run, default all): ``scan`` and ``chunk`` (the rule per form),
-``bf16_storage``, ``wy_split`` (the decode prep's U0/W column blocks, as values), ``conv``, ``gates``, ``grads``. The pytest wrapper runs them in concurrent children, since the
-interpreter keeps one core busy and the check took 12 minutes in one process.
+``bf16_storage``, ``wy_split`` (the decode prep's U0/W column blocks, as values), ``conv``, ``gates``, ``grads``. The
+pytest wrapper runs them in concurrent children, since the interpreter keeps one core busy and the check took 12
+minutes in one process.
 """
 
 # ruff: noqa: E402
