@@ -230,11 +230,16 @@ def _fla_bwd_refused() -> str | None:
 
 
 def _state(slots: int):
+    """A state cache as the model allocates one: buf_v in v's dtype (bf16, as the model's), buf_u as the chunk form
+    stores u."""
     from megatron_iso.ops.gdn import GDNLayerState
+    from megatron_iso.ops.gdn.gdn_triton import chunk_u_dtype
 
+    form = FORM or "scan"
+    u_dtype = chunk_u_dtype(DOT_PRECISION) if form == "chunk" else torch.float32
     return GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D,
-                                  value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device=DEVICE,
-                                  form=FORM or "scan")  # fmt: skip
+                                  value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device=DEVICE, form=form,
+                                  v_dtype=torch.bfloat16, u_dtype=u_dtype)  # fmt: skip
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:

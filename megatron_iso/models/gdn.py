@@ -163,6 +163,12 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
     tp = config.tensor_model_parallel_size
     hk, hv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    form = getattr(config, "iso_gdn_form", "scan")
+    u_dtype = torch.float32
+    if form == "chunk":  # the chunk form exists only on the GPU kernels, which decide how they store u
+        from megatron_iso.ops.gdn.gdn_triton import chunk_u_dtype
+
+        u_dtype = chunk_u_dtype(getattr(config, "iso_gdn_dot_precision", None))
     return GDNStateCache.allocate(
         gdn_layer_indices(config),
         slots,
@@ -175,5 +181,7 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
         chunk=int(getattr(config, "iso_gdn_chunk", 64)),
         dtype=config.params_dtype,
         device=device,
-        form=getattr(config, "iso_gdn_form", "scan"),
+        form=form,
+        v_dtype=config.params_dtype,  # v leaves the conv in the model's dtype
+        u_dtype=u_dtype,
     )

@@ -46,11 +46,14 @@ def cu(lengths: list[int], device: str = "cuda") -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
 
 
-def new_state(slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda", form: str = "scan"):
+def new_state(
+    slots: int, chunk: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda", form: str = "scan", **dtypes
+):
     from megatron_iso.ops.gdn import GDNLayerState
 
     st = GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=hk, value_heads=hv, key_dim=d,
-                                value_dim=d, chunk=chunk, dtype=torch.float32, device=device, form=form)  # fmt: skip
+                                value_dim=d, chunk=chunk, dtype=torch.float32, device=device, form=form,
+                                **dtypes)  # fmt: skip
     for t in (st.running, st.entry, st.entry_bf16, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u, st.buf_tinv):
         t.fill_(float("nan"))  # stale slot content must never be read
     return st
@@ -248,6 +251,33 @@ def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkey
     for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
         assert same_bits(a, b), f"{prec} {name}: bf16 storage moved bits, max |d| {maxdiff(a, b):.3e}"
     assert same_bits(got[True][0], got[True][1]), "train vs prefill + decode"
+
+
+@pytest.mark.parametrize(("chunk", "d"), SHAPES)
+@pytest.mark.parametrize("variant", ["scan", "chunk:bf16"])
+def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
+    """buf_v in bf16 v's own dtype and (chunk form, bf16 chain dots) buf_u in bf16, as the model allocates them: a
+    prefill's buffer copy and the decode steps read and write the same values, so the outputs and the state are the
+    fp32 buffers' bits, and training's."""
+    form, _, prec = variant.partition(":")
+    kw = {"form": form, **({"dot_precision": prec} if prec else {})}
+    total = 3 * chunk + 7
+    x = list(inputs(total, 65, d))
+    x[2] = x[2].bfloat16()
+    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.chunk_u_dtype(prec) if form == "chunk" else torch.float32}
+    got = {}
+    for dtypes in ({}, narrow):
+        st = new_state(2, chunk, d, form=form, **dtypes)
+        inc, st = incremental(gt, x, [chunk + 3, 1, 1, chunk - 5, 1, 1, total - 2 * chunk - 2], chunk, st=st, **kw)
+        nb = total % chunk
+        got[bool(dtypes)] = (inc, st.entry[1], st.running[1], st.buf_u[1, :nb].bfloat16(), st.buf_v[1, :nb].float())
+    assert got[True][4].numel() and same_bits(got[True][4], x[2][-(total % chunk) :].float())
+    for name, a, b in zip(("outputs", "entry", "running", "buf_u", "buf_v"), *got.values(), strict=True):
+        assert same_bits(a, b), f"{variant} narrow buffers: {name}, max |d| {maxdiff(a, b):.3e}"
+    full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
+    assert same_bits(got[True][0], full), (
+        f"{variant} train vs prefill + decode: max |d| {maxdiff(got[True][0], full):.3e}"
+    )
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)

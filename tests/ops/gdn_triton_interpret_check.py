@@ -53,7 +53,7 @@ def cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
 
-def new_state(slots, hk=HK, hv=HV, form=None):
+def new_state(slots, hk=HK, hv=HV, form=None, **dtypes):
     return GDNLayerState.allocate(
         slots,
         conv_dim=4,
@@ -65,6 +65,7 @@ def new_state(slots, hk=HK, hv=HV, form=None):
         chunk=C,
         dtype=torch.float32,
         form=form or FORM,
+        **dtypes,
     )
 
 
@@ -330,6 +331,20 @@ def check_bf16_storage() -> None:
     for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
         assert same_bits(a, b), f"bf16 storage: {name}"
     assert same_bits(got[True][0], got[True][1]), "bf16 storage: train vs prefill + decode"
+    # The state cache's narrow buffers (buf_v in bf16 v's dtype, buf_u in the bf16 u is stored in) give the bits of
+    # fp32 ones: in a prefill's buffer copy and in the decode steps' reads and writes.
+    x16 = (*x[:2], x[2].bfloat16(), *x[3:])
+    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.chunk_u_dtype("bf16")}
+    assert narrow["u_dtype"] == torch.bfloat16
+    got = {}
+    for dtypes in ({}, narrow):
+        inc, st = incremental(x16, [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1], st=new_state(2, form="chunk", **dtypes), **kw)
+        # buf_u compared as the dots read it: rounded the kernels' way (triton_bf16), the fp32 buffer's decode rows too
+        got[bool(dtypes)] = (inc, st.entry[1], triton_bf16(st.buf_u[1].float()), st.buf_v[1, :5].float())
+    for name, a, b in zip(
+        ("prefill + decode", "state.entry", "state.buf_u", "state.buf_v"), *got.values(), strict=True
+    ):
+        assert same_bits(a, b), f"narrow state buffers: {name}"
     print("bf16 storage ok", round(time.time() - t_start, 1))
 
 

@@ -335,3 +335,46 @@ def test_state_cache_holds_only_its_forms_state():
     assert chunk.entry_bf16.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"form='tiles' is not allowed; allowed values: \['scan', 'chunk'\]"):
         GDNLayerState.allocate(3, form="tiles", **shape)
+
+
+def test_state_cache_buffer_dtypes_named_and_checked():
+    """``buf_v`` in v's dtype and ``buf_u`` in bf16 halve the bytes a decode step reads; a dtype outside the allowed
+    ones is named at allocation, and a ``buf_v`` too narrow for the call's v is refused (its rounding would move the
+    chunk's bits when it closes)."""
+    shape = {"conv_dim": 4, "conv_kernel": 4, "key_heads": HK, "value_heads": HV, "key_dim": D, "value_dim": D,
+             "chunk": 8, "dtype": torch.float32}  # fmt: skip
+    st = GDNLayerState.allocate(2, form="chunk", v_dtype=torch.bfloat16, u_dtype=torch.bfloat16, **shape)
+    assert st.buf_v.dtype == st.buf_u.dtype == torch.bfloat16 and st.buf_k.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"v_dtype=torch.int8 is not allowed; allowed values: \[torch.float32"):
+        GDNLayerState.allocate(2, v_dtype=torch.int8, **shape)
+    with pytest.raises(ValueError, match=r"u_dtype=torch.float16 is not allowed; allowed values: \[torch.float32"):
+        GDNLayerState.allocate(2, u_dtype=torch.float16, **shape)
+    narrow = GDNLayerState.allocate(2, v_dtype=torch.bfloat16, **shape)
+    q, k, v, g, beta = _inputs(5, 3)
+    with pytest.raises(ValueError, match=r"state.buf_v is torch.bfloat16, which cannot hold this call's torch.float32"):
+        gated_delta_rule(q, k, v, g, beta, _cu([5]), chunk=8, state=narrow, slots=torch.tensor([1]),
+                         starts=torch.tensor([0]))  # fmt: skip
+
+
+def test_bf16_value_buffer_is_bit_neutral():
+    """bf16 v buffered in a bf16 ``buf_v``: prefill + decode across a chunk close give the bits of an fp32 buffer
+    (the values are the same, widened exactly where they are read), and the buffer holds v exactly."""
+    chunk = 8
+    x = list(_inputs(2 * chunk + 3, 21))
+    x[2] = x[2].bfloat16()
+    got = {}
+    for v_dtype in (torch.float32, torch.bfloat16):
+        st = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D,
+                                    value_dim=D, chunk=chunk, dtype=torch.float32, v_dtype=v_dtype)  # fmt: skip
+        outs, pos = [], 0
+        for n in [chunk - 3, 1, 1, 1, 1, 1, chunk - 2, 1, 1, 1]:  # closes at 8 (a decode step) and 16 (a prefill)
+            r = slice(pos, pos + n)
+            outs.append(gated_delta_rule(*(t[r] for t in x), _cu([n]), chunk=chunk, state=st,
+                                         slots=torch.tensor([1]), starts=torch.tensor([pos])))  # fmt: skip
+            pos += n
+        assert pos == 2 * chunk + 3
+        got[v_dtype] = (torch.cat(outs), st.entry[1], st.running[1], st.buf_v[1, :3].float())
+    for name, a, b in zip(("outputs", "entry", "running", "buf_v"), *got.values(), strict=True):
+        assert same_bits(a, b), f"bf16 buf_v moved the bits of {name}"
+    assert same_bits(got[torch.bfloat16][3], x[2][-3:].float())
+    assert same_bits(got[torch.float32][0], _train(x, chunk)), "prefill + decode vs training"

@@ -129,7 +129,7 @@ from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
-from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState
+from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
 # 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains (no
@@ -259,6 +259,11 @@ def split_dot_precision(spec: str) -> tuple[str, str]:
     return parts[0], parts[-1]
 
 
+def _mid_bf16(chain_precision: str) -> bool:
+    """Whether W, KD (chunk form: u, entry states) are stored as bf16: ``MID_BF16`` with bf16 chain dots."""
+    return bool(MID_BF16) and chain_precision == "bf16"
+
+
 def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION, form: str = FORM) -> GDNConfig:
     prep_precision, chain_precision = split_dot_precision(dot_precision)
     if form not in FORMS:
@@ -282,7 +287,7 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
     return GDNConfig(
         bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv,
-        mid_bf16=MID_BF16 and chain_precision == "bf16", decode_bv=max(MIN_DOT, min(DECODE_BV, bvf)),
+        mid_bf16=_mid_bf16(chain_precision), decode_bv=max(MIN_DOT, min(DECODE_BV, bvf)),
     )  # fmt: skip
 
 
@@ -366,7 +371,7 @@ def _scan_kernel(
         kn, qn, vn, gn, bn = _scan_token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, r + 1, t + 1 < n, scale, SQ, SK,
                                                 SV, SG, SB, h, hk, DK, DV, ok, ov, mk, mv)  # fmt: skip
         br = brow0 + t  # buffer row (only stored to when wbuf)
-        tl.store(bv_ptr + (br * HV + h) * DV + ov, vt, mask=mv & wbuf)
+        tl.store(bv_ptr + (br * HV + h) * DV + ov, vt.to(bv_ptr.dtype.element_ty), mask=mv & wbuf)
         tl.store(bk_ptr + (br * HK + hk) * DK + ok, kt, mask=mk & wk)
         tl.store(bg_ptr + br * HV + h, gt, mask=wgb)
         tl.store(bb_ptr + br * HV + h, bt, mask=wgb)
@@ -384,11 +389,11 @@ def _scan_kernel(
 
 @triton.jit
 def _buffered_or_packed(buf_ptrs, packed_ptrs, from_buf, mask):
-    """A chunk tile of the prep kernel: where ``from_buf``, the state cache's fp32 buffer; elsewhere the call's
-    packed rows, widened exactly to fp32. Both sources hold the same fp32 values, so either gives the same chunk."""
+    """A chunk tile of the prep kernel: where ``from_buf``, the state cache's buffer; elsewhere the call's packed rows;
+    both widened exactly to fp32. Both sources hold the same values, so either gives the same chunk."""
     return tl.where(
         from_buf,
-        tl.load(buf_ptrs, mask=from_buf & mask, other=0.0),
+        tl.load(buf_ptrs, mask=from_buf & mask, other=0.0).to(tl.float32),
         tl.load(packed_ptrs, mask=(~from_buf) & mask, other=0.0).to(tl.float32),
     )
 
@@ -413,6 +418,7 @@ def _decode_tile(buf_ptr, packed_ptr, rows, cols, t, RS, NCOLS):
     zeros. The values :func:`_k_tile` and the prep's v tile read there, from one tile of addresses instead of two."""
     cm = cols < NCOLS
     buf = tl.load(buf_ptr + rows[:, None] * RS + cols[None, :], mask=(rows < t)[:, None] & cm[None, :], other=0.0)
+    buf = buf.to(tl.float32)
     tok = tl.load(packed_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     return tl.where((rows == t)[:, None], tok[None, :], buf)
 
@@ -971,7 +977,7 @@ def _decode_row_block(
         (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
         mask=(ot < t)[:, None] & mv[None, :],
         other=0.0,
-    )
+    ).to(tl.float32)
     q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
     qe = _dot(q, e, None, PREC)
     if PDL:  # everything above is the prep's input or an earlier step's output; below, the prep's rows are read
@@ -1013,7 +1019,7 @@ def _decode_row_block(
                     (bu_ptr + (brow0 * HV + h) * DV) + om[:, None] * (HV * DV) + ov[None, :],
                     mask=mv[None, :],
                     other=0.0,
-                )
+                ).to(tl.float32)
                 kd = tl.load((kd_ptr + base * C * BK) + om[:, None] * BK + ok[None, :])
                 ec = _dot(tl.trans(kd), ub, ec, PREC)
         else:
@@ -1074,7 +1080,11 @@ def _buffer_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, tok
     hk = h // REP
     mv2 = new[:, None] & (ov < DV)[None, :]
     v = tl.load((v_ptr + row0 * SV + h * DV) + tok[:, None] * SV + ov[None, :], mask=mv2)
-    tl.store((bv_ptr + (brow0 * HV + h) * DV) + tok[:, None] * (HV * DV) + ov[None, :], v.to(tl.float32), mask=mv2)
+    tl.store(
+        (bv_ptr + (brow0 * HV + h) * DV) + tok[:, None] * (HV * DV) + ov[None, :],
+        v.to(bv_ptr.dtype.element_ty),
+        mask=mv2,
+    )
     tl.store(bg_ptr + br * HV + h, tl.load(g_ptr + rows * SG + h, mask=new).to(tl.float32), mask=new)
     tl.store(bb_ptr + br * HV + h, tl.load(b_ptr + rows * SB + h, mask=new).to(tl.float32), mask=new)
     mk2 = new[:, None] & (ok < DK)[None, :] & (h % REP == 0)
@@ -1089,7 +1099,7 @@ def _buffer_kernel(
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call that is not a decode step: the tokens of a chunk it leaves open (chunk row flag, column 4)
-    into the state cache's fp32 ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk
+    into the state cache's ``buf_*`` rows, after every kernel that reads the buffer (a call that closes a chunk
     and opens the next reuses the slot's rows), with their u rows (the chain's ``u_ptr``) into ``buf_u`` and their
     T^{-1} rows (the prep's ``tinv_ptr``) into ``buf_tinv``, for the decode steps that follow (a decode step stores
     its own, in ``_decode_prep_kernel`` and ``_decode_row_kernel``)."""
@@ -1104,7 +1114,9 @@ def _buffer_kernel(
                  SK, SV, SG, SB, HK, HV, DK, DV, REP, h, BK, BVF)  # fmt: skip
     mu = new[:, None] & (ov < DV)[None, :]
     u = tl.load(u_ptr + ((cid * HV + h) * C + ot[:, None]) * BVF + ov[None, :], mask=mu)
-    tl.store((bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :], u.to(tl.float32), mask=mu)
+    tl.store(
+        (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :], u.to(bu_ptr.dtype.element_ty), mask=mu
+    )
     tile = ot[:, None] * C + ot[None, :]
     ti = tl.load(tinv_ptr + (cid * HV + h) * C * C + tile, mask=new[:, None])
     tl.store(bt_ptr + ((brow0 // C) * HV + h) * C * C + tile, ti, mask=new[:, None])
@@ -1328,11 +1340,35 @@ def _plan(
 
 # ---------------------------------------------------------------------------------- the rule
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read in-kernel, widened exactly to fp32
-# The state cache's tensors the kernels read and write in place, and their dtypes
+# The state cache's tensors the kernels read and write in place with one fixed dtype (buf_v and buf_u may be narrower:
+# _check_state_dtypes)
 _STATE_DTYPES = {
-    **dict.fromkeys(("buf_k", "buf_v", "buf_g", "buf_beta", "buf_u", "buf_tinv"), torch.float32),
+    **dict.fromkeys(("buf_k", "buf_g", "buf_beta", "buf_tinv"), torch.float32),
     "entry_bf16": torch.bfloat16,
 }
+
+
+def _check_state_dtypes(state: GDNLayerState, v_dtype: torch.dtype, cfg: GDNConfig) -> None:
+    """Each state tensor contiguous and in a dtype the kernels read and write without moving a bit: the fixed ones,
+    ``buf_v`` in fp32 or v's dtype, ``buf_u`` in fp32 or the dtype the chunk form stores u in (``cfg.mid_dtype``)."""
+    for name, dtype in _STATE_DTYPES.items():
+        buf = getattr(state, name)
+        if buf.dtype != dtype or not buf.is_contiguous():
+            raise ValueError(f"gated_delta_rule: state.{name} must be contiguous {dtype}")
+    check_value_buffer(state, v_dtype, "gated_delta_rule")
+    if state.buf_u.dtype not in (torch.float32, cfg.mid_dtype):
+        raise ValueError(
+            f"gated_delta_rule: state.buf_u is {state.buf_u.dtype}, but dot_precision={cfg.dot_precision!r} stores u "
+            f"as {cfg.mid_dtype}; allocate the GDN state with u_dtype=chunk_u_dtype(dot_precision) or torch.float32"
+        )
+    if not (state.buf_v.is_contiguous() and state.buf_u.is_contiguous()):
+        raise ValueError("gated_delta_rule: state.buf_v and state.buf_u must be contiguous")
+
+
+def chunk_u_dtype(dot_precision: str | None = None) -> torch.dtype:
+    """The dtype the chunk form stores u in at ``dot_precision`` (None: the chunk form's default): what a chunk-form
+    state cache's ``buf_u`` may be allocated in (GDNLayerState.allocate's u_dtype) at half the bytes of fp32."""
+    return torch.bfloat16 if _mid_bf16(split_dot_precision(dot_precision or CHUNK_DOT_PRECISION)[1]) else torch.float32
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1368,7 +1404,7 @@ def prep_chunks(
 ) -> tuple[torch.Tensor, ...]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
     e^{G_C}, G and T^{-1} of each chunk and value head (:func:`_prep_outputs`; T^{-1} fp32). ``rows``: k, v, g, beta
-    as :func:`_rows` returns them (tensor, row stride); ``buffers``: the state cache's fp32 buf_k, buf_v, buf_g,
+    as :func:`_rows` returns them (tensor, row stride); ``buffers``: the state cache's buf_k, buf_v, buf_g,
     buf_beta (any fp32 tensor when no token is buffered)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
@@ -1549,10 +1585,7 @@ def _rule_forward(
     chunk_form = cfg.form == "chunk"
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
-        for name, dtype in _STATE_DTYPES.items():
-            buf = getattr(state, name)
-            if buf.dtype != dtype or not buf.is_contiguous():
-                raise ValueError(f"gated_delta_rule: state.{name} must be contiguous {dtype}")
+        _check_state_dtypes(state, v.dtype, cfg)
         needs = (
             {"buf_u": (chunk, hv, dv), "buf_tinv": (hv, chunk, chunk), "entry_bf16": (hv, dk, dv)}
             if chunk_form

@@ -32,7 +32,7 @@ import torch
 
 from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.activation.pointwise import exp64, iso_exp, iso_silu, sigmoid64, softplus64
-from megatron_iso.ops.gdn.state_cache import GDNLayerState
+from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.tree import tree_sum_dim
 
@@ -259,6 +259,8 @@ def gated_delta_rule(
         raise ValueError(f"gated_delta_rule: chunk must be a positive int, got {chunk}")
     if state is not None and state.chunk != chunk:
         raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
+    if state is not None:
+        check_value_buffer(state, v.dtype, "gated_delta_rule")
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     if hv % hk:
