@@ -606,8 +606,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     if cfg.mid_bf16:
         bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
     bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())
-    decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK),
-                   "PDL": bool(G.DECODE_PDL)}  # fmt: skip
+    decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK)}
     decode_prep = {**decode_dims, "IB": cfg.inv_block, "PREC": cfg.prep_precision, "WY_SPLIT": G._decode_wy_split(cfg)}
     decode_row = {**decode_dims, "BV": cfg.decode_bv, "PREC": cfg.chain_precision}
     kernels = {
@@ -722,7 +721,6 @@ TUNABLE = (
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
     "DECODE_WY_SPLIT",
-    "DECODE_PDL",
     "PREP_MAXNREG",
     "CHAIN_MAXNREG",
     "OUT_MAXNREG",
@@ -741,9 +739,6 @@ TUNABLE = (
 )
 
 
-TUNABLE_FLAGS = ("DECODE_PDL",)  # switches among TUNABLE: 0 or 1
-
-
 def _apply_tune(pairs: list[str]) -> None:
     """``NAME=INT`` pairs onto gdn_triton's tuning constants. The kernels' bits follow some of them (the scan's
     layout, the inverse's block); training and rollout in one run use the same values, so the bitwise checks hold."""
@@ -755,10 +750,7 @@ def _apply_tune(pairs: list[str]) -> None:
         if name not in TUNABLE or not val.lstrip("-").isdigit():
             raise SystemExit(f"--tune {pair!r}: expected NAME=INT with NAME one of {list(TUNABLE)}")
         n = int(val)
-        if name in TUNABLE_FLAGS:
-            if n not in (0, 1):
-                raise SystemExit(f"--tune {pair!r}: {name} is a switch, 0 (off) or 1 (on)")
-        elif name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
+        if name.endswith("_MAXNREG"):  # a register cap: 0 (none) or what ptxas accepts for .maxnreg
             if n != 0 and not 24 <= n <= 255:
                 raise SystemExit(f"--tune {pair!r}: a register cap is 0 (none) or in 24..255")
         elif n < 1 or (not name.endswith("_STAGES") and n & (n - 1)):

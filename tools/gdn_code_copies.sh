@@ -3,7 +3,7 @@
 # megatron_iso/ and tools/ in its own folder (untracked; carry the parent folder), profiled by that copy's own
 # bench_gdn.py with PYTHONPATH at the copy, so each runs its own kernels. Called by `tools/h200_call.sh gdncopies`.
 #
-#   mkdir -p variants/base && git archive HEAD~1 megatron_iso tools | tar -x -C variants/base
+#   bash tools/make_code_copy.sh variants/base HEAD~1 && bash tools/make_code_copy.sh variants/new HEAD some.patch
 #   GDN_COPIES="variants/base variants/new" GDN_COPY_CASE=decode:64@chunk:bf16 bash tools/gdn_code_copies.sh
 #
 # GDN_COPIES: the folders ("." is the working tree); GDN_COPY_CASE: a bench_gdn --profile case (default

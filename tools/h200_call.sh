@@ -19,7 +19,7 @@
 #                  GDN_TUNE_CASE=trainbwd: forward + backward (e.g. GDN_TUNES="@chunk:bf16;@chunk:bf16 BWD_KS=16");
 #                  GDN_TUNE_CASE=decode:64: the decode step; GDN_TUNE_TAG: a prefix for this sweep's JSON names
 #   gdncopies 240  bench_gdn --profile $GDN_COPY_CASE (default decode:64@chunk:bf16) once per code copy in GDN_COPIES
-#                  (folders holding megatron_iso/ and tools/, e.g. `git archive REV megatron_iso tools`; carry them):
+#                  (folders holding megatron_iso/ and tools/, e.g. from tools/make_code_copy.sh; carry them):
 #                  several versions of the kernels timed in one call (tools/gdn_code_copies.sh)
 #   gdnbwd   200   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
 #                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd

@@ -58,7 +58,7 @@ def test_no_kernels_in_a_cpu_trace():
 
 def test_span_counts_overlaps_once_and_gaps_not_at_all():
     events = [
-        _kernel("_decode_row_kernel", 60.0, [64, 32, 2], ts_us=70.0),  # starts inside the prep (PDL): 70..130
+        _kernel("_decode_row_kernel", 60.0, [64, 32, 2], ts_us=70.0),  # overlaps the prep (a dependent launch): 70..130
         _kernel("_decode_prep_kernel", 85.0, [64, 32, 1], ts_us=0.0),  # 0..85
         _kernel("_decode_prep_kernel", 85.0, [64, 32, 1], ts_us=200.0),  # after an idle gap: 200..285
         _kernel("_tiny", 5.0, [1, 1, 1], ts_us=210.0),  # wholly inside the one before

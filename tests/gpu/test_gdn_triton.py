@@ -196,42 +196,6 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
-@pytest.mark.parametrize("prec", ["bf16", "ieee"])
-def test_pdl_decode_equals_plain_launches(gt, chunk, d, prec, monkeypatch):
-    """``DECODE_PDL``: the row kernel as a programmatic dependent launch of the prep (started early, waiting on the
-    prep's rows) gives the plain launches' bits (outputs, entry, entry_bf16, buf_u, buf_tinv) across two chunk
-    closes, and training's; a batch of sequences at mixed positions, too."""
-    kw = {"dot_precision": prec, "form": "chunk"}
-    total = 2 * chunk + 5
-    x = inputs(total, 63, d)
-    got = {}
-    for pdl in (0, 1):
-        monkeypatch.setattr(gt, "DECODE_PDL", pdl)
-        inc, st = incremental(gt, x, [chunk - 3] + [1] * (total - chunk + 3), chunk, **kw)
-        got[pdl] = (inc, st.entry[1], st.entry_bf16[1], st.buf_u[1, : total % chunk], st.buf_tinv[1])
-    names = ("outputs", "state.entry", "state.entry_bf16", "state.buf_u", "state.buf_tinv")
-    for name, a, b in zip(names, *got.values(), strict=True):
-        rows = a if name != "state.buf_tinv" else a[:, : total % chunk]  # rows past the open chunk's are stale NaNs
-        other = b if name != "state.buf_tinv" else b[:, : total % chunk]
-        assert same_bits(rows, other), f"{prec}: PDL decode vs plain launches: {name}"
-    assert same_bits(got[1][0], gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)), f"{prec}: PDL vs training"
-    # one decode step of four sequences at mixed positions (one closes its chunk) == each alone
-    prev = [3, chunk - 1, chunk + 2, 2 * chunk - 1]
-    seqs = [inputs(p + 1, 80 + i, d) for i, p in enumerate(prev)]
-    alone = [incremental(gt, s, [p, 1], chunk, **kw)[0][p:] for s, p in zip(seqs, prev, strict=True)]
-    st = new_state(len(prev), chunk, d, form="chunk")
-    for i, s in enumerate(seqs):
-        gt.gated_delta_rule(*(t[: prev[i]] for t in s), cu([prev[i]]), chunk=chunk, state=st,
-                            slots=torch.tensor([i], device="cuda"), starts=torch.tensor([0], device="cuda"), **kw)  # fmt: skip
-    step = [torch.cat([s[j][-1:] for s in seqs]) for j in range(5)]
-    out = gt.gated_delta_rule(*step, cu([1] * len(prev)), chunk=chunk, state=st,
-                              slots=torch.arange(len(prev), device="cuda"),
-                              starts=torch.tensor(prev, device="cuda"), **kw)  # fmt: skip
-    for i in range(len(prev)):
-        assert same_bits(out[i : i + 1], alone[i]), f"{prec}: PDL batch, sequence {i}"
-
-
-@pytest.mark.parametrize(("chunk", "d"), SHAPES)
 @pytest.mark.parametrize("prec", ["bf16", "ieee/bf16"])
 def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkeypatch):
     """With bf16 chain dots, W, KD, u and the entry states are stored as bf16 (``MID_BF16``): the training forward,

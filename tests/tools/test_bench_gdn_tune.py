@@ -37,15 +37,3 @@ def test_tune_register_caps_take_any_ptxas_value_and_refuse_others(bench_gdn, mo
     for bad in ("DECODE_MAXNREG=300", "DECODE_PREP_MAXNREG=8"):
         with pytest.raises(SystemExit, match=r"0 \(none\) or in 24\.\.255"):
             bench_gdn._apply_tune([bad])
-
-
-def test_tune_switches_take_0_or_1(bench_gdn, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_iso.ops.gdn import gdn_triton as G
-
-    monkeypatch.setattr(G, "DECODE_PDL", G.DECODE_PDL)
-    bench_gdn._apply_tune(["DECODE_PDL=1"])
-    assert G.DECODE_PDL == 1
-    bench_gdn._apply_tune(["DECODE_PDL=0"])
-    assert G.DECODE_PDL == 0
-    with pytest.raises(SystemExit, match=r"DECODE_PDL is a switch, 0 \(off\) or 1 \(on\)"):
-        bench_gdn._apply_tune(["DECODE_PDL=2"])

@@ -86,8 +86,7 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   A decode step (one token per sequence) computes its token's rows only: ``_decode_prep_kernel`` (row t of T^{-1}
   from the rows before it in ``state.buf_tinv``, by the prep's own fma chain and block dots; U0/W of the token's
   DECODE_ROWS rows; P's row t; the token into the buffer), then ``_decode_row_kernel``
-  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close; with ``DECODE_PDL`` a
-  programmatic dependent launch that overlaps the prep's last wave). Rows < n of every tile do not
+  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
   depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
   ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this
   form refuses: :data:`CHUNK_FORM_PRECISIONS`). Since VERSION 7 nothing row-determining is a layout-dependent
@@ -200,10 +199,6 @@ DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # Column blocks of the decode prep's U0 and W dots (``_wy_rows``' NS): the [C, Dv] v tile and the [C, Dk] k tile are
 # loaded a block at a time, not held whole through the prep. Under the interpreter 1: numpy's matmul bits follow N.
 DECODE_WY_SPLIT = 1 if _INTERPRET else 2
-# 1: a decode step's row kernel is a programmatic dependent launch of its prep (Hopper and later; ``_decode_pdl``): its
-# programs start in the SMs the prep's last wave leaves idle, load E, u's earlier rows and q, compute q_t E, then wait
-# for the prep (``gdc_wait``). The same operations, so the same bits. Off until timed on a GPU.
-DECODE_PDL = 0
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
 # programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
@@ -330,9 +325,9 @@ def _scan_kernel(
     into the state cache's ``buf_*`` rows from there on).
 
     q/k/v/g/beta are read in their own dtype (fp32, bf16 or fp16: exact to fp32) at row strides
-    SQ..SB (inner dims contiguous). The buffer copy stores the fp32 values this program already loaded:
-    v's Dv block by every program, g and beta by the Dv block 0 program, k's key head by the Dv block 0
-    program of the first value head reading it, so every buffer element has one writer.
+    SQ..SB (inner dims contiguous). The buffer copy stores the values this program already loaded (v in
+    buf_v's dtype, which holds it exactly): v's Dv block by every program, g and beta by the Dv block 0 program, k's
+    key head by the Dv block 0 program of the first value head reading it, so every buffer element has one writer.
     """
     sid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -937,7 +932,7 @@ def _decode_row_block(
     scale, SQ, HV, DK, DV, REP,
     sid, h, vb,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr = False,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: for sequence ``sid``, value
     head ``h`` and Dv block ``vb``, the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s
@@ -946,11 +941,7 @@ def _decode_row_block(
     ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
     chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
     order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
-    probe). Chunk and chain rows are the plan's (one each per sequence).
-
-    PDL (``DECODE_PDL``; the kernel launched as a programmatic dependent of the prep): what does not depend on the
-    prep (E, u's earlier rows, q and ``q_t E``) is loaded and computed first, then ``gdc_wait`` until the prep's
-    stores are visible, then the rest; the same operations on the same values, so the same bits."""
+    probe). Chunk and chain rows are the plan's (one each per sequence)."""
     hk = h // REP
     row0, _, brow0, nrows = _chunk_row(chunk_ptr, sid)
     ekind = tl.load(chain_ptr + sid * 6 + 2)
@@ -980,8 +971,6 @@ def _decode_row_block(
     ).to(tl.float32)
     q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
     qe = _dot(q, e, None, PREC)
-    if PDL:  # everything above is the prep's input or an earlier step's output; below, the prep's rows are read
-        tl.extra.cuda.gdc_wait()
     u0_t = _token_tile(u0_ptr + (base * C + t) * BVF, ov, DV, mine)
     if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
         d = tl.zeros([ROWS, BV], dtype=tl.float32)
@@ -1038,13 +1027,10 @@ def _decode_prep_kernel(
     u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
     scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """:func:`_decode_prep_rows` per (sequence, value head): a decode step's first kernel (its second:
-    ``_decode_row_kernel``). PDL: the row kernel may be scheduled as soon as every prep program has started (it waits
-    for the prep's completion before it reads the prep's rows), so its programs fill the SMs of the prep's last wave."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    ``_decode_row_kernel``)."""
     _decode_prep_rows(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr,
         egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
@@ -1058,13 +1044,13 @@ def _decode_row_kernel(
     o_ptr,
     scale, SQ, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr = False,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel."""
     _decode_row_block(
         q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
         o_ptr, scale, SQ, HV, DK, DV, REP,
-        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC, PDL,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC,
     )  # fmt: skip
 
 
@@ -1438,12 +1424,6 @@ def _decode_wy_split(cfg: GDNConfig) -> int:
     return split if min(cfg.bv_full, cfg.bk) // split >= MIN_DOT else 1
 
 
-def _decode_pdl(dev: torch.device) -> bool:
-    """Whether a decode step launches its row kernel as a programmatic dependent of its prep (``DECODE_PDL``): on a
-    GPU that has it (Hopper, sm_90, and later), never under the interpreter."""
-    return bool(DECODE_PDL) and not _INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-
-
 def _decode_step(
     q: tuple[torch.Tensor, int],
     rows: tuple,
@@ -1458,7 +1438,7 @@ def _decode_step(
     """A chunk-form decode step (one token per sequence, ``plan``'s chunk and chain rows one per sequence) into
     ``out``: ``_decode_prep_kernel`` (U0 and W of each token's ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes
     its chunk, G (:func:`_prep_outputs`), the output's P rows; the token's T^{-1} row into ``state.buf_tinv``), then
-    ``_decode_row_kernel`` (u, o, the exit state at a close; a programmatic dependent launch with ``DECODE_PDL``).
+    ``_decode_row_kernel`` (u, o, the exit state at a close).
     ``q``, ``rows``: as :func:`_rows` returns them."""
     qf, sq = q
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
@@ -1477,15 +1457,14 @@ def _decode_step(
         (qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks),
         (sk, sv, sg, sb, hk, hv, dk, dv, hv // hk),
     )
-    pdl = _decode_pdl(dev)
     _decode_prep_kernel[(n, hv)](
         *inputs, u0, w, kd, egc, gcum, p, a, bce, scale, sq, *sizes, PREC=cfg.prep_precision, OPREC=cfg.chain_precision,
-        PDL=pdl, **dims, **prep,
+        **dims, **prep,
     )  # fmt: skip
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
         qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
-        hv // hk, BV=cfg.decode_bv, PREC=cfg.chain_precision, PDL=pdl, num_warps=DECODE_WARPS, **dims,
-        **_maxnreg(DECODE_MAXNREG), **({"launch_pdl": True} if pdl else {}),
+        hv // hk, BV=cfg.decode_bv, PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **dims,
+        **_maxnreg(DECODE_MAXNREG),
     )  # fmt: skip
 
 
@@ -1876,7 +1855,7 @@ _RULE_CONSTANTS = {
     "close; chunk: the token's T^-1 row from the cached rows (the prep's fma chain and block dots), U0/W of its "
     "DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
-    "decode_wy_split_pdl": [DECODE_WY_SPLIT, DECODE_PDL],  # U0/W column blocks; row kernel a dependent launch
+    "decode_wy_split": DECODE_WY_SPLIT,  # the decode prep's U0/W column blocks
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
     "chain_bv_ieee_mma_bf16": [CHAIN_BV, CHAIN_BV_MMA, CHAIN_BV_BF16],  # the chain's Dv block per dot path
