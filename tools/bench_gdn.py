@@ -602,9 +602,11 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
     cfg = G.config_for(D, D, CHUNK, prec, form or G.FORM)
     int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
-    bf16_ptrs = {"entry_bf16_ptr"}  # the pointers a call at this variant passes bf16 tensors to (the rest: fp32)
+    # the pointers a call at this variant passes bf16 tensors to (the rest: fp32): the model's v and the state cache's
+    # buf_v in its dtype, entry_bf16, and with bf16 storage W, KD (chunk form: u, its buf_u, the entry states)
+    bf16_ptrs = {"entry_bf16_ptr", "v_ptr", "bv_ptr", "bvv_ptr"}
     if cfg.mid_bf16:
-        bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
+        bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "bu_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
     bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())
     decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK)}
     decode_prep = {**decode_dims, "IB": cfg.inv_block, "PREC": cfg.prep_precision, "WY_SPLIT": G._decode_wy_split(cfg)}
