@@ -226,6 +226,7 @@ def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
     form, _, prec = variant.partition(":")
     kw = {"form": form, **({"dot_precision": prec} if prec else {})}
     total = 3 * chunk + 7
+    nb = total % chunk  # the open chunk's tokens at the end
     x = list(inputs(total, 65, d))
     x[2] = x[2].bfloat16()
     narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.chunk_u_dtype(prec) if form == "chunk" else torch.float32}
@@ -233,9 +234,8 @@ def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
     for dtypes in ({}, narrow):
         st = new_state(2, chunk, d, form=form, **dtypes)
         inc, st = incremental(gt, x, [chunk + 3, 1, 1, chunk - 5, 1, 1, total - 2 * chunk - 2], chunk, st=st, **kw)
-        nb = total % chunk
         got[bool(dtypes)] = (inc, st.entry[1], st.running[1], st.buf_u[1, :nb].bfloat16(), st.buf_v[1, :nb].float())
-    assert got[True][4].numel() and same_bits(got[True][4], x[2][-(total % chunk) :].float())
+    assert got[True][4].numel() and same_bits(got[True][4], x[2][-nb:].float())
     for name, a, b in zip(("outputs", "entry", "running", "buf_u", "buf_v"), *got.values(), strict=True):
         assert same_bits(a, b), f"{variant} narrow buffers: {name}, max |d| {maxdiff(a, b):.3e}"
     full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)

@@ -87,3 +87,31 @@ def test_decode_wy_split_only_where_every_block_fits_a_dot(monkeypatch):
     assert gt._decode_wy_split(gt.config_for(16, 32, 16, "bf16", "chunk")) == 1  # Dk 16 / 2 < 16
     monkeypatch.setattr(gt, "DECODE_WY_SPLIT", 4)
     assert gt._decode_wy_split(gt.config_for(64, 128, 64, "tf32", "chunk")) == 4
+
+
+def test_state_buffers_checked_before_any_launch():
+    """The state the kernels read and write in place: each buffer contiguous, the fixed ones in their dtype, buf_v
+    able to hold the call's v and buf_u in fp32 or the dtype the chunk form stores u in; each refusal names it."""
+    from megatron_iso.ops.gdn import GDNLayerState
+    from megatron_iso.testing.gdn_inputs import random_gdn_inputs
+
+    x = random_gdn_inputs(3, 1, hk=2, hv=4, dk=16, dv=16)
+    shape = {"conv_dim": 4, "conv_kernel": 4, "key_heads": 2, "value_heads": 4, "key_dim": 16, "value_dim": 16,
+             "chunk": 16, "dtype": torch.float32, "form": "chunk"}  # fmt: skip
+
+    def call(st, precision="bf16"):
+        gt.gated_delta_rule(*x, torch.tensor([0, 3]), chunk=16, state=st, slots=torch.tensor([0]),
+                            starts=torch.tensor([0]), form="chunk", dot_precision=precision)  # fmt: skip
+
+    st = GDNLayerState.allocate(1, **shape)
+    st.buf_k = st.buf_k.transpose(2, 3)
+    with pytest.raises(ValueError, match=r"state.buf_k must be contiguous torch.float32"):
+        call(st)
+    st = GDNLayerState.allocate(1, **shape)
+    st.buf_v = st.buf_v.transpose(2, 3)
+    with pytest.raises(ValueError, match=r"state.buf_v must be contiguous$"):
+        call(st)
+    with pytest.raises(ValueError, match=r"state.buf_v is torch.bfloat16, which cannot hold this call's torch.float32"):
+        call(GDNLayerState.allocate(1, v_dtype=torch.bfloat16, **shape))
+    with pytest.raises(ValueError, match=r"state.buf_u is torch.bfloat16, but dot_precision='tf32' stores u as"):
+        call(GDNLayerState.allocate(1, u_dtype=torch.bfloat16, **shape), "tf32")

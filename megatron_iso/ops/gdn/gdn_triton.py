@@ -1337,18 +1337,16 @@ _STATE_DTYPES = {
 def _check_state_dtypes(state: GDNLayerState, v_dtype: torch.dtype, cfg: GDNConfig) -> None:
     """Each state tensor contiguous and in a dtype the kernels read and write without moving a bit: the fixed ones,
     ``buf_v`` in fp32 or v's dtype, ``buf_u`` in fp32 or the dtype the chunk form stores u in (``cfg.mid_dtype``)."""
-    for name, dtype in _STATE_DTYPES.items():
-        buf = getattr(state, name)
-        if buf.dtype != dtype or not buf.is_contiguous():
-            raise ValueError(f"gated_delta_rule: state.{name} must be contiguous {dtype}")
+    for name in (*_STATE_DTYPES, "buf_v", "buf_u"):
+        buf, dtype = getattr(state, name), _STATE_DTYPES.get(name)
+        if not buf.is_contiguous() or dtype not in (None, buf.dtype):
+            raise ValueError(f"gated_delta_rule: state.{name} must be contiguous" + (f" {dtype}" if dtype else ""))
     check_value_buffer(state, v_dtype, "gated_delta_rule")
     if state.buf_u.dtype not in (torch.float32, cfg.mid_dtype):
         raise ValueError(
             f"gated_delta_rule: state.buf_u is {state.buf_u.dtype}, but dot_precision={cfg.dot_precision!r} stores u "
             f"as {cfg.mid_dtype}; allocate the GDN state with u_dtype=chunk_u_dtype(dot_precision) or torch.float32"
         )
-    if not (state.buf_v.is_contiguous() and state.buf_u.is_contiguous()):
-        raise ValueError("gated_delta_rule: state.buf_v and state.buf_u must be contiguous")
 
 
 def chunk_u_dtype(dot_precision: str | None = None) -> torch.dtype:
