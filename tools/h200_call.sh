@@ -7,7 +7,10 @@
 #   STEP_LIMIT_SCALE=0.5 bash tools/h200_call.sh ...   # scale every step's limit (a shorter call)
 #
 # Steps (seconds are each step's limit; a step cut by its limit still leaves its log and partial JSON):
-#   gputests 300   pytest tests/gpu (every single-GPU bitwise test; GPU_TESTS="files..." narrows it)
+#   gputests 300   pytest tests/gpu but the GDN kernel file (every other single-GPU bitwise test; GPU_TESTS="files..."
+#                  names the files instead)
+#   gdntests 420   pytest tests/gpu/test_gdn_triton.py alone (72 compile-bound tests, more than gputests' limit
+#                  left them; GDN_TESTS_K="expr": pytest -k expr narrows it)
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   flaprof   90   bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward (our budget)
@@ -39,7 +42,7 @@
 # Commands and the numbers they produced: docs/PERFORMANCE.md.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
-steps="gputests gdn gdnprof flaprof gdndot gdntune gdncopies gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdntune gdncopies gdnbwd probe rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -62,7 +65,9 @@ for s in "$@"; do
   case $s in
     gputests)  # GPU_TESTS may name several files: word splitting on purpose
       # shellcheck disable=SC2086
-      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu} ;;
+      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_gdn_triton.py} ;;
+    gdntests)
+      step gdntests 420 30 python3 -m pytest -q -p no:warnings -rfE tests/gpu/test_gdn_triton.py ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     flaprof) step flaprof 90 24 python3 tools/bench_gdn.py --profile flatrain:8x4096 --out "$OUT/fla_prof_train.json" ;;
