@@ -9,8 +9,8 @@
 # Steps (seconds are each step's limit; a step cut by its limit still leaves its log and partial JSON):
 #   gputests 300   pytest tests/gpu but the GDN kernel file (every other single-GPU bitwise test; GPU_TESTS="files..."
 #                  names the files instead)
-#   gdntests 420   pytest tests/gpu/test_gdn_triton.py alone (72 compile-bound tests, more than gputests' limit
-#                  left them; GDN_TESTS_K="expr": pytest -k expr narrows it)
+#   gdntests 420   pytest tests/gpu/test_gdn_triton.py alone (68 compile-bound tests, about 400 s on a fresh
+#                  machine, past gputests' limit; GDN_TESTS_K="expr": pytest -k expr narrows it)
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   flaprof   90   bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward (our budget)
@@ -50,6 +50,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD/.pydeps:$PWD" PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 scale=${STEP_LIMIT_SCALE:-1}
+gdn_test_file=tests/gpu/test_gdn_triton.py  # run by gdntests, left out of gputests
 
 step() {  # step NAME LIMIT_S TAIL_LINES CMD...
   local name=$1 limit tail_n=$3 t0=$SECONDS
@@ -65,9 +66,9 @@ for s in "$@"; do
   case $s in
     gputests)  # GPU_TESTS may name several files: word splitting on purpose
       # shellcheck disable=SC2086
-      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_gdn_triton.py} ;;
+      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=$gdn_test_file} ;;
     gdntests)
-      step gdntests 420 30 python3 -m pytest -q -p no:warnings -rfE tests/gpu/test_gdn_triton.py ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
+      step gdntests 420 30 python3 -m pytest -q -p no:warnings -rfE "$gdn_test_file" ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     flaprof) step flaprof 90 24 python3 tools/bench_gdn.py --profile flatrain:8x4096 --out "$OUT/fla_prof_train.json" ;;
