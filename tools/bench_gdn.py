@@ -580,11 +580,12 @@ def profile_case(spec: str, iters: int) -> dict:
 
 
 def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = None) -> dict:
-    """Registers, spills and shared memory of the GDN state-pass and scan kernels at the bench shape,
-    compiled for sm_90a on this machine (no GPU needed: Triton's bundled ptxas). The numbers ptxas reports
-    are static (per kernel), not dynamic counts; a kernel that spills keeps its tiles in local memory.
-    ``sass_dir``: also each kernel's SASS (Triton's bundled nvdisasm) as ``<kernel>[.<variant>].sass``, to see
-    how loads are scheduled against the arithmetic that waits on them."""
+    """Registers, spills and shared memory of every GDN kernel a decode step, a prefill that leaves a chunk open and a
+    training forward + backward launch at the bench's Dk, Dv and chunk, compiled for sm_90a on this machine (no GPU
+    needed: Triton's bundled ptxas). The calls run on CPU tensors with each launch replaced by a compile
+    (``JITFunction.run`` intercepted): the signature comes from the launch's own arguments and constexprs, so it
+    follows the kernels as they change. The numbers ptxas reports are static (per kernel), not dynamic counts.
+    ``sass_dir``: also each kernel's SASS (Triton's bundled nvdisasm) as ``<kernel>[.<variant>].sass``."""
     import re
     import subprocess as sp
     import tempfile
@@ -592,71 +593,38 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
 
+    from megatron_iso.ops.gdn import GDNLayerState
     from megatron_iso.ops.gdn import gdn_triton as G
-    from megatron_iso.ops.gdn import gdn_triton_backward as B
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
-    cfg = G.config_for(D, D, CHUNK, prec, form or G.FORM)
-    int_tables = {"seg_ptr", "chunk_ptr", "chain_ptr", "map_ptr"}
-    # the pointers a call at this variant passes bf16 tensors to (the rest: fp32): the model's v and the state cache's
-    # buf_v in its dtype, entry_bf16, and with bf16 storage W, KD (chunk form: u, its buf_u, the entry states)
-    bf16_ptrs = {"entry_bf16_ptr", "v_ptr", "bv_ptr", "bvv_ptr"}
-    if cfg.mid_bf16:
-        bf16_ptrs |= {"w_ptr", "kd_ptr"} | ({"u_ptr", "bu_ptr", "en_ptr", "ex_ptr"} if cfg.form == "chunk" else set())
-    bwd_bf16_ptrs = bf16_ptrs | ({"du_ptr", "dsx_ptr", "dwm_ptr"} if cfg.chain_precision == "bf16" else set())
-    decode_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": G.decode_rows(CHUNK)}
-    decode_prep = {**decode_dims, "IB": cfg.inv_block, "PREC": cfg.prep_precision, "WY_SPLIT": G._decode_wy_split(cfg)}
-    decode_row = {**decode_dims, "BV": cfg.decode_bv, "PREC": cfg.chain_precision}
-    kernels = {
-        "_scan_kernel": (G._scan_kernel, {"BK": cfg.bk, "BV": cfg.scan_bv}, G.SCAN_WARPS, 3),
-        "_prep_kernel": (G._prep_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb,
-                                          "IB": cfg.inv_block, "PREC": cfg.prep_precision},
-                         G.PREP_WARPS, G.PREP_STAGES),
-        "_decode_prep_kernel": (G._decode_prep_kernel, decode_prep, G.DECODE_PREP_WARPS, G.PREP_STAGES),
-        "_chain_kernel": (G._chain_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.chain_bv,
-                                            "KB": cfg.kb, "PREC": cfg.chain_precision, "ENTRIES": cfg.form == "chunk"},
-                          G.CHAIN_WARPS, G.CHAIN_STAGES),
-        "_chunk_out_kernel": (G._chunk_out_kernel, {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "BV": cfg.out_bv,
-                                                    "PREC": cfg.chain_precision}, G.OUT_WARPS, 3),
-        "_decode_row_kernel": (G._decode_row_kernel, decode_row, G.DECODE_WARPS, 3),
-    }  # fmt: skip
-    bwd_dims = {"C": CHUNK, "BK": cfg.bk, "BVF": cfg.bv_full, "PREC": cfg.chain_precision}
-    bwd_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.BWD_BV, cfg.bv_full))}
-    chain_bv = {**bwd_dims, "BV": max(G.MIN_DOT, min(B.chain_block(cfg.chain_precision), cfg.bv_full))}
-    ks = max(G.MIN_DOT, min(B.BWD_KS, cfg.bk))
-    kernels.update({
-        "_bwd_local_kernel": (B._bwd_local_kernel, bwd_dims, B.BWD_WARPS, 3),
-        "_bwd_chain_kernel": (B._bwd_chain_kernel, chain_bv, B.BWD_CHAIN_WARPS, B.BWD_CHAIN_STAGES),
-        "_bwd_output_kernel": (B._bwd_output_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
-        "_bwd_wy_kernel": (B._bwd_wy_kernel, {**bwd_bv, "KS": ks}, B.BWD_WARPS, 3),
-    })  # fmt: skip
-    caps = {  # each kernel's register cap, as its launch passes it
-        "_scan_kernel": G.SCAN_MAXNREG, "_prep_kernel": G.PREP_MAXNREG, "_decode_prep_kernel": G.DECODE_PREP_MAXNREG,
-        "_chain_kernel": G.CHAIN_MAXNREG, "_chunk_out_kernel": G.OUT_MAXNREG, "_decode_row_kernel": G.DECODE_MAXNREG,
-        "_bwd_local_kernel": B.BWD_MAXNREG, "_bwd_chain_kernel": B.BWD_CHAIN_MAXNREG,
-        "_bwd_output_kernel": B.BWD_MAXNREG, "_bwd_wy_kernel": B.BWD_MAXNREG,
-    }  # fmt: skip
+    ptr_types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
+                 torch.int64: "*i64"}  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
-    for name, (fn, consts, warps, stages) in kernels.items():
-        sig = {}
-        for p in fn.params:
-            if p.is_constexpr:
-                sig[p.name] = "constexpr"
-            elif p.name in int_tables:
-                sig[p.name] = "*i32"
-            elif p.name.endswith("_ptr"):
-                bf16 = (bwd_bf16_ptrs if name.startswith("_bwd") else bf16_ptrs) - (
-                    {"ex_ptr"} if name == "_scan_kernel" else set()
-                )
-                sig[p.name] = "*bf16" if p.name in bf16 else "*fp32"
+
+    def compile_launch(fn: JITFunction, *args, grid, warmup, **kwargs) -> None:
+        values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+        sig, consts = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            v = values[name]
+            if i in fn.constexprs:
+                sig[name], consts[name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                sig[name] = ptr_types[v.dtype]
             else:
-                sig[p.name] = "fp32" if p.name in ("scale", "eps") else "i32"
+                sig[name] = "fp32" if isinstance(v, float) else "i32"
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+        name = fn.fn.__name__
+        key = (name, repr(sorted(consts.items())), repr(sorted(opts.items())))
+        if key in seen:  # the same compiled kernel launched again
+            return
+        seen.add(key)
+        name = f"{name} ({call[0]})" if name in out["kernels"] else name  # another variant, e.g. the training prep
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages, **G._maxnreg(caps[name])})  # fmt: skip
+                           options=opts)  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.ptx"
             src.write_text(k.asm["ptx"])
@@ -669,21 +637,49 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
                 variant = f".{dot_precision.replace(':', '_').replace('/', '_')}" if dot_precision else ""
                 (sass_dir / f"{name}{variant}.sass").write_text(sass)
 
-        def num(pattern: str, log: str = log) -> int | None:
+        def num(pattern: str) -> int | None:
             m = re.search(pattern, log)
             return int(m.group(1)) if m else None
 
         ptx = k.asm["ptx"]
-        out["kernels"][name] = {
-            "constexprs": consts, "num_warps": warps, "num_stages": stages, "registers": num(r"Used (\d+) registers"),
-            "stack_bytes": num(r"(\d+) bytes stack frame"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
-            "spill_load_bytes": num(r"(\d+) bytes spill loads"), "shared_bytes": k.metadata.shared,
-            "ptx_fma_f32": ptx.count("fma.rn.f32"), "ptx_bar_sync": ptx.count("bar.sync"),
+        out["kernels"][name] = r = {
+            "constexprs": {c: v if isinstance(v, (int, str, bool)) else str(v) for c, v in consts.items()}, **opts,
+            "registers": num(r"Used (\d+) registers"), "stack_bytes": num(r"(\d+) bytes stack frame"),
+            "spill_store_bytes": num(r"(\d+) bytes spill stores"), "spill_load_bytes": num(r"(\d+) bytes spill loads"),
+            "shared_bytes": k.metadata.shared, "ptx_fma_f32": ptx.count("fma.rn.f32"),
+            "ptx_bar_sync": ptx.count("bar.sync"),
         }  # fmt: skip
-        r = out["kernels"][name]
-        print(f"{name} {consts} warps={warps} stages={stages}: {r['registers']} regs, stack {r['stack_bytes']} B, spill "
-              f"st/ld {r['spill_store_bytes']}/{r['spill_load_bytes']} B, shared {r['shared_bytes']} B, "
-              f"{r['ptx_fma_f32']} fma.f32, {r['ptx_bar_sync']} bar.sync (PTX)", flush=True)  # fmt: skip
+        print(f"{name} {opts}: {r['registers']} regs, stack {r['stack_bytes']} B, spill st/ld "
+              f"{r['spill_store_bytes']}/{r['spill_load_bytes']} B, shared {r['shared_bytes']} B, {r['ptx_fma_f32']} "
+              f"fma.f32, {r['ptx_bar_sync']} bar.sync (PTX)", flush=True)  # fmt: skip
+
+    form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
+    kw = {"dot_precision": prec, "form": form or G.FORM, "chunk": CHUNK}
+    hk, hv, n = 1, 2, 2 * CHUNK + 3  # head counts and length set no constexpr
+
+    def inputs(t: int, grad: bool = False) -> list[torch.Tensor]:
+        x = [torch.randn(t, hk, D), torch.randn(t, hk, D), torch.randn(t, hv, D), -torch.rand(t, hv), torch.rand(t, hv)]
+        return [a.requires_grad_(grad) for a in x]
+
+    state = GDNLayerState.allocate(2, conv_dim=1, conv_kernel=2, key_heads=hk, value_heads=hv, key_dim=D, value_dim=D,
+                                   chunk=CHUNK, form=kw["form"], v_dtype=torch.bfloat16,
+                                   u_dtype=G.chunk_u_dtype(prec) if kw["form"] == "chunk" else torch.float32)  # fmt: skip
+    one = torch.tensor([1])
+    seen: set = set()
+    call = ["prefill"]
+    orig = JITFunction.run
+    JITFunction.run = compile_launch
+    try:
+        x = inputs(n)
+        x[2] = x[2].bfloat16()  # v as the model passes it
+        G.gated_delta_rule(*x, torch.tensor([0, n]), state=state, slots=one, starts=torch.tensor([0]), **kw)
+        call[0] = "decode"
+        G.gated_delta_rule(*(a[:1] for a in x), torch.tensor([0, 1]), state=state, slots=one, starts=torch.tensor([n]),
+                           **kw)  # fmt: skip
+        call[0] = "train"
+        G.gated_delta_rule(*inputs(n, True), torch.tensor([0, n]), **kw).sum().backward()
+    finally:
+        JITFunction.run = orig
     return out
 
 
@@ -722,7 +718,6 @@ TUNABLE = (
     "DECODE_BV",
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
-    "DECODE_WY_SPLIT",
     "PREP_MAXNREG",
     "CHAIN_MAXNREG",
     "OUT_MAXNREG",
@@ -921,8 +916,9 @@ def main() -> int:
                     "decode:B; trainbwd:BxT: forward + backward; flatrain:BxT, fladecode:B: FLA's) under torch.profiler; writes the kernel table to "
                     "--out")  # fmt: skip
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
-    ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the scan, prep "
-                    "and chain kernels compiled for sm_90a with Triton's ptxas (CPU only); writes to --out")  # fmt: skip
+    ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the GDN kernels "
+                    "(decode, prefill, training fwd+bwd) compiled for sm_90a with Triton's ptxas (CPU only); writes "
+                    "to --out")  # fmt: skip
     ap.add_argument("--sass", metavar="DIR", help="with --resources: also write each kernel's SASS (nvdisasm) "
                     "into DIR")  # fmt: skip
     ap.add_argument("--dot-precision", nargs="+", metavar="V", help="time variants of our rule: a dot precision "

@@ -14,6 +14,8 @@ operands (fp32 accumulate), whether a row of ``C = A @ B (+ acc)`` keeps its bit
 - ``warps``: the kernel runs with 8 warps instead of 4;
 - ``k_padding``: a dot over all of K whose A is zero outside one 16-column block, against the dot over that block
   alone (decode's small blocks of a block-diagonal training tile; the first and the last block);
+- ``k_chain``: a dot over all of K whose A is zero from column ``nb * 16`` on, against ``nb`` one-block dots
+  accumulated in ascending order (a sum over earlier blocks as one dot or as a chain of block dots);
 - ``prep_partial``: our state-pass prep kernel (``gdn_triton._prep_kernel``) on a chunk whose rows from ``n`` on
   are zero (g = beta = k = v = 0) against the full chunk: rows ``< n`` of U0 and W must keep their bits (KD =
   e^{G_C - G} k reads the chunk's last G by definition; it is only used once the chunk is closed).
@@ -142,6 +144,17 @@ def dot_checks(device: str, m: int, n: int, k: int, tiles: int) -> list[dict]:
             alone = tile_dot(a[:, :, sl].contiguous(), b[:, sl].contiguous(), acc, prec)
             rows.append({"check": f"k_padding (block {blk} of {k // kb})", "prec": prec, "rows_checked": m,
                          "rows_differing": _rows_differing(whole, alone)})  # fmt: skip
+        # k_chain: a dot over the whole K whose A is zero from column nb * 16 on, against nb dots of one 16-column
+        # block each, accumulated in ascending order (a substitution's sum over earlier blocks as one dot)
+        for nb in (2, k // kb - 1):
+            a_pad = torch.zeros_like(a)
+            a_pad[:, :, : nb * kb] = a[:, :, : nb * kb]
+            chained = acc
+            for blk in range(nb):
+                sl = slice(blk * kb, (blk + 1) * kb)
+                chained = tile_dot(a[:, :, sl].contiguous(), b[:, sl].contiguous(), chained, prec)
+            rows.append({"check": f"k_chain ({nb} blocks of {k // kb})", "prec": prec, "rows_checked": m,
+                         "rows_differing": _rows_differing(tile_dot(a_pad, b, acc, prec), chained)})  # fmt: skip
     return rows
 
 

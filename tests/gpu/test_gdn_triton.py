@@ -54,7 +54,8 @@ def new_state(
     st = GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=hk, value_heads=hv, key_dim=d,
                                 value_dim=d, chunk=chunk, dtype=torch.float32, device=device, form=form,
                                 **dtypes)  # fmt: skip
-    for t in (st.running, st.entry, st.entry_bf16, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u, st.buf_tinv):
+    for t in (st.running, st.entry, st.entry_bf16, st.buf_k, st.buf_v, st.buf_g, st.buf_beta, st.buf_u, st.buf_y,
+              st.buf_tinv):  # fmt: skip
         t.fill_(float("nan"))  # stale slot content must never be read
     return st
 

@@ -17,7 +17,7 @@ array); the first lines patch that one conversion. Its fp32 -> bf16 ``.to()`` tr
 nearest even (:func:`triton_bf16`); the kernels' bf16 values are compared with that, not with torch's rounding.
 
 Parts (``PARTS``; the command line names which to run, default all): ``scan`` and ``chunk`` (the rule per form),
-``bf16_storage``, ``wy_split`` (the decode prep's U0/W column blocks, as values), ``conv``, ``gates``, ``grads``. The
+``bf16_storage``, ``conv``, ``gates``, ``grads``. The
 pytest wrapper runs them in concurrent children, since the interpreter keeps one core busy and the check took 12
 minutes in one process.
 """
@@ -250,8 +250,8 @@ def check_rule(form: str) -> None:
     stc = GDNLayerState(*(t.clone() for t in vars(st).values()))
     rule(*step, c1, chunk=C, state=stc, slots=s1, starts=p1)
     counts = count_launches(lambda: rule(*step, c1, chunk=C, state=st, slots=s1, starts=p1))
-    # chunk form: the decode prep (its T^{-1} row from the cached ones, U0/W/P of its rows, the token into the buffer)
-    # and the row kernel
+    # chunk form: the decode prep (its X_bb row from the cached ones, A's and P's rows, the token into the buffer) and
+    # the row kernel (Y, u and o rows)
     want = {"_scan_kernel": 1} if form == "scan" else {"_decode_prep_kernel": 1, "_decode_row_kernel": 1}
     assert counts == want, f"{form} form: decode step launches {counts}"
     print("decode step launches", counts)
@@ -340,31 +340,18 @@ def check_bf16_storage() -> None:
     for dtypes in ({}, narrow):
         inc, st = incremental(x16, [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1], st=new_state(2, form="chunk", **dtypes), **kw)
         # buf_u compared as the dots read it: rounded the kernels' way (triton_bf16), the fp32 buffer's decode rows too
-        got[bool(dtypes)] = (inc, st.entry[1], triton_bf16(st.buf_u[1].float()), st.buf_v[1, :5].float())
+        got[bool(dtypes)] = (
+            inc,
+            st.entry[1],
+            triton_bf16(st.buf_u[1].float()),
+            triton_bf16(st.buf_y[1].float()),
+            st.buf_v[1, :5].float(),
+        )
     for name, a, b in zip(
-        ("prefill + decode", "state.entry", "state.buf_u", "state.buf_v"), *got.values(), strict=True
+        ("prefill + decode", "state.entry", "state.buf_u", "state.buf_y", "state.buf_v"), *got.values(), strict=True
     ):
         assert same_bits(a, b), f"narrow state buffers: {name}"
     print("bf16 storage ok", round(time.time() - t_start, 1))
-
-
-def check_wy_split() -> None:
-    # The decode prep's U0/W in column blocks (gt.DECODE_WY_SPLIT > 1; 1 under the interpreter, whose numpy matmul
-    # bits follow N, so the GPU tests hold its bits): here its indexing, as values. Prefill + decode steps across a
-    # chunk close with 2 blocks against 1: equal up to numpy's summation order, where a wrong block would be O(1) off.
-    x = inputs(2 * C + 3, 45)
-    got = {}
-    for split in (1, 2):
-        gt.DECODE_WY_SPLIT = split
-        assert gt._decode_wy_split(gt.config_for(D, D, C, "tf32", "chunk")) == split
-        inc, st = incremental(x, [C - 2, *[1] * (C + 5)], st=new_state(2, form="chunk"), form="chunk",
-                              dot_precision="tf32")  # fmt: skip
-        got[split] = (inc, st.entry[1].clone())
-    gt.DECODE_WY_SPLIT = 1
-    for name, a, b in zip(("outputs", "state.entry"), *got.values(), strict=True):
-        err = (a - b).abs().max().item()
-        assert err < 1e-5, f"decode with U0/W in 2 column blocks vs 1: {name} differ by {err}"
-    print("wy split ok", round(time.time() - t_start, 1))
 
 
 def check_conv() -> None:
@@ -451,7 +438,6 @@ PARTS = {
     "scan": functools.partial(check_rule, "scan"),
     "chunk": functools.partial(check_rule, "chunk"),
     "bf16_storage": check_bf16_storage,
-    "wy_split": check_wy_split,
     "conv": check_conv,
     "gates": check_gates,
     "grads": check_grads,

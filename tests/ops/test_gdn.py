@@ -328,8 +328,8 @@ def test_state_cache_holds_only_its_forms_state():
     shape = {"conv_dim": 4, "conv_kernel": 4, "key_heads": HK, "value_heads": HV, "key_dim": D, "value_dim": D,
              "chunk": 8, "dtype": torch.float32}  # fmt: skip
     scan, chunk = (GDNLayerState.allocate(3, form=f, **shape) for f in ("scan", "chunk"))
-    assert scan.running.shape == (3, HV, D, D) and scan.buf_u.shape == (3, 0, 0, 0)
-    assert chunk.running.shape == (3, 0, 0, 0) and chunk.buf_u.shape == (3, 8, HV, D)
+    assert scan.running.shape == (3, HV, D, D) and scan.buf_u.shape == scan.buf_y.shape == (3, 0, 0, 0)
+    assert chunk.running.shape == (3, 0, 0, 0) and chunk.buf_u.shape == chunk.buf_y.shape == (3, 8, HV, D)
     assert scan.entry.shape == chunk.entry.shape == (3, HV, D, D)
     assert scan.entry_bf16.shape == (3, 0, 0, 0) and chunk.entry_bf16.shape == (3, HV, D, D)
     assert chunk.entry_bf16.dtype == torch.bfloat16
@@ -344,7 +344,7 @@ def test_state_cache_buffer_dtypes_named_and_checked():
     shape = {"conv_dim": 4, "conv_kernel": 4, "key_heads": HK, "value_heads": HV, "key_dim": D, "value_dim": D,
              "chunk": 8, "dtype": torch.float32}  # fmt: skip
     st = GDNLayerState.allocate(2, form="chunk", v_dtype=torch.bfloat16, u_dtype=torch.bfloat16, **shape)
-    assert st.buf_v.dtype == st.buf_u.dtype == torch.bfloat16 and st.buf_k.dtype == torch.float32
+    assert st.buf_v.dtype == st.buf_u.dtype == st.buf_y.dtype == torch.bfloat16 and st.buf_k.dtype == torch.float32
     with pytest.raises(ValueError, match=r"v_dtype=torch.int8 is not allowed; allowed values: \[torch.float32"):
         GDNLayerState.allocate(2, v_dtype=torch.int8, **shape)
     with pytest.raises(ValueError, match=r"u_dtype=torch.float16 is not allowed; allowed values: \[torch.float32"):

@@ -77,18 +77,6 @@ def test_key_head_sum_adds_a_key_heads_planes_in_order(rep):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def test_decode_wy_split_only_where_every_block_fits_a_dot(monkeypatch):
-    # The decode prep's U0/W column blocks: tensor-core precisions only (ieee keeps its K-blocked fma chains), and never
-    # narrower than a dot allows (a block below MIN_DOT would not compile on the GPU).
-    monkeypatch.setattr(gt, "DECODE_WY_SPLIT", 2)
-    monkeypatch.setattr(gt, "MIN_DOT", 16)
-    assert gt._decode_wy_split(gt.config_for(128, 128, 64, "bf16", "chunk")) == 2
-    assert gt._decode_wy_split(gt.config_for(128, 128, 64, "ieee", "chunk")) == 1
-    assert gt._decode_wy_split(gt.config_for(16, 32, 16, "bf16", "chunk")) == 1  # Dk 16 / 2 < 16
-    monkeypatch.setattr(gt, "DECODE_WY_SPLIT", 4)
-    assert gt._decode_wy_split(gt.config_for(64, 128, 64, "tf32", "chunk")) == 4
-
-
 def test_state_buffers_checked_before_any_launch():
     """The state the kernels read and write in place: each buffer contiguous, the fixed ones in their dtype, buf_v
     able to hold the call's v and buf_u in fp32 or the dtype the chunk form stores u in; each refusal names it."""
@@ -113,5 +101,13 @@ def test_state_buffers_checked_before_any_launch():
         call(st)
     with pytest.raises(ValueError, match=r"state.buf_v is torch.bfloat16, which cannot hold this call's torch.float32"):
         call(GDNLayerState.allocate(1, v_dtype=torch.bfloat16, **shape))
-    with pytest.raises(ValueError, match=r"state.buf_u is torch.bfloat16, but dot_precision='tf32' stores u as"):
+    with pytest.raises(ValueError, match=r"state.buf_u is torch.bfloat16, but dot_precision='tf32' stores u and Y as"):
         call(GDNLayerState.allocate(1, u_dtype=torch.bfloat16, **shape), "tf32")
+    st = GDNLayerState.allocate(1, **shape)
+    st.buf_y = st.buf_y.bfloat16()
+    with pytest.raises(ValueError, match=r"state.buf_y is torch.bfloat16, but dot_precision='tf32' stores u and Y as"):
+        call(st, "tf32")
+    st = GDNLayerState.allocate(1, **shape)
+    st.buf_y = st.buf_y.transpose(2, 3)
+    with pytest.raises(ValueError, match=r"state.buf_y must be contiguous$"):
+        call(st)

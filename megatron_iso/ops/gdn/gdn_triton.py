@@ -82,11 +82,12 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   ``_chunk_out_kernel`` program per (chunk, value head, Dv block). The plan lists every chunk the call has tokens in,
   an open last chunk included (``nrows`` < C; its missing rows load as zeros); the chain stores each chunk's entry
   state (``ex``) and u (over U0, or bf16 tensors: "Intermediate storage") and skips an open chunk's exit;
-  ``_buffer_kernel`` then copies the tokens (and their u and T^{-1} rows) of a chunk left open into the state cache.
-  A decode step (one token per sequence) computes its token's rows only: ``_decode_prep_kernel`` (row t of T^{-1}
-  from the rows before it in ``state.buf_tinv``, by the prep's own fma chain and block dots; U0/W of the token's
-  DECODE_ROWS rows; P's row t; the token into the buffer), then ``_decode_row_kernel``
-  (u and o rows, earlier u rows from ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
+  ``_buffer_kernel`` then copies the tokens (and their u and T^{-1} rows) of a chunk left open into the state cache,
+  the chain its Y rows (below). Since VERSION 8 the chunk form's u comes from a block forward substitution
+  ("Substitution" below), not from the WY form. A decode step (one token per sequence) computes its token's rows
+  only: ``_decode_prep_kernel`` (row t of X_bb from the rows before it in ``state.buf_tinv``, by the prep's own fma
+  chain; A's and P's row t; the token into the buffer), then ``_decode_row_kernel`` (Y, u and o rows, earlier Y and
+  u rows from ``state.buf_y`` and ``state.buf_u``, the chunk's exit at its close). Rows < n of every tile do not
   depend on rows >= n, and a row's bits do not depend on the tile's row count (the MMA row probe,
   ``tools/probe_dot_rows.py``; on the H200 the GPU tests hold this for ieee, tf32, bf16, not for tf32x3, which this
   form refuses: :data:`CHUNK_FORM_PRECISIONS`). Since VERSION 7 nothing row-determining is a layout-dependent
@@ -98,6 +99,16 @@ Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the mode
   since Session 14: the unrolled diagonal chain, one-row operands and one address tile per k/v tile).
 - "bf16" (in :data:`DOT_PRECISIONS`): operands rounded to bf16, fp32 accumulate, every dot of prep, chain and
   output; FLA's arithmetic class (H200, 1000 + 200 tokens vs fp64: 3.3e-4 max against FLA's 4.3e-4).
+
+Substitution (VERSION 8, the chunk form): ``u = T^{-1} (beta v - beta e^G K E)`` is computed by block forward
+substitution over IB-row blocks b in order, ``Y_b = beta v_b - (beta e^G k_b) E - sum_{j<b} A_bj u_j`` and
+``u_b = X_bb Y_b`` (X_bb: T^{-1}'s diagonal block, the prep's fma chain), instead of ``U0 - W E``. The prep writes
+``S`` (A's blocks below the diagonal, X_bb on it), ``beta v`` and ``beta e^G k``; the chain keeps u's blocks in
+registers (a tuple). A decode step needs no U0, W or off-diagonal T^{-1} rows: its row t is one 16-row tile of each of
+the chain's dots (the row probe), its Y rows are cached per block. The math is the WY form's; the rounding differs,
+the same on both sides. A training call's prep still writes W and the whole T^{-1}, which the backward reads (it
+differentiates the same function, so it is unchanged). H200, chunk:bf16 (PERFORMANCE.md "Session 18"): training
+fwd+bwd 8.57 -> 8.67 ms (chain 0.62 -> 0.73, the prep 1.14 as before), decode batch 64 0.138 -> 0.124 ms.
 
 Backward (training, Session 9): :class:`_RuleFunction` — the invariant forward, then the Triton chunk backward of
 :mod:`megatron_iso.ops.gdn.gdn_triton_backward` (four kernels; deterministic, not invariant, as the policy allows; dots
@@ -131,12 +142,13 @@ from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
-# 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains (no
+# 8: the chunk form's u by block forward substitution (no U0, W or off-diagonal T^-1 blocks in its forward state pass
+# outside training; decode without them); 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains (no
 # layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6: chunk-form outputs (opt-in),
 # bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision
 # (tf32x3, tf32) runs whole-K dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots
 # on tensor cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
-VERSION = "7"
+VERSION = "8"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
@@ -196,9 +208,14 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # column on its own), and the decode prep's warps.
 DECODE_BV = 4 if _INTERPRET else 64
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
-# Column blocks of the decode prep's U0 and W dots (``_wy_rows``' NS): the [C, Dv] v tile and the [C, Dk] k tile are
-# loaded a block at a time, not held whole through the prep. Under the interpreter 1: numpy's matmul bits follow N.
-DECODE_WY_SPLIT = 1 if _INTERPRET else 2
+# A decode step's substitution sum (``sum_{j<b} A_tj u_j``) as one dot over the chunk with A's columns from the token's
+# block on zero, where the chain runs one 16-column dot per earlier block: on the H200 a whole-K dot whose A is zero
+# from column 16 nb on has the bits of nb block dots accumulated in ascending order at tf32 and bf16 (the probe's
+# ``k_chain``, tools/probe_dot_rows.py, and the chunk-form GPU tests, Session 18). It reads u's earlier rows once (the
+# output reads them too): row kernel 0.088 -> 0.078 ms at batch 64. Not at ieee: the probe's tiles held it there too,
+# but the decode row kernel's [16, C] x [C, 64] dot did not (test_chunk_form_train_equals_rollout failed at ieee), so
+# an ieee decode step runs the chain's block dots; nor under the interpreter, whose numpy dot bits follow K.
+DECODE_SUM_ONE_DOT = not _INTERPRET
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
 # programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
@@ -505,95 +522,88 @@ def _kk_rows(k_ptr, bk_ptr, orr, kcf, krow, kd_ptr, base, dkd, row0, brow0, nbuf
 
 
 @triton.jit
+def _subst_operands(bcb, cumb, kb, vb):
+    """``beta v`` and ``beta e^G k`` of some rows (``bcb``, ``cumb``: their beta and G; ``kb``, ``vb``: their k and v
+    columns), the operands of :func:`_subst_y`: the one elementwise arithmetic of the prep's chunk rows and of a
+    decode step's token row."""
+    return bcb[:, None] * vb, (bcb * tl.exp(cumb))[:, None] * kb
+
+
+@triton.jit
 def _wy_rows(
     k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tr_ptr, bce_ptr, u0_ptr, w_ptr,
-    orr, rmask, smask, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr = 1,
+    kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, STORE_U0: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``orr`` of U0 = T^{-1} (beta v) and W = T^{-1} (beta e^G k), T^{-1}'s rows read from ``tr_ptr`` (row r at
-    ``tr_ptr + r * C``; rows outside ``rmask`` as zeros), stored at those of the rows that ``smask`` keeps (a decode
-    step: the token's row, the only one its row kernel reads) of this (chunk, head)'s U0 and W. With a
-    tensor-core PREC two whole-K dots (``kcf``: the chunk's k tile); ieee: K-blocked over the chunk's tokens (KB at a
-    time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch) reloaded per block.
-
-    NS > 1 (tensor cores; a decode step, whose token is t = ``nbuf``: :func:`_decode_tile`): each dot in NS column
-    blocks, v's and k's columns loaded per block (``kcf`` not read), so no whole [C, Dv] or [C, Dk] tile is live. An
-    MMA computes every output column on its own, so a column block's bits are the whole dot's (the decode row kernel's
-    Dv blocks rest on the same fact)."""
+    """The chunk's U0 = T^{-1} (beta v) (STORE_U0: the scan form's chain reads it; the chunk form's computes its own
+    R, :func:`_subst_y`) and W = T^{-1} (beta e^G k), T^{-1} read from ``tr_ptr`` (row r at ``tr_ptr + r * C``), into
+    this (chunk, head)'s U0 and W. With a tensor-core PREC whole-K dots (``kcf``: the chunk's k tile); ieee: K-blocked
+    over the chunk's tokens (KB at a time, ascending), v, k and beta e^G (``bce_ptr``, this program's scratch)
+    reloaded per block."""
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
     mv = ov < DV
     if PREC != "ieee":
-        ti = tl.load(tr_ptr + orr[:, None] * C + ot[None, :], mask=rmask[:, None], other=0.0)
-    if PREC != "ieee" and NS > 1:
-        for ns in tl.static_range(NS):
-            ovb = ns * (BVF // NS) + tl.arange(0, BVF // NS)
-            vcb = _decode_tile(bvv_ptr + (brow0 * HV + h) * DV, v_ptr + (row0 + nbuf) * SV + h * DV, ot, ovb, nbuf,
-                               HV * DV, DV)  # fmt: skip
-            u0 = _dot(ti, bc[:, None] * vcb, None, PREC)
-            tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ovb[None, :], u0, mask=smask[:, None])
-        for ns in tl.static_range(NS):
-            okb = ns * (BK // NS) + tl.arange(0, BK // NS)
-            kcb = _decode_tile(bk_ptr + (brow0 * HK + hk) * DK, k_ptr + (row0 + nbuf) * SK + hk * DK, ot, okb, nbuf,
-                               HK * DK, DK)  # fmt: skip
-            w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcb, None, PREC)
-            tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + okb[None, :], w.to(w_ptr.dtype.element_ty),
-                     mask=smask[:, None])  # fmt: skip
-    elif PREC != "ieee":
-        vcf = _buffered_or_packed(
-            (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
-            (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
-            (ot < nbuf)[:, None],
-            mv[None, :] & (ot < nrows)[:, None],
-        )
-        u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
-        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0, mask=smask[:, None])
+        ti = tl.load(tr_ptr + ot[:, None] * C + ot[None, :])
+        if STORE_U0:
+            vcf = _buffered_or_packed(
+                (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
+                (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
+                (ot < nbuf)[:, None],
+                mv[None, :] & (ot < nrows)[:, None],
+            )
+            u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
+            tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], u0)
         w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
-        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty),
-                 mask=smask[:, None])  # fmt: skip
+        tl.store((w_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
     else:
         ob = tl.arange(0, KB)
         tl.store(bce_ptr + base * C + ot, bc * tl.exp(cum))
         tl.debug_barrier()  # other threads' scratch stores are read below
         # Two loops (not one): each holds one accumulator and one T^{-1} block, not two of each.
-        u0 = tl.zeros([orr.shape[0], BVF], dtype=tl.float32)
-        for tb in range(C // KB):
-            otb = tb * KB + ob  # this block's tokens: the dot's K index
-            ibb = otb < nbuf
-            pb = otb < nrows
-            rb = row0 + otb
-            bb = brow0 + otb
-            ti = tl.load(tr_ptr + orr[:, None] * C + otb[None, :], mask=rmask[:, None], other=0.0)
-            vcb = _buffered_or_packed(
-                (bvv_ptr + (brow0 * HV + h) * DV) + otb[:, None] * (HV * DV) + ov[None, :],
-                (v_ptr + row0 * SV + h * DV) + otb[:, None] * SV + ov[None, :],
-                ibb[:, None],
-                mv[None, :] & pb[:, None],
-            )
-            bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
-            u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
-        tl.store((u0_ptr + base * C * BVF) + orr[:, None] * BVF + ov[None, :], u0, mask=smask[:, None])
-        w = tl.zeros([orr.shape[0], BK], dtype=tl.float32)
+        if STORE_U0:
+            u0 = tl.zeros([C, BVF], dtype=tl.float32)
+            for tb in range(C // KB):
+                otb = tb * KB + ob  # this block's tokens: the dot's K index
+                ibb = otb < nbuf
+                pb = otb < nrows
+                rb = row0 + otb
+                bb = brow0 + otb
+                ti = tl.load(tr_ptr + ot[:, None] * C + otb[None, :])
+                vcb = _buffered_or_packed(
+                    (bvv_ptr + (brow0 * HV + h) * DV) + otb[:, None] * (HV * DV) + ov[None, :],
+                    (v_ptr + row0 * SV + h * DV) + otb[:, None] * SV + ov[None, :],
+                    ibb[:, None],
+                    mv[None, :] & pb[:, None],
+                )
+                bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
+                u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
+            tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], u0)
+        w = tl.zeros([C, BK], dtype=tl.float32)
         for tb in range(C // KB):
             otb = tb * KB + ob
-            ti = tl.load(tr_ptr + orr[:, None] * C + otb[None, :], mask=rmask[:, None], other=0.0)
+            ti = tl.load(tr_ptr + ot[:, None] * C + otb[None, :])
             kcb = _k_tile(k_ptr, bk_ptr, otb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
             bce = tl.load(bce_ptr + base * C + otb)
             w = _dot(ti, bce[:, None] * kcb, w, PREC)
-        tl.store((w_ptr + base * C * BK) + orr[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty),
-                 mask=smask[:, None])  # fmt: skip
+        tl.store((w_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :], w.to(w_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, chunk_ptr,
-    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, tinv_ptr, bce_ptr,
+    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, tinv_ptr, bce_ptr, s_ptr, kp_ptr,
     SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
+    SUBST: tl.constexpr, WY: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, value head): U0, W, KD = e^{G_C-G} k, e^{G_C} of the WY form, G (for the chunk-form output) and
-    T^{-1} (``tinv_ptr``: the program's scratch, T^{-1} at the end).
+    """Per (chunk, value head): KD = e^{G_C-G} k, e^{G_C}, G (for the chunk-form output) and what the chain reads.
+    Scan form (SUBST False): U0 and W of the WY form and T^{-1} (``tinv_ptr``: the program's scratch, T^{-1} at the
+    end). Chunk form (SUBST): the operands of the chain's block forward substitution (module docstring,
+    "Substitution"): ``S`` into ``s_ptr`` (in ``GDNConfig.mid_dtype``: A's blocks below the diagonal and ``X_bb``,
+    T^{-1}'s diagonal blocks, on it), ``beta v`` over U0 (fp32) and ``beta e^G k`` into ``kp_ptr`` (mid dtype); with
+    WY (a training call: the backward reads them) also W and the whole T^{-1}.
 
     chunk row (int32 x CHUNK_COLS): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
     ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base, ``nrows``
@@ -652,49 +662,76 @@ def _prep_kernel(
         tl.debug_barrier()  # row srow of A is read by every thread before it is overwritten
         tl.store(tbase + diag + srow * C, x_s)
         tl.debug_barrier()
-    # Block rows below: X_i. = -X_ii (sum_{j<i} A_ij X_j.), K-blocked over j (ascending), from A's blocks still in the
-    # scratch; columns at and right of the diagonal block keep X_ii and A's zeros.
-    for ib in tl.static_range(1, C // IB):
-        ri = ib * IB + os3
-        rsum2 = tl.zeros([IB, C], dtype=tl.float32)
-        for jb in tl.static_range(ib):
-            rj = jb * IB + os3
-            rsum2 = _dot(tl.load(tbase + ri[:, None] * C + rj[None, :]), tl.load(tbase + rj[:, None] * C + ot[None, :]),
-                         rsum2, PREC)  # fmt: skip
-        x_i = -_dot(tl.load(tbase + ri[:, None] * C + ri[None, :]), rsum2, None, PREC)
-        tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
-        tl.store(tbase + ri[:, None] * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
-        tl.debug_barrier()
-    _wy_rows(
-        k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
-        ot, ot < C, ot < C, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
-        C, BK, BVF, KB, PREC,
-    )  # fmt: skip
+    if SUBST:  # the scratch holds S now: A below the diagonal blocks, X_bb on them, zeros above
+        tl.store(s_ptr + base * C * C + tile, tl.load(tbase + tile).to(s_ptr.dtype.element_ty))
+        ov = tl.arange(0, BVF)
+        if PREC == "ieee":  # beta v and beta e^G k by row blocks (k is not in registers; G's rows as stored above)
+            for rb0 in tl.static_range(0, C, IB):
+                rb = rb0 + os3
+                vblk = _buffered_or_packed(
+                    (bvv_ptr + (brow0 * HV + h) * DV) + rb[:, None] * (HV * DV) + ov[None, :],
+                    (v_ptr + row0 * SV + h * DV) + rb[:, None] * SV + ov[None, :],
+                    (rb < nbuf)[:, None],
+                    (ov < DV)[None, :] & (rb < nrows)[:, None],
+                )
+                bcb = _buffered_or_packed(bb_ptr + (brow0 + rb) * HV + h, b_ptr + (row0 + rb) * SB + h, rb < nbuf,
+                                          rb < nrows)  # fmt: skip
+                kblk = _k_tile(k_ptr, bk_ptr, rb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
+                bv, kp = _subst_operands(bcb, tl.load(gcum_ptr + base * C + rb), kblk, vblk)
+                tl.store((u0_ptr + base * C * BVF) + rb[:, None] * BVF + ov[None, :], bv)
+                tl.store((kp_ptr + base * C * BK) + rb[:, None] * BK + ok[None, :], kp.to(kp_ptr.dtype.element_ty))
+        else:  # whole tiles: k, beta and G are in registers
+            vcf = _buffered_or_packed(
+                (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
+                (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
+                in_buf[:, None],
+                (ov < DV)[None, :] & present[:, None],
+            )
+            bv, kp = _subst_operands(bc, cum, kcf, vcf)
+            tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], bv)
+            tl.store((kp_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :], kp.to(kp_ptr.dtype.element_ty))
+    if WY:
+        # Block rows below: X_i. = -X_ii (sum_{j<i} A_ij X_j.), K-blocked over j (ascending), from A's blocks still in
+        # the scratch; columns at and right of the diagonal block keep X_ii and A's zeros.
+        for ib in tl.static_range(1, C // IB):
+            ri = ib * IB + os3
+            rsum2 = tl.zeros([IB, C], dtype=tl.float32)
+            for jb in tl.static_range(ib):
+                rj = jb * IB + os3
+                rsum2 = _dot(tl.load(tbase + ri[:, None] * C + rj[None, :]),
+                             tl.load(tbase + rj[:, None] * C + ot[None, :]), rsum2, PREC)  # fmt: skip
+            x_i = -_dot(tl.load(tbase + ri[:, None] * C + ri[None, :]), rsum2, None, PREC)
+            tl.debug_barrier()  # row block ib of A is read by every thread before it is overwritten
+            tl.store(tbase + ri[:, None] * C + ot[None, :], x_i, mask=(ot < ib * IB)[None, :])
+            tl.debug_barrier()
+        _wy_rows(
+            k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
+            kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
+            C, BK, BVF, KB, PREC, not SUBST,
+        )  # fmt: skip
     tl.store(egc_ptr + base, tl.exp(gl))
 
 
 @triton.jit
 def _decode_prep_rows(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
-    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
+    kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr,
     scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     sid, h,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
+    OPREC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Chunk form, a decode step at chunk position t = nrows - 1, for sequence ``sid`` and value head ``h``:
-    ``_prep_kernel``'s terms for row t, with T^{-1}'s rows < t read from the state cache (``bt_ptr``: buf_tinv,
-    [slots, Hv, C, C]) instead of inverting the chunk again, and row t stored there.
+    """Chunk form, a decode step at chunk position t = nrows - 1, for sequence ``sid`` and value head ``h``: the
+    rows of ``_prep_kernel``'s terms that the row kernel's substitution and output read.
 
     - G for the whole chunk (the prep's dot); A's rows of t's ROWS-row block (K K^T rows by the prep's dots, A's
-      elementwise formula) into this program's scratch ``a_ptr`` (ROWS x C).
-    - Row t of T^{-1}: its diagonal part by the prep's fma chain over the cached rows of t's IB-row block, then
-      (t past the first block) ``-X_ii (sum_{j<i} A_ij X_j.)`` by the prep's IB-row dots: A's block rows from the
-      scratch, X's from the cache; X_ii's rows > t load as zeros (it is lower triangular: they meet zeros of row t).
-    - U0 and W of the ROWS rows holding t (:func:`_wy_rows`, T^{-1}'s rows > t as zeros); KD and e^{G_C} at the
-      chunk's close.
+      elementwise formula) into this program's scratch ``a_ptr`` (ROWS x C): the row kernel reads row t's blocks.
+    - Row t of X_bb (T^{-1}'s diagonal block holding t) by the prep's fma chain over the block's rows before t, read
+      from the state cache (``bt_ptr``: buf_tinv, [slots, Hv, C, C]), and stored there; only the block's IB columns
+      (the substitution reads no other).
     - Row t of the output's P (:func:`_output_p` at the output's precision OPREC, the chunk's k already in registers)
-      into ``p_ptr`` (ROWS x C per program), so that the row kernel reads no k.
+      into ``p_ptr`` (ROWS x C per program), so that the row kernel reads no k tile.
+    - KD and e^{G_C} at the chunk's close.
 
     Every dot is the prep's with the same K extent and order; a row's bits depend on nothing but that row and the
     other operand (the MMA row probe), so row t is the training tile's. ROWS: ``DECODE_ROWS`` (the IB-row block on
@@ -718,7 +755,7 @@ def _decode_prep_rows(
                  BK, BVF)  # fmt: skip
     in_buf = ot < nbuf
     present = ot < nrows
-    bc, cum = _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, row0 + ot, brow0 + ot, in_buf, present, SG, SB, HV, h, C)
+    _, cum = _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, row0 + ot, brow0 + ot, in_buf, present, SG, SB, HV, h, C)
     base = sid * HV + h
     tl.store(gcum_ptr + base * C + ot, cum)
     tbase = bt_ptr + ((brow0 // C) * HV + h) * C * C  # this slot's T^{-1} rows
@@ -741,34 +778,18 @@ def _decode_prep_rows(
     p = _output_p(q.to(tl.float32) * scale, kcf, cur, cum, orr[:, None] >= ot[None, :], OPREC)
     tl.store(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], p, mask=mine[:, None])
     tl.debug_barrier()
-    # Row t's diagonal part: X_t = e_t - sum_{r<s} A_tr X_r over the block's rows r before t (s = t - ib IB), computed
-    # over all C columns (left of the block it is replaced below; right of it every X_r is zero). Unrolled over the
-    # IB - 1 rows a block can have before t, the rows r >= s masked and passed over by a select: the prep's fmas, in
-    # its order, with every load issued at once (a run-time loop made one dependent round trip per row).
+    # Row t of X_bb: x_t = e_t - sum_{r<s} A_tr x_r over the block's rows r before t (s = t - ib IB), on the block's
+    # columns. Unrolled over the IB - 1 rows a block can have before t, the rows r >= s masked and passed over by a
+    # select: the prep's fmas, in its order, with every load issued at once (a run-time loop made one dependent round
+    # trip per row).
     arow = abase + (t - r0) * C
-    acc = tl.zeros([C], dtype=tl.float32)
+    cols = ib * IB + os3
+    acc = tl.zeros([IB], dtype=tl.float32)
     for r in tl.static_range(IB - 1):
         live = r < t - ib * IB
-        x_r = tl.load(tbase + (ib * IB + r) * C + ot, mask=live & (ot < C), other=0.0)
+        x_r = tl.load(tbase + (ib * IB + r) * C + cols, mask=live & (os3 < IB), other=0.0)
         acc = tl.where(live, tl.fma(tl.load(arow + ib * IB + r, mask=live, other=0.0), x_r, acc), acc)
-    tl.store(tbase + t * C + ot, tl.where(ot == t, 1.0, 0.0) - acc)
-    tl.debug_barrier()
-    if ib > 0:
-        ri = ib * IB + os3
-        rsum2 = tl.zeros([IB, C], dtype=tl.float32)
-        for jb in range(ib):
-            rj = jb * IB + os3
-            a_ij = tl.load(abase + (ri - r0)[:, None] * C + rj[None, :])
-            rsum2 = _dot(a_ij, tl.load(tbase + rj[:, None] * C + ot[None, :]), rsum2, PREC)
-        x_ii = tl.load(tbase + ri[:, None] * C + ri[None, :], mask=(ri <= t)[:, None], other=0.0)
-        x_i = -_dot(x_ii, rsum2, None, PREC)
-        tl.store(tbase + ri[:, None] * C + ot[None, :], x_i, mask=(ri == t)[:, None] & (ot < ib * IB)[None, :])
-        tl.debug_barrier()
-    _wy_rows(
-        k_ptr, v_ptr, b_ptr, bk_ptr, bvv_ptr, bb_ptr, tbase, bce_ptr, u0_ptr, w_ptr,
-        orr, orr <= t, mine, kcf, bc, cum, row0, brow0, nbuf, nrows, SK, SV, SB, HK, HV, DK, DV, hk, h, base,
-        C, BK, BVF, KB, PREC, WY_SPLIT,
-    )  # fmt: skip
+    tl.store(tbase + t * C + cols, tl.where(cols == t, 1.0, 0.0) - acc)
     if nrows == C:  # the chunk closes: KD and e^{G_C} for the decode row kernel's exit state
         gl = tl.sum(tl.where(ot == C - 1, cum, 0.0), axis=0)
         # k reloaded (one step in C closes a chunk), so that the k tile is dead after P's dot
@@ -779,11 +800,19 @@ def _decode_prep_rows(
 
 
 @triton.jit
+def _subst_y(bv, kp, e, acc, PREC: tl.constexpr):
+    """Rows of ``Y = R - acc`` with ``R = beta v - (beta e^G k) E``, the block forward substitution's right-hand side
+    (module docstring, "Substitution"): ``bv``, ``kp`` the rows' :func:`_subst_operands`, ``acc`` the sum of
+    ``A_bj u_j`` over the earlier blocks j. The one arithmetic of the chain's block tiles and of a decode step's row."""
+    return (bv - _dot(kp, e, None, PREC)) - acc
+
+
+@triton.jit
 def _chain_kernel(
-    chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr,
+    chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr, chunk_ptr, s_ptr, kp_ptr, by_ptr,
     HV, DK, DV,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr,
-    ENTRIES: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr,
+    PREC: tl.constexpr, ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """Per (sequence, value head, Dv block): entry -> exit state over the sequence's chunks.
 
@@ -792,18 +821,23 @@ def _chain_kernel(
     rounding into entry_bf16_ptr's, ``GDNLayerState.entry_bf16``), last open (1: the last chunk does not close; its
     u is computed and stored, its exit state is not).
 
-    ``ex_ptr`` row of chunk j: its exit state (scan form), or with ENTRIES (chunk form) its entry state, which the
-    output kernel reads; u is then stored into ``u_ptr`` on every path (``u_ptr`` may be U0 itself: each program
-    reads its U0 columns before it stores u there, and no other program reads them).
+    Scan form (``ex_ptr`` row of chunk j: its exit state, which the scan starts from): the WY form per chunk,
+    ``u = U0 - W E`` for all C rows (K = BK in blocks of KB, E's row blocks read back once each from the state this
+    program stored last: the entry row or the previous chunk's exit row), then ``E' = dot(KD_b^T, u_b, E')`` over
+    ascending row blocks b of u from ``e^{G_C} E`` (module docstring, "K-blocked dots"). Each output element is the fma
+    chain of VERSION 1 (k ascending from 0 for W E, t ascending from ``e^{G_C} E`` for E'). With a tensor-core PREC
+    (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler stages MMA
+    operands through shared memory). PREC: the dots' ``input_precision`` (``GDNConfig.chain_precision``).
 
-    Per chunk, ``u = U0 - W E`` for all C rows (K = BK in blocks of KB, E's row blocks read back once each
-    from the state this program stored last: the entry row or the previous chunk's exit row), stored into
-    ``u_ptr``, then ``E' = dot(KD_b^T, u_b, E')`` over ascending row blocks b of u from ``e^{G_C} E`` (module
-    docstring, "K-blocked dots"). Each output element is the fma chain of VERSION 1 (k ascending from 0 for
-    W E, t ascending from ``e^{G_C} E`` for E'): the loop order moved, not the arithmetic. With a tensor-core
-    PREC (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler
-    stages MMA operands through shared memory), so no state or u round trip through global memory.
-    PREC: the dots' ``input_precision`` (``GDNConfig.chain_precision``).
+    Chunk form (ENTRIES; ``ex_ptr`` row of chunk j: its entry state, which the output kernel reads): u by block
+    forward substitution (module docstring, "Substitution"), for each IB-row block b in order
+    ``Y_b = R_b - sum_{j<b} A_bj u_j`` (:func:`_subst_y`; the sum as dots accumulated over j ascending) and
+    ``u_b = X_bb Y_b``, A's and X_bb's blocks from the prep's ``S`` (``s_ptr``), ``beta v`` from ``u0_ptr`` and
+    ``beta e^G k`` from ``kp_ptr`` (the prep's), the earlier u blocks from registers
+    (a tuple: through memory the chain took 1.46 ms instead of 0.70, PERFORMANCE.md "Session 18"); u into ``u_ptr``,
+    and ``E' = e^{G_C} E + sum_b KD_b^T u_b`` (dots accumulated over b ascending). The Y rows of a chunk the call
+    leaves open (chunk row flag) go to the state cache's ``by_ptr`` (buf_y) for the decode steps that follow.
+    A decode step computes its token's row of each of these dots (``_decode_row_block``).
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -816,6 +850,7 @@ def _chain_kernel(
     last_open = tl.load(chain_ptr + cid * 6 + 5)
     ok = tl.arange(0, BK)
     ob = tl.arange(0, KB)
+    oi = tl.arange(0, IB)
     ov = vb * BV + tl.arange(0, BV)
     mk = ok < DK
     mv = ov < DV
@@ -834,9 +869,31 @@ def _chain_kernel(
         closes = (j < nc - 1) | (last_open == 0)
         if ENTRIES:
             tl.store(ex_ptr + (c0 + j) * hsz + st, e.to(ex_ptr.dtype.element_ty), mask=m2)
-            if PREC == "ieee":
-                tl.debug_barrier()  # E's row blocks are read back below
-        if PREC == "ieee":
+            _, nbuf, brow0, nrows = _chunk_row(chunk_ptr, c0 + j)
+            keep_y = tl.load(chunk_ptr + (c0 + j) * 5 + 4) == 1  # a chunk the call leaves open
+            us = ()
+            en = egc * e
+            for b in tl.static_range(C // IB):
+                rb = b * IB + oi
+                srow = s_ptr + (base * C + rb[:, None]) * C
+                acc = tl.zeros([IB, BV], dtype=tl.float32)
+                for jb in tl.static_range(b):
+                    acc = _dot(tl.load(srow + (jb * IB + oi)[None, :]), us[jb], acc, PREC)
+                bv = tl.load(u0_ptr + (base * C + rb[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
+                kp = tl.load(kp_ptr + (base * C + rb[:, None]) * BK + ok[None, :])
+                y = _subst_y(bv, kp, e, acc, PREC)
+                new_y = keep_y & (rb >= nbuf) & (rb < nrows)
+                tl.store((by_ptr + (brow0 * HV + h) * DV) + rb[:, None] * (HV * DV) + ov[None, :],
+                         y.to(by_ptr.dtype.element_ty), mask=new_y[:, None] & mv[None, :])  # fmt: skip
+                ub = _dot(tl.load(srow + rb[None, :]), y, None, PREC)
+                tl.store(u_ptr + (base * C + rb[:, None]) * BVF + ov[None, :], ub.to(u_ptr.dtype.element_ty),
+                         mask=mv[None, :])  # fmt: skip
+                us = us + (ub,)  # noqa: RUF005  (Triton 3.6 compiles tuple +, not a starred tuple)
+                en = _dot(tl.trans(tl.load(kd_ptr + (base * C + rb[:, None]) * BK + ok[None, :])), ub, en, PREC)
+            # an open chunk's exit is computed and dropped: a run-time branch around a dot crashed Triton 3.6's
+            # prefetch pass at tf32 (chunk 16, Dk 32)
+            e = tl.where(closes, en, e)
+        elif PREC == "ieee":
             # d = W E for all C rows at once, K = BK in blocks of KB: each row block of E is loaded once per chunk.
             d = tl.zeros([C, BV], dtype=tl.float32)
             for kb in range(BK // KB):
@@ -845,12 +902,9 @@ def _chain_kernel(
                 sb = (h * DK + okb[:, None]) * DV + ov[None, :]
                 mb2 = (okb[:, None] < DK) & mv[None, :]
                 # E's rows okb: masked lanes read 0.0, as the register state holds +0 there.
-                if ENTRIES:
-                    e_blk = tl.load(ex_ptr + (c0 + j) * hsz + sb, mask=mb2, other=0.0)
-                else:
-                    e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
-                    e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
-                    e_blk = tl.where(first, e_in, e_ex)
+                e_in = tl.load(entry_ptr + erow * hsz + sb, mask=mb2 & first & (ekind == 1), other=0.0)
+                e_ex = tl.load(ex_ptr + (c0 + tl.maximum(j - 1, 0)) * hsz + sb, mask=mb2 & (j > 0), other=0.0)
+                e_blk = tl.where(first, e_in, e_ex)
                 d = _dot(wblk, e_blk, d, PREC)
             # u = U0 - W E goes to memory (this program's columns, read by no one else), so the state update below
             # can read u back in row blocks.
@@ -870,10 +924,6 @@ def _chain_kernel(
             wfull = tl.load(w_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
             tile = (base * C + oc[:, None]) * BVF + ov[None, :]
             u = tl.load(u0_ptr + tile, mask=mv[None, :], other=0.0) - _dot(wfull, e, None, PREC)
-            if ENTRIES:
-                tl.store(u_ptr + tile, u.to(u_ptr.dtype.element_ty), mask=mv[None, :])
-            # an open chunk's exit is computed and dropped: a run-time branch around this dot crashes Triton 3.6's
-            # prefetch pass at tf32 (chunk 16, Dk 32)
             kdfull = tl.load(kd_ptr + (base * C + oc[:, None]) * BK + ok[None, :])
             e = tl.where(closes, _dot(tl.trans(kdfull), u, egc * e, PREC), e)
         if not ENTRIES:
@@ -927,32 +977,41 @@ def _chunk_out_kernel(
 
 @triton.jit
 def _decode_row_block(
-    q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
-    o_ptr,
-    scale, SQ, HV, DK, DV, REP,
+    q_ptr, k_ptr, v_ptr, b_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
+    a_ptr, bt_ptr, bu_ptr, by_ptr, o_ptr,
+    scale, SQ, SK, SV, SB, HV, DK, DV, REP,
     sid, h, vb,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IB: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr,
+    SUM_ONE_DOT: tl.constexpr,
 ):  # fmt: skip
     """Chunk form, a call of one token per sequence (a decode step) at chunk position t: for sequence ``sid``, value
     head ``h`` and Dv block ``vb``, the token's rows of what training computes as tiles, from ``_decode_prep_kernel``'s
-    U0, W and P rows and the state cache: ``u_t = U0_t - W_t E`` (the chain's arithmetic; with bf16 dots E from
-    ``entry_bf16``), stored into ``buf_u``;
-    ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``; when t closes the
-    chunk, ``E' = e^{G_C} E + KD^T u`` (the chain's) into ``entry``. Every dot has the training dot's K extent and
-    order; only M differs (ROWS rows, one of them the token's), which moves no row's bits on the H200 (the MMA row
-    probe). Chunk and chain rows are the plan's (one each per sequence)."""
+    A, X_bb and P rows and the state cache:
+
+    - the substitution's row t (the chain's block b = t // IB): ``Y_t = R_t - sum_{j<b} A_tj u_j`` (:func:`_subst_y`,
+      R's operands from the token's row (:func:`_subst_operands`), u's earlier blocks from ``buf_u``; with bf16 dots E
+      from ``entry_bf16``), stored into ``buf_y``, then
+      ``u_t = X_bb[t] Y_b`` with Y's earlier rows of the block from ``buf_y``, stored into ``buf_u``;
+    - ``o_t = e^{G_t} (q_t E) + P_t u`` (the output kernel's), with u's earlier rows from ``buf_u``;
+    - when t closes the chunk, ``E' = e^{G_C} E + sum_b KD_b^T u_b`` (the chain's) into ``entry``.
+
+    Every dot has the training dot's K extent and order and, for the substitution's, its IB-row tile with row t in
+    its place; only the other rows differ (zeros or other values), which moves no bit of row t on the H200 (the MMA
+    row probe). Chunk and chain rows are the plan's (one each per sequence)."""
     hk = h // REP
     row0, _, brow0, nrows = _chunk_row(chunk_ptr, sid)
     ekind = tl.load(chain_ptr + sid * 6 + 2)
     erow = tl.load(chain_ptr + sid * 6 + 3).to(tl.int64)
     closes = tl.load(chain_ptr + sid * 6 + 5) == 0
     t = nrows - 1
-    orr = (t // ROWS) * ROWS + tl.arange(0, ROWS)
+    r0 = (t // ROWS) * ROWS
+    orr = r0 + tl.arange(0, ROWS)
     mine = orr == t
+    oi = tl.arange(0, IB)
+    orb = (t // IB) * IB + oi  # the substitution block holding t
+    mineb = orb == t
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
-    ob = tl.arange(0, KB)
     ov = vb * BV + tl.arange(0, BV)
     mk = ok < DK
     mv = ov < DV
@@ -964,56 +1023,58 @@ def _decode_row_block(
         e = tl.load(entry_bf16_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
     else:
         e = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0)
-    u_prev = tl.load(  # buf_u's rows before t (this slot's, from earlier calls)
-        (bu_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
-        mask=(ot < t)[:, None] & mv[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    bu_rows = (bu_ptr + (brow0 * HV + h) * DV) + ov[None, :]  # + row * (HV * DV): this slot's buf_u
+    by_rows = (by_ptr + (brow0 * HV + h) * DV) + ov[None, :]
+    u_prev = tl.load(bu_rows + ot[:, None] * (HV * DV), mask=(ot < t)[:, None] & mv[None, :], other=0.0).to(tl.float32)
     q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
     qe = _dot(q, e, None, PREC)
-    u0_t = _token_tile(u0_ptr + (base * C + t) * BVF, ov, DV, mine)
-    if PREC == "ieee":  # the chain's K-blocked W E, E's row blocks from memory
-        d = tl.zeros([ROWS, BV], dtype=tl.float32)
-        for kb in range(BK // KB):
-            okb = kb * KB + ob
-            wblk = tl.load((w_ptr + base * C * BK) + orr[:, None] * BK + okb[None, :], mask=mine[:, None], other=0.0)
-            e_blk = tl.load(entry_ptr + erow * hsz + (h * DK + okb[:, None]) * DV + ov[None, :],
-                            mask=(okb[:, None] < DK) & mv[None, :] & (ekind == 1), other=0.0)  # fmt: skip
-            d = _dot(wblk, e_blk, d, PREC)
-        u = u0_t - d
-    else:  # only row t is loaded: the other rows are zeros, which move no bit of row t (the MMA row probe)
-        u = u0_t - _dot(_token_tile(w_ptr + (base * C + t) * BK, ok, BK, mine), e, None, PREC)
-    tl.store(
-        (bu_ptr + (brow0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], u, mask=mine[:, None] & mv[None, :]
+    # Y_t: the earlier blocks' A_tj u_j (the chain's dots in its IB-row tiles), then R_t, in the chain's order
+    arow = a_ptr + (base * ROWS + t - r0) * C
+    if (
+        SUM_ONE_DOT and PREC != "ieee"
+    ):  # one dot over the chunk, A's columns from t's block on zero (DECODE_SUM_ONE_DOT)
+        acc = _dot(tl.where((ot < (t // IB) * IB)[None, :], _token_tile(arow, ot, C, mineb), 0.0), u_prev, None, PREC)
+    else:
+        acc = tl.zeros([IB, BV], dtype=tl.float32)
+        for jb in range(t // IB):
+            uj = tl.load(bu_rows + (jb * IB + oi)[:, None] * (HV * DV), mask=mv[None, :], other=0.0)
+            acc = _dot(_token_tile(arow + jb * IB, oi, IB, mineb), uj, acc, PREC)
+    tok = row0 + t
+    bv, kp = _subst_operands(
+        tl.where(mineb, tl.load(b_ptr + tok * SB + h).to(tl.float32), 0.0),
+        tl.load(gcum_ptr + base * C + orb),
+        _token_tile(k_ptr + tok * SK + hk * DK, ok, DK, mineb).to(tl.float32),
+        _token_tile(v_ptr + tok * SV + h * DV, ov, DV, mineb).to(tl.float32),
     )
+    y = _subst_y(bv, kp, e, acc, PREC)
+    tl.store(by_rows + orb[:, None] * (HV * DV), y.to(by_ptr.dtype.element_ty), mask=mineb[:, None] & mv[None, :])
+    # u_t = X_bb[t] Y_b: Y's rows before t from buf_y, row t from registers (the value buf_y now holds, as a dot
+    # rounds it); X_bb's row t as the decode prep stored it in buf_tinv
+    yb = tl.where(mineb[:, None], y, tl.load(by_rows + orb[:, None] * (HV * DV), mask=(orb < t)[:, None] & mv[None, :],
+                                             other=0.0).to(tl.float32))  # fmt: skip
+    xrow = _token_tile(bt_ptr + (((brow0 // C) * HV + h) * C + t) * C + (t // IB) * IB, oi, IB, mineb)
+    u = _dot(xrow, yb, None, PREC)
+    tl.store(bu_rows + orb[:, None] * (HV * DV), u.to(bu_ptr.dtype.element_ty), mask=mineb[:, None] & mv[None, :])
     # u's rows as the output dot reads them: rows < t from buf_u (loaded above), row t from registers, exactly the
-    # value buf_u now holds (as stored, then widened). The row is picked out of u's ROWS rows by a sum whose other
+    # value buf_u now holds (as stored, then widened). The row is picked out of u's IB rows by a sum whose other
     # terms are -0.0, the identity of + (x + -0 == x for every x, +0 and -0 included), so no bit moves.
-    u_t = tl.sum(tl.where(mine[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
+    u_t = tl.sum(tl.where(mineb[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
     u_all = tl.where((ot == t)[:, None], u_t[None, :], u_prev)
-    p = _token_tile(p_ptr + (base * ROWS + t - (t // ROWS) * ROWS) * C, ot, C, mine)
+    p = _token_tile(p_ptr + (base * ROWS + t - r0) * C, ot, C, mine)
     o = _output_rows_from(qe, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
     tl.store(
         (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
     )
-    if closes:  # the chain's exit state of the chunk, from the u rows
+    if closes:  # the chain's exit state of the chunk, from the u rows, block by block as the chain adds them
         # E again from memory (unchanged since the load above): the output's E tile is dead by now, so the exit
         # state's accumulator does not share the registers with it
         ec = tl.load(entry_ptr + erow * hsz + st, mask=m2 & (ekind == 1), other=0.0) * tl.load(egc_ptr + base)
-        if PREC == "ieee":
-            tl.debug_barrier()  # row t of buf_u, stored by other threads, is read below
-            for mb in range(C // KB):
-                om = mb * KB + ob
-                ub = tl.load(
-                    (bu_ptr + (brow0 * HV + h) * DV) + om[:, None] * (HV * DV) + ov[None, :],
-                    mask=mv[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                kd = tl.load((kd_ptr + base * C * BK) + om[:, None] * BK + ok[None, :])
-                ec = _dot(tl.trans(kd), ub, ec, PREC)
-        else:
-            kdfull = tl.load((kd_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :])
-            ec = _dot(tl.trans(kdfull), u_all, ec, PREC)
+        for b in tl.static_range(C // IB):
+            rb = b * IB + oi
+            ub = tl.load(bu_rows + rb[:, None] * (HV * DV), mask=(rb < t)[:, None] & mv[None, :], other=0.0)
+            ub = tl.where((rb == t)[:, None], u_t[None, :], ub.to(tl.float32))
+            kd = tl.load((kd_ptr + base * C * BK) + rb[:, None] * BK + ok[None, :])
+            ec = _dot(tl.trans(kd), ub, ec, PREC)
         tl.store(entry_ptr + erow * hsz + st, ec, mask=m2)
         tl.store(entry_bf16_ptr + erow * hsz + st, ec.to(tl.bfloat16), mask=m2)
     else:  # a fresh sequence's open chunk keeps a zero entry state for the next step
@@ -1024,33 +1085,33 @@ def _decode_row_block(
 @triton.jit
 def _decode_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
-    u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr,
+    kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr,
     scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
-    OPREC: tl.constexpr, ROWS: tl.constexpr, WY_SPLIT: tl.constexpr,
+    OPREC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """:func:`_decode_prep_rows` per (sequence, value head): a decode step's first kernel (its second:
     ``_decode_row_kernel``)."""
     _decode_prep_rows(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, u0_ptr, w_ptr, kd_ptr,
-        egc_ptr, gcum_ptr, p_ptr, a_ptr, bce_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
-        tl.program_id(0).to(tl.int64), tl.program_id(1), C, BK, BVF, KB, IB, PREC, OPREC, ROWS, WY_SPLIT,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr, kd_ptr, egc_ptr,
+        gcum_ptr, p_ptr, a_ptr, scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), C, BK, BVF, KB, IB, PREC, OPREC, ROWS,
     )  # fmt: skip
 
 
 @triton.jit
 def _decode_row_kernel(
-    q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
-    o_ptr,
-    scale, SQ, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
-    PREC: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, b_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
+    a_ptr, bt_ptr, bu_ptr, by_ptr, o_ptr,
+    scale, SQ, SK, SV, SB, HV, DK, DV, REP,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IB: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr,
+    SUM_ONE_DOT: tl.constexpr,
 ):  # fmt: skip
     """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel."""
     _decode_row_block(
-        q_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, w_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr, bu_ptr,
-        o_ptr, scale, SQ, HV, DK, DV, REP,
-        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BVF, BV, KB, ROWS, PREC,
+        q_ptr, k_ptr, v_ptr, b_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
+        a_ptr, bt_ptr, bu_ptr, by_ptr, o_ptr, scale, SQ, SK, SV, SB, HV, DK, DV, REP,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), C, BK, BV, IB, ROWS, PREC, SUM_ONE_DOT,
     )  # fmt: skip
 
 
@@ -1337,16 +1398,18 @@ _STATE_DTYPES = {
 def _check_state_dtypes(state: GDNLayerState, v_dtype: torch.dtype, cfg: GDNConfig) -> None:
     """Each state tensor contiguous and in a dtype the kernels read and write without moving a bit: the fixed ones,
     ``buf_v`` in fp32 or v's dtype, ``buf_u`` in fp32 or the dtype the chunk form stores u in (``cfg.mid_dtype``)."""
-    for name in (*_STATE_DTYPES, "buf_v", "buf_u"):
+    for name in (*_STATE_DTYPES, "buf_v", "buf_u", "buf_y"):
         buf, dtype = getattr(state, name), _STATE_DTYPES.get(name)
         if not buf.is_contiguous() or dtype not in (None, buf.dtype):
             raise ValueError(f"gated_delta_rule: state.{name} must be contiguous" + (f" {dtype}" if dtype else ""))
     check_value_buffer(state, v_dtype, "gated_delta_rule")
-    if state.buf_u.dtype not in (torch.float32, cfg.mid_dtype):
-        raise ValueError(
-            f"gated_delta_rule: state.buf_u is {state.buf_u.dtype}, but dot_precision={cfg.dot_precision!r} stores u "
-            f"as {cfg.mid_dtype}; allocate the GDN state with u_dtype=chunk_u_dtype(dot_precision) or torch.float32"
-        )
+    for name in ("buf_u", "buf_y"):
+        if getattr(state, name).dtype not in (torch.float32, cfg.mid_dtype):
+            raise ValueError(
+                f"gated_delta_rule: state.{name} is {getattr(state, name).dtype}, but dot_precision="
+                f"{cfg.dot_precision!r} stores u and Y as {cfg.mid_dtype}; allocate the GDN state with "
+                "u_dtype=chunk_u_dtype(dot_precision) or torch.float32"
+            )
 
 
 def chunk_u_dtype(dot_precision: str | None = None) -> torch.dtype:
@@ -1370,25 +1433,32 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0)
 
 
-def _prep_outputs(n: int, hv: int, cfg: GDNConfig, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    """U0, W, KD, e^{G_C}, G of ``n`` chunks (W and KD in ``cfg.mid_dtype``, the rest fp32)."""
+def _prep_outputs(n: int, hv: int, cfg: GDNConfig, dev: torch.device, wy: bool = True) -> tuple[torch.Tensor, ...]:
+    """U0, W, KD, e^{G_C}, G of ``n`` chunks (W and KD in ``cfg.mid_dtype``, the rest fp32). Without ``wy`` (a decode
+    step, which writes neither) U0 and W are KD itself, allocated once."""
     c = cfg.chunk
-    w = torch.empty(n, hv, c, cfg.bk, dtype=cfg.mid_dtype, device=dev)
+    kd = torch.empty(n, hv, c, cfg.bk, dtype=cfg.mid_dtype, device=dev)
     return (
-        torch.empty(n, hv, c, cfg.bv_full, dtype=torch.float32, device=dev),
-        w,
-        torch.empty_like(w),
+        torch.empty(n, hv, c, cfg.bv_full, dtype=torch.float32, device=dev) if wy else kd,
+        torch.empty_like(kd) if wy else kd,
+        kd,
         torch.empty(n, hv, dtype=torch.float32, device=dev),
         torch.empty(n, hv, c, dtype=torch.float32, device=dev),
     )
 
 
 def prep_chunks(
-    rows: tuple[tuple[torch.Tensor, int], ...], buffers: tuple[torch.Tensor, ...], chunks: torch.Tensor, cfg: GDNConfig
+    rows: tuple[tuple[torch.Tensor, int], ...],
+    buffers: tuple[torch.Tensor, ...],
+    chunks: torch.Tensor,
+    cfg: GDNConfig,
+    wy: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
-    e^{G_C}, G and T^{-1} of each chunk and value head (:func:`_prep_outputs`; T^{-1} fp32). ``rows``: k, v, g, beta
-    as :func:`_rows` returns them (tensor, row stride); ``buffers``: the state cache's buf_k, buf_v, buf_g,
+    e^{G_C}, G, T^{-1} and S of each chunk and value head (:func:`_prep_outputs`; T^{-1} fp32, the kernel's scratch).
+    Scan form: U0, W and T^{-1} (S not written). Chunk form: S; with ``wy`` (a training call, whose backward reads
+    them) W and T^{-1}, else T^{-1} holds S in fp32 and W is not written; U0 is never written. ``rows``: k, v, g,
+    beta as :func:`_rows` returns them (tensor, row stride); ``buffers``: the state cache's buf_k, buf_v, buf_g,
     buf_beta (any fp32 tensor when no token is buffered)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
     hk, dk = kf.shape[1:]
@@ -1397,12 +1467,16 @@ def prep_chunks(
     u0, w, kd, egc, gcum = terms = _prep_outputs(n, hv, cfg, dev)
     tinv = torch.empty(n, hv, c, c, dtype=torch.float32, device=dev)  # the kernel's scratch, T^{-1} at the end
     bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
+    subst = cfg.form == "chunk"
+    s = torch.empty(n, hv, c, c, dtype=cfg.mid_dtype, device=dev) if subst else tinv
+    kp = torch.empty_like(kd) if subst else kd
     _prep_kernel[(n, hv)](
-        kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, sk, sv, sg, sb, hk, hv, dk, dv, hv // hk,
-        C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        num_warps=PREP_WARPS, num_stages=PREP_STAGES, **_maxnreg(PREP_MAXNREG),
+        kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, s, kp, sk, sv, sg, sb, hk, hv, dk, dv,
+        hv // hk,
+        C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, SUBST=subst,
+        WY=wy or not subst, num_warps=PREP_WARPS, num_stages=PREP_STAGES, **_maxnreg(PREP_MAXNREG),
     )  # fmt: skip
-    return (*terms, tinv)
+    return (*terms, tinv, s, kp)
 
 
 def decode_rows(chunk: int) -> int:
@@ -1413,13 +1487,6 @@ def decode_rows(chunk: int) -> int:
 def _maxnreg(cap: int) -> dict[str, int]:
     """The launch option for a register cap (none for 0 or under the interpreter)."""
     return {"maxnreg": cap} if cap and not _INTERPRET else {}
-
-
-def _decode_wy_split(cfg: GDNConfig) -> int:
-    """The decode prep's column blocks of U0 and W (``DECODE_WY_SPLIT``; 1 at ieee, or where a block would be
-    narrower than a dot allows)."""
-    split = DECODE_WY_SPLIT if cfg.prep_precision != "ieee" else 1
-    return split if min(cfg.bv_full, cfg.bk) // split >= MIN_DOT else 1
 
 
 def _decode_step(
@@ -1434,9 +1501,9 @@ def _decode_step(
     scale: float,
 ) -> None:
     """A chunk-form decode step (one token per sequence, ``plan``'s chunk and chain rows one per sequence) into
-    ``out``: ``_decode_prep_kernel`` (U0 and W of each token's ``DECODE_ROWS`` rows, KD and e^{G_C} where it closes
-    its chunk, G (:func:`_prep_outputs`), the output's P rows; the token's T^{-1} row into ``state.buf_tinv``), then
-    ``_decode_row_kernel`` (u, o, the exit state at a close).
+    ``out``: ``_decode_prep_kernel`` (A's rows of each token's ``DECODE_ROWS`` rows, the output's P row, KD and
+    e^{G_C} where it closes its chunk, G (:func:`_prep_outputs`); the token's X_bb row into ``state.buf_tinv``), then
+    ``_decode_row_kernel`` (Y and u rows into ``state.buf_y`` and ``state.buf_u``, o, the exit state at a close).
     ``q``, ``rows``: as :func:`_rows` returns them."""
     qf, sq = q
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
@@ -1444,24 +1511,20 @@ def _decode_step(
     hv, dv = vf.shape[1:]
     n, c, dev = plan.n, cfg.chunk, kf.device
     nrows = decode_rows(c)
-    u0, w, kd, egc, gcum = _prep_outputs(n, hv, cfg, dev)
+    _, _, kd, egc, gcum = _prep_outputs(n, hv, cfg, dev, wy=False)
     p = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # the output's P rows
-    a = torch.empty_like(p)  # scratch: A's rows
-    bce = torch.empty(n, hv, c, dtype=torch.float32, device=dev)  # scratch
-    dims = {"C": c, "BK": cfg.bk, "BVF": cfg.bv_full, "KB": cfg.kb, "ROWS": nrows}
-    prep = {"IB": cfg.inv_block, "WY_SPLIT": _decode_wy_split(cfg), "num_warps": DECODE_PREP_WARPS,
-            "num_stages": PREP_STAGES, **_maxnreg(DECODE_PREP_MAXNREG)}  # fmt: skip
-    inputs, sizes = (
-        (qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks),
-        (sk, sv, sg, sb, hk, hv, dk, dv, hv // hk),
-    )
+    a = torch.empty_like(p)  # A's rows, read by the row kernel
+    sizes = (hv, dk, dv, hv // hk)
     _decode_prep_kernel[(n, hv)](
-        *inputs, u0, w, kd, egc, gcum, p, a, bce, scale, sq, *sizes, PREC=cfg.prep_precision, OPREC=cfg.chain_precision,
-        **dims, **prep,
+        qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks, kd, egc, gcum, p, a, scale, sq, sk, sv, sg, sb, hk,
+        *sizes, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
+        OPREC=cfg.chain_precision, ROWS=nrows, num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
+        **_maxnreg(DECODE_PREP_MAXNREG),
     )  # fmt: skip
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
-        qf, plan.chunks, plan.chains, *entries, u0, w, kd, egc, gcum, p, state.buf_u, out, scale, sq, hv, dk, dv,
-        hv // hk, BV=cfg.decode_bv, PREC=cfg.chain_precision, num_warps=DECODE_WARPS, **dims,
+        qf, kf, vf, bf, plan.chunks, plan.chains, *entries, kd, egc, gcum, p, a, state.buf_tinv, state.buf_u,
+        state.buf_y, out, scale, sq, sk, sv, sb, *sizes, C=c, BK=cfg.bk, BV=cfg.decode_bv, IB=cfg.inv_block,
+        ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=DECODE_SUM_ONE_DOT, num_warps=DECODE_WARPS,
         **_maxnreg(DECODE_MAXNREG),
     )  # fmt: skip
 
@@ -1493,22 +1556,26 @@ def _state_pass(
     entries: tuple[torch.Tensor, torch.Tensor],
     ex: torch.Tensor,
     cfg: GDNConfig,
+    buf_y: torch.Tensor | None = None,
+    wy: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Prep and chain kernels over a plan's chunks and chains: u (chunk form; the scan form: U0), W, KD, e^{G_C}, G
-    and T^{-1} per chunk (:func:`prep_chunks`); ``ex`` (:func:`_state_rows`) gets each chunk's exit (scan form) or
-    entry state (chunk form). The chunk form's u is a tensor of its own in ``cfg.mid_dtype``, or over U0 when that
-    is fp32. ``entries``: the state cache's ``entry`` and ``entry_bf16`` (without a cache, :func:`_no_entries`)."""
+    and T^{-1} per chunk (:func:`prep_chunks`, ``wy`` as there); ``ex`` (:func:`_state_rows`) gets each chunk's exit
+    (scan form) or entry state (chunk form). The chunk form's u is a tensor of its own in ``cfg.mid_dtype``, or over
+    U0 when that is fp32. ``entries``: the state cache's ``entry`` and ``entry_bf16`` (without a cache,
+    :func:`_no_entries`); ``buf_y``: the cache's (chunk form: the chain stores the Y rows of a chunk left open)."""
     # no chunk: a chain may still store its (zero) entry state into the cache
-    terms = prep_chunks(prep_rows, buffers, plan.chunks, cfg) if plan.nchunks else (ex,) * 6
-    u0, w, kd, egc, gcum, tinv = terms
+    terms = prep_chunks(prep_rows, buffers, plan.chunks, cfg, wy) if plan.nchunks else (ex,) * 8
+    u0, w, kd, egc, gcum, tinv, s, kp = terms
     own_u = plan.nchunks and cfg.form == "chunk" and cfg.mid_bf16
     u = torch.empty(u0.shape, dtype=cfg.mid_dtype, device=u0.device) if own_u else u0
     hv, dk, dv = ex.shape[1:]
     if plan.nchains:
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
-            plan.chains, *entries, u0, u, w, kd, egc, ex, hv, dk, dv,
-            C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, PREC=cfg.chain_precision,
-            ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES, **_maxnreg(CHAIN_MAXNREG),
+            plan.chains, *entries, u0, u, w, kd, egc, ex, plan.chunks, s, kp, u if buf_y is None else buf_y, hv, dk, dv,
+            C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, IB=cfg.inv_block,
+            PREC=cfg.chain_precision, ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
+            **_maxnreg(CHAIN_MAXNREG),
         )  # fmt: skip
     return u, w, kd, egc, gcum, tinv
 
@@ -1564,7 +1631,12 @@ def _rule_forward(
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
         _check_state_dtypes(state, v.dtype, cfg)
         needs = (
-            {"buf_u": (chunk, hv, dv), "buf_tinv": (hv, chunk, chunk), "entry_bf16": (hv, dk, dv)}
+            {
+                "buf_u": (chunk, hv, dv),
+                "buf_y": (chunk, hv, dv),
+                "buf_tinv": (hv, chunk, chunk),
+                "entry_bf16": (hv, dk, dv),
+            }
             if chunk_form
             else {"running": (hv, dk, dv)}
         )
@@ -1582,7 +1654,8 @@ def _rule_forward(
     if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
         _decode_step((qf, sq), prep_rows, (bk, bvv, bg, bb), state, plan, entries, out, cfg, scale)
         return out
-    terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entries, ex, cfg)
+    buf_y = state.buf_y if state is not None and chunk_form else None
+    terms = _state_pass(plan, prep_rows, (bk, bvv, bg, bb), entries, ex, cfg, buf_y, wy=kept is not None)
     u, gcum = terms[0], terms[4]
     if kept is not None and chunk_form:
         kept.update(plan=plan, states=(*terms, ex))
@@ -1837,10 +1910,12 @@ def _probe_gates() -> dict[str, torch.Tensor]:
 
 _RULE_CONSTANTS = {
     "chunk_alignment": "position 0 of the sequence",
-    "state_pass": "WY form per chunk (closing chunks; chunk form: every chunk, rows past nrows zero): G by an ieee dot "
-    "with the lower-triangular ones, T^-1 by 16-row blocks (diagonal blocks by tl.fma chains over the rows above, "
-    "block rows below by K-blocked dots), U0/W by dots; chain u = U0 - W E, E' = e^G_C E + KD^T u (ieee: K-blocked "
-    "through memory, tensor-core precisions: whole-K dots from registers), one program per (seq, head, Dv block)",
+    "state_pass": "per chunk (closing chunks; chunk form: every chunk, rows past nrows zero): G by an ieee dot with the "
+    "lower-triangular ones, T^-1's 16-row diagonal blocks X_bb by tl.fma chains over the rows above; scan form: WY "
+    "form, block rows below by K-blocked dots, U0/W by dots, chain u = U0 - W E (ieee: K-blocked through memory, "
+    "tensor-core precisions: whole-K dots from registers); chunk form: chain u by block forward substitution "
+    "Y_b = beta v - (beta e^G k) E - sum_j<b A_bj u_j, u_b = X_bb Y_b (16-row blocks in registers); "
+    "E' = e^G_C E + KD^T u; one program per (seq, head, Dv block)",
     # The form and the precision are the profile's (profile.gdn_form, profile.gdn_dot_precision, pinned constants of
     # the same contract); here what a null precision means per form.
     "form": "profile.gdn_form (scan or chunk)",
@@ -1850,10 +1925,10 @@ _RULE_CONSTANTS = {
     "output": "scan: per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers; "
     "chunk: O = e^G (Q E) + P u per (chunk, head, Dv block)",
     "decode": "scan: one scan step from the running state, state pass kernels re-run on the buffered chunk at its "
-    "close; chunk: the token's T^-1 row from the cached rows (the prep's fma chain and block dots), U0/W of its "
-    "DECODE_ROWS-row block, its u and o rows (u rows cached), the exit at close",
+    "close; chunk: the token's X_bb row from the cached rows (the prep's fma chain), its A and P rows, its Y, u and o "
+    "rows through the chain's 16-row tiles (Y, u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
-    "decode_wy_split": DECODE_WY_SPLIT,  # the decode prep's U0/W column blocks
+    "decode_sum_one_dot": DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot (k_chain probe)
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
     "chain_bv_ieee_mma_bf16": [CHAIN_BV, CHAIN_BV_MMA, CHAIN_BV_BF16],  # the chain's Dv block per dot path

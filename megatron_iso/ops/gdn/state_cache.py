@@ -8,9 +8,10 @@ For each GDN layer and cache slot:
   ``entry_bf16``: the same rounded to bf16 (chunk form: what its bf16 decode dots read);
 - ``buf_*``: the open chunk's tokens so far (k, g, beta in fp32; v in v's dtype or fp32), so that when the chunk closes the
   state pass can be re-run over the whole chunk, exactly as the training forward runs it; ``buf_u``: their u rows
-  (the GPU kernels' chunk form, whose decode step reads the earlier rows instead of recomputing them); ``buf_tinv``:
-  the rows of ``T^{-1}`` (the chunk's WY inverse) computed so far, per value head (chunk form: a decode step computes
-  its token's row from them instead of inverting the whole chunk again).
+  (the GPU kernels' chunk form, whose decode step reads the earlier rows instead of recomputing them); ``buf_y``: their
+  rows of the block forward substitution's right-hand side Y (chunk form: a decode step's u row reads its block's);
+  ``buf_tinv``: the rows of ``T^{-1}``'s diagonal blocks computed so far, per value head (chunk form: a decode step
+  computes its token's row from them instead of inverting the chunk's block again).
 
 How many tokens a slot holds is not stored here: the batch's ``cache_seqlens`` (one per sequence,
 shared with the KV cache) gives each sequence's position, and position ``p`` means ``p % chunk``
@@ -60,6 +61,7 @@ class GDNLayerState:
     # [slots, C, Hv, Dv] in ``u_dtype``: the open chunk's u rows (form "chunk"; [slots, 0, 0, 0] for "scan"), fp32 or the
     # dtype the chunk form stores u in (bf16 with bf16 chain dots: gdn_triton.chunk_u_dtype)
     buf_u: torch.Tensor
+    buf_y: torch.Tensor  # [slots, C, Hv, Dv] in ``u_dtype``: the open chunk's Y rows (form "chunk"; as buf_u)
     buf_tinv: torch.Tensor  # [slots, Hv, C, C] fp32: the open chunk's T^{-1} rows (form "chunk"; [slots, 0, 0, 0])
 
     @property
@@ -84,10 +86,10 @@ class GDNLayerState:
         v_dtype: torch.dtype = torch.float32,
         u_dtype: torch.dtype = torch.float32,
     ) -> GDNLayerState:
-        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``entry_bf16`` / ``buf_u`` / ``buf_tinv``
+        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``entry_bf16`` / ``buf_u`` / ``buf_y`` / ``buf_tinv``
         (chunk) the kernels read; the others are allocated empty, so the cache holds no state its form never touches.
         ``dtype``: the conv state's (the model's). ``v_dtype``: ``buf_v``'s, the dtype of the v the layer passes (or
-        fp32, which holds any); ``u_dtype``: ``buf_u``'s (fp32, or bf16 where the chunk form stores u so)."""
+        fp32, which holds any); ``u_dtype``: ``buf_u``'s and ``buf_y``'s (fp32, or bf16 where the chunk form stores u so)."""
         if form not in OUTPUT_FORMS:
             raise ValueError(f"GDN state cache: form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
         for name, got, allowed in (("v_dtype", v_dtype, VALUE_BUFFER_DTYPES), ("u_dtype", u_dtype, U_BUFFER_DTYPES)):
@@ -107,6 +109,9 @@ class GDNLayerState:
             buf_g=torch.zeros(slots, chunk, value_heads, **f32),
             buf_beta=torch.zeros(slots, chunk, value_heads, **f32),
             buf_u=torch.zeros(
+                slots, *((0, 0, 0) if scan else (chunk, value_heads, value_dim)), dtype=u_dtype, device=device
+            ),
+            buf_y=torch.zeros(
                 slots, *((0, 0, 0) if scan else (chunk, value_heads, value_dim)), dtype=u_dtype, device=device
             ),
             buf_tinv=torch.zeros(slots, *((0, 0, 0) if scan else (value_heads, chunk, chunk)), **f32),
