@@ -9,8 +9,9 @@
 # Steps (seconds are each step's limit; a step cut by its limit still leaves its log and partial JSON):
 #   gputests 300   pytest tests/gpu but the GDN kernel file (every other single-GPU bitwise test; GPU_TESTS="files..."
 #                  names the files instead)
-#   gdntests 420   pytest tests/gpu/test_gdn_triton.py alone (68 compile-bound tests, about 400 s on a fresh
-#                  machine, past gputests' limit; GDN_TESTS_K="expr": pytest -k expr narrows it)
+#   gdntests 540   pytest -v tests/gpu/test_gdn_triton.py alone (68 compile-bound tests, about 400 s on a fresh
+#                  machine, past gputests' limit; Session 18 saw 23 of them take 310 s: run it alone in a call;
+#                  GDN_TESTS_K="expr": pytest -k expr narrows it; -v leaves each test's result in the log if cut)
 #   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   flaprof   90   bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward (our budget)
@@ -24,7 +25,7 @@
 #   gdncopies 240  bench_gdn --profile $GDN_COPY_CASE (default decode:64@chunk:bf16) once per code copy in GDN_COPIES
 #                  (folders holding megatron_iso/ and tools/, e.g. from tools/make_code_copy.sh; carry them):
 #                  several versions of the kernels timed in one call (tools/gdn_code_copies.sh)
-#   gdnbwd   200   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
+#   gdnbwd   300   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
 #                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd
 #   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
@@ -68,7 +69,7 @@ for s in "$@"; do
       # shellcheck disable=SC2086
       step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=$gdn_test_file} ;;
     gdntests)
-      step gdntests 420 30 python3 -m pytest -q -p no:warnings -rfE "$gdn_test_file" ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
+      step gdntests 540 40 python3 -m pytest -v -p no:warnings -rfE "$gdn_test_file" ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
     gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
     flaprof) step flaprof 90 24 python3 tools/bench_gdn.py --profile flatrain:8x4096 --out "$OUT/fla_prof_train.json" ;;
@@ -81,7 +82,7 @@ for s in "$@"; do
     gdntune) step "gdntune${GDN_TUNE_TAG:-}" 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
     gdncopies) step gdncopies 240 60 bash tools/gdn_code_copies.sh ;;
     gdnbwd)
-      step gdnbwd 140 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
+      step gdnbwd 240 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
         --out "$OUT/bench_gdn_bwd.json"
       step gdnbwdprof 60 16 python3 tools/bench_gdn.py --profile trainbwd:8x4096 --out "$OUT/gdn_prof_trainbwd.json" ;;
     probe) step probe 90 100 python3 tools/probe_dot_rows.py --out "$OUT/probe_dot_rows.json" ;;
