@@ -200,7 +200,7 @@ OUT_BV = 4 if _INTERPRET else 128
 # ("Intermediate storage" in the module docstring). False: fp32 storage, for the test that holds the bits equal.
 MID_BF16 = True
 OUT_WARPS = 4
-# Rows of U0/W and of the decode kernel's tiles in a chunk-form decode step: the 16 rows holding the token (tl.dot's
+# Rows of A, P and of the output tiles in a chunk-form decode step: the 16 rows holding the token (tl.dot's
 # minimum). Under the interpreter the whole chunk, rows at their true positions: numpy's matmul bits follow M and the
 # row's position (the probe's CPU run), the H200's do not.
 DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
@@ -944,7 +944,7 @@ def _chunk_out_kernel(
 ):  # fmt: skip
     """Chunk-form outputs of one (chunk, value head, Dv block): ``O = e^G (Q E) + P u`` with
     ``P[t, i] = e^{G_t - G_i} (q_t . k_i)`` for i <= t (0 above), E the chunk's entry state (the chain's ``ex`` row),
-    u = U0 - W E (the chain's ``u_ptr``), G the prep kernel's cumulative decay. Rows ``buffered..nrows-1`` are
+    u the chain's (``u_ptr``), G the prep kernel's cumulative decay. Rows ``buffered..nrows-1`` are
     this call's tokens and are stored; a buffered row's q is not kept and loads as zero (its output was written by the
     call that brought it). Each output row is a function of its own q row, of the rows <= it of k, G and u, and of E:
     a decode step's tile (later rows zero) gives the training tile's bits (docs/GDN.md, "Design sketch").
@@ -1455,9 +1455,10 @@ def prep_chunks(
     wy: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """``_prep_kernel`` over the ``chunks`` table (int32 ``[n, CHUNK_COLS]``: the kernel's chunk rows): U0, W, KD,
-    e^{G_C}, G, T^{-1} and S of each chunk and value head (:func:`_prep_outputs`; T^{-1} fp32, the kernel's scratch).
-    Scan form: U0, W and T^{-1} (S not written). Chunk form: S; with ``wy`` (a training call, whose backward reads
-    them) W and T^{-1}, else T^{-1} holds S in fp32 and W is not written; U0 is never written. ``rows``: k, v, g,
+    e^{G_C}, G, T^{-1}, S and ``beta e^G k`` of each chunk and value head (:func:`_prep_outputs`; T^{-1} fp32, the
+    kernel's scratch). Scan form: U0, W and T^{-1} (S and ``beta e^G k`` are placeholders). Chunk form: S,
+    ``beta e^G k``, and ``beta v`` in U0's tensor; with ``wy`` (a training call, whose backward reads them) W and
+    T^{-1}, else T^{-1} holds S in fp32 and W is not written. ``rows``: k, v, g,
     beta as :func:`_rows` returns them (tensor, row stride); ``buffers``: the state cache's buf_k, buf_v, buf_g,
     buf_beta (any fp32 tensor when no token is buffered)."""
     (kf, sk), (vf, sv), (gf, sg), (bf, sb) = rows
