@@ -327,22 +327,26 @@ def bench_prefill(t: int, quick: bool) -> dict:
     return row
 
 
-def decode_starts(n: int) -> torch.Tensor:
+def decode_starts(n: int, closing: bool = False) -> torch.Tensor:
     """Positions of n decoding sequences, all mid-chunk (1 .. C-2 tokens buffered, past two chunks), so
-    one more token never closes a chunk."""
+    one more token never closes a chunk; ``closing``: all at a chunk's last position (C - 1 buffered), so the step
+    closes every sequence's chunk (the chain's exit state, once in C steps of a sequence)."""
+    if closing:
+        return torch.full((n,), 3 * CHUNK - 1, device=DEVICE)
     return 2 * CHUNK + 1 + torch.arange(n, device=DEVICE) % max(CHUNK - 2, 1)
 
 
-def _decode_ours(n: int):
-    """(ours, inputs): one decode step of n mid-chunk sequences from their cached states (under no_grad)."""
+def _decode_ours(n: int, closing: bool = False):
+    """(ours, inputs): one decode step of n sequences from their cached states (under no_grad), mid-chunk or, with
+    ``closing``, each closing its chunk."""
     rule = _rule()
     q, k, v, g, beta = (x[:, 0] for x in _inputs(n, 1, 3))  # [n, H(, D)]: one token per sequence
     st = _state(n)
     st.running.normal_()
     cu = _cu([1] * n)
     slots = torch.arange(n, device=DEVICE)  # one slot per sequence, all inside the n-slot cache
-    starts = decode_starts(n)
-    assert int(slots.max()) < st.running.shape[0] and bool(((starts % CHUNK) + 1 < CHUNK).all())
+    starts = decode_starts(n, closing)
+    assert int(slots.max()) < st.running.shape[0] and bool((((starts % CHUNK) + 1 == CHUNK) == closing).all())
     vb = v.bfloat16()
     return (lambda: rule(q, k, vb, g, beta, cu, chunk=CHUNK, state=st, slots=slots, starts=starts)), (q, k, v, g, beta)
 
@@ -503,8 +507,9 @@ def run_case(spec: str, args: argparse.Namespace) -> dict:
 
 
 def profile_case(spec: str, iters: int) -> dict:
-    """Our forward of one case (``train:BxT``, ``prefill:T``, ``decode:B``; ``trainbwd:BxT``: the training forward
-    and backward, gradient of the output fixed; ``flatrain:BxT``, ``fladecode:B``: FLA's) under torch.profiler, after two
+    """Our forward of one case (``train:BxT``, ``prefill:T``, ``decode:B``; ``decodeclose:B``: a decode step in which
+    every sequence closes its chunk, the step ``decode:B`` never times; ``trainbwd:BxT``: the training forward and
+    backward, gradient of the output fixed; ``flatrain:BxT``, ``fladecode:B``: FLA's) under torch.profiler, after two
     warm calls (Triton compiles, plan cache filled): per-kernel device time, calls, launch shapes, and host
     vs device time of the ``iters`` profiled calls.
 
@@ -544,8 +549,8 @@ def profile_case(spec: str, iters: int) -> dict:
             fla_chunk(*[x.detach().requires_grad_(True) for x in (fq, fk, fv, g, beta)], scale=D**-0.5)
     elif kind == "prefill":
         fn, _ = _prefill_ours(int(size))
-    elif kind == "decode":
-        fn, _ = _decode_ours(int(size))
+    elif kind in ("decode", "decodeclose"):
+        fn, _ = _decode_ours(int(size), closing=kind == "decodeclose")
     elif kind == "fladecode":  # FLA's decode step on the same inputs: its device time beside ours
         _, fla_rec, fla_err = _fla()
         if fla_rec is None:
@@ -553,7 +558,8 @@ def profile_case(spec: str, iters: int) -> dict:
         fn = _decode_fla(fla_rec, _decode_ours(int(size))[1])
     else:
         raise SystemExit(
-            f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, flatrain:BxT, prefill:T, decode:B or fladecode:B"
+            f"--profile {spec!r}: expected train:BxT, trainbwd:BxT, flatrain:BxT, prefill:T, decode:B, decodeclose:B "
+            "or fladecode:B"
         )
     cuda = DEVICE == "cuda"
     # the training forwards run with inputs that require grad, as in the bench
@@ -663,7 +669,8 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
 
     state = GDNLayerState.allocate(2, conv_dim=1, conv_kernel=2, key_heads=hk, value_heads=hv, key_dim=D, value_dim=D,
                                    chunk=CHUNK, form=kw["form"], v_dtype=torch.bfloat16,
-                                   u_dtype=G.chunk_u_dtype(prec) if kw["form"] == "chunk" else torch.float32)  # fmt: skip
+                                   u_dtype=G.chunk_u_dtype(prec) if kw["form"] == "chunk" else torch.float32,
+                                   )  # fmt: skip
     one = torch.tensor([1])
     seen: set = set()
     call = ["prefill"]
@@ -913,7 +920,8 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: interpreter dry run")
     ap.add_argument("--shape", default=f"{HK},{HV},{D},{CHUNK}", help="Hk,Hv,D,chunk")
     ap.add_argument("--profile", metavar="CASE", help="profile our forward of one case (train:BxT, prefill:T, "
-                    "decode:B; trainbwd:BxT: forward + backward; flatrain:BxT, fladecode:B: FLA's) under torch.profiler; writes the kernel table to "
+                    "decode:B; decodeclose:B: every sequence closing its chunk; trainbwd:BxT: forward + backward; "
+                    "flatrain:BxT, fladecode:B: FLA's) under torch.profiler; writes the kernel table to "
                     "--out")  # fmt: skip
     ap.add_argument("--profile-iters", type=int, default=3, help="profiled calls (after two warm calls)")
     ap.add_argument("--resources", action="store_true", help="registers/spills/shared memory of the GDN kernels "

@@ -143,11 +143,12 @@ from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, check_
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
 # 8: the chunk form's u by block forward substitution (no U0, W or off-diagonal T^-1 blocks in its forward state pass
-# outside training; decode without them); 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of T^-1 by explicit fma chains (no
-# layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6: chunk-form outputs (opt-in),
-# bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a tensor-core prep precision
-# (tf32x3, tf32) runs whole-K dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps (was 4); 3: the chain's dots
-# on tensor cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep kernel
+# outside training; decode without them); 7: G by an ieee dot with the lower-triangular ones and the diagonal blocks of
+# T^-1 by explicit fma chains (no layout-dependent reduction decides a row), the chunk form's row-by-row decode step; 6:
+# chunk-form outputs (opt-in), bf16 dots, chunk table with row counts; 5: the prep kernel in 4 warps (was 8), and a
+# tensor-core prep precision (tf32x3, tf32) runs whole-K dots, not K-blocked ones; 4: scan of 32 Dv columns in 2 warps
+# (was 4); 3: the chain's dots on tensor cores (tf32x3), the prep's stay ieee; 2: blocked triangular inverse in the prep
+# kernel
 VERSION = "8"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
@@ -809,8 +810,8 @@ def _subst_y(bv, kp, e, acc, PREC: tl.constexpr):
 
 @triton.jit
 def _chain_kernel(
-    chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr, chunk_ptr, s_ptr, kp_ptr, by_ptr,
-    HV, DK, DV,
+    chain_ptr, entry_ptr, entry_bf16_ptr, u0_ptr, u_ptr, w_ptr, kd_ptr, egc_ptr, ex_ptr, chunk_ptr, s_ptr, kp_ptr,
+    by_ptr, HV, DK, DV,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr,
     PREC: tl.constexpr, ENTRIES: tl.constexpr,
 ):  # fmt: skip
@@ -1911,8 +1912,8 @@ def _probe_gates() -> dict[str, torch.Tensor]:
 
 _RULE_CONSTANTS = {
     "chunk_alignment": "position 0 of the sequence",
-    "state_pass": "per chunk (closing chunks; chunk form: every chunk, rows past nrows zero): G by an ieee dot with the "
-    "lower-triangular ones, T^-1's 16-row diagonal blocks X_bb by tl.fma chains over the rows above; scan form: WY "
+    "state_pass": "per chunk (closing chunks; chunk form: every chunk, rows past nrows zero): G by an ieee dot with "
+    "the lower-triangular ones, T^-1's 16-row diagonal blocks X_bb by tl.fma chains over the rows above; scan form: WY "
     "form, block rows below by K-blocked dots, U0/W by dots, chain u = U0 - W E (ieee: K-blocked through memory, "
     "tensor-core precisions: whole-K dots from registers); chunk form: chain u by block forward substitution "
     "Y_b = beta v - (beta e^G k) E - sum_j<b A_bj u_j, u_b = X_bb Y_b (16-row blocks in registers); "

@@ -86,10 +86,11 @@ class GDNLayerState:
         v_dtype: torch.dtype = torch.float32,
         u_dtype: torch.dtype = torch.float32,
     ) -> GDNLayerState:
-        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``entry_bf16`` / ``buf_u`` / ``buf_y`` / ``buf_tinv``
-        (chunk) the kernels read; the others are allocated empty, so the cache holds no state its form never touches.
-        ``dtype``: the conv state's (the model's). ``v_dtype``: ``buf_v``'s, the dtype of the v the layer passes (or
-        fp32, which holds any); ``u_dtype``: ``buf_u``'s and ``buf_y``'s (fp32, or bf16 where the chunk form stores u so)."""
+        """``form`` (profile.gdn_form): which of ``running`` (scan) and ``entry_bf16`` / ``buf_u`` / ``buf_y`` /
+        ``buf_tinv`` (chunk) the kernels read; the others are allocated empty, so the cache holds no state its form never
+        touches. ``dtype``: the conv state's (the model's). ``v_dtype``: ``buf_v``'s, the dtype of the v the layer passes
+        (or fp32, which holds any); ``u_dtype``: ``buf_u``'s and ``buf_y``'s (fp32, or bf16 where the chunk form stores
+        u and Y so)."""
         if form not in OUTPUT_FORMS:
             raise ValueError(f"GDN state cache: form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
         for name, got, allowed in (("v_dtype", v_dtype, VALUE_BUFFER_DTYPES), ("u_dtype", u_dtype, U_BUFFER_DTYPES)):
