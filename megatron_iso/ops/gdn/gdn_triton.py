@@ -425,6 +425,19 @@ def _k_tile(k_ptr, bk_ptr, tok, cols, row0, brow0, nbuf, nrows, SK, HK, DK, hk):
 
 
 @triton.jit
+def _v_tile(v_ptr, bvv_ptr, tok, cols, row0, brow0, nbuf, nrows, SV, HV, DV, h):
+    """v of value head ``h`` at chunk tokens ``tok`` and value columns ``cols``, as :func:`_k_tile` reads k: tokens <
+    ``nbuf`` from the state cache's buffer, the others from the packed rows, tokens >= ``nrows`` and columns >= DV as
+    zeros."""
+    return _buffered_or_packed(
+        (bvv_ptr + (brow0 * HV + h) * DV) + tok[:, None] * (HV * DV) + cols[None, :],
+        (v_ptr + row0 * SV + h * DV) + tok[:, None] * SV + cols[None, :],
+        (tok < nbuf)[:, None],
+        (cols < DV)[None, :] & (tok < nrows)[:, None],
+    )
+
+
+@triton.jit
 def _decode_tile(buf_ptr, packed_ptr, rows, cols, t, RS, NCOLS):
     """A decode step's chunk tile (token t: buffered = t, present = t + 1): rows < t from the state cache's buffer
     (``buf_ptr``: row 0, rows RS apart), row t the token's packed row (``packed_ptr``), rows > t and columns >= NCOLS
@@ -544,16 +557,10 @@ def _wy_rows(
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
-    mv = ov < DV
     if PREC != "ieee":
         ti = tl.load(tr_ptr + ot[:, None] * C + ot[None, :])
         if STORE_U0:
-            vcf = _buffered_or_packed(
-                (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
-                (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
-                (ot < nbuf)[:, None],
-                mv[None, :] & (ot < nrows)[:, None],
-            )
+            vcf = _v_tile(v_ptr, bvv_ptr, ot, ov, row0, brow0, nbuf, nrows, SV, HV, DV, h)
             u0 = _dot(ti, bc[:, None] * vcf, None, PREC)
             tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], u0)
         w = _dot(ti, (bc * tl.exp(cum))[:, None] * kcf, None, PREC)
@@ -567,18 +574,10 @@ def _wy_rows(
             u0 = tl.zeros([C, BVF], dtype=tl.float32)
             for tb in range(C // KB):
                 otb = tb * KB + ob  # this block's tokens: the dot's K index
-                ibb = otb < nbuf
-                pb = otb < nrows
-                rb = row0 + otb
-                bb = brow0 + otb
                 ti = tl.load(tr_ptr + ot[:, None] * C + otb[None, :])
-                vcb = _buffered_or_packed(
-                    (bvv_ptr + (brow0 * HV + h) * DV) + otb[:, None] * (HV * DV) + ov[None, :],
-                    (v_ptr + row0 * SV + h * DV) + otb[:, None] * SV + ov[None, :],
-                    ibb[:, None],
-                    mv[None, :] & pb[:, None],
-                )
-                bcb = _buffered_or_packed(bb_ptr + bb * HV + h, b_ptr + rb * SB + h, ibb, pb)
+                vcb = _v_tile(v_ptr, bvv_ptr, otb, ov, row0, brow0, nbuf, nrows, SV, HV, DV, h)
+                bcb = _buffered_or_packed(bb_ptr + (brow0 + otb) * HV + h, b_ptr + (row0 + otb) * SB + h, otb < nbuf,
+                                          otb < nrows)  # fmt: skip
                 u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
             tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], u0)
         w = tl.zeros([C, BK], dtype=tl.float32)
@@ -669,12 +668,7 @@ def _prep_kernel(
         if PREC == "ieee":  # beta v and beta e^G k by row blocks (k is not in registers; G's rows as stored above)
             for rb0 in tl.static_range(0, C, IB):
                 rb = rb0 + os3
-                vblk = _buffered_or_packed(
-                    (bvv_ptr + (brow0 * HV + h) * DV) + rb[:, None] * (HV * DV) + ov[None, :],
-                    (v_ptr + row0 * SV + h * DV) + rb[:, None] * SV + ov[None, :],
-                    (rb < nbuf)[:, None],
-                    (ov < DV)[None, :] & (rb < nrows)[:, None],
-                )
+                vblk = _v_tile(v_ptr, bvv_ptr, rb, ov, row0, brow0, nbuf, nrows, SV, HV, DV, h)
                 bcb = _buffered_or_packed(bb_ptr + (brow0 + rb) * HV + h, b_ptr + (row0 + rb) * SB + h, rb < nbuf,
                                           rb < nrows)  # fmt: skip
                 kblk = _k_tile(k_ptr, bk_ptr, rb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
@@ -682,12 +676,7 @@ def _prep_kernel(
                 tl.store((u0_ptr + base * C * BVF) + rb[:, None] * BVF + ov[None, :], bv)
                 tl.store((kp_ptr + base * C * BK) + rb[:, None] * BK + ok[None, :], kp.to(kp_ptr.dtype.element_ty))
         else:  # whole tiles: k, beta and G are in registers
-            vcf = _buffered_or_packed(
-                (bvv_ptr + (brow0 * HV + h) * DV) + ot[:, None] * (HV * DV) + ov[None, :],
-                (v_ptr + row0 * SV + h * DV) + ot[:, None] * SV + ov[None, :],
-                in_buf[:, None],
-                (ov < DV)[None, :] & present[:, None],
-            )
+            vcf = _v_tile(v_ptr, bvv_ptr, ot, ov, row0, brow0, nbuf, nrows, SV, HV, DV, h)
             bv, kp = _subst_operands(bc, cum, kcf, vcf)
             tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], bv)
             tl.store((kp_ptr + base * C * BK) + ot[:, None] * BK + ok[None, :], kp.to(kp_ptr.dtype.element_ty))
@@ -1031,9 +1020,7 @@ def _decode_row_block(
     qe = _dot(q, e, None, PREC)
     # Y_t: the earlier blocks' A_tj u_j (the chain's dots in its IB-row tiles), then R_t, in the chain's order
     arow = a_ptr + (base * ROWS + t - r0) * C
-    if (
-        SUM_ONE_DOT and PREC != "ieee"
-    ):  # one dot over the chunk, A's columns from t's block on zero (DECODE_SUM_ONE_DOT)
+    if SUM_ONE_DOT:  # one dot over the chunk, A's columns from t's block on zero (DECODE_SUM_ONE_DOT)
         acc = _dot(tl.where((ot < (t // IB) * IB)[None, :], _token_tile(arow, ot, C, mineb), 0.0), u_prev, None, PREC)
     else:
         acc = tl.zeros([IB, BV], dtype=tl.float32)
@@ -1526,7 +1513,8 @@ def _decode_step(
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
         qf, kf, vf, bf, plan.chunks, plan.chains, *entries, kd, egc, gcum, p, a, state.buf_tinv, state.buf_u,
         state.buf_y, out, scale, sq, sk, sv, sb, *sizes, C=c, BK=cfg.bk, BV=cfg.decode_bv, IB=cfg.inv_block,
-        ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=DECODE_SUM_ONE_DOT, num_warps=DECODE_WARPS,
+        ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=DECODE_SUM_ONE_DOT and cfg.chain_precision != "ieee",
+        num_warps=DECODE_WARPS,
         **_maxnreg(DECODE_MAXNREG),
     )  # fmt: skip
 
