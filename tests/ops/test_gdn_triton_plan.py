@@ -62,6 +62,16 @@ def test_bad_form_and_precision_are_named():
         gt.config_for(8, 8, C, "tf32x3", "chunk")
 
 
+def test_ieee_chain_decodes_in_its_own_dv_block(monkeypatch):
+    # H200, Session 19: with ieee chain dots the decode row kernel keeps train == rollout at a Dv block of 16, not 64
+    monkeypatch.setattr(gt, "DECODE_BV", 64)
+    monkeypatch.setattr(gt, "DECODE_BV_IEEE", 16)
+    assert gt.config_for(128, 128, 64, "ieee", "chunk").decode_bv == 16
+    assert gt.config_for(128, 128, 64, "bf16", "chunk").decode_bv == 64
+    assert gt.config_for(128, 128, 64, "ieee/bf16", "chunk").decode_bv == 64  # the chain's dots are bf16
+    assert gt.config_for(32, 32, 16, "tf32", "chunk").decode_bv == 32  # never wider than Dv
+
+
 @pytest.mark.parametrize("rep", [1, 2, 3])
 def test_key_head_sum_adds_a_key_heads_planes_in_order(rep):
     """The backward's dq/dk per value head, plane r holding value head ``j * rep + r`` of key head j, -> per key head:

@@ -205,17 +205,23 @@ OUT_WARPS = 4
 # minimum). Under the interpreter the whole chunk, rows at their true positions: numpy's matmul bits follow M and the
 # row's position (the probe's CPU run), the H200's do not.
 DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
-# The chunk-form decode row kernel's Dv block and warps (its dots' N split is bit-neutral: an MMA computes each output
-# column on its own), and the decode prep's warps.
+# The chunk-form decode row kernel's Dv block and warps, and the decode prep's warps. With tensor-core dots the Dv split
+# is bit-neutral (an MMA computes each output column on its own). With ieee chain dots the row kernel takes
+# DECODE_BV_IEEE: on the H200 (Session 19) at a Dv block of 64 its ``beta e^G k . E`` rows had other bits than the
+# chain's (test_chunk_form_train_equals_rollout[ieee-*] failed from the second chunk on, where E is no longer zero;
+# the chain at a Dv block of 64 did not bring them together), at 16 train == rollout held (chunk 16 and 64). A lone
+# [16, K] x [K, N] ieee dot kept its bits for N 16/32/64 and 1/4/8 warps: the cause is in the compiled row kernel,
+# not found.
 DECODE_BV = 4 if _INTERPRET else 64
+DECODE_BV_IEEE = 4 if _INTERPRET else 16
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # A decode step's substitution sum (``sum_{j<b} A_tj u_j``) as one dot over the chunk with A's columns from the token's
 # block on zero, where the chain runs one 16-column dot per earlier block: on the H200 a whole-K dot whose A is zero
 # from column 16 nb on has the bits of nb block dots accumulated in ascending order at tf32 and bf16 (the probe's
 # ``k_chain``, tools/probe_dot_rows.py, and the chunk-form GPU tests, Session 18). It reads u's earlier rows once (the
-# output reads them too): row kernel 0.088 -> 0.078 ms at batch 64. Not at ieee: the probe's tiles held it there too,
-# but the decode row kernel's [16, C] x [C, 64] dot did not (test_chunk_form_train_equals_rollout failed at ieee), so
-# an ieee decode step runs the chain's block dots; nor under the interpreter, whose numpy dot bits follow K.
+# output reads them too): row kernel 0.088 -> 0.078 ms at batch 64. Not at ieee, where the block dots are what the GPU
+# tests passed (Session 19, at DECODE_BV_IEEE; Session 18 blamed the ieee failure on this sum, but it stayed without
+# it: the cause was the row kernel's Dv block); nor under the interpreter, whose numpy dot bits follow K.
 DECODE_SUM_ONE_DOT = not _INTERPRET
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
@@ -298,9 +304,10 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     chain_bv = {"ieee": CHAIN_BV, "bf16": CHAIN_BV_BF16}.get(chain_precision, CHAIN_BV_MMA)
     chain_bv = max(MIN_DOT, min(chain_bv, bvf))
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
+    decode_bv = max(MIN_DOT, min(DECODE_BV_IEEE if chain_precision == "ieee" else DECODE_BV, bvf))
     return GDNConfig(
         bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv,
-        mid_bf16=_mid_bf16(chain_precision), decode_bv=max(MIN_DOT, min(DECODE_BV, bvf)),
+        mid_bf16=_mid_bf16(chain_precision), decode_bv=decode_bv,
     )  # fmt: skip
 
 
@@ -1918,6 +1925,7 @@ _RULE_CONSTANTS = {
     "close; chunk: the token's X_bb row from the cached rows (the prep's fma chain), its A and P rows, its Y, u and o "
     "rows through the chain's 16-row tiles (Y, u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
+    "decode_bv_ieee": DECODE_BV_IEEE,  # the row kernel's Dv block with ieee chain dots
     "decode_sum_one_dot": DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot (k_chain probe)
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
