@@ -22,3 +22,19 @@ def bits(x: torch.Tensor | float) -> torch.Tensor:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, same dtype, same bits."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def bit_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where ``a`` and ``b`` differ in bits, for a failing bitwise assertion's message: how many rows (indices along
+    dim 0) hold a differing bit, the first of them, and the largest absolute difference. A token-major output's
+    first differing row is the first token whose bits moved, which a max |d| alone does not tell."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype differ: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    b = b.to(a.device)
+    differ = bits(a) != bits(b)
+    if not bool(differ.any()):
+        return "same bits"
+    rows = differ.reshape(differ.shape[0], -1).any(1).nonzero().flatten().tolist() if a.dim() else [0]
+    ra, rb = (torch.view_as_real(t) if t.is_complex() else t for t in (a, b))
+    gap = float((ra.double() - rb.double()).abs().max()) if ra.is_floating_point() else float("nan")
+    return f"{len(rows)} of {a.shape[0] if a.dim() else 1} rows differ, first {rows[:4]}, max |d| {gap:.3e}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.testing.bits import same_bits
+from megatron_iso.testing.bits import bit_difference, same_bits
 from megatron_iso.testing.gdn_inputs import checked_rule_grads, random_gdn_inputs
 
 pytestmark = [
@@ -106,7 +106,7 @@ def test_prefill_then_decode_equals_training_forward(gt, chunk, d, p_of):
     x = inputs(total, 100 + p, d)
     full = train(gt, x, chunk)
     inc, st = incremental(gt, x, [p] + [1] * (total - p), chunk)
-    assert same_bits(full, inc), f"P={p}: max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), f"P={p}: {bit_difference(full, inc)}"
     ref, s64 = naive64(*x)
     # Accuracy (fp32 chunk/scan vs fp64 recurrence): outputs O(1), 2e-5 absolute; running state 2e-5.
     assert maxdiff(full, ref) < 2e-5, f"vs fp64 {maxdiff(full, ref):.2e}"
@@ -119,7 +119,7 @@ def test_chunked_prefill_any_pieces(gt, chunk, d, pieces):
     x = inputs(sum(pieces), 7, d)
     inc, _ = incremental(gt, x, pieces, chunk)
     full = train(gt, x, chunk)
-    assert same_bits(full, inc), f"max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), bit_difference(full, inc)
 
 
 # The registered default is "ieee/tf32x3" (every other test here runs it); these are the other specs. Sanity bounds
@@ -138,9 +138,9 @@ def test_dot_precision_variant_train_equals_rollout(gt, chunk, d, prec):
     full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, dot_precision=prec)
     for p in (1, chunk + 1, 2 * chunk + 3):
         inc, _ = incremental(gt, x, [p] + [1] * (total - p), chunk, dot_precision=prec)
-        assert same_bits(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
+        assert same_bits(full, inc), f"{prec} P={p}: {bit_difference(full, inc)}"
     inc, _ = incremental(gt, x, [2, chunk - 1, 6, chunk, total - 2 * chunk - 7], chunk, dot_precision=prec)
-    assert same_bits(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), f"{prec} pieces: {bit_difference(full, inc)}"
     default = train(gt, x, chunk)
     assert not same_bits(full, default), f"{prec} gave the default's bits: is the precision reaching the dots?"
     ref, _ = naive64(*x)
@@ -167,10 +167,10 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
     full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
     for p in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3):
         inc, st = incremental(gt, x, [p] + [1] * (total - p), chunk, **kw)
-        assert same_bits(full, inc), f"{prec} P={p}: max |d| {maxdiff(full, inc):.3e}"
+        assert same_bits(full, inc), f"{prec} P={p}: {bit_difference(full, inc)}"
         assert same_bits(st.entry_bf16[1], st.entry[1].bfloat16()), f"P={p}: state.entry_bf16 after decode"
     inc, st = incremental(gt, x, [2, chunk - 1, 6, chunk, total - 2 * chunk - 7], chunk, **kw)
-    assert same_bits(full, inc), f"{prec} pieces: max |d| {maxdiff(full, inc):.3e}"
+    assert same_bits(full, inc), f"{prec} pieces: {bit_difference(full, inc)}"
     assert same_bits(st.entry_bf16[1], st.entry[1].bfloat16()), "state.entry_bf16 is not state.entry rounded"
     nb = total % chunk
     assert same_bits(st.buf_k[1, :nb], x[1][-nb:]) and same_bits(st.buf_v[1, :nb], x[2][-nb:]), "buffer rows"
@@ -193,7 +193,7 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
                               slots=torch.tensor(order, device="cuda"),
                               starts=torch.tensor([prev[i] for i in order], device="cuda"), **kw)  # fmt: skip
     for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
-        assert same_bits(part, alone[i]), f"{prec} sequence {i}: max |d| {maxdiff(part, alone[i]):.3e}"
+        assert same_bits(part, alone[i]), f"{prec} sequence {i}: {bit_difference(part, alone[i])}"
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
@@ -214,7 +214,7 @@ def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkey
         # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
         got[mid] = (full, inc, st.entry[1], st.buf_u[1, : total % chunk].bfloat16())
     for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
-        assert same_bits(a, b), f"{prec} {name}: bf16 storage moved bits, max |d| {maxdiff(a, b):.3e}"
+        assert same_bits(a, b), f"{prec} {name}: bf16 storage moved bits, {bit_difference(a, b)}"
     assert same_bits(got[True][0], got[True][1]), "train vs prefill + decode"
 
 
@@ -238,11 +238,9 @@ def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
         got[bool(dtypes)] = (inc, st.entry[1], st.running[1], st.buf_u[1, :nb].bfloat16(), st.buf_v[1, :nb].float())
     assert got[True][4].numel() and same_bits(got[True][4], x[2][-nb:].float())
     for name, a, b in zip(("outputs", "entry", "running", "buf_u", "buf_v"), *got.values(), strict=True):
-        assert same_bits(a, b), f"{variant} narrow buffers: {name}, max |d| {maxdiff(a, b):.3e}"
+        assert same_bits(a, b), f"{variant} narrow buffers: {name}, {bit_difference(a, b)}"
     full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
-    assert same_bits(got[True][0], full), (
-        f"{variant} train vs prefill + decode: max |d| {maxdiff(got[True][0], full):.3e}"
-    )
+    assert same_bits(got[True][0], full), f"{variant} train vs prefill + decode: {bit_difference(got[True][0], full)}"
 
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
@@ -257,9 +255,9 @@ def test_bf16_strided_inputs_read_in_kernel(gt, chunk, d):
     q16, k16 = x[0].bfloat16(), x[1].bfloat16()
     x16 = (q16, k16, v16, x[3], x[4])
     full = train(gt, (q16.float(), k16.float(), v16.float(), x[3], x[4]), chunk)
-    assert same_bits(train(gt, x16, chunk), full), f"train: max |d| {maxdiff(train(gt, x16, chunk), full):.3e}"
+    assert same_bits(train(gt, x16, chunk), full), f"train: {bit_difference(train(gt, x16, chunk), full)}"
     inc, st = incremental(gt, x16, [chunk - 3] + [1] * (t - chunk + 3), chunk)
-    assert same_bits(inc, full), f"prefill + decode: max |d| {maxdiff(inc, full):.3e}"
+    assert same_bits(inc, full), f"prefill + decode: {bit_difference(inc, full)}"
     nb = t % chunk
     assert same_bits(st.buf_v[1, :nb], v16[-nb:].float()) and same_bits(st.buf_k[1, :nb], k16[-nb:].float())
 
@@ -301,7 +299,7 @@ def test_batch_composition_and_packing(gt, chunk, d):
                               slots=torch.tensor(order, device="cuda"),
                               starts=torch.tensor([prev[i] for i in order], device="cuda"))  # fmt: skip
     for part, i in zip(out.split([lens[i] for i in order]), order, strict=True):
-        assert same_bits(part, alone[i]), f"sequence {i}: max |d| {maxdiff(part, alone[i]):.3e}"
+        assert same_bits(part, alone[i]), f"sequence {i}: {bit_difference(part, alone[i])}"
     xs = [inputs(n, 40 + n, d) for n in (13, 1, 2 * c + 5, c)]
     packed = gt.gated_delta_rule(*(torch.cat([x[j] for x in xs]) for j in range(5)), cu([13, 1, 2 * c + 5, c]), chunk=c)
     for x, part in zip(xs, packed.split([13, 1, 2 * c + 5, c]), strict=True):
@@ -438,4 +436,4 @@ def test_tiny_hybrid_training_forward_equals_prefill_decode(prompt_len, pieces, 
 
     with single_process_world():
         full, cached = _hybrid_prefill_decode(prompt_len, pieces, 20, gdn)
-    assert same_bits(full, cached), f"max |dlogit| {maxdiff(full, cached):.3e}"
+    assert same_bits(full, cached), bit_difference(full, cached)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.testing.bits import bits, same_bits
+from megatron_iso.testing.bits import bit_difference, bits, same_bits
 
 
 def test_signed_zeros_and_nan_payloads_differ_where_float_equality_does_not_tell() -> None:
@@ -34,3 +34,15 @@ def test_complex_tensors_compare_by_the_bits_of_both_parts() -> None:
         w.imag[0] = -0.0  # equal as numbers, not as bits
         assert bool((z == w).all()) and not same_bits(z, w) and same_bits(z, z.clone())
         assert bits(z).shape == (2, 2)
+
+
+def test_bit_difference_names_the_first_differing_rows() -> None:
+    a = torch.zeros(6, 3)
+    b = a.clone()
+    assert bit_difference(a, b) == "same bits"
+    b[4, 1] = -0.0  # equal as numbers: only the bits tell
+    b[2, 0] = 1e-8
+    msg = bit_difference(a, b)
+    assert msg.startswith("2 of 6 rows differ, first [2, 4]") and "1.000e-08" in msg
+    assert bit_difference(a, a.double()).startswith("shape/dtype differ")
+    assert bit_difference(torch.tensor(1.0), torch.tensor(-1.0)).startswith("1 of 1 rows differ, first [0]")
