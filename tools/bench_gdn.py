@@ -599,7 +599,8 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
 
     from megatron_iso.ops.gdn import GDNLayerState
     from megatron_iso.ops.gdn import gdn_triton as G
@@ -607,30 +608,26 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    ptr_types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-                 torch.int64: "*i64"}  # fmt: skip
     out: dict = {"target": "sm_90a", "triton": triton.__version__, "kernels": {}}
 
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+
     def compile_launch(fn: JITFunction, *args, grid, warmup, **kwargs) -> None:
-        values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
-        sig, consts = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            v = values[name]
-            if i in fn.constexprs:
-                sig[name], consts[name] = "constexpr", v
-            elif isinstance(v, torch.Tensor):
-                sig[name] = ptr_types[v.dtype]
-            else:
-                sig[name] = "fp32" if isinstance(v, float) else "i32"
+        # Triton's own launch binding: the kernel signature, constexprs and the specialisations a launch on a GPU
+        # gets (16-byte-aligned pointers and integers divisible by 16 marked so, which is what lets the compiler
+        # vectorise loads; an integer 1 a constexpr). Without them every load compiled scalar here (Session 19).
+        bind = create_function_from_signature(fn.signature, fn.params, backend)
+        options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, *bind(*args, **kwargs))
+        consts = {fn.arg_names[path[0]]: v for path, v in constexprs.items()}
         opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         name = fn.fn.__name__
-        key = (name, repr(sorted(consts.items())), repr(sorted(opts.items())))
+        key = (name, repr(sorted(consts.items())), repr(sorted(opts.items())), repr(sorted(attrs.items())))
         if key in seen:  # the same compiled kernel launched again
             return
         seen.add(key)
         name = f"{name} ({call[0]})" if name in out["kernels"] else name  # another variant, e.g. the training prep
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options=opts)  # fmt: skip
+        k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options.__dict__)
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.ptx"
             src.write_text(k.asm["ptx"])
@@ -653,15 +650,15 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
             "registers": num(r"Used (\d+) registers"), "stack_bytes": num(r"(\d+) bytes stack frame"),
             "spill_store_bytes": num(r"(\d+) bytes spill stores"), "spill_load_bytes": num(r"(\d+) bytes spill loads"),
             "shared_bytes": k.metadata.shared, "ptx_fma_f32": ptx.count("fma.rn.f32"),
-            "ptx_bar_sync": ptx.count("bar.sync"),
+            "ptx_bar_sync": ptx.count("bar.sync"), "ptx_vector_loads": len(re.findall(r"ld\.global[.\w]*\.v[248]\.", ptx)),
         }  # fmt: skip
         print(f"{name} {opts}: {r['registers']} regs, stack {r['stack_bytes']} B, spill st/ld "
               f"{r['spill_store_bytes']}/{r['spill_load_bytes']} B, shared {r['shared_bytes']} B, {r['ptx_fma_f32']} "
-              f"fma.f32, {r['ptx_bar_sync']} bar.sync (PTX)", flush=True)  # fmt: skip
+              f"fma.f32, {r['ptx_bar_sync']} bar.sync, {r['ptx_vector_loads']} vector loads (PTX)", flush=True)  # fmt: skip
 
     form, prec = parse_variant(dot_precision or G.DOT_PRECISION)
     kw = {"dot_precision": prec, "form": form or G.FORM, "chunk": CHUNK}
-    hk, hv, n = 1, 2, 2 * CHUNK + 3  # head counts and length set no constexpr
+    hk, hv, n = HK, HV, 2 * CHUNK + 3  # the bench's head counts: strides and sizes specialise as on the GPU
 
     def inputs(t: int, grad: bool = False) -> list[torch.Tensor]:
         x = [torch.randn(t, hk, D), torch.randn(t, hk, D), torch.randn(t, hv, D), -torch.rand(t, hv), torch.rand(t, hv)]
