@@ -651,6 +651,10 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
             "spill_store_bytes": num(r"(\d+) bytes spill stores"), "spill_load_bytes": num(r"(\d+) bytes spill loads"),
             "shared_bytes": k.metadata.shared, "ptx_fma_f32": ptx.count("fma.rn.f32"),
             "ptx_bar_sync": ptx.count("bar.sync"), "ptx_vector_loads": len(re.findall(r"ld\.global[.\w]*\.v[248]\.", ptx)),
+            # fp32 mul/add/sub that ptxas and LLVM may still contract into an fma (no .rn): none when the launch
+            # passes enable_fp_fusion=False
+            "enable_fp_fusion": options.enable_fp_fusion,
+            "ptx_contractible_f32": len(re.findall(r"\b(?:mul|add|sub)\.f32\b", ptx)),
         }  # fmt: skip
         print(f"{name} {opts}: {r['registers']} regs, stack {r['stack_bytes']} B, spill st/ld "
               f"{r['spill_store_bytes']}/{r['spill_load_bytes']} B, shared {r['shared_bytes']} B, {r['ptx_fma_f32']} "

@@ -136,6 +136,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.activation.pointwise_triton import NO_FMA
 from megatron_iso.ops.autograd import with_plain_backward
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
@@ -207,11 +208,11 @@ OUT_WARPS = 4
 DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # The chunk-form decode row kernel's Dv block and warps, and the decode prep's warps. With tensor-core dots the Dv split
 # is bit-neutral (an MMA computes each output column on its own). With ieee chain dots the row kernel takes
-# DECODE_BV_IEEE: on the H200 (Session 19) at a Dv block of 64 its ``beta e^G k . E`` rows had other bits than the
-# chain's (test_chunk_form_train_equals_rollout[ieee-*] failed from the second chunk on, where E is no longer zero;
-# the chain at a Dv block of 64 did not bring them together), at 16 train == rollout held (chunk 16 and 64). A lone
-# [16, K] x [K, N] ieee dot kept its bits for N 16/32/64 and 1/4/8 warps: the cause is in the compiled row kernel,
-# not found.
+# DECODE_BV_IEEE, the block the H200 tests passed with (Session 19): at 64, before the decode kernels launched without
+# fp contraction (NO_FMA, _decode_step), LLVM fused the row kernel's ``beta v - (beta e^G k) E`` into one fma (the
+# chain subtracts from the prep's rounded ``beta v``), so test_chunk_form_train_equals_rollout[ieee-*] failed from the
+# second chunk on; at 16 it happened not to fuse. Without contraction the PTX of both blocks does that subtraction as
+# the chain does; 64 at ieee is untested on a GPU.
 DECODE_BV = 4 if _INTERPRET else 64
 DECODE_BV_IEEE = 4 if _INTERPRET else 16
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
@@ -1511,18 +1512,22 @@ def _decode_step(
     p = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # the output's P rows
     a = torch.empty_like(p)  # A's rows, read by the row kernel
     sizes = (hv, dk, dv, hv // hk)
+    # NO_FMA: both kernels redo the training kernels' arithmetic for one row; compiled with fp contraction, LLVM fused
+    # ``beta v - (beta e^G k) E`` into one fma in the row kernel, where the chain subtracts from the prep's stored (so
+    # rounded) product: the Y rows then differed from training's whenever the dots' rounding did not hide it (always at
+    # ieee). The training kernels of the chunk form contract nothing (their PTX's only fmas are the dots' and tl.fma's).
     _decode_prep_kernel[(n, hv)](
         qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks, kd, egc, gcum, p, a, scale, sq, sk, sv, sg, sb, hk,
         *sizes, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
         OPREC=cfg.chain_precision, ROWS=nrows, num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
-        **_maxnreg(DECODE_PREP_MAXNREG),
+        **_maxnreg(DECODE_PREP_MAXNREG), **NO_FMA,
     )  # fmt: skip
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
         qf, kf, vf, bf, plan.chunks, plan.chains, *entries, kd, egc, gcum, p, a, state.buf_tinv, state.buf_u,
         state.buf_y, out, scale, sq, sk, sv, sb, *sizes, C=c, BK=cfg.bk, BV=cfg.decode_bv, IB=cfg.inv_block,
         ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=DECODE_SUM_ONE_DOT and cfg.chain_precision != "ieee",
         num_warps=DECODE_WARPS,
-        **_maxnreg(DECODE_MAXNREG),
+        **_maxnreg(DECODE_MAXNREG), **NO_FMA,
     )  # fmt: skip
 
 
@@ -1926,6 +1931,7 @@ _RULE_CONSTANTS = {
     "rows through the chain's 16-row tiles (Y, u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
     "decode_bv_ieee": DECODE_BV_IEEE,  # the row kernel's Dv block with ieee chain dots
+    "decode_fp_contraction": "off (enable_fp_fusion=False for the decode prep and row kernels)",
     "decode_sum_one_dot": DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot (k_chain probe)
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
