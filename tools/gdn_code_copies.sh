@@ -6,8 +6,10 @@
 #   bash tools/make_code_copy.sh variants/base HEAD~1 && bash tools/make_code_copy.sh variants/new HEAD some.patch
 #   GDN_COPIES="variants/base variants/new" GDN_COPY_CASE=decode:64@chunk:bf16 bash tools/gdn_code_copies.sh
 #
-# GDN_COPIES: the folders ("." is the working tree); GDN_COPY_CASE: a bench_gdn --profile case (default
-# decode:64@chunk:bf16); each profile goes to $OUT/copy_<folder name>.json, its kernel rows to stdout.
+# GDN_COPIES: the folders ("." is the working tree); GDN_COPY_CASE: one or more bench_gdn --profile cases, separated by
+# spaces (default decode:64@chunk:bf16; e.g. "decode:64@chunk:bf16 decodeclose:64@chunk:bf16"), each run for every
+# copy; each profile goes to $OUT/copy_<folder name>_<case>.json (the case's ':' and '@' as '_'), its kernel rows to
+# stdout.
 set -u
 : "${OUT:?OUT must name the folder results are written to}"
 : "${GDN_COPIES:?GDN_COPIES must name the code copies (folders holding megatron_iso/ and tools/)}"
@@ -19,11 +21,14 @@ for d in $GDN_COPIES; do  # every folder checked before any runs
     exit 2
   fi
 done
-for d in $GDN_COPIES; do
-  name=$(basename "$(cd "$d" && pwd)")
-  echo "=== $d"
-  (cd "$d" && PYTHONPATH="$PWD${deps:+:$deps}" timeout 90 python3 tools/bench_gdn.py \
-    --profile "${GDN_COPY_CASE:-decode:64@chunk:bf16}" --out "$OUT/copy_$name.json" 2>&1) \
-    | grep -E "^\| |wall \(synced\)" | cut -c1-160 | head -12
+for case in ${GDN_COPY_CASE:-decode:64@chunk:bf16}; do  # several cases: word splitting on purpose
+  tag=$(printf '%s' "$case" | tr ':@/' '___')
+  for d in $GDN_COPIES; do
+    name=$(basename "$(cd "$d" && pwd)")
+    echo "=== $d: $case"
+    (cd "$d" && PYTHONPATH="$PWD${deps:+:$deps}" timeout 90 python3 tools/bench_gdn.py \
+      --profile "$case" --out "$OUT/copy_${name}_$tag.json" 2>&1) \
+      | grep -E "^\| |wall \(synced\)" | cut -c1-160 | head -12
+  done
 done
 cd "$root" || exit 1

@@ -22,7 +22,7 @@
 #                  default: the registered layout, scan 64x2, the all-ieee state pass): per-kernel ms;
 #                  GDN_TUNE_CASE=trainbwd: forward + backward (e.g. GDN_TUNES="@chunk:bf16;@chunk:bf16 BWD_KS=16");
 #                  GDN_TUNE_CASE=decode:64: the decode step; GDN_TUNE_TAG: a prefix for this sweep's JSON names
-#   gdncopies 240  bench_gdn --profile $GDN_COPY_CASE (default decode:64@chunk:bf16) once per code copy in GDN_COPIES
+#   gdncopies 360  bench_gdn --profile per case in $GDN_COPY_CASE (default decode:64@chunk:bf16) per code copy in GDN_COPIES
 #                  (folders holding megatron_iso/ and tools/, e.g. from tools/make_code_copy.sh; carry them):
 #                  several versions of the kernels timed in one call (tools/gdn_code_copies.sh)
 #   gdnbwd   300   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
@@ -80,7 +80,7 @@ for s in "$@"; do
         --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} ${GDN_BENCH_ARGS:-} \
         --out "$OUT/bench_gdn_dot${GDN_TUNE_TAG:-}.json" ;;
     gdntune) step "gdntune${GDN_TUNE_TAG:-}" 200 40 bash tools/gdn_tune_profiles.sh "${GDN_TUNES:-}" ;;
-    gdncopies) step gdncopies 240 60 bash tools/gdn_code_copies.sh ;;
+    gdncopies) step gdncopies 360 80 bash tools/gdn_code_copies.sh ;;
     gdnbwd)
       step gdnbwd 240 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
         --out "$OUT/bench_gdn_bwd.json"

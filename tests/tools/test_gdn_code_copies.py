@@ -42,7 +42,21 @@ def test_each_copy_runs_its_own_bench(tmp_path: Path) -> None:
     assert f"| _decode_prep_kernel | base | {a} | decode:8@chunk:bf16 |" in res.stdout
     assert f"| _decode_prep_kernel | new | {b} | decode:8@chunk:bf16 |" in res.stdout
     assert "not a table row" not in res.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["copy_base.json", "copy_new.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "copy_base_decode_8_chunk_bf16.json",
+        "copy_new_decode_8_chunk_bf16.json",
+    ]
+
+
+def test_several_cases_run_for_every_copy(tmp_path: Path) -> None:
+    for name in ("base", "new"):
+        _copy(tmp_path, name)
+    res = _run(tmp_path, "base new", GDN_COPY_CASE="decode:64@chunk:bf16 decodeclose:64@chunk:bf16")
+    assert res.returncode == 0, res.stderr
+    for case in ("decode:64@chunk:bf16", "decodeclose:64@chunk:bf16"):
+        for name in ("base", "new"):
+            assert f"| _decode_prep_kernel | {name} | {tmp_path / name} | {case} |" in res.stdout
+    assert len(list((tmp_path / "out").iterdir())) == 4  # one profile per (case, copy): none overwrites another
 
 
 def test_a_folder_without_the_code_is_refused(tmp_path: Path) -> None:
