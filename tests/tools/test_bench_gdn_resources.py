@@ -44,9 +44,11 @@ def test_every_gdn_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         # of spills the GPU's kernels do not have
         for name in ("_prep_kernel", "_chain_kernel"):
             assert r["kernels"][name]["ptx_vector_loads"] > 0, (variant, name, r["kernels"][name])
-        # a decode step's kernels redo the training kernels' arithmetic row by row: compiled without contraction, so
-        # LLVM cannot fuse what the training side computes as two roundings (Session 19: `beta v - (beta e^G k) E`
-        # became one fma in the row kernel, so its Y rows differed from the chain's)
-        for name in ("_decode_prep_kernel", "_decode_row_kernel") if variant.startswith("chunk:") else ():
+        # the chunk form's decode kernels redo its training kernels' arithmetic row by row: all of them compile without
+        # contraction, so LLVM cannot fuse on one side what the other rounds twice (Session 19: `beta v - (beta e^G k)
+        # E` became one fma in the row kernel, so its Y rows differed from the chain's)
+        for name in (
+            (CHUNK - BACKWARD - {"_buffer_kernel"}) | {"_prep_kernel (train)"} if variant.startswith("chunk:") else ()
+        ):
             k = r["kernels"][name]
             assert not k["enable_fp_fusion"] and k["ptx_contractible_f32"] == 0, (variant, name, k)

@@ -209,7 +209,7 @@ DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
 # The chunk-form decode row kernel's Dv block and warps, and the decode prep's warps. With tensor-core dots the Dv split
 # is bit-neutral (an MMA computes each output column on its own). With ieee chain dots the row kernel takes
 # DECODE_BV_IEEE, the block the H200 tests passed with (Session 19): at 64, before the decode kernels launched without
-# fp contraction (NO_FMA, _decode_step), LLVM fused the row kernel's ``beta v - (beta e^G k) E`` into one fma (the
+# fp contraction (_fp_options), LLVM fused the row kernel's ``beta v - (beta e^G k) E`` into one fma (the
 # chain subtracts from the prep's rounded ``beta v``), so test_chunk_form_train_equals_rollout[ieee-*] failed from the
 # second chunk on; at 16 it happened not to fuse. Without contraction the PTX of both blocks does that subtraction as
 # the chain does; 64 at ieee is untested on a GPU.
@@ -1472,6 +1472,7 @@ def prep_chunks(
         hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, SUBST=subst,
         WY=wy or not subst, num_warps=PREP_WARPS, num_stages=PREP_STAGES, **_maxnreg(PREP_MAXNREG),
+        **_fp_options(cfg.form),
     )  # fmt: skip
     return (*terms, tinv, s, kp)
 
@@ -1484,6 +1485,17 @@ def decode_rows(chunk: int) -> int:
 def _maxnreg(cap: int) -> dict[str, int]:
     """The launch option for a register cap (none for 0 or under the interpreter)."""
     return {"maxnreg": cap} if cap and not _INTERPRET else {}
+
+
+def _fp_options(form: str) -> dict[str, bool]:
+    """Launch options of a state-pass, output or decode kernel in ``form``. The chunk form's kernels compile without fp
+    contraction (NO_FMA): a decode step redoes the training kernels' arithmetic for one row, so where LLVM contracts
+    ``a * b + c`` into one fma must not depend on the kernel. With contraction it did: the decode row kernel fused
+    ``beta v - (beta e^G k) E`` (Session 19), which the chain computes from the prep's stored, rounded ``beta v``, so
+    Y rows could differ from training's (always at ieee). The training kernels' PTX was the same either way (they
+    contracted nothing). The scan form runs the same kernels on both sides and keeps contraction (its tf32x3 chain
+    uses it)."""
+    return NO_FMA if form == "chunk" else {}
 
 
 def _decode_step(
@@ -1512,22 +1524,18 @@ def _decode_step(
     p = torch.empty(n, hv, nrows, c, dtype=torch.float32, device=dev)  # the output's P rows
     a = torch.empty_like(p)  # A's rows, read by the row kernel
     sizes = (hv, dk, dv, hv // hk)
-    # NO_FMA: both kernels redo the training kernels' arithmetic for one row; compiled with fp contraction, LLVM fused
-    # ``beta v - (beta e^G k) E`` into one fma in the row kernel, where the chain subtracts from the prep's stored (so
-    # rounded) product: the Y rows then differed from training's whenever the dots' rounding did not hide it (always at
-    # ieee). The training kernels of the chunk form contract nothing (their PTX's only fmas are the dots' and tl.fma's).
     _decode_prep_kernel[(n, hv)](
         qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks, kd, egc, gcum, p, a, scale, sq, sk, sv, sg, sb, hk,
         *sizes, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
         OPREC=cfg.chain_precision, ROWS=nrows, num_warps=DECODE_PREP_WARPS, num_stages=PREP_STAGES,
-        **_maxnreg(DECODE_PREP_MAXNREG), **NO_FMA,
+        **_maxnreg(DECODE_PREP_MAXNREG), **_fp_options(cfg.form),
     )  # fmt: skip
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
         qf, kf, vf, bf, plan.chunks, plan.chains, *entries, kd, egc, gcum, p, a, state.buf_tinv, state.buf_u,
         state.buf_y, out, scale, sq, sk, sv, sb, *sizes, C=c, BK=cfg.bk, BV=cfg.decode_bv, IB=cfg.inv_block,
         ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=DECODE_SUM_ONE_DOT and cfg.chain_precision != "ieee",
         num_warps=DECODE_WARPS,
-        **_maxnreg(DECODE_MAXNREG), **NO_FMA,
+        **_maxnreg(DECODE_MAXNREG), **_fp_options(cfg.form),
     )  # fmt: skip
 
 
@@ -1577,7 +1585,7 @@ def _state_pass(
             plan.chains, *entries, u0, u, w, kd, egc, ex, plan.chunks, s, kp, u if buf_y is None else buf_y, hv, dk, dv,
             C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, IB=cfg.inv_block,
             PREC=cfg.chain_precision, ENTRIES=cfg.form == "chunk", num_warps=CHAIN_WARPS, num_stages=CHAIN_STAGES,
-            **_maxnreg(CHAIN_MAXNREG),
+            **_maxnreg(CHAIN_MAXNREG), **_fp_options(cfg.form),
         )  # fmt: skip
     return u, w, kd, egc, gcum, tinv
 
@@ -1665,7 +1673,7 @@ def _rule_forward(
         _chunk_out_kernel[(plan.nchunks, hv, triton.cdiv(dv, cfg.out_bv))](
             qf, kf, bk, plan.chunks, ex, u, gcum, out, scale, sq, sk, hk, hv, dk, dv, rep,
             C=chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.out_bv, PREC=cfg.chain_precision, num_warps=OUT_WARPS,
-            **_maxnreg(OUT_MAXNREG),
+            **_maxnreg(OUT_MAXNREG), **_fp_options(cfg.form),
         )  # fmt: skip
         if plan.buffers:
             _buffer_kernel[(plan.nchunks, hv)](
@@ -1931,7 +1939,7 @@ _RULE_CONSTANTS = {
     "rows through the chain's 16-row tiles (Y, u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
     "decode_bv_ieee": DECODE_BV_IEEE,  # the row kernel's Dv block with ieee chain dots
-    "decode_fp_contraction": "off (enable_fp_fusion=False for the decode prep and row kernels)",
+    "fp_contraction": "chunk form: off (enable_fp_fusion=False for prep, chain, output and decode kernels); scan: on",
     "decode_sum_one_dot": DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot (k_chain probe)
     "scan_bv": SCAN_BV,
     "inv_block": INV_BLOCK,
