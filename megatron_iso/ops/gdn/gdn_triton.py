@@ -446,6 +446,13 @@ def _v_tile(v_ptr, bvv_ptr, tok, cols, row0, brow0, nbuf, nrows, SV, HV, DV, h):
 
 
 @triton.jit
+def _beta_rows(b_ptr, bb_ptr, tok, row0, brow0, nbuf, nrows, SB, HV, h):
+    """beta of value head ``h`` at chunk tokens ``tok``, as :func:`_v_tile` reads v: tokens < ``nbuf`` from the state
+    cache's buffer, the others from the packed rows, tokens >= ``nrows`` as zeros."""
+    return _buffered_or_packed(bb_ptr + (brow0 + tok) * HV + h, b_ptr + (row0 + tok) * SB + h, tok < nbuf, tok < nrows)
+
+
+@triton.jit
 def _decode_tile(buf_ptr, packed_ptr, rows, cols, t, RS, NCOLS):
     """A decode step's chunk tile (token t: buffered = t, present = t + 1): rows < t from the state cache's buffer
     (``buf_ptr``: row 0, rows RS apart), row t the token's packed row (``packed_ptr``), rows > t and columns >= NCOLS
@@ -584,8 +591,7 @@ def _wy_rows(
                 otb = tb * KB + ob  # this block's tokens: the dot's K index
                 ti = tl.load(tr_ptr + ot[:, None] * C + otb[None, :])
                 vcb = _v_tile(v_ptr, bvv_ptr, otb, ov, row0, brow0, nbuf, nrows, SV, HV, DV, h)
-                bcb = _buffered_or_packed(bb_ptr + (brow0 + otb) * HV + h, b_ptr + (row0 + otb) * SB + h, otb < nbuf,
-                                          otb < nrows)  # fmt: skip
+                bcb = _beta_rows(b_ptr, bb_ptr, otb, row0, brow0, nbuf, nrows, SB, HV, h)
                 u0 = _dot(ti, bcb[:, None] * vcb, u0, PREC)
             tl.store((u0_ptr + base * C * BVF) + ot[:, None] * BVF + ov[None, :], u0)
         w = tl.zeros([C, BK], dtype=tl.float32)
@@ -677,8 +683,7 @@ def _prep_kernel(
             for rb0 in tl.static_range(0, C, IB):
                 rb = rb0 + os3
                 vblk = _v_tile(v_ptr, bvv_ptr, rb, ov, row0, brow0, nbuf, nrows, SV, HV, DV, h)
-                bcb = _buffered_or_packed(bb_ptr + (brow0 + rb) * HV + h, b_ptr + (row0 + rb) * SB + h, rb < nbuf,
-                                          rb < nrows)  # fmt: skip
+                bcb = _beta_rows(b_ptr, bb_ptr, rb, row0, brow0, nbuf, nrows, SB, HV, h)
                 kblk = _k_tile(k_ptr, bk_ptr, rb, ok, row0, brow0, nbuf, nrows, SK, HK, DK, hk)
                 bv, kp = _subst_operands(bcb, tl.load(gcum_ptr + base * C + rb), kblk, vblk)
                 tl.store((u0_ptr + base * C * BVF) + rb[:, None] * BVF + ov[None, :], bv)
@@ -767,7 +772,7 @@ def _decode_prep_rows(
     kk = _kk_rows(k_ptr, bk_ptr, orr, kcf, krow, kd_ptr, base, cum, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
                   C, BK, KB, PREC, ROWS, False)  # fmt: skip
     tl.debug_barrier()  # G's rows stored by other threads are read below
-    bcr = _buffered_or_packed(bb_ptr + (brow0 + orr) * HV + h, b_ptr + (row0 + orr) * SB + h, orr < nbuf, orr < nrows)
+    bcr = _beta_rows(b_ptr, bb_ptr, orr, row0, brow0, nbuf, nrows, SB, HV, h)
     cur = tl.load(gcum_ptr + base * C + orr)
     lower = orr[:, None] > ot[None, :]
     a = tl.where(lower, bcr[:, None] * tl.exp(tl.where(lower, cur[:, None] - cum[None, :], 0.0)) * kk, 0.0)
