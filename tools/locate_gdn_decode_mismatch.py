@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_iso.testing.bits import same_bits  # torch only: no triton before TRITON_INTERPRET is set
+
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,12 +44,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     return args
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from megatron_iso.testing.bits import same_bits
-
-    return same_bits(a, b)
 
 
 def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: str | None, steps: int) -> list[dict]:
@@ -84,17 +80,17 @@ def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: st
         dec, sd = run([length, 1])
         _, so = run([length + 1])
         n = (length + 1) % chunk  # rows of the open chunk after the step (0: the step closed it)
-        row: dict = {"L": length, "t": length % chunk, "output": _same(dec[length], full[length])}
+        row: dict = {"L": length, "t": length % chunk, "output": same_bits(dec[length], full[length])}
         if form == "scan":
-            row["running_state"] = _same(sd.running[1], so.running[1])
+            row["running_state"] = same_bits(sd.running[1], so.running[1])
         elif n == 0:
-            row["entry_state"] = _same(sd.entry[1], so.entry[1])
+            row["entry_state"] = same_bits(sd.entry[1], so.entry[1])
         else:
-            row["u_rows"] = _same(sd.buf_u[1, :n], so.buf_u[1, :n])
-            row["y_rows"] = _same(sd.buf_y[1, :n], so.buf_y[1, :n])
+            row["u_rows"] = same_bits(sd.buf_u[1, :n], so.buf_u[1, :n])
+            row["y_rows"] = same_bits(sd.buf_y[1, :n], so.buf_y[1, :n])
             # a decode step writes only the diagonal block of its T^{-1} row (the substitution reads no other)
             row["tinv_diag_rows"] = all(
-                _same(
+                same_bits(
                     sd.buf_tinv[1, :, r, r // ib * ib : r // ib * ib + ib],
                     so.buf_tinv[1, :, r, r // ib * ib : r // ib * ib + ib],
                 )
