@@ -724,7 +724,6 @@ TUNABLE = (
     "OUT_BV",
     "OUT_WARPS",
     "DECODE_BV",
-    "DECODE_BV_IEEE",
     "DECODE_WARPS",
     "DECODE_PREP_WARPS",
     "PREP_MAXNREG",

@@ -62,14 +62,11 @@ def test_bad_form_and_precision_are_named():
         gt.config_for(8, 8, C, "tf32x3", "chunk")
 
 
-def test_ieee_chain_decodes_in_its_own_dv_block(monkeypatch):
-    # H200, Session 19: with ieee chain dots the decode row kernel takes the Dv block the ieee GPU tests passed with (16;
-    # at 64 they failed while the kernels still compiled with fp contraction, and have not run since it was turned off)
+def test_decode_dv_block_is_one_for_every_precision(monkeypatch):
+    # H200, Session 20: without fp contraction the ieee chunk-form tests pass at the tensor-core precisions' block (64)
     monkeypatch.setattr(gt, "DECODE_BV", 64)
-    monkeypatch.setattr(gt, "DECODE_BV_IEEE", 16)
-    assert gt.config_for(128, 128, 64, "ieee", "chunk").decode_bv == 16
-    assert gt.config_for(128, 128, 64, "bf16", "chunk").decode_bv == 64
-    assert gt.config_for(128, 128, 64, "ieee/bf16", "chunk").decode_bv == 64  # the chain's dots are bf16
+    for prec in ("ieee", "bf16", "ieee/bf16", "tf32"):
+        assert gt.config_for(128, 128, 64, prec, "chunk").decode_bv == 64, prec
     assert gt.config_for(32, 32, 16, "tf32", "chunk").decode_bv == 32  # never wider than Dv
 
 

@@ -206,31 +206,30 @@ OUT_WARPS = 4
 # minimum). Under the interpreter the whole chunk, rows at their true positions: numpy's matmul bits follow M and the
 # row's position (the probe's CPU run), the H200's do not.
 DECODE_ROWS = 0 if _INTERPRET else 16  # 0: the chunk
-# The chunk-form decode row kernel's Dv block and warps, and the decode prep's warps. With tensor-core dots the Dv split
-# is bit-neutral (an MMA computes each output column on its own). With ieee chain dots the row kernel takes
-# DECODE_BV_IEEE, the block the H200 tests passed with (Session 19): at 64, before the decode kernels launched without
-# fp contraction (_fp_options), LLVM fused the row kernel's ``beta v - (beta e^G k) E`` into one fma (the
-# chain subtracts from the prep's rounded ``beta v``), so test_chunk_form_train_equals_rollout[ieee-*] failed from the
-# second chunk on; at 16 it happened not to fuse. Without contraction the PTX of both blocks does that subtraction as
-# the chain does; 64 at ieee is untested on a GPU.
+# The chunk-form decode row kernel's Dv block and warps, and the decode prep's warps. The Dv split is bit-neutral
+# for every dot precision, ieee included, because every chunk-form kernel launches without fp contraction
+# (_fp_options): with it, LLVM fused the row kernel's ``beta v - (beta e^G k) E`` into one fma at block 64 where the
+# chain subtracts from the prep's rounded ``beta v``, and the ieee chunk-form tests failed (H200, Session 19); without
+# it they pass at 64 (Session 20). Block 32 (4 programs per value head) was slower on the H200: row kernel 0.064 ->
+# 0.098 ms at batch 64 (0.085 at a 128-register cap; Session 20).
 DECODE_BV = 4 if _INTERPRET else 64
-DECODE_BV_IEEE = 4 if _INTERPRET else 16
 DECODE_WARPS, DECODE_PREP_WARPS = 4, 4
 # A decode step's substitution sum (``sum_{j<b} A_tj u_j``) as one dot over the chunk with A's columns from the token's
 # block on zero, where the chain runs one 16-column dot per earlier block: on the H200 a whole-K dot whose A is zero
 # from column 16 nb on has the bits of nb block dots accumulated in ascending order at tf32 and bf16 (the probe's
 # ``k_chain``, tools/probe_dot_rows.py, and the chunk-form GPU tests, Session 18). It reads u's earlier rows once (the
 # output reads them too): row kernel 0.088 -> 0.078 ms at batch 64. Not at ieee, where the block dots are what the GPU
-# tests passed (Session 19, at DECODE_BV_IEEE; Session 18 blamed the ieee failure on this sum, but it stayed without
-# it: the cause was the row kernel's Dv block); nor under the interpreter, whose numpy dot bits follow K.
+# tests passed (Session 19; Session 18 blamed the ieee failure on this sum, but it stayed without it: the cause was
+# fp contraction in the row kernel); nor under the interpreter, whose numpy dot bits follow K.
 DECODE_SUM_ONE_DOT = not _INTERPRET
 # Register caps (ptxas .maxnreg) per kernel, 0: ptxas' own choice. A cap trades spills for programs per SM; it changes
 # no arithmetic. Not passed under the interpreter. H200, decode batch 64, chunk:bf16: both decode kernels at 168 (3
-# programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13). The training kernels
-# stay uncapped: the prep and the backward's local/output/WY kernels at 168 made the profiled fwd+bwd 10.44 -> 11.89 ms
+# programs per SM instead of 2), device time 0.180 -> 0.158 ms (PERFORMANCE.md Sessions 12, 13); then the decode prep
+# at 128 (4 per SM, no spills): prep 0.044 -> 0.041 ms, step 0.108 -> 0.106 (Session 20). The training kernels stay
+# uncapped: the prep and the backward's local/output/WY kernels at 168 made the profiled fwd+bwd 10.44 -> 11.89 ms
 # (the backward's output kernel 2.44 -> 3.58; Session 13).
 PREP_MAXNREG, CHAIN_MAXNREG, OUT_MAXNREG, SCAN_MAXNREG = 0, 0, 0, 0
-DECODE_MAXNREG, DECODE_PREP_MAXNREG = 168, 168
+DECODE_MAXNREG, DECODE_PREP_MAXNREG = 168, 128
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
 ELEM_BLOCK = 1024  # elements per gates program
@@ -305,7 +304,7 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     chain_bv = {"ieee": CHAIN_BV, "bf16": CHAIN_BV_BF16}.get(chain_precision, CHAIN_BV_MMA)
     chain_bv = max(MIN_DOT, min(chain_bv, bvf))
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
-    decode_bv = max(MIN_DOT, min(DECODE_BV_IEEE if chain_precision == "ieee" else DECODE_BV, bvf))
+    decode_bv = max(MIN_DOT, min(DECODE_BV, bvf))
     return GDNConfig(
         bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv,
         mid_bf16=_mid_bf16(chain_precision), decode_bv=decode_bv,
@@ -759,6 +758,9 @@ def _decode_prep_rows(
     in_buf = ot < nbuf
     present = ot < nrows
     _, cum = _chunk_gates(g_ptr, b_ptr, bg_ptr, bb_ptr, row0 + ot, brow0 + ot, in_buf, present, SG, SB, HV, h, C)
+    # q before the first store of G: a load after a store that may alias it stays after it, and loaded where P's dot
+    # needs it (after A's store) it added a dependent memory round trip to the step
+    q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine)
     base = sid * HV + h
     tl.store(gcum_ptr + base * C + ot, cum)
     tbase = bt_ptr + ((brow0 // C) * HV + h) * C * C  # this slot's T^{-1} rows
@@ -777,7 +779,6 @@ def _decode_prep_rows(
     lower = orr[:, None] > ot[None, :]
     a = tl.where(lower, bcr[:, None] * tl.exp(tl.where(lower, cur[:, None] - cum[None, :], 0.0)) * kk, 0.0)
     tl.store(abase + tl.arange(0, ROWS)[:, None] * C + ot[None, :], a)
-    q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine)
     p = _output_p(q.to(tl.float32) * scale, kcf, cur, cum, orr[:, None] >= ot[None, :], OPREC)
     tl.store(p_ptr + (base * ROWS + tl.arange(0, ROWS))[:, None] * C + ot[None, :], p, mask=mine[:, None])
     tl.debug_barrier()
@@ -1029,6 +1030,14 @@ def _decode_row_block(
     bu_rows = (bu_ptr + (brow0 * HV + h) * DV) + ov[None, :]  # + row * (HV * DV): this slot's buf_u
     by_rows = (by_ptr + (brow0 * HV + h) * DV) + ov[None, :]
     u_prev = tl.load(bu_rows + ot[:, None] * (HV * DV), mask=(ot < t)[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    # Every operand this program does not write is loaded here, before its first store: the compiler keeps a load
+    # after a store that may alias it, so loaded later each one added a dependent memory round trip to the step.
+    # Y's rows of t's block before t (earlier steps' or the chain's), X_bb's row t and P's row t (the decode prep's),
+    # G's rows of the output tile.
+    y_prev = tl.load(by_rows + orb[:, None] * (HV * DV), mask=(orb < t)[:, None] & mv[None, :], other=0.0)
+    xrow = _token_tile(bt_ptr + (((brow0 // C) * HV + h) * C + t) * C + (t // IB) * IB, oi, IB, mineb)
+    p = _token_tile(p_ptr + (base * ROWS + t - r0) * C, ot, C, mine)
+    g_out = tl.load(gcum_ptr + base * C + orr)
     q = _token_tile(q_ptr + (row0 + t) * SQ + hk * DK, ok, DK, mine).to(tl.float32) * scale
     qe = _dot(q, e, None, PREC)
     # Y_t: the earlier blocks' A_tj u_j (the chain's dots in its IB-row tiles), then R_t, in the chain's order
@@ -1051,9 +1060,7 @@ def _decode_row_block(
     tl.store(by_rows + orb[:, None] * (HV * DV), y.to(by_ptr.dtype.element_ty), mask=mineb[:, None] & mv[None, :])
     # u_t = X_bb[t] Y_b: Y's rows before t from buf_y, row t from registers (the value buf_y now holds, as a dot
     # rounds it); X_bb's row t as the decode prep stored it in buf_tinv
-    yb = tl.where(mineb[:, None], y, tl.load(by_rows + orb[:, None] * (HV * DV), mask=(orb < t)[:, None] & mv[None, :],
-                                             other=0.0).to(tl.float32))  # fmt: skip
-    xrow = _token_tile(bt_ptr + (((brow0 // C) * HV + h) * C + t) * C + (t // IB) * IB, oi, IB, mineb)
+    yb = tl.where(mineb[:, None], y, y_prev.to(tl.float32))
     u = _dot(xrow, yb, None, PREC)
     tl.store(bu_rows + orb[:, None] * (HV * DV), u.to(bu_ptr.dtype.element_ty), mask=mineb[:, None] & mv[None, :])
     # u's rows as the output dot reads them: rows < t from buf_u (loaded above), row t from registers, exactly the
@@ -1061,8 +1068,7 @@ def _decode_row_block(
     # terms are -0.0, the identity of + (x + -0 == x for every x, +0 and -0 included), so no bit moves.
     u_t = tl.sum(tl.where(mineb[:, None], u, -0.0), axis=0).to(bu_ptr.dtype.element_ty).to(tl.float32)
     u_all = tl.where((ot == t)[:, None], u_t[None, :], u_prev)
-    p = _token_tile(p_ptr + (base * ROWS + t - r0) * C, ot, C, mine)
-    o = _output_rows_from(qe, u_all, p, tl.load(gcum_ptr + base * C + orr), PREC)
+    o = _output_rows_from(qe, u_all, p, g_out, PREC)
     tl.store(
         (o_ptr + (row0 * HV + h) * DV) + orr[:, None] * (HV * DV) + ov[None, :], o, mask=mine[:, None] & mv[None, :]
     )
@@ -1087,7 +1093,7 @@ def _decode_row_block(
 def _decode_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bvv_ptr, bg_ptr, bb_ptr, bt_ptr, chunk_ptr,
     kd_ptr, egc_ptr, gcum_ptr, p_ptr, a_ptr,
-    scale, SQ, SK, SV, SG, SB, HK, HV, DK, DV, REP,
+    scale, SQ, SK, SV, SG, SB, HK, HV, DK: tl.constexpr, DV: tl.constexpr, REP,
     C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, KB: tl.constexpr, IB: tl.constexpr, PREC: tl.constexpr,
     OPREC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
@@ -1104,11 +1110,13 @@ def _decode_prep_kernel(
 def _decode_row_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
     a_ptr, bt_ptr, bu_ptr, by_ptr, o_ptr,
-    scale, SQ, SK, SV, SB, HV, DK, DV, REP,
+    scale, SQ, SK, SV, SB, HV, DK: tl.constexpr, DV: tl.constexpr, REP,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IB: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr,
     SUM_ONE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel."""
+    """:func:`_decode_row_block` per (sequence, value head, Dv block): a decode step's second kernel. DK and DV are
+    constexprs, as in ``_decode_prep_kernel``: the column masks fold away where they equal the blocks (sm_90a, chunk:bf16:
+    2368 -> 2184 SASS instructions, spills 32 -> 0 B; one compile per head size, which a model has one of)."""
     _decode_row_block(
         q_ptr, k_ptr, v_ptr, b_ptr, chunk_ptr, chain_ptr, entry_ptr, entry_bf16_ptr, kd_ptr, egc_ptr, gcum_ptr, p_ptr,
         a_ptr, bt_ptr, bu_ptr, by_ptr, o_ptr, scale, SQ, SK, SV, SB, HV, DK, DV, REP,
@@ -1943,7 +1951,6 @@ _RULE_CONSTANTS = {
     "close; chunk: the token's X_bb row from the cached rows (the prep's fma chain), its A and P rows, its Y, u and o "
     "rows through the chain's 16-row tiles (Y, u rows cached), the exit at close",
     "decode_bv": DECODE_BV,
-    "decode_bv_ieee": DECODE_BV_IEEE,  # the row kernel's Dv block with ieee chain dots
     "fp_contraction": "chunk form: off (enable_fp_fusion=False for prep, chain, output and decode kernels); scan: on",
     "decode_sum_one_dot": DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot (k_chain probe)
     "scan_bv": SCAN_BV,
