@@ -197,21 +197,23 @@ def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _check_gdn_kernels(profile: Mapping[str, Any], device_class: str) -> None:
+def _gdn_kernels(profile: Mapping[str, Any], device_class: str) -> dict[str, Any]:
     """profile.gdn_form / gdn_dot_precision choose among the GDN GPU kernels (docs/GDN.md "Output forms"): refuse them
-    where those kernels do not run, rather than write a contract whose composition computes something else."""
+    where those kernels do not run, rather than write a contract whose composition computes something else. Returns
+    the profile with the form resolved ("auto" -> the form that runs here), the constant the contract pins."""
     from megatron_iso.ops.gdn import gdn_choice_runs_here, gdn_profile_fields
 
     try:
-        form, precision = gdn_profile_fields(profile)
+        form, precision = gdn_profile_fields(profile, device_class)
     except ValueError as e:
         raise ContractValidationError(str(e)) from None
     if not gdn_choice_runs_here(form, precision, device_class, profile["name"]):
         raise ContractValidationError(
             f"profile.gdn_form={form!r}, profile.gdn_dot_precision={precision!r} need device=cuda and profile "
             f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile['name']!r} "
-            "only gdn_form='scan' with gdn_dot_precision=null exists"
+            "only gdn_form='scan' (or 'auto') with gdn_dot_precision=null exists"
         )
+    return {**profile, "gdn_form": form} if "gdn_form" in profile else dict(profile)
 
 
 def _axis_claims(
@@ -342,7 +344,7 @@ def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] 
     device_class = resolve_device_class(c.get("device", "auto"))
     _validate_profile(profile, model)
     bitwise = profile["name"] == "correctness"
-    _check_gdn_kernels(profile, device_class)
+    profile = _gdn_kernels(profile, device_class)
 
     if impls is None:
         impls = registry.registered(device_class=device_class, profile=profile["name"])

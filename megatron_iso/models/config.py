@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_iso.contract.build import resolve_device_class
 from megatron_iso.ops.gdn import check_backward_states, gdn_profile_fields
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -32,7 +33,7 @@ class IsoTransformerConfig(TransformerConfig):
     max_sequence_length: int = 0
     tie_word_embeddings: bool = False
     iso_gdn_chunk: int = 64  # CPR chunk of the Gated DeltaNet layers (profile.gdn_chunk)
-    iso_gdn_form: str = "scan"  # GDN output form on the GPU (profile.gdn_form: scan or chunk)
+    iso_gdn_form: str = "scan"  # GDN output form on the GPU (profile.gdn_form resolved: scan or chunk)
     iso_gdn_dot_precision: str | None = None  # GDN kernels' dot precision on the GPU (profile.gdn_dot_precision)
     iso_gdn_backward_states: str = "keep"  # what a GPU GDN forward keeps for the backward (rl.gdn_backward_states)
     # How HF checkpoints store GDN's input projections (model.hf_gdn_layout; naming only, same computation):
@@ -48,11 +49,11 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def gdn_fields(model: Any, profile: Any, rl: Any = None) -> dict[str, Any]:
+def gdn_fields(model: Any, profile: Any, rl: Any = None, device_class: str = "cpu") -> dict[str, Any]:
     """Megatron's Gated DeltaNet fields (``experimental_attention_variant``, ``linear_*``) for a hybrid
     model (one with ``full_attention_interval``); empty otherwise. Every ``full_attention_interval``-th
     layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``). ``rl``: the trainer's
-    group, for ``rl.gdn_backward_states`` (default "keep")."""
+    group, for ``rl.gdn_backward_states`` (default "keep"). ``device_class`` resolves ``profile.gdn_form=auto``."""
     interval = _get(model, "full_attention_interval")
     if interval is None:
         return {}
@@ -61,7 +62,7 @@ def gdn_fields(model: Any, profile: Any, rl: Any = None) -> dict[str, Any]:
     chunk = int(_get(profile, "gdn_chunk", 64))
     if chunk < 1:
         raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
-    form, precision = gdn_profile_fields(profile)
+    form, precision = gdn_profile_fields(profile, device_class)
     backward_states = check_backward_states(str(_get(rl, "gdn_backward_states", "keep")), "rl.gdn_backward_states")
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
@@ -94,7 +95,7 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
     dtype = DTYPES[dtype_name]
     tp = int(_get(parallel, "tp", 1))
     return IsoTransformerConfig(
-        **gdn_fields(model, profile, _get(cfg, "rl")),
+        **gdn_fields(model, profile, _get(cfg, "rl"), resolve_device_class(str(_get(cfg, "device", "auto")))),
         **moe_fields(model, parallel),
         num_layers=int(model.num_layers),
         hidden_size=int(model.hidden_size),

@@ -52,12 +52,22 @@ def test_policy_changes_move_numerical_policy_not_semantic(cfg_for, override):
 
 def test_gdn_form_moves_numerical_policy_and_is_named(cfg_for):
     """A trainer on the scan form and a rollout on the chunk form (or another dot precision) do not handshake."""
-    base = cfg_for("device=cuda")
+    base = cfg_for("device=cuda", "profile.gdn_form=scan")
     for override in ("profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"):
         assert changed(ids(base), ids(cfg_for("device=cuda", override))) == {"numerical_policy"}
     a = build_contract(base).to_dict()["numerical_policy"]
     b = build_contract(cfg_for("device=cuda", "profile.gdn_form=chunk")).to_dict()["numerical_policy"]
     assert diff_paths(a, b) == [("constants.gdn_form", "scan", "chunk")]
+
+
+def test_auto_gdn_form_is_pinned_resolved(cfg_for):
+    """profile.gdn_form=auto (the default) is pinned as the form it resolves to: a side on auto and a side naming that
+    form handshake; on the CPU auto is the scan form, on cuda the chunk form."""
+    for device, form in (("cuda", "chunk"), ("cpu", "scan")):
+        auto = build_contract(cfg_for(f"device={device}"))
+        assert auto.numerical_policy.constants["gdn_form"] == form
+        assert ids(cfg_for(f"device={device}")) == ids(cfg_for(f"device={device}", f"profile.gdn_form={form}"))
+    assert ids(cfg_for("device=cuda")) != ids(cfg_for("device=cuda", "profile.gdn_form=scan"))
 
 
 def test_leaves_change_is_named_in_policy_diff(cfg_for):

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
         (["profile.expert_leaves=3"], r"profile\.expert_leaves=3 must be a power of two"),
         (
             ["profile.gdn_form=spiral"],
-            r"profile\.gdn_form='spiral' is not allowed; allowed values: \['scan', 'chunk'\]",
+            r"profile\.gdn_form='spiral' is not allowed; allowed values: \['scan', 'chunk', 'auto'\]",
         ),
         (["profile.gdn_form=chunk"], r"profile\.gdn_form='chunk'.*need device=cuda and profile correctness"),
         (

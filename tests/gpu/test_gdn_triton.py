@@ -427,11 +427,14 @@ def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int, extr
 
 
 @pytest.mark.parametrize(
-    "gdn", [[], ["profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"]], ids=["scan", "chunk"]
+    "gdn",
+    [["profile.gdn_form=scan"], ["profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"], []],
+    ids=["scan", "chunk", "auto"],
 )
 @pytest.mark.parametrize(("prompt_len", "pieces"), [(15, [15]), (16, [16]), (21, [5, 11, 5])])
 def test_tiny_hybrid_training_forward_equals_prefill_decode(prompt_len, pieces, gdn):
-    """The model path: profile.gdn_form / gdn_dot_precision reach the GDN kernels (scan: the registered form)."""
+    """The model path: profile.gdn_form / gdn_dot_precision reach the GDN kernels (auto, the default: the chunk form
+    at its default bf16 dots on cuda)."""
     from megatron_iso.parallel.world import single_process_world
 
     with single_process_world():

@@ -210,6 +210,17 @@ def test_gdn_form_reaches_the_layer_and_the_cpu_refuses_the_chunk_form():
             model.forward_packed(ids, batch)
 
 
+def test_default_gdn_form_resolves_per_device():
+    """The correctness profile's gdn_form=auto reaches the layer as the form that runs on the config's device: the
+    chunk form for cuda (a config only: nothing runs here), the scan form for the CPU."""
+    from megatron_iso.config import load_config
+    from megatron_iso.models.config import transformer_config
+
+    for device, form in (("cuda", "chunk"), ("cpu", "scan")):
+        tc = transformer_config(load_config(["model=tiny_hybrid", f"device={device}"]))
+        assert (tc.iso_gdn_form, tc.iso_gdn_dot_precision) == (form, None), device
+
+
 def test_gdn_backward_states_reaches_the_layer_and_bad_values_are_named():
     """rl.gdn_backward_states (keep | recompute: what a GPU forward keeps for the backward) travels config -> layer;
     another value is refused naming the field and the allowed values, by the config and by the op."""

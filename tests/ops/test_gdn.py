@@ -312,14 +312,28 @@ def test_gpu_only_forms_and_precisions_are_refused_on_cpu():
     for kw in ({"form": "chunk"}, {"dot_precision": "bf16"}):
         with pytest.raises(ValueError, match=r"choose GPU kernels .*only form='scan' with dot_precision=None"):
             gated_delta_rule(*x, cu, chunk=8, **kw)
-    assert gdn_profile_fields({"gdn_form": "chunk", "gdn_dot_precision": "bf16"}) == ("chunk", "bf16")
-    assert gdn_profile_fields({}) == ("scan", None)
+    assert gdn_profile_fields({"gdn_form": "chunk", "gdn_dot_precision": "bf16"}, "cpu") == ("chunk", "bf16")
+    assert gdn_profile_fields({}, "cuda") == ("scan", None)
     with pytest.raises(
-        ValueError, match=r"profile.gdn_form='tiles' is not allowed; allowed values: \['scan', 'chunk'\]"
+        ValueError, match=r"profile.gdn_form='tiles' is not allowed; allowed values: \['scan', 'chunk', 'auto'\]"
     ):
-        gdn_profile_fields({"gdn_form": "tiles"})
+        gdn_profile_fields({"gdn_form": "tiles"}, "cpu")
     with pytest.raises(ValueError, match="profile.gdn_dot_precision=16 must be null or a string"):
-        gdn_profile_fields({"gdn_dot_precision": 16})
+        gdn_profile_fields({"gdn_dot_precision": 16}, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("device_class", "profile", "form"),
+    [("cuda", "correctness", "chunk"), ("cpu", "correctness", "scan"), ("cuda", "performance", "scan")],
+)
+def test_auto_form_is_the_form_that_runs_here(device_class, profile, form):
+    """gdn_form=auto: the chunk form where the GPU kernels run (cuda, correctness), the scan form, the only one,
+    elsewhere; the precision stays as given (null: the resolved form's default)."""
+    from megatron_iso.ops.gdn import gdn_choice_runs_here, gdn_profile_fields
+
+    got = gdn_profile_fields({"name": profile, "gdn_form": "auto", "gdn_dot_precision": None}, device_class)
+    assert got == (form, None)
+    assert gdn_choice_runs_here(*got, device_class, profile)
 
 
 def test_state_cache_holds_only_its_forms_state():

@@ -60,24 +60,37 @@ def gdn_gates(
     return select("gdn_gates", a, profile, TRITON_MODULE)(a, b, A_log, dt_bias)
 
 
-def gdn_profile_fields(profile: Any) -> tuple[str, str | None]:
-    """(profile.gdn_form, profile.gdn_dot_precision), checked: the form one of :data:`OUTPUT_FORMS` (default
-    "scan"), the precision null or a string (the GPU kernels check its value when they run)."""
+GDN_FORM_AUTO = "auto"
+
+
+def gdn_profile_fields(profile: Any, device_class: str) -> tuple[str, str | None]:
+    """(profile.gdn_form, profile.gdn_dot_precision) for ``device_class``, checked: the form one of
+    :data:`OUTPUT_FORMS` or "auto" (missing: "scan"), the precision null or a string (the GPU kernels check its value
+    when they run). "auto" resolves to the fastest form that exists here: "chunk" on the GPU kernels (cuda,
+    correctness; at its default bf16 dots the one within issue 8's 1.2x of FLA in training, prefill and decode,
+    docs/GDN.md), "scan" elsewhere, the only form there. Callers pin the resolved form, never "auto"."""
     get = profile.get if hasattr(profile, "get") else lambda key, default=None: getattr(profile, key, default)
     form = get("gdn_form", None) or "scan"
     precision = get("gdn_dot_precision", None)
+    if form == GDN_FORM_AUTO:
+        form = "chunk" if _gpu_kernels(device_class, str(get("name", None))) else "scan"
     if form not in OUTPUT_FORMS:
-        raise ValueError(f"profile.gdn_form={form!r} is not allowed; allowed values: {list(OUTPUT_FORMS)}")
+        raise ValueError(f"profile.gdn_form={form!r} is not allowed; allowed values: {[*OUTPUT_FORMS, GDN_FORM_AUTO]}")
     if precision is not None and not isinstance(precision, str):
         raise ValueError(f"profile.gdn_dot_precision={precision!r} must be null or a string such as 'bf16'")
     return str(form), precision
+
+
+def _gpu_kernels(device_class: str, profile: str) -> bool:
+    """Whether the GDN ops run the Triton kernels, the only ones with a choice of form and dot precision."""
+    return device_class == "cuda" and profile == "correctness"
 
 
 def gdn_choice_runs_here(form: str, dot_precision: str | None, device_class: str, profile: str) -> bool:
     """Whether a (form, dot precision) choice exists for ``device_class`` and ``profile``: the scan form at the
     implementation's own precision (None) everywhere, anything else only on the GPU kernels (cuda, correctness). The
     one rule behind the op's refusal and the contract builder's."""
-    return (form == "scan" and dot_precision is None) or (device_class == "cuda" and profile == "correctness")
+    return (form == "scan" and dot_precision is None) or _gpu_kernels(device_class, profile)
 
 
 def gated_delta_rule(
@@ -115,7 +128,7 @@ def gated_delta_rule(
             f"correctness); on {device_class} with profile {profile!r} only form='scan' with dot_precision=None "
             "exists (profile.gdn_form, profile.gdn_dot_precision)"
         )
-    gpu = device_class == "cuda" and profile == "correctness"  # the Triton module takes the choice; others have none
+    gpu = _gpu_kernels(device_class, profile)  # the Triton module takes the choice; others have none
     kw = {"form": form, "dot_precision": dot_precision, "keep_states": backward_states == "keep"} if gpu else {}
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 
@@ -123,6 +136,7 @@ def gated_delta_rule(
 __all__ = [
     "BACKWARD_STATES",
     "DEFAULT_CHUNK",
+    "GDN_FORM_AUTO",
     "OUTPUT_FORMS",
     "GDNLayerState",
     "GDNStateCache",
