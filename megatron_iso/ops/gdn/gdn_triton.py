@@ -74,7 +74,8 @@ on the same closed chunk (same fp32 values in the same tile positions), so train
 for each precision, as long as both sides pass the same one. Accuracy against fp64 is measured on the GPU
 (``tools/bench_gdn.py --dot-precision``), not derived.
 
-Output forms (VERSIONS 6, 7; ``GDNConfig.form``, per call ``form=``, in the model ``profile.gdn_form``; default "scan"):
+Output forms (VERSIONS 6 to 8; ``GDNConfig.form``, per call ``form=`` (default "scan"), in the model ``profile.gdn_form``,
+whose "auto" is the chunk form here):
 
 - **scan**: outputs from the per-token scan above; decode is one scan step (fast decode, training bound by the
   scan's fp32 CUDA-core math).
