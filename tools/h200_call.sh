@@ -12,7 +12,9 @@
 #   gdntests 540   pytest -v tests/gpu/test_gdn_triton.py alone (68 compile-bound tests, about 400 s on a fresh
 #                  machine, past gputests' limit; Session 18 saw 23 of them take 310 s: run it alone in a call;
 #                  GDN_TESTS_K="expr": pytest -k expr narrows it; -v leaves each test's result in the log if cut)
-#   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch)
+#   gdn      200   bench_gdn --quick: GDN layer vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch), the op's
+#                  default form (scan); the correctness profile runs chunk:bf16 on cuda (gdn_form auto): gdndot with
+#                  GDN_VARIANTS=chunk:bf16 GDN_BENCH_ARGS=--fla-bwd-unchecked times that
 #   gdnprof   90   bench_gdn --profile train:8x4096: per-kernel table of our training forward
 #   flaprof   90   bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward (our budget)
 #   gdndot   300   bench_gdn --dot-precision $GDN_VARIANTS (default ieee tf32x3 tf32) $GDN_BENCH_ARGS: variants of
@@ -26,13 +28,13 @@
 #                  (folders holding megatron_iso/ and tools/, e.g. from tools/make_code_copy.sh; carry them):
 #                  several versions of the kernels timed in one call (tools/gdn_code_copies.sh)
 #   gdnbwd   300   bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
-#                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd
+#                  anchor only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd (both the scan form)
 #   probe     90   probe_dot_rows: do a tl.dot row's bits depend on other rows, tile size, warps (chunk-form CPR)
 #   rl       150   bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
 #   rlhybrid 300   bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run; trainer
 #                  micro-batches of 16 sequences (64 samples -> 4: native ran out of memory in one batch);
-#                  RLHYBRID_OVERRIDES: Hydra overrides appended (e.g. "profile.gdn_form=chunk profile.gdn_dot_precision=bf16",
-#                  with RLHYBRID_PROFILES=correctness: the performance profile refuses the chunk form)
+#                  RLHYBRID_OVERRIDES: Hydra overrides appended (e.g. "profile.gdn_form=scan" with
+#                  RLHYBRID_PROFILES=correctness: the default, gdn_form auto, is the chunk form on cuda)
 #   decode   200   bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens (cut per run)
 #   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs: what graphs save
 #   kvpaged  120   bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
