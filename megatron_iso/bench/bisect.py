@@ -350,15 +350,14 @@ def side_config(side: Side) -> dict[str, Any]:
 
 
 def _check_case(side: Side, cfg: dict[str, Any]) -> None:
-    from omegaconf import OmegaConf
 
-    from megatron_iso.models.config import gdn_fields
+    from megatron_iso.models.config import is_hybrid
 
     if side.case != "prefill_decode":
         return
     if cfg["parallel"].get("sp"):
         raise ValueError(f"side '{side.label}': case=prefill_decode with parallel.sp=true; the decoder does not run SP")
-    if gdn_fields(OmegaConf.create(cfg["model"]), OmegaConf.create(cfg["profile"])):
+    if is_hybrid(cfg["model"]):
         # TODO(hybrid): carry a GDNStateCache beside the KV cache (pack(gdn_cache=...)) here.
         raise ValueError(f"side '{side.label}': case=prefill_decode of a hybrid (GDN) model is not supported yet")
 

@@ -49,14 +49,19 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def gdn_fields(model: Any, profile: Any, rl: Any = None, device_class: str = "cpu") -> dict[str, Any]:
+def is_hybrid(model: Any) -> bool:
+    """Whether ``model`` interleaves Gated DeltaNet layers with full attention (it sets ``full_attention_interval``)."""
+    return _get(model, "full_attention_interval") is not None
+
+
+def gdn_fields(model: Any, profile: Any, rl: Any, device_class: str) -> dict[str, Any]:
     """Megatron's Gated DeltaNet fields (``experimental_attention_variant``, ``linear_*``) for a hybrid
     model (one with ``full_attention_interval``); empty otherwise. Every ``full_attention_interval``-th
     layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``). ``rl``: the trainer's
     group, for ``rl.gdn_backward_states`` (default "keep"). ``device_class`` resolves ``profile.gdn_form=auto``."""
-    interval = _get(model, "full_attention_interval")
-    if interval is None:
+    if not is_hybrid(model):
         return {}
+    interval = _get(model, "full_attention_interval")
     if int(interval) < 1:
         raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
     chunk = int(_get(profile, "gdn_chunk", 64))

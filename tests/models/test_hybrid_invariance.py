@@ -237,7 +237,7 @@ def test_gdn_backward_states_reaches_the_layer_and_bad_values_are_named():
         assert tc.iso_gdn_backward_states == "recompute"
     cfg = load_config(["model=tiny_hybrid"])
     with pytest.raises(ValueError, match=r"rl.gdn_backward_states='all' is not allowed; allowed values: \['keep', 'r"):
-        gdn_fields(cfg.model, cfg.profile, {"gdn_backward_states": "all"})
+        gdn_fields(cfg.model, cfg.profile, {"gdn_backward_states": "all"}, "cpu")
     x = [torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), torch.zeros(3, 1), torch.zeros(3, 1)]
     with pytest.raises(
         ValueError, match=r"backward_states \(rl.gdn_backward_states\)='all' is not allowed; allowed values: \['keep'"
