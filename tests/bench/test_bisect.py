@@ -62,6 +62,8 @@ def test_bad_side_exits_2(capsys):
     sp_decode = "device=cpu parallel.tp=2 parallel.sp=true case=prefill_decode"
     assert main(["--a", "device=cpu", "--b", sp_decode]) == 2
     assert "the decoder does not run SP" in capsys.readouterr().err
+    assert main(["--a", "device=cpu model=tiny_hybrid", "--b", "device=cpu model=tiny_hybrid case=prefill_decode"]) == 2
+    assert "case=prefill_decode of a hybrid (GDN) model is not supported yet" in capsys.readouterr().err
     assert main(["--launcher", "mpi", "--a", "device=cpu", "--b", "device=cpu"]) == 2
     assert "--launcher='mpi' is not allowed; allowed values: ['gloo', 'torchrun']" in capsys.readouterr().err
 
