@@ -350,7 +350,6 @@ def side_config(side: Side) -> dict[str, Any]:
 
 
 def _check_case(side: Side, cfg: dict[str, Any]) -> None:
-
     from megatron_iso.models.config import is_hybrid
 
     if side.case != "prefill_decode":
