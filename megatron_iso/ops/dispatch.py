@@ -33,9 +33,14 @@ def import_triton_module(module: str, feature: str) -> Any:
         raise
 
 
+def runs_triton(device_class: str, profile: str) -> bool:
+    """Whether a family with a Triton module runs it: on cuda with the correctness profile."""
+    return device_class == "cuda" and profile == "correctness"
+
+
 def select(op: str, t: torch.Tensor, profile: str, triton_module: str | None = None) -> Callable[..., Any]:
     """The implementation of ``op`` for ``t``'s device class and ``profile``."""
     device_class = device_class_of(t)
-    if device_class == "cuda" and profile == "correctness" and triton_module is not None:
+    if runs_triton(device_class, profile) and triton_module is not None:
         import_triton_module(triton_module, f"{op} on cuda with profile=correctness")
     return lookup(op, device_class, profile).fn

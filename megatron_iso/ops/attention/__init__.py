@@ -20,7 +20,7 @@ from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan, PagedKVLayer
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
-from megatron_iso.ops.dispatch import device_class_of, import_triton_module, select
+from megatron_iso.ops.dispatch import device_class_of, import_triton_module, runs_triton, select
 
 TRITON_MODULE = "megatron_iso.ops.attention.attention_triton"
 
@@ -92,7 +92,7 @@ def paged_kv_reads(q: torch.Tensor, profile: str) -> bool:
     """Whether the prefill/decode implementation for ``q``'s device class and ``profile`` reads a paged
     pool in place (:func:`attention_with_paged_kv_cache`): the Triton kernel, cuda + correctness. The
     reference (cpu) and native (performance) kernels take a contiguous cache: the pool is staged."""
-    return profile == "correctness" and device_class_of(q) == "cuda"
+    return runs_triton(device_class_of(q), profile)
 
 
 def attention_with_paged_kv_cache(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_iso.ops.dispatch import device_class_of, select
+from megatron_iso.ops.dispatch import device_class_of, runs_triton, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
@@ -73,7 +73,7 @@ def gdn_profile_fields(profile: Any, device_class: str) -> tuple[str, str | None
     form = get("gdn_form", None) or "scan"
     precision = get("gdn_dot_precision", None)
     if form == GDN_FORM_AUTO:
-        form = "chunk" if _gpu_kernels(device_class, str(get("name", None))) else "scan"
+        form = "chunk" if runs_triton(device_class, str(get("name", None))) else "scan"
     if form not in OUTPUT_FORMS:
         raise ValueError(f"profile.gdn_form={form!r} is not allowed; allowed values: {[*OUTPUT_FORMS, GDN_FORM_AUTO]}")
     if precision is not None and not isinstance(precision, str):
@@ -81,16 +81,11 @@ def gdn_profile_fields(profile: Any, device_class: str) -> tuple[str, str | None
     return str(form), precision
 
 
-def _gpu_kernels(device_class: str, profile: str) -> bool:
-    """Whether the GDN ops run the Triton kernels, the only ones with a choice of form and dot precision."""
-    return device_class == "cuda" and profile == "correctness"
-
-
 def gdn_choice_runs_here(form: str, dot_precision: str | None, device_class: str, profile: str) -> bool:
     """Whether a (form, dot precision) choice exists for ``device_class`` and ``profile``: the scan form at the
     implementation's own precision (None) everywhere, anything else only on the GPU kernels (cuda, correctness). The
     one rule behind the op's refusal and the contract builder's."""
-    return (form == "scan" and dot_precision is None) or _gpu_kernels(device_class, profile)
+    return (form == "scan" and dot_precision is None) or runs_triton(device_class, profile)
 
 
 def gated_delta_rule(
@@ -128,7 +123,7 @@ def gated_delta_rule(
             f"correctness); on {device_class} with profile {profile!r} only form='scan' with dot_precision=None "
             "exists (profile.gdn_form, profile.gdn_dot_precision)"
         )
-    gpu = _gpu_kernels(device_class, profile)  # the Triton module takes the choice; others have none
+    gpu = runs_triton(device_class, profile)  # the Triton module takes the choice; others have none
     kw = {"form": form, "dot_precision": dot_precision, "keep_states": backward_states == "keep"} if gpu else {}
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 

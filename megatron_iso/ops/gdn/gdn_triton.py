@@ -305,10 +305,9 @@ def config_for(dk: int, dv: int, chunk: int, dot_precision: str = DOT_PRECISION,
     chain_bv = {"ieee": CHAIN_BV, "bf16": CHAIN_BV_BF16}.get(chain_precision, CHAIN_BV_MMA)
     chain_bv = max(MIN_DOT, min(chain_bv, bvf))
     out_bv = max(MIN_DOT, min(OUT_BV, bvf))
-    decode_bv = max(MIN_DOT, min(DECODE_BV, bvf))
     return GDNConfig(
         bk, bvf, min(SCAN_BV, bvf), chain_bv, chunk, kb, inv_block, prep_precision, chain_precision, form, out_bv,
-        mid_bf16=_mid_bf16(chain_precision), decode_bv=decode_bv,
+        mid_bf16=_mid_bf16(chain_precision), decode_bv=max(MIN_DOT, min(DECODE_BV, bvf)),
     )  # fmt: skip
 
 
