@@ -233,10 +233,10 @@ def _state(slots: int):
     """A state cache as the model allocates one: buf_v in v's dtype (bf16, as the model's), buf_u as the chunk form
     stores u."""
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn.gdn_triton import chunk_u_dtype
+    from megatron_iso.ops.gdn.gdn_triton import state_u_dtype
 
     form = FORM or "scan"
-    u_dtype = chunk_u_dtype(DOT_PRECISION) if form == "chunk" else torch.float32
+    u_dtype = state_u_dtype(form, DOT_PRECISION)
     return GDNLayerState.allocate(slots, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D,
                                   value_dim=D, chunk=CHUNK, dtype=torch.bfloat16, device=DEVICE, form=form,
                                   v_dtype=torch.bfloat16, u_dtype=u_dtype)  # fmt: skip
@@ -670,7 +670,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
 
     state = GDNLayerState.allocate(2, conv_dim=1, conv_kernel=2, key_heads=hk, value_heads=hv, key_dim=D, value_dim=D,
                                    chunk=CHUNK, form=kw["form"], v_dtype=torch.bfloat16,
-                                   u_dtype=G.chunk_u_dtype(prec) if kw["form"] == "chunk" else torch.float32,
+                                   u_dtype=G.state_u_dtype(kw["form"], prec),
                                    )  # fmt: skip
     one = torch.tensor([1])
     seen: set = set()

@@ -54,7 +54,7 @@ def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: st
 
     q, k, v = x[0], x[1], x[2]
     hk, hv, dk, dv, dev = k.shape[1], v.shape[1], k.shape[2], v.shape[2], q.device
-    prec = dot_precision or (gt.CHUNK_DOT_PRECISION if form == "chunk" else gt.DOT_PRECISION)
+    prec = gt.form_dot_precision(form, dot_precision)
     kw = {"dot_precision": prec, "form": form}
     ib = gt.config_for(dk, dv, chunk, prec, form).inv_block
 
@@ -64,7 +64,7 @@ def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: st
     def run(pieces: list[int]) -> tuple[torch.Tensor, GDNLayerState]:
         st = GDNLayerState.allocate(2, conv_dim=1, conv_kernel=2, key_heads=hk, value_heads=hv, key_dim=dk,
                                     value_dim=dv, chunk=chunk, dtype=torch.float32, device=dev, form=form,
-                                    u_dtype=gt.chunk_u_dtype(prec) if form == "chunk" else torch.float32)  # fmt: skip
+                                    u_dtype=gt.state_u_dtype(form, prec))  # fmt: skip
         outs, pos = [], 0
         for n in pieces:
             r = slice(pos, pos + n)

@@ -230,7 +230,7 @@ def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
     nb = total % chunk  # the open chunk's tokens at the end
     x = list(inputs(total, 65, d))
     x[2] = x[2].bfloat16()
-    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.chunk_u_dtype(prec) if form == "chunk" else torch.float32}
+    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.state_u_dtype(form, prec)}
     got = {}
     for dtypes in ({}, narrow):
         st = new_state(2, chunk, d, form=form, **dtypes)

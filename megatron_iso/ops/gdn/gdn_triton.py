@@ -1427,6 +1427,17 @@ def chunk_u_dtype(dot_precision: str | None = None) -> torch.dtype:
     return torch.bfloat16 if _mid_bf16(split_dot_precision(dot_precision or CHUNK_DOT_PRECISION)[1]) else torch.float32
 
 
+def state_u_dtype(form: str, dot_precision: str | None = None) -> torch.dtype:
+    """``buf_u``'s dtype for a state cache of ``form`` (GDNLayerState.allocate's u_dtype): :func:`chunk_u_dtype` in the
+    chunk form, fp32 in the scan form (its buf_u is not read)."""
+    return chunk_u_dtype(dot_precision) if form == "chunk" else torch.float32
+
+
+def form_dot_precision(form: str, dot_precision: str | None = None) -> str:
+    """``dot_precision``, or ``form``'s default where it is None (chunk: CHUNK_DOT_PRECISION, scan: DOT_PRECISION)."""
+    return dot_precision or (CHUNK_DOT_PRECISION if form == "chunk" else DOT_PRECISION)
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x`` as a kernel reads it, and its row stride: as it is when its dtype widens exactly to fp32 and its
     dims after the first are contiguous (a view of the model's split q/k/v projection is), else an fp32
@@ -1634,8 +1645,7 @@ def _rule_forward(
     if state is not None and state.chunk != chunk:
         raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
     form = form or FORM
-    if dot_precision is None:
-        dot_precision = CHUNK_DOT_PRECISION if form == "chunk" else DOT_PRECISION
+    dot_precision = form_dot_precision(form, dot_precision)
     cfg = config_for(dk, dv, chunk, dot_precision, form)
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
