@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.ops.activation.pointwise import iso_exp
+from megatron_iso.ops.common.ieee_math import iso_exp
 
 
 def inclusive_scan(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_iso.ops.activation import swiglu_packed
-from megatron_iso.ops.activation.pointwise import iso_sigmoid
+from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route

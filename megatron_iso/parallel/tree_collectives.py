@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.tree import tree_sum
+from megatron_iso.ops.common.tree import tree_sum
 
 Group = dist.ProcessGroup | None
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.autograd import with_plain_backward
+from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
 from megatron_iso.parallel.tree_collectives import (

@@ -59,7 +59,7 @@ def test_gemm_schedule_never_changes_bits(gemm, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_gemm_tp_subtrees(gemm, dtype, tp):
-    from megatron_iso.ops.tree import tree_sum
+    from megatron_iso.ops.common.tree import tree_sum
 
     K = 4096
     x, w = _rand((33, K), dtype, 6), _rand((256, K), dtype, 7)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.activation import swiglu, swiglu_packed
-from megatron_iso.ops.activation.pointwise import iso_exp, iso_sigmoid, iso_silu
+from megatron_iso.ops.common.ieee_math import iso_exp, iso_sigmoid, iso_silu
 from megatron_iso.testing.bits import bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -16,7 +16,7 @@ MS = [1, 2, 3, 7, 8, 64]
 
 
 @pytest.mark.parametrize("fn", [iso_exp, iso_sigmoid, iso_silu])
-def test_pointwise_same_bits_any_shape(fn) -> None:
+def test_ieee_math_same_bits_any_shape(fn) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4099, generator=g) * 12
     full = fn(x)
@@ -26,7 +26,7 @@ def test_pointwise_same_bits_any_shape(fn) -> None:
     assert same_bits(fn(x.view(-1)[:4096].view(64, 64).t()).t().reshape(-1), full[:4096])
 
 
-def test_pointwise_accuracy_and_specials() -> None:
+def test_ieee_math_accuracy_and_specials() -> None:
     x = torch.linspace(-100, 88, 20001, dtype=torch.float64)
     for fn, ref in ((iso_exp, torch.exp), (iso_sigmoid, torch.sigmoid), (iso_silu, F.silu)):
         got, want = fn(x.float()).double(), ref(x.float().double())

@@ -250,8 +250,8 @@ def test_qk_norm_rope_gate_chain_prefill_decode(dtype: torch.dtype) -> None:
 def test_reference_is_portable_to_cuda_tensors() -> None:
     """The reference uses only correctly rounded ops, so it gives the CPU's bits on a GPU too
     (measured on an H200, torch 2.11+cu130): one digest for the torch reference wherever it runs."""
-    from megatron_iso.ops.activation.pointwise import iso_silu
     from megatron_iso.ops.attention.reference import attention_varlen as ref_varlen
+    from megatron_iso.ops.common.ieee_math import iso_silu
     from megatron_iso.ops.rope.reference import rope_cos_sin
 
     for dtype in DTYPES:

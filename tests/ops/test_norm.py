@@ -113,7 +113,7 @@ def test_cuda_correctness_dispatch_without_gpu() -> None:
     from types import SimpleNamespace
 
     from megatron_iso.ops import rope
-    from megatron_iso.ops.dispatch import select
+    from megatron_iso.ops.common.dispatch import select
     from megatron_iso.ops.norm import TRITON_MODULE
 
     fake = SimpleNamespace(device=torch.device("cuda"))
@@ -141,7 +141,7 @@ def test_cuda_path_without_triton_names_the_extra(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from megatron_iso.extras import MissingExtraError
-    from megatron_iso.ops.dispatch import select
+    from megatron_iso.ops.common.dispatch import select
     from megatron_iso.ops.norm import TRITON_MODULE
 
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail as if not installed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.ops.tree import tree_sum, tree_sum_dim
+from megatron_iso.ops.common.tree import tree_sum, tree_sum_dim
 from megatron_iso.testing.bits import bits
 
 

@@ -1,4 +1,4 @@
-"""Activations: SwiGLU (``silu(gate) * up``), plus IEEE-composed exp/sigmoid/silu in ``pointwise``.
+"""Activations: SwiGLU (``silu(gate) * up``), plus IEEE-composed exp/sigmoid/silu in ``ieee_math``.
 
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference``, CUDA+correctness =
 ``megatron_iso.ops.activation.activation_triton`` (lazy, same signature), performance = ``native``.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.ops.activation import native, reference  # noqa: F401  (imports register the implementations)
-from megatron_iso.ops.autograd import with_plain_backward
-from megatron_iso.ops.dispatch import select
+from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.common.dispatch import select
 
 TRITON_MODULE = "megatron_iso.ops.activation.activation_triton"
 

@@ -3,7 +3,7 @@
 The torch reference runs ``silu(gate) * up`` as ~40 separate float64 elementwise kernels (the exp
 polynomial, the sigmoid, the products), each rounding its result; on a GPU that is ~1.5 ms of CPU
 launch time per MLP call. This kernel performs the same float64 operations in the same order
-(``pointwise_triton``), compiled without FMA contraction, then rounds to float32 and then to the
+(``ieee_math_triton``), compiled without FMA contraction, then rounds to float32 and then to the
 input dtype, as the reference does. Elementwise, so batch invariant by construction.
 """
 
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise_triton import NO_FMA, f32_to, sigmoid64, to_f32
+from megatron_iso.ops.common.ieee_math_triton import NO_FMA, f32_to, sigmoid64, to_f32
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = 1024  # elements per program along the row; a launch constant that never changes a bit
@@ -77,7 +77,7 @@ register(
         profile="correctness",
         fn=swiglu_triton,
         constants={
-            "compute_dtype": "fp64 IEEE-composed silu * up (pointwise_triton)",
+            "compute_dtype": "fp64 IEEE-composed silu * up (ieee_math_triton)",
             "output_rounding": "fp32 then input dtype",
             "equality": "bitwise equal to the torch reference (same fp64 op sequence, no FMA contraction)",
             "fp_fusion": False,

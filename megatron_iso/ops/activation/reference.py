@@ -1,5 +1,5 @@
 """SwiGLU reference path (CPU): ``silu(gate) * up`` computed in float64 from IEEE-composed
-operations (``pointwise``), rounded to float32 once and then to the input dtype.
+operations (``ieee_math``), rounded to float32 once and then to the input dtype.
 
 Purely elementwise, so batch invariant as long as every lane rounds the same way, which the
 IEEE-only construction guarantees (``F.silu`` does not: its vector body and scalar tail differ).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise import sigmoid64
+from megatron_iso.ops.common.ieee_math import sigmoid64
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan, PagedKVLayer
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
-from megatron_iso.ops.dispatch import device_class_of, import_triton_module, runs_triton, select
+from megatron_iso.ops.common.dispatch import device_class_of, import_triton_module, runs_triton, select
 
 TRITON_MODULE = "megatron_iso.ops.attention.attention_triton"
 

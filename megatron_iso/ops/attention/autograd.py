@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_iso.ops.autograd import with_plain_backward
+from megatron_iso.ops.common.autograd import with_plain_backward
 
 # Padded score tensors of one batched call stay below this many bytes; more sequences go in several calls.
 _SCORES_BYTES = 1 << 30

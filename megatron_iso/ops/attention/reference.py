@@ -17,7 +17,7 @@ all float32):
 So query ``p``'s arithmetic depends only on ``p``, its own q and keys ``0..p``: a decode step
 with ``kv_len = p + 1``, a (chunked) prefill, and a training forward over the whole sequence give
 the same bits, and the other sequences of a pack or batch never enter. exp is the IEEE-composed
-``pointwise.iso_exp``; the output is ``acc / l`` (times ``sigmoid(gate)`` if gated), rounded once.
+``ieee_math.iso_exp``; the output is ``acc / l`` (times ``sigmoid(gate)`` if gated), rounded once.
 GQA: query head ``h`` reads kv head ``h // (Hq / Hkv)``.
 """
 
@@ -29,9 +29,9 @@ from itertools import pairwise
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise import iso_exp, iso_sigmoid
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
-from megatron_iso.ops.tree import tree_sum_dim
+from megatron_iso.ops.common.ieee_math import iso_exp, iso_sigmoid
+from megatron_iso.ops.common.tree import tree_sum_dim
 
 DEFAULT_KV_BLOCK = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -267,7 +267,7 @@ _CONSTANTS = {
     "block_order": "ascending, online softmax (m, l, acc in fp32)",
     "score": "tree_sum_dim(q*k) over head_dim, then * scale (fp32)",
     "block_sums": "tree_sum_dim over the full padded block width; masked terms exactly +0",
-    "exp": "fp64 IEEE-composed (pointwise.iso_exp), rounded to fp32",
+    "exp": "fp64 IEEE-composed (ieee_math.iso_exp), rounded to fp32",
     "output": "acc / l, * iso_sigmoid(gate) if gated, rounded once",
     "accumulate_dtype": "fp32",
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_iso.ops.dispatch import device_class_of, runs_triton, select
+from megatron_iso.ops.common.dispatch import device_class_of, runs_triton, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache

@@ -137,8 +137,8 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise_triton import NO_FMA
-from megatron_iso.ops.autograd import with_plain_backward
+from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.common.ieee_math_triton import NO_FMA
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, check_value_buffer

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise import exp64, iso_exp, iso_silu, sigmoid64, softplus64
+from megatron_iso.ops.common.ieee_math import exp64, iso_exp, iso_silu, sigmoid64, softplus64
+from megatron_iso.ops.common.tree import tree_sum_dim
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
-from megatron_iso.ops.tree import tree_sum_dim
 
 DEFAULT_CHUNK = 64
 L2NORM_EPS = 1e-6
@@ -377,7 +377,7 @@ _RULE_CONSTANTS = {
     "state_pass": "UT form: sequential cumsum of g, forward substitution, tree sums; fp32 chain over chunks",
     "output": "per-token recurrent scan from the chunk entry state, fp32, tree sums over Dk",
     "decode": "same scan from the running state; state pass re-run over the buffered chunk when it closes",
-    "exp": "pointwise.iso_exp (fp64 IEEE-composed, rounded once)",
+    "exp": "ieee_math.iso_exp (fp64 IEEE-composed, rounded once)",
     "q_scale": "Dk^-0.5 in fp32",
 }
 for _op, _fn, _probe, _consts in (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.dispatch import select
+from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,

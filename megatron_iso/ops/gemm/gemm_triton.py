@@ -2,7 +2,7 @@
 
 ``out = x @ weight.T`` with the contraction dimension K cut into ``leaves`` contiguous equal leaves.
 Each leaf is an fp32-accumulating GEMM with a fixed tile; the leaves' fp32 results are added in the
-fixed balanced binary tree of :mod:`megatron_iso.ops.tree` (left operand = lower leaf indices).
+fixed balanced binary tree of :mod:`megatron_iso.ops.common.tree` (left operand = lower leaf indices).
 
 Why the result of a row never depends on M or on the other rows:
 - the tile config is chosen from the input dtype only (not from M, N or K), so every leaf of every

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.dispatch import import_triton_module
+from megatron_iso.ops.common.dispatch import import_triton_module
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,

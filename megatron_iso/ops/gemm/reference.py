@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.ops.tree import tree_sum_dim
+from megatron_iso.ops.common.tree import tree_sum_dim
 
 DEFAULT_LEAVES = 8
 # Upcasting these to fp32 is exact, so the fp32 products are the exact-input products.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.dispatch import select
+from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob.native import NativeScores, entropy_native, log_softmax_native, token_logprobs_native
 from megatron_iso.ops.logprob.reference import (

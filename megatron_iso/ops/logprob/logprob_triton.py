@@ -2,7 +2,7 @@
 
 Same algorithm as ``reference.VocabScores``: ``z = logits.float() / t`` (correctly rounded division),
 ``m = max z`` (exact in any order), per vocab *leaf* ``s_l = sum exp(z - m)``, leaves added with the fixed
-balanced tree (:func:`megatron_iso.ops.tree.tree_sum_dim`), ``lse = m + log(s)``, ``logp = z_target - lse``.
+balanced tree (:func:`megatron_iso.ops.common.tree.tree_sum_dim`), ``lse = m + log(s)``, ``logp = z_target - lse``.
 
 One program per (row, shard); within a leaf the sum is a BLOCK-lane fp32 accumulator walked over the
 leaf's blocks from its start, then ``tl.sum`` (fixed block and warps): a leaf's sum depends only on the
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_iso.ops.common.tree import tree_sum_dim
 from megatron_iso.ops.logprob.reference import checked_temperature
-from megatron_iso.ops.tree import tree_sum_dim
 
 BLOCK = 2048
 NUM_WARPS = 8

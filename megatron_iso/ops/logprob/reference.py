@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megatron_iso.ops.common.tree import tree_sum_dim
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES, check_dtype, validate_leaves
-from megatron_iso.ops.tree import tree_sum_dim
 
 # Temperature tensors whose values were checked on the host before they were uploaded
 # (:func:`host_checked_temperature`): :func:`scale_logits` does not read them back, a host sync

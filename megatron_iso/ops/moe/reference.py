@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.ops.activation.pointwise import iso_exp
-from megatron_iso.ops.tree import tree_sum_dim
+from megatron_iso.ops.common.ieee_math import iso_exp
+from megatron_iso.ops.common.tree import tree_sum_dim
 
 
 def router_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from megatron_iso.ops.autograd import with_plain_backward
-from megatron_iso.ops.dispatch import select
+from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.norm import native, reference  # noqa: F401  (imports register the implementations)
 
 TRITON_MODULE = "megatron_iso.ops.norm.norm_triton"

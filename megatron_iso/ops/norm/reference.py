@@ -2,7 +2,7 @@
 
 Each row's mean of squares is a fixed-tree sum (``tree_sum_dim``) in float32, so a row's bits never
 depend on how many other rows share the call. Only correctly rounded elementwise ops follow
-(``sqrt``, ``/``, ``*``, and the IEEE-composed silu from ``ops.activation.pointwise``), and the output
+(``sqrt``, ``/``, ``*``, and the IEEE-composed silu from ``ops.common.ieee_math``), and the output
 is rounded to the input dtype once, at the end.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise import iso_silu
-from megatron_iso.ops.tree import tree_sum_dim
+from megatron_iso.ops.common.ieee_math import iso_silu
+from megatron_iso.ops.common.tree import tree_sum_dim
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -110,7 +110,7 @@ REFERENCE_GATED_RMSNORM = register(
         device_class="cpu",
         profile="correctness",
         fn=gated_rms_norm,
-        constants={**_CONSTANTS, "silu": "fp64 IEEE-composed (pointwise.iso_silu), rounded to fp32"},
+        constants={**_CONSTANTS, "silu": "fp64 IEEE-composed (ieee_math.iso_silu), rounded to fp32"},
         probe=_probe_gated,
     )
 )

@@ -4,7 +4,7 @@ Training, prefill and decode call :func:`rope_cos_sin` with the token's absolute
 token gets the same angle bits whatever the number of tokens in the call. The angle
 ``position * inv_freq`` is formed in float64 (positions are exact integers there), reduced modulo
 pi/2 with a two-part constant, and sin/cos come from Taylor polynomials: only correctly rounded
-operations, so no dependence on ATen's vector/scalar lanes (see ``ops.activation.pointwise``).
+operations, so no dependence on ATen's vector/scalar lanes (see ``ops.common.ieee_math``).
 Results are rounded to float32 once.
 
 Layout follows HF Qwen3 / Qwen3-Next: ``cos = cat(cos(f), cos(f))`` over ``rotary_dim`` and
@@ -15,21 +15,13 @@ halves); a partial rotary factor rotates the first ``rotary_dim`` channels and p
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.ops.common.ieee_constants import MAX_ANGLE
+from megatron_iso.ops.common.ieee_math import sincos64
 
-# pi/2 = _PIO2_HI + _PIO2_LO, with _PIO2_HI's low 20 bits zero: k * _PIO2_HI is exact for k < 2^20
-# (angles up to ~1.6e6 rad, i.e. 1.6M positions at inv_freq 1). Same split as fdlibm's pio2_1.
-_PIO2_HI = 1.57079632673412561417e00
-_PIO2_LO = 6.07710050650619224932e-11
-_TWO_OVER_PI = 2.0 / math.pi
-# Taylor terms up to x^17 / x^16 on |r| <= pi/4: truncation error < 1e-16.
-_SIN_COEFFS = [(-1.0) ** n / math.factorial(2 * n + 1) for n in range(9)]
-_COS_COEFFS = [(-1.0) ** n / math.factorial(2 * n) for n in range(9)]
-MAX_ANGLE = float(2**20) * _PIO2_HI
 # inv_freq[0] = theta ** 0 = 1 exactly, so a call's largest |angle| is its largest |position|: the
 # range check needs only that integer, which whoever builds the positions knows on the host.
 MAX_POSITION = int(MAX_ANGLE)
@@ -76,26 +68,6 @@ def rotary_dim_for(head_dim: int, fraction: float = 1.0) -> int:
     return dim
 
 
-def _horner(coeffs: list[float], x: torch.Tensor) -> torch.Tensor:
-    p = torch.full_like(x, coeffs[-1])
-    for c in reversed(coeffs[:-1]):
-        p = p * x + c
-    return p
-
-
-def _sincos64(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    k = torch.round(angle * _TWO_OVER_PI)
-    r = (angle - k * _PIO2_HI) - k * _PIO2_LO
-    r2 = r * r
-    s = r * _horner(_SIN_COEFFS, r2)
-    c = _horner(_COS_COEFFS, r2)
-    quadrant = k.to(torch.int64).remainder(4)
-    # sin(a) over quadrants 0..3: s, c, -s, -c;  cos(a): c, -s, -c, s.
-    sin = torch.where(quadrant == 0, s, torch.where(quadrant == 1, c, torch.where(quadrant == 2, -s, -c)))
-    cos = torch.where(quadrant == 0, c, torch.where(quadrant == 1, -s, torch.where(quadrant == 2, -c, s)))
-    return sin, cos
-
-
 def max_abs_position(positions: torch.Tensor) -> int:
     """``max |positions|`` read back from the tensor (a host sync on GPU; 0 when empty)."""
     return int(positions.abs().max()) if positions.numel() else 0
@@ -114,7 +86,7 @@ def rope_cos_sin(
     check_position(max_abs_position(positions) if max_position is None else max_position)
     inv = inv_frequencies_on(int(rotary_dim), float(theta), positions.device)
     angle = positions.to(torch.float64).unsqueeze(-1) * inv
-    sin, cos = _sincos64(angle)
+    sin, cos = sincos64(angle)
     cos = torch.cat([cos, cos], dim=-1).float()
     sin = torch.cat([sin, sin], dim=-1).float()
     return cos, sin

@@ -5,7 +5,7 @@ bitwise equal to ``megatron_iso.ops.rope.reference``.
 a sum, each rounded; ``rotate_half``'s negation is a sign flip), rounded to ``x.dtype`` once, the
 pass-through channels copied. Compiled without FMA contraction, so ``a * b + c`` keeps its two
 roundings. ``rope_cos_sin``: the float64 angle ``position * inv_freq`` and the Cody-Waite + Taylor
-``_sincos64`` of the reference, through ``activation.pointwise_triton.sincos64``, rounded to float32.
+``ieee_math.sincos64``, through ``common.ieee_math_triton.sincos64``, rounded to float32.
 The per-config ``inv_freq`` table is the reference's (Python floats), cached per device; the range
 check is the reference's, on a host bound when the caller has one (no host sync then).
 """
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, register
-from megatron_iso.ops.activation.pointwise_triton import NO_FMA, f32_to, neg, sincos64, to_f32
+from megatron_iso.ops.common.ieee_math_triton import NO_FMA, f32_to, neg, sincos64, to_f32
 from megatron_iso.ops.rope.reference import check_position, inv_frequencies_on, max_abs_position
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,4 +1,4 @@
-"""Triton twins of ``pointwise``'s IEEE-composed float64 functions, for use inside other kernels.
+"""Triton twins of ``ieee_math``'s IEEE-composed float64 functions, for use inside other kernels.
 
 Each helper performs the torch reference's float64 operations in the same order, and every one of
 them is correctly rounded (``+ - * /``, compares, selects, bit manipulation), so a kernel built from
@@ -22,31 +22,30 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.activation import pointwise as _pw
-from megatron_iso.ops.rope import reference as _rope_ref
+from megatron_iso.ops.common import ieee_constants as _k
 
 # Launch option for every kernel that uses these helpers: no FMA contraction (see the module doc).
 NO_FMA = {"enable_fp_fusion": False}
 
 _RNE_MAGIC = tl.constexpr(6755399441055744.0)  # 1.5 * 2^52
 
-_LN2_HI = tl.constexpr(_pw._LN2_HI)
-_LN2_LO = tl.constexpr(_pw._LN2_LO)
-_INV_LN2 = tl.constexpr(_pw._INV_LN2)
-_EXP_MIN = tl.constexpr(_pw._EXP_MIN)
-_EXP_MAX = tl.constexpr(_pw._EXP_MAX)
-_E = [tl.constexpr(c) for c in _pw._EXP_COEFFS]
+_LN2_HI = tl.constexpr(_k.LN2_HI)
+_LN2_LO = tl.constexpr(_k.LN2_LO)
+_INV_LN2 = tl.constexpr(_k.INV_LN2)
+_EXP_MIN = tl.constexpr(_k.EXP_MIN)
+_EXP_MAX = tl.constexpr(_k.EXP_MAX)
+_E = [tl.constexpr(c) for c in _k.EXP_COEFFS]
 _E0, _E1, _E2, _E3, _E4, _E5, _E6, _E7, _E8, _E9, _E10, _E11, _E12 = _E
 
-_PIO2_HI = tl.constexpr(_rope_ref._PIO2_HI)
-_PIO2_LO = tl.constexpr(_rope_ref._PIO2_LO)
-_TWO_OVER_PI = tl.constexpr(_rope_ref._TWO_OVER_PI)
-_S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7, _S8 = [tl.constexpr(c) for c in _rope_ref._SIN_COEFFS]
-_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8 = [tl.constexpr(c) for c in _rope_ref._COS_COEFFS]
+_PIO2_HI = tl.constexpr(_k.PIO2_HI)
+_PIO2_LO = tl.constexpr(_k.PIO2_LO)
+_TWO_OVER_PI = tl.constexpr(_k.TWO_OVER_PI)
+_S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7, _S8 = [tl.constexpr(c) for c in _k.SIN_COEFFS]
+_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8 = [tl.constexpr(c) for c in _k.COS_COEFFS]
 
-if len(_pw._EXP_COEFFS) != 13 or len(_rope_ref._SIN_COEFFS) != 9 or len(_rope_ref._COS_COEFFS) != 9:
+if len(_k.EXP_COEFFS) != 13 or len(_k.SIN_COEFFS) != 9 or len(_k.COS_COEFFS) != 9:
     # The Horner chains below are written out term by term; a changed reference must change them too.
-    raise ImportError("pointwise_triton: the reference polynomial degrees changed; update the Triton Horner chains")
+    raise ImportError("ieee_math_triton: the reference polynomial degrees changed; update the Triton Horner chains")
 
 
 @triton.jit
@@ -105,7 +104,7 @@ def pow2_64(k):
 
 @triton.jit
 def exp64(x):
-    """``pointwise.exp64``: clamp to [-708, 709], k = round(x / ln2), Cody-Waite r, Horner deg 12, * 2^k."""
+    """``ieee_math.exp64``: clamp to [-708, 709], k = round(x / ln2), Cody-Waite r, Horner deg 12, * 2^k."""
     # torch.clamp propagates NaN; compares with NaN are false, so these selects keep it too.
     x = tl.where(x < _EXP_MIN, _EXP_MIN, x)
     x = tl.where(x > _EXP_MAX, _EXP_MAX, x)
@@ -128,19 +127,19 @@ def exp64(x):
 
 @triton.jit
 def sigmoid64(x):
-    """``pointwise.sigmoid64``: ``1 / (1 + exp64(-x))`` (float64 division is IEEE div.rn)."""
+    """``ieee_math.sigmoid64``: ``1 / (1 + exp64(-x))`` (float64 division is IEEE div.rn)."""
     return 1.0 / (1.0 + exp64(neg(x)))
 
 
 @triton.jit
 def silu64(x):
-    """``x * sigmoid64(x)`` in float64 (as ``pointwise.iso_silu`` before its rounding)."""
+    """``x * sigmoid64(x)`` in float64 (as ``ieee_math.iso_silu`` before its rounding)."""
     return x * sigmoid64(x)
 
 
 @triton.jit
 def sincos64(angle):
-    """``rope.reference._sincos64``: (sin, cos) of a float64 angle, |angle| within the exact reduction range."""
+    """``ieee_math.sincos64``: (sin, cos) of a float64 angle, |angle| within the exact reduction range."""
     k = round_half_even64(angle * _TWO_OVER_PI)
     r = (angle - k * _PIO2_HI) - k * _PIO2_LO
     r2 = r * r
@@ -207,7 +206,7 @@ def _iso_kernel(x_ptr, y_ptr, N, FN: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def iso_eval(name: str, x: torch.Tensor) -> torch.Tensor:
-    """``pointwise.iso_exp`` / ``iso_sigmoid`` of a float32/bfloat16/float16 tensor in one launch: float32
+    """``ieee_math.iso_exp`` / ``iso_sigmoid`` of a float32/bfloat16/float16 tensor in one launch: float32
     result with the torch chain's bits (the same float64 operations, FMA contraction off)."""
     if name not in _ISO:
         raise ValueError(f"iso_eval: name={name!r}, allowed {sorted(_ISO)}")
@@ -225,7 +224,7 @@ def iso_eval(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def eval64(name: str, x: torch.Tensor) -> torch.Tensor:
     """One helper applied elementwise to a float64 tensor (``name`` in ``exp64, sigmoid64, silu64, sin64,
-    cos64``): the helpers' own float64 bits, checked against ``pointwise``/``rope.reference`` by the tests."""
+    cos64``): the helpers' own float64 bits, checked against ``ieee_math``/``rope.reference`` by the tests."""
     if name not in _EVAL64:
         raise ValueError(f"eval64: name={name!r}, allowed {sorted(_EVAL64)}")
     if x.dtype != torch.float64:

@@ -14,29 +14,36 @@ error (~1e-16 relative) is far below float32 resolution, so results are faithful
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-# ln 2 split so that k * _LN2_HI is exact for |k| < 2^21 (its low bits are zero).
-_LN2_HI = 6.93147180369123816490e-01
-_LN2_LO = 1.90821492927058770002e-10
-_INV_LN2 = 1.0 / math.log(2.0)
-# Taylor coefficients 1/n! for n = 0..12; |r| <= ln2/2 makes the truncation error ~1.6e-16.
-_EXP_COEFFS = [1.0 / math.factorial(n) for n in range(13)]
-# exp64 clamps its argument so that 2^k stays a normal float64 (no inf*0 or subnormal scaling).
-_EXP_MIN, _EXP_MAX = -708.0, 709.0
+from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.common.ieee_constants import (
+    ATANH_TERMS,
+    COS_COEFFS,
+    EXP_COEFFS,
+    EXP_MAX,
+    EXP_MIN,
+    INV_LN2,
+    LN2,
+    LN2_HI,
+    LN2_LO,
+    PIO2_HI,
+    PIO2_LO,
+    SIN_COEFFS,
+    SQRT2,
+    TWO_OVER_PI,
+)
 
 
 def exp64(x: torch.Tensor) -> torch.Tensor:
     """exp of a float64 tensor from range reduction + polynomial; inputs clamped to [-708, 709]."""
     if x.dtype != torch.float64:
         raise TypeError(f"exp64 expects float64, got {x.dtype}")
-    x = x.clamp(_EXP_MIN, _EXP_MAX)
-    k = torch.round(x * _INV_LN2)  # round half to even: exact
-    r = (x - k * _LN2_HI) - k * _LN2_LO
-    p = torch.full_like(r, _EXP_COEFFS[-1])
-    for c in reversed(_EXP_COEFFS[:-1]):
+    x = x.clamp(EXP_MIN, EXP_MAX)
+    k = torch.round(x * INV_LN2)  # round half to even: exact
+    r = (x - k * LN2_HI) - k * LN2_LO
+    p = torch.full_like(r, EXP_COEFFS[-1])
+    for c in reversed(EXP_COEFFS[:-1]):
         p = p * r + c
     # 2^k built from its bit pattern: exact, no pow() whose vector/scalar lanes might differ.
     # A NaN input gives a meaningless k, but p is NaN and NaN * anything is NaN.
@@ -64,13 +71,11 @@ def _on_device(name: str, chain, x: torch.Tensor) -> torch.Tensor:
     chain's (``with_plain_backward``). Elsewhere, and for float64 inputs, the torch chain itself."""
     if not x.is_cuda:
         return chain(x)
-    from megatron_iso.ops.activation import pointwise_triton  # triton ships with every CUDA torch
+    from megatron_iso.ops.common import ieee_math_triton  # triton ships with every CUDA torch
 
-    if x.dtype not in pointwise_triton.ISO_DTYPES:
+    if x.dtype not in ieee_math_triton.ISO_DTYPES:
         return chain(x)
-    from megatron_iso.ops.autograd import with_plain_backward
-
-    return with_plain_backward(lambda t: pointwise_triton.iso_eval(name, t), chain, x)
+    return with_plain_backward(lambda t: ieee_math_triton.iso_eval(name, t), chain, x)
 
 
 def iso_exp(x: torch.Tensor) -> torch.Tensor:
@@ -89,13 +94,6 @@ def iso_silu(x: torch.Tensor) -> torch.Tensor:
     return (x64 * sigmoid64(x64)).float()
 
 
-# log(m) for m in [sqrt(1/2), sqrt(2)) as 2*atanh(s), s = (m-1)/(m+1), |s| < 0.172: s^(2n+1)/(2n+1) drops
-# below 1e-17 by n = 11.
-_ATANH_TERMS = 12
-_LN2 = math.log(2.0)
-_SQRT2 = math.sqrt(2.0)
-
-
 def log64(x: torch.Tensor) -> torch.Tensor:
     """Natural log of a positive float64 tensor (normal numbers): exponent split off exactly, atanh series."""
     if x.dtype != torch.float64:
@@ -104,15 +102,15 @@ def log64(x: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int64)
     e = ((bits >> 52) & 0x7FF) - 1023
     m = ((bits & 0x000FFFFFFFFFFFFF) | (1023 << 52)).view(torch.float64)  # mantissa in [1, 2)
-    big = m > _SQRT2
+    big = m > SQRT2
     m = torch.where(big, m * 0.5, m)  # exact: a power-of-two scale
     e = (e + big.to(torch.int64)).to(torch.float64)
     s = (m - 1.0) / (m + 1.0)
     s2 = s * s
-    p = torch.full_like(s, 1.0 / (2 * _ATANH_TERMS - 1))
-    for n in reversed(range(_ATANH_TERMS - 1)):
+    p = torch.full_like(s, 1.0 / (2 * ATANH_TERMS - 1))
+    for n in reversed(range(ATANH_TERMS - 1)):
         p = p * s2 + 1.0 / (2 * n + 1)
-    return e * _LN2 + 2.0 * s * p
+    return e * LN2 + 2.0 * s * p
 
 
 def log1p64(y: torch.Tensor) -> torch.Tensor:
@@ -147,3 +145,26 @@ def softplus64(x: torch.Tensor) -> torch.Tensor:
 def iso_softplus(x: torch.Tensor) -> torch.Tensor:
     """softplus(x) as float32, computed in float64 and rounded once; same bits for any shape."""
     return softplus64(x.double()).float()
+
+
+def horner(coeffs: list[float], x: torch.Tensor) -> torch.Tensor:
+    """sum(coeffs[n] * x**n) by Horner's rule, highest degree first: one rounding per step."""
+    p = torch.full_like(x, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        p = p * x + c
+    return p
+
+
+def sincos64(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin, cos) of a float64 angle: Cody-Waite reduction by pi/2 in two parts, Taylor polynomials on
+    |r| <= pi/4, quadrant select. Exact reduction for |angle| <= ``ieee_constants.MAX_ANGLE``."""
+    k = torch.round(angle * TWO_OVER_PI)
+    r = (angle - k * PIO2_HI) - k * PIO2_LO
+    r2 = r * r
+    s = r * horner(SIN_COEFFS, r2)
+    c = horner(COS_COEFFS, r2)
+    quadrant = k.to(torch.int64).remainder(4)
+    # sin(a) over quadrants 0..3: s, c, -s, -c;  cos(a): c, -s, -c, s.
+    sin = torch.where(quadrant == 0, s, torch.where(quadrant == 1, c, torch.where(quadrant == 2, -s, -c)))
+    cos = torch.where(quadrant == 0, c, torch.where(quadrant == 1, -s, torch.where(quadrant == 2, -c, s)))
+    return sin, cos

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 pytest.importorskip("triton")
 
-from tests.ops import pointwise_triton_interpret_check as suite  # noqa: E402
+from tests.ops import ieee_math_triton_interpret_check as suite  # noqa: E402
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -79,7 +79,7 @@ def test_dispatch_and_plain_backward():
     """CUDA + correctness runs the Triton kernels; the backward is the native formula's, as before."""
     from megatron_iso.ops import activation, rope
     from megatron_iso.ops.activation import native as act_native
-    from megatron_iso.ops.dispatch import select
+    from megatron_iso.ops.common.dispatch import select
     from megatron_iso.ops.rope import native as rope_native
 
     cuda = torch.empty(1, device="cuda")
@@ -107,14 +107,14 @@ def test_dispatch_and_plain_backward():
 
 
 def test_iso_exp_sigmoid_one_launch_and_chain_gradients():
-    """pointwise.iso_exp / iso_sigmoid of a CUDA tensor: one Triton launch, the chain's bits (forward, vs the
+    """ieee_math.iso_exp / iso_sigmoid of a CUDA tensor: one Triton launch, the chain's bits (forward, vs the
     same torch chain on CUDA) and the chain's gradient bits (with_plain_backward)."""
     from megatron_iso.bench.profiling import kernel_events, kernel_launches
-    from megatron_iso.ops.activation import pointwise
+    from megatron_iso.ops.common import ieee_math
 
     g = torch.Generator(device="cuda").manual_seed(6)
     x = (torch.randn(64, 151, device="cuda", generator=g) * 20).requires_grad_()
-    for fn, chain in ((pointwise.iso_exp, pointwise._exp_chain), (pointwise.iso_sigmoid, pointwise._sigmoid_chain)):
+    for fn, chain in ((ieee_math.iso_exp, ieee_math._exp_chain), (ieee_math.iso_sigmoid, ieee_math._sigmoid_chain)):
         with torch.no_grad():
             fn(x.detach())  # compile outside the profile
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -148,11 +148,11 @@ def test_probes_equal_cpu_reference_probes(op):
 
 def test_exp64_extremes_on_device():
     """Clamp boundaries and specials through the fp64 helper, against the reference on CUDA too."""
-    from megatron_iso.ops.activation import pointwise
-    from megatron_iso.ops.activation.pointwise_triton import eval64
+    from megatron_iso.ops.common import ieee_math
+    from megatron_iso.ops.common.ieee_math_triton import eval64
 
     x = torch.tensor([-math.inf, -745.0, -708.0, -707.99, 0.0, -0.0, 709.0, 709.5, math.inf, math.nan],
                      dtype=torch.float64, device="cuda")  # fmt: skip
-    for name, ref in (("exp64", pointwise.exp64), ("sigmoid64", pointwise.sigmoid64)):
+    for name, ref in (("exp64", ieee_math.exp64), ("sigmoid64", ieee_math.sigmoid64)):
         _same(eval64(name, x), ref(x))
         _same(eval64(name, x), ref(x.cpu()))

@@ -1,11 +1,11 @@
-"""Run under TRITON_INTERPRET=1 by test_pointwise_triton_interpret.py (and by tests/gpu on a device).
+"""Run under TRITON_INTERPRET=1 by test_ieee_math_triton_interpret.py (and by tests/gpu on a device).
 
 The SwiGLU / RoPE Triton kernels and the float64 helpers they are built from against the torch
 references, bit for bit, over random values and edge cases. Under the interpreter numpy does the
 float64 math (IEEE, no FMA), so equality here checks that the kernels perform the reference's
 operation sequence; on a GPU the same checks add the compiler (FMA contraction off) and hardware.
 
-``python tests/ops/pointwise_triton_interpret_check.py [device]`` prints ``ok`` or fails an assert.
+``python tests/ops/ieee_math_triton_interpret_check.py [device]`` prints ``ok`` or fails an assert.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 
 import torch
 
-from megatron_iso.ops.activation import pointwise
 from megatron_iso.ops.activation import reference as act_ref
 from megatron_iso.ops.activation.activation_triton import swiglu_triton
-from megatron_iso.ops.activation.pointwise_triton import eval64, iso_eval
+from megatron_iso.ops.common import ieee_math
+from megatron_iso.ops.common.ieee_math_triton import eval64, iso_eval
 from megatron_iso.ops.rope import reference as rope_ref
 from megatron_iso.ops.rope.rope_triton import apply_rope_triton, rope_cos_sin_triton
 
@@ -68,31 +68,31 @@ def helper_checks(device: str) -> None:
     x = torch.cat([edge_values64(), torch.randn(3000, generator=g, dtype=torch.float64) * 40,
                    torch.randn(1000, generator=g, dtype=torch.float64) * 1e-3])  # fmt: skip
     xd = x.to(device)
-    check("exp64", eval64("exp64", xd), pointwise.exp64(x), x)
-    check("sigmoid64", eval64("sigmoid64", xd), pointwise.sigmoid64(x), x)
-    check("silu64", eval64("silu64", xd), x * pointwise.sigmoid64(x), x)
+    check("exp64", eval64("exp64", xd), ieee_math.exp64(x), x)
+    check("sigmoid64", eval64("sigmoid64", xd), ieee_math.sigmoid64(x), x)
+    check("silu64", eval64("silu64", xd), x * ieee_math.sigmoid64(x), x)
     # sincos: finite angles within the reduction range (the reference raises beyond it).
     a = x[torch.isfinite(x) & (x.abs() <= rope_ref.MAX_ANGLE)]
     a = torch.cat([a, torch.rand(2000, generator=g, dtype=torch.float64) * rope_ref.MAX_ANGLE])
-    s, c = rope_ref._sincos64(a)
+    s, c = ieee_math.sincos64(a)
     check("sin64", eval64("sin64", a.to(device)), s, a)
     check("cos64", eval64("cos64", a.to(device)), c, a)
 
 
 def iso_checks(device: str) -> None:
     """The one-launch iso_exp / iso_sigmoid (float32 results from 16/32-bit inputs) against the torch chain,
-    and, on a GPU, that ``pointwise.iso_exp`` / ``iso_sigmoid`` of a device tensor returns the same bits."""
+    and, on a GPU, that ``ieee_math.iso_exp`` / ``iso_sigmoid`` of a device tensor returns the same bits."""
     g = torch.Generator().manual_seed(14)
     gate, _ = swiglu_inputs(torch.float32)  # fp32 edges: +-0, inf, nan, subnormals, exp over/underflow
     x = torch.cat([gate, torch.randn(3000, generator=g) * 40, torch.randn(500, generator=g) * 1e-3])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xs = x.to(dtype)
-        want_exp, want_sig = pointwise._exp_chain(xs), pointwise._sigmoid_chain(xs)
+        want_exp, want_sig = ieee_math._exp_chain(xs), ieee_math._sigmoid_chain(xs)
         check(f"iso_eval exp {dtype}", iso_eval("exp", xs.to(device)), want_exp, xs)
         check(f"iso_eval sigmoid {dtype}", iso_eval("sigmoid", xs.reshape(2, -1).to(device)), want_sig.reshape(2, -1))
         if device != "cpu":
-            check(f"pointwise.iso_exp {dtype} on {device}", pointwise.iso_exp(xs.to(device)), want_exp, xs)
-            check(f"pointwise.iso_sigmoid {dtype} on {device}", pointwise.iso_sigmoid(xs.to(device)), want_sig, xs)
+            check(f"ieee_math.iso_exp {dtype} on {device}", ieee_math.iso_exp(xs.to(device)), want_exp, xs)
+            check(f"ieee_math.iso_sigmoid {dtype} on {device}", ieee_math.iso_sigmoid(xs.to(device)), want_sig, xs)
 
 
 def swiglu_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

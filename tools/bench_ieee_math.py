@@ -3,11 +3,11 @@
 What matters for the iso decoder is host time: the references launch dozens of elementwise kernels per
 call. For each op and shape this records the CPU time per call (wrapper + launches, no sync inside the
 loop), the GPU time per call (CUDA events around a synchronised loop), and checks bitwise equality of
-the two outputs first (NaN-aware; see tests/gpu/test_pointwise_triton.py). It also counts how many
+the two outputs first (NaN-aware; see tests/gpu/test_ieee_math_triton.py). It also counts how many
 fp64 helper results change when the same kernel is compiled WITH FMA contraction, which is why the
 kernels launch with ``enable_fp_fusion=False``.
 
-    python tools/bench_pointwise.py --out $OUT/pointwise.json
+    python tools/bench_ieee_math.py --out $OUT/ieee_math.json
 """
 
 from __future__ import annotations
@@ -81,28 +81,27 @@ def bench(iters: int) -> dict[str, Any]:
 
 def fma_effect() -> dict[str, int]:
     """How many fp64 helper results differ from the reference when compiled with FMA contraction on."""
-    from megatron_iso.ops.activation import pointwise, pointwise_triton
-    from megatron_iso.ops.rope import reference as rope_ref
+    from megatron_iso.ops.common import ieee_math, ieee_math_triton
 
     x = torch.randn(1 << 20, device="cuda", dtype=torch.float64) * 30
     out = {}
-    for name, ref in (("exp64", pointwise.exp64), ("sigmoid64", pointwise.sigmoid64)):
+    for name, ref in (("exp64", ieee_math.exp64), ("sigmoid64", ieee_math.sigmoid64)):
         fused = torch.empty_like(x)
-        pointwise_triton._eval64_kernel[(x.numel() // 1024,)](
-            x, fused, x.numel(), FN=pointwise_triton._EVAL64[name], BLOCK=1024, enable_fp_fusion=True
+        ieee_math_triton._eval64_kernel[(x.numel() // 1024,)](
+            x, fused, x.numel(), FN=ieee_math_triton._EVAL64[name], BLOCK=1024, enable_fp_fusion=True
         )
         want = ref(x)
         out[f"{name}_fused_mismatches"] = _mismatch(fused, want)
-        out[f"{name}_nofma_mismatches"] = _mismatch(pointwise_triton.eval64(name, x), want)
+        out[f"{name}_nofma_mismatches"] = _mismatch(ieee_math_triton.eval64(name, x), want)
     a = torch.rand(1 << 20, device="cuda", dtype=torch.float64) * 1e5
-    out["sin64_nofma_mismatches"] = _mismatch(pointwise_triton.eval64("sin64", a), rope_ref._sincos64(a)[0])
+    out["sin64_nofma_mismatches"] = _mismatch(ieee_math_triton.eval64("sin64", a), ieee_math.sincos64(a)[0])
     out["n"] = x.numel()
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="pointwise.json")
+    p.add_argument("--out", default="ieee_math.json")
     p.add_argument("--iters", type=int, default=50)
     a = p.parse_args()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "fma": fma_effect()}
