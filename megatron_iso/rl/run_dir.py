@@ -1,0 +1,150 @@
+"""A run directory's rules: one run at a time, explicit resume, nothing a run wrote is ever lost.
+
+- ``resume=false`` starts a new run and refuses a directory that already holds one; ``resume=true``
+  continues the latest checkpoint and refuses when there is none (a mistyped ``out_dir`` must not
+  start from scratch); ``resume=auto`` continues when there is a checkpoint and starts otherwise.
+- An exclusive lock (``<run>/.lock``, released by the OS when the process ends) keeps two processes
+  from writing one directory.
+- A resumed run recomputes the steps after its checkpoint; their old metrics lines move to
+  ``metrics.rewound.jsonl`` instead of being deleted, and a torn last line (a crash mid-write) is
+  kept there too.
+- What the run trains (model, task, tokenizer) is its identity: resuming with another one is refused
+  with the differing keys named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+RESUME_MODES = ("false", "true", "auto")
+METRICS_FILE = "metrics.jsonl"
+REWOUND_FILE = "metrics.rewound.jsonl"
+LOCK_FILE = ".lock"
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked; the message names the directory and the way out."""
+
+
+def resume_mode(value: Any) -> str:
+    """``resume`` as one of :data:`RESUME_MODES` (Hydra reads ``true``/``false`` as booleans)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower()
+    if text not in RESUME_MODES:
+        raise RunDirError(f"resume={value!r} is not allowed; allowed values: {list(RESUME_MODES)}")
+    return text
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+    )
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's published checkpoints (those with ``meta.json``), oldest first."""
+    return [p for p in _checkpoints(run_dir) if (p / "meta.json").is_file()]
+
+
+def plan_start(run_dir: Path, mode: str, latest: Path | None) -> Path | None:
+    """The checkpoint to resume from, or None for a new run; refuses a start that would mix or lose data.
+
+    ``latest``: the directory's latest complete checkpoint (``rl.checkpoint.latest_checkpoint``).
+    """
+    metrics = run_dir / METRICS_FILE
+    if mode == "false":
+        if latest is not None or metrics.exists():
+            raise RunDirError(
+                f"out_dir={run_dir} already holds a run; resume=true continues it, resume=auto starts or continues, "
+                "or choose another out_dir"
+            )
+        return None
+    if latest is None and metrics.exists():
+        raise RunDirError(
+            f"out_dir={run_dir} holds {METRICS_FILE} but no complete checkpoint, so there is nothing to resume and "
+            "starting over would mix two runs' metrics; choose another out_dir"
+        )
+    if mode == "true" and latest is None:
+        what = "does not exist" if not run_dir.exists() else "holds no checkpoint"
+        raise RunDirError(
+            f"resume=true but out_dir={run_dir} {what}; check the path, or use resume=auto to start or continue"
+        )
+    return latest
+
+
+class RunLock:
+    """An exclusive lock on a run directory for the life of the process that holds it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / LOCK_FILE
+        self._lock = FileLock(str(self.path))
+
+    def __enter__(self) -> RunLock:
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise RunDirError(
+                f"out_dir={self.path.parent} is in use by another run (lock {self.path}); "
+                "wait for it to end or choose another out_dir"
+            ) from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def rewind_metrics(run_dir: Path, resume_step: int) -> int:
+    """Cut ``metrics.jsonl`` back to the steps before ``resume_step``; returns the lines kept.
+
+    The cut lines (the steps the resumed run recomputes) and a torn last line are appended to
+    ``metrics.rewound.jsonl``. A damaged line before the last one is an error naming it: that is not
+    a crash mid-write, and guessing would lose data.
+    """
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept: list[str] = []
+    moved: list[str] = []
+    for i, line in enumerate(lines):
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if i + 1 < len(lines):
+                raise RunDirError(
+                    f"{path} line {i + 1} is not a metrics record ({line[:60]!r}); repair or move the file to resume"
+                ) from None
+            moved.append(line)
+            continue
+        (kept if step < resume_step else moved).append(line)
+    if moved:
+        with (run_dir / REWOUND_FILE).open("a") as f:
+            f.write("".join(line + "\n" for line in moved))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(kept)
+
+
+def identity_diff(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested mappings (missing on one side counts)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(identity_diff(a, b, name + "."))
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out

@@ -1,0 +1,124 @@
+"""Run-directory rules: explicit resume modes, the exclusive lock, metrics never lost, identity diffs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_iso.rl.run_dir import (
+    REWOUND_FILE,
+    RunDirError,
+    RunLock,
+    identity_diff,
+    plan_start,
+    resume_mode,
+    rewind_metrics,
+)
+
+
+def _metrics(run_dir, steps, torn: str | None = None):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in steps)
+    (run_dir / "metrics.jsonl").write_text(text + (torn or ""))
+
+
+@pytest.mark.parametrize(("value", "mode"), [(True, "true"), (False, "false"), ("auto", "auto"), ("AUTO", "auto")])
+def test_resume_mode_accepts_booleans_and_auto(value, mode):
+    assert resume_mode(value) == mode
+
+
+def test_resume_mode_names_the_allowed_values():
+    with pytest.raises(RunDirError, match=r"resume='yes' is not allowed; allowed values: \['false', 'true', 'auto'\]"):
+        resume_mode("yes")
+
+
+def test_new_run_refuses_a_directory_that_holds_one(tmp_path):
+    _metrics(tmp_path / "run", [0])
+    with pytest.raises(RunDirError, match="already holds a run"):
+        plan_start(tmp_path / "run", "false", None)
+    assert plan_start(tmp_path / "fresh", "false", None) is None
+
+
+def test_resume_true_with_nothing_to_resume_is_an_error(tmp_path):
+    with pytest.raises(RunDirError, match="does not exist"):
+        plan_start(tmp_path / "typo", "true", None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match="holds no checkpoint"):
+        plan_start(tmp_path / "empty", "true", None)
+
+
+def test_auto_starts_or_continues(tmp_path):
+    assert plan_start(tmp_path / "new", "auto", None) is None
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert plan_start(tmp_path / "run", "auto", ckpt) == ckpt
+    assert plan_start(tmp_path / "run", "true", ckpt) == ckpt
+
+
+@pytest.mark.parametrize("mode", ["true", "auto"])
+def test_metrics_without_checkpoint_are_never_overwritten(tmp_path, mode):
+    _metrics(tmp_path / "run", [0, 1])
+    with pytest.raises(RunDirError, match="no complete checkpoint"):
+        plan_start(tmp_path / "run", mode, None)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_rewind_moves_recomputed_steps_and_a_torn_line_aside(tmp_path):
+    run = tmp_path / "run"
+    _metrics(run, [0, 1, 2, 3], torn='{"step": 4, "rew')
+    assert rewind_metrics(run, 2) == 2
+    kept = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [0, 1]
+    moved = (run / REWOUND_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved[:2]] == [2, 3]
+    assert moved[2] == '{"step": 4, "rew'
+
+
+def test_rewind_refuses_a_damaged_line_before_the_last(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(RunDirError, match="line 2 is not a metrics record"):
+        rewind_metrics(run, 1)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\nnot json\n{"step": 1}\n'
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from megatron_iso.rl.run_dir import RunLock
+with RunLock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(30)
+"""
+
+
+def test_a_second_process_cannot_take_the_run_lock(tmp_path):
+    run = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-c", _HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirError, match="is in use by another run"), RunLock(run):
+            pass
+    finally:
+        child.kill()
+        child.wait()
+    deadline = time.monotonic() + 10
+    while True:  # the OS drops the lock with the process
+        try:
+            with RunLock(run):
+                break
+        except RunDirError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_identity_diff_names_nested_keys():
+    saved = {"model": {"rope_theta": 1e6, "hidden": 64}, "task": {"name": "residue"}}
+    now = {"model": {"rope_theta": 1e4, "hidden": 64}, "task": {"name": "residue", "extra": 1}}
+    assert identity_diff(saved, now) == ["model.rope_theta: 1000000.0 -> 10000.0", "task.extra: '<absent>' -> 1"]
+    assert identity_diff(saved, saved) == []
