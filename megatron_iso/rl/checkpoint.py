@@ -5,7 +5,8 @@ Layout: ``<run>/checkpoints/step_<N>/`` holds one ``model_rank<r>.safetensors`` 
 digest). A checkpoint is first written to a temporary sibling directory and renamed into place
 (atomic on POSIX), and ``latest`` is replaced atomically after it, so a crash never leaves a
 half-written checkpoint that resume would pick. Optimizer state is loaded with
-``weights_only=True``; weights with safetensors.
+``weights_only=True``; weights with safetensors. Weights holding a NaN or an Inf are never written,
+and a damaged checkpoint is named together with the newest complete one before it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megatron_iso.errors import UserError, check_finite
+from megatron_iso.rl.run_dir import complete_checkpoints
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or from another contract/layout."""
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint is missing, damaged, or from another contract/layout/identity."""
 
 
 def _dir(run_dir: Path, step: int) -> Path:
@@ -40,6 +45,7 @@ def save_checkpoint(
     """All ranks call this; rank 0 publishes the directory once every rank has written its files."""
     final = _dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    check_finite(model.named_parameters(), f"step {step}: refusing to write checkpoint {final}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -65,8 +71,25 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = run_dir / "checkpoints" / pointer.read_text().strip()
     if not (path / "meta.json").is_file():
-        raise CheckpointError(f"{pointer} points at {path}, which has no meta.json (incomplete checkpoint)")
+        raise CheckpointError(
+            f"{pointer} points at {path}, which has no meta.json (incomplete checkpoint){_fallback(path)}"
+        )
     return path
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _fallback(damaged: Path) -> str:
+    """The way out of a damaged checkpoint: the newest complete one before it, if any."""
+    earlier = [p for p in complete_checkpoints(damaged.parent.parent) if p.name < damaged.name]
+    if not earlier:
+        return "; no earlier complete checkpoint exists"
+    return (
+        f"; the newest complete checkpoint before it is {earlier[-1]}: move {damaged.name} out of "
+        f"{damaged.parent} and write {earlier[-1].name} into {damaged.parent / 'latest'} to resume from it"
+    )
 
 
 def load_checkpoint(
@@ -83,14 +106,31 @@ def load_checkpoint(
     weights = path / f"model_rank{rank}.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"checkpoint {path} has no {weights.name} (written with another world size?)")
-    state = load_file(str(weights))
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read {weights}: {_first_line(exc)}{_fallback(path)}") from None
+    check_finite(state.items(), f"checkpoint {weights}")
     params = dict(model.named_parameters())
     if set(state) != set(params):
         raise CheckpointError(
             f"checkpoint {weights} parameter names differ from the model's: {sorted(set(state) ^ set(params))[:5]}"
         )
+    shapes = [
+        f"{n} {list(t.shape)} (model {list(params[n].shape)})" for n, t in state.items() if t.shape != params[n].shape
+    ]
+    if shapes:
+        raise CheckpointError(
+            f"checkpoint {weights} holds tensors of other shapes than this model: {', '.join(shapes[:3])}; "
+            "the model config differs from the run that wrote it"
+        )
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
-    optimizer.load_state_dict(torch.load(path / f"optim_rank{rank}.pt", weights_only=True))
+    optim = path / f"optim_rank{rank}.pt"
+    try:
+        optim_state = torch.load(optim, weights_only=True)
+    except Exception as exc:  # a damaged pickle raises one of many types; the file is what matters
+        raise CheckpointError(f"cannot read {optim}: {_first_line(exc)}{_fallback(path)}") from None
+    optimizer.load_state_dict(optim_state)
     return meta
