@@ -5,11 +5,58 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import resource
+import socket
+import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
+
+from megatron_iso.rl.run_dir import METRICS_FILE, RunDirError, rewind_metrics
+
+WANDB_MODES = ("offline", "online", "disabled")
+# How long an online W&B start may wait for the server before the run falls back to offline.
+WANDB_PROBE_S = 5.0
+
+
+def _wandb_reachable(timeout_s: float = WANDB_PROBE_S) -> bool:
+    """Whether the W&B server (``$WANDB_BASE_URL`` or the public one) accepts a TCP connection."""
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "api.wandb.ai", port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _wandb_run(run_dir: Path, logger_cfg: Any, config: dict[str, Any]):
+    """A W&B run in ``logger.mode``; an online run whose server cannot be reached falls back to offline
+    (the run can be synced later with ``wandb sync``) instead of stalling the first step."""
+    import wandb
+
+    mode = str(logger_cfg.get("mode", "offline"))
+    if mode not in WANDB_MODES:
+        raise ValueError(f"logger.mode={mode!r} is not allowed; allowed values: {list(WANDB_MODES)}")
+    if mode == "online" and not _wandb_reachable():
+        print(
+            f"W&B server unreachable within {WANDB_PROBE_S:.0f} s: logging offline under {run_dir}/wandb "
+            "(upload later with `wandb sync`)",
+            file=sys.stderr,
+        )
+        mode = "offline"
+    return wandb.init(
+        project=str(logger_cfg.get("project", "megatron_iso")),
+        entity=logger_cfg.get("entity"),
+        mode=mode,
+        dir=str(run_dir),
+        config=config,
+        resume="allow",
+        id=run_dir.name + "-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8],
+    )
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -51,43 +98,26 @@ def mismatch_metrics(
 class MetricsLog:
     """``metrics.jsonl`` (one JSON object per step) plus an optional W&B run.
 
-    On resume the log is cut back to the checkpointed step first, so a resumed run's file equals
-    the uninterrupted run's.
+    On resume the log is rewound to the checkpointed step first (``run_dir.rewind_metrics``: the
+    recomputed steps' old lines are kept aside), so a resumed run's file equals the uninterrupted
+    run's. A new run never overwrites an existing log.
     """
 
     def __init__(
         self, run_dir: Path, logger_cfg: Any, config: dict[str, Any], *, resume_step: int | None, enabled: bool
     ) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.enabled = enabled
         self.wandb = None
         if not enabled:
             return
-        if resume_step is not None and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if resume_step is not None:
+            rewind_metrics(run_dir, resume_step)
         elif self.path.exists():
-            self.path.unlink()
+            raise RunDirError(f"{self.path} exists; a new run never overwrites another run's metrics")
         name = str(logger_cfg.get("name", "none"))
         if name == "wandb":
-            import wandb
-
-            mode = str(logger_cfg.get("mode", "offline"))
-            if mode not in ("offline", "online", "disabled"):
-                raise ValueError(
-                    f"logger.mode={mode!r} is not allowed; allowed values: ['offline', 'online', 'disabled']"
-                )
-            self.wandb = wandb.init(
-                project=str(logger_cfg.get("project", "megatron_iso")),
-                entity=logger_cfg.get("entity"),
-                mode=mode,
-                dir=str(run_dir),
-                config=config,
-                resume="allow",
-                id=run_dir.name + "-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8],
-            )
+            self.wandb = _wandb_run(run_dir, logger_cfg, config)
         elif name != "none":
             raise ValueError(f"logger.name={name!r} is not allowed; allowed values: ['none', 'wandb']")
 
@@ -109,28 +139,45 @@ DASHBOARD_PANELS = (
     ("reward/mean", "reward"),
     ("mismatch/abs_diff_max", "max |dlogp| rollout vs trainer"),
     ("mismatch/abs_diff_mean", "mean |dlogp|"),
+    ("mismatch/bitwise_equal_frac", "tokens bitwise equal (fraction)"),
     ("mismatch/clip_frac", "mismatch clip fraction"),
+    ("mismatch/k3_kl", "KL(rollout || trainer), k3"),
     ("grad_norm", "gradient norm"),  # the on-policy surrogate loss itself is ~0 by construction
     ("timing/step_s", "step time (s)"),
 )
+# Panels whose values span decades down to exactly 0: a symmetric-log axis keeps 1e-7 apart from 0.
+SYMLOG_PANELS = {"mismatch/abs_diff_max": 1e-9, "mismatch/abs_diff_mean": 1e-10, "mismatch/k3_kl": 1e-14}
 
 
-def write_dashboard(metrics_path: Path, out_png: Path) -> Path:
-    """Plot the run's metrics.jsonl into a PNG grid (one panel per key in DASHBOARD_PANELS)."""
+def write_dashboard(metrics_path: Path, out_png: Path, title: str | None = None) -> Path:
+    """Plot the run's metrics.jsonl into a PNG grid (one panel per key in DASHBOARD_PANELS); ``title``
+    names the run (its profile and contract digest)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, DASHBOARD_PANELS, strict=True):
+    rows = []
+    for line in metrics_path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line of a crashed run
+    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
+    for ax, (key, panel) in zip(axes.flat, DASHBOARD_PANELS, strict=True):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker=".")
-        ax.set_title(title)
+            if all(v == 0 for _, v in pts):
+                ax.text(0.5, 0.5, "exactly 0 at every step", transform=ax.transAxes, ha="center")
+        if key in SYMLOG_PANELS:
+            ax.set_yscale("symlog", linthresh=SYMLOG_PANELS[key])
+            ax.set_ylim(bottom=0)
+        ax.set_title(panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     tmp = out_png.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=90)
