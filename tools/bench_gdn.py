@@ -8,7 +8,7 @@ here are the rule's, the hardest part of the layer-level target.
 Timings (median ms, ``triton.testing.do_bench``; Python wrapper time included, no CUDA graphs):
 - ``train``: packed batch x T tokens. ``ours_fwd_ms`` / ``fla_fwd_ms``: the training forward (inputs that
   require grad, as in a training step; ours: the invariant forward; FLA: ``chunk_gated_delta_rule``, bf16
-  q/k/v). ``ours_fwd_bwd_ms``: forward + backward (ours: the Triton chunk backward, gdn_triton_backward).
+  q/k/v). ``ours_fwd_bwd_ms``: forward + backward (ours: the Triton chunk backward, ops/gdn/triton/backward.py).
   ``fla_fwd_bwd_ms``: FLA's forward + backward, or ``fla_fwd_bwd`` = ``"unavailable: <reason>"`` where FLA
   refuses it (fla-core 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4, < 3.7.1).
   With ``--fla-bwd-unchecked`` the refusal is lifted in that case's process and ``fla_fwd_bwd_unchecked_ms`` is
@@ -43,7 +43,7 @@ printed when it completes and the JSON is rewritten after every row (a failed ca
 Usage: ``python3 tools/bench_gdn.py --out $OUT/bench_gdn.json`` (``--quick`` for a short run). FLA is used
 when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why they are missing.
 
-Dot-precision variants of the state pass (``gdn_triton.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
+Dot-precision variants of the state pass (``triton.config.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
 ``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the
 training forward, the first ``--prefill`` length, decode at every ``--decode`` batch and the mismatch case (our rule
 called with ``dot_precision=P``), then prints one summary line per variant: forward ms, ours vs fp64 (max / mean
@@ -76,7 +76,7 @@ DEVICE = "cuda"
 # The state pass's dot precision of this case (a case spec's "@P" suffix); None: the dispatching op (registered
 # default).
 DOT_PRECISION: str | None = None
-FORM: str | None = None  # gdn_triton.FORMS; set with the precision by a variant "FORM:P"
+FORM: str | None = None  # triton.config.FORMS; set with the precision by a variant "FORM:P"
 VARIANT: str | None = None  # the case's "@..." suffix as given
 RESULT_TAG = "BENCH_GDN_CASE_RESULT "
 
@@ -104,24 +104,24 @@ def _interpreter_setup() -> None:
 
 
 def _rule():
-    """Our gated delta rule: the dispatching op on CUDA; on CPU the Triton module itself (interpreter); the
-    Triton module with ``dot_precision`` (and ``form``) when the case names a variant (``@P``, ``@FORM:P``)."""
+    """Our gated delta rule: the dispatching op on CUDA; on CPU the Triton package's own (interpreter); the
+    Triton package's with ``dot_precision`` (and ``form``) when the case names a variant (``@P``, ``@FORM:P``)."""
     if VARIANT is not None:
         import functools
 
-        from megatron_iso.ops.gdn.gdn_triton import gated_delta_rule as triton_rule
+        from megatron_iso.ops.gdn.triton.rule import gated_delta_rule as triton_rule
 
         return functools.partial(triton_rule, dot_precision=DOT_PRECISION, form=FORM)
     if DEVICE == "cuda":
         from megatron_iso.ops.gdn import gated_delta_rule
     else:
-        from megatron_iso.ops.gdn.gdn_triton import gated_delta_rule
+        from megatron_iso.ops.gdn.triton.rule import gated_delta_rule
     return gated_delta_rule
 
 
 def parse_variant(variant: str) -> tuple[str | None, str]:
-    """``P`` or ``FORM:P`` -> (form or None, P), both checked against gdn_triton's lists (ValueError)."""
-    from megatron_iso.ops.gdn.gdn_triton import FORMS, split_dot_precision
+    """``P`` or ``FORM:P`` -> (form or None, P), both checked against triton.config's lists (ValueError)."""
+    from megatron_iso.ops.gdn.triton.config import FORMS, split_dot_precision
 
     form, colon, prec = variant.rpartition(":")
     if colon and form not in FORMS:
@@ -233,7 +233,7 @@ def _state(slots: int):
     """A state cache as the model allocates one: buf_v in v's dtype (bf16, as the model's), buf_u as the chunk form
     stores u."""
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn.gdn_triton import state_u_dtype
+    from megatron_iso.ops.gdn.triton.config import state_u_dtype
 
     form = FORM or "scan"
     u_dtype = state_u_dtype(form, DOT_PRECISION)
@@ -603,7 +603,8 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn import gdn_triton as G
+    from megatron_iso.ops.gdn.triton import config as G
+    from megatron_iso.ops.gdn.triton.rule import gated_delta_rule
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--resources compiles for the GPU: run it without TRITON_INTERPRET=1")
@@ -680,12 +681,12 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     try:
         x = inputs(n)
         x[2] = x[2].bfloat16()  # v as the model passes it
-        G.gated_delta_rule(*x, torch.tensor([0, n]), state=state, slots=one, starts=torch.tensor([0]), **kw)
+        gated_delta_rule(*x, torch.tensor([0, n]), state=state, slots=one, starts=torch.tensor([0]), **kw)
         call[0] = "decode"
-        G.gated_delta_rule(*(a[:1] for a in x), torch.tensor([0, 1]), state=state, slots=one, starts=torch.tensor([n]),
-                           **kw)  # fmt: skip
+        gated_delta_rule(*(a[:1] for a in x), torch.tensor([0, 1]), state=state, slots=one, starts=torch.tensor([n]),
+                         **kw)  # fmt: skip
         call[0] = "train"
-        G.gated_delta_rule(*inputs(n, True), torch.tensor([0, n]), **kw).sum().backward()
+        gated_delta_rule(*inputs(n, True), torch.tensor([0, n]), **kw).sum().backward()
     finally:
         JITFunction.run = orig
     return out
@@ -709,7 +710,8 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-# Tuning constants of ops/gdn/gdn_triton.py that --tune may override in a run (each is read at launch time).
+# Tuning constants of ops/gdn/triton/config.py (and BWD_*: ops/gdn/triton/backward.py) that --tune may override in a
+# run (each is read at launch time).
 TUNABLE = (
     "SCAN_BV",
     "SCAN_WARPS",
@@ -745,10 +747,10 @@ TUNABLE = (
 
 
 def _apply_tune(pairs: list[str]) -> None:
-    """``NAME=INT`` pairs onto gdn_triton's tuning constants. The kernels' bits follow some of them (the scan's
+    """``NAME=INT`` pairs onto the GDN Triton package's tuning constants. The kernels' bits follow some of them (the scan's
     layout, the inverse's block); training and rollout in one run use the same values, so the bitwise checks hold."""
-    from megatron_iso.ops.gdn import gdn_triton as G
-    from megatron_iso.ops.gdn import gdn_triton_backward as B
+    from megatron_iso.ops.gdn.triton import backward as B
+    from megatron_iso.ops.gdn.triton import config as G
 
     for pair in pairs:
         name, _, val = pair.partition("=")
@@ -935,7 +937,7 @@ def main() -> int:
                     "(chunk:bf16, scan:tf32): per variant the training forward, the first --prefill length, decode at "
                     "every --decode batch and the mismatch case (ours vs fp64, train vs rollout, which must be "
                     "bitwise); with --resources, the kernels compiled for each")  # fmt: skip
-    ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override gdn_triton tuning "
+    ap.add_argument("--tune", nargs="+", metavar="NAME=INT", default=[], help="override GDN Triton tuning "
                     f"constants in this run (one of {', '.join(TUNABLE)}), e.g. SCAN_BV=8 SCAN_WARPS=1")  # fmt: skip
     ap.add_argument(
         "--fla-bwd-unchecked",

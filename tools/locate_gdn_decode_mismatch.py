@@ -50,13 +50,14 @@ def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: st
     """One row per prefix length L in 1..steps: which quantities of ``prefill(L) + decode(1)`` have the bits of
     ``prefill(L + 1)`` (cache rows, entry state) and of the training forward (the output row)."""
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn import gdn_triton as gt
+    from megatron_iso.ops.gdn.triton import config as gc
+    from megatron_iso.ops.gdn.triton import rule as gt
 
     q, k, v = x[0], x[1], x[2]
     hk, hv, dk, dv, dev = k.shape[1], v.shape[1], k.shape[2], v.shape[2], q.device
-    prec = gt.form_dot_precision(form, dot_precision)
+    prec = gc.form_dot_precision(form, dot_precision)
     kw = {"dot_precision": prec, "form": form}
-    ib = gt.config_for(dk, dv, chunk, prec, form).inv_block
+    ib = gc.config_for(dk, dv, chunk, prec, form).inv_block
 
     def cu(n: int) -> torch.Tensor:
         return torch.tensor([0, n], device=dev)
@@ -64,7 +65,7 @@ def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: st
     def run(pieces: list[int]) -> tuple[torch.Tensor, GDNLayerState]:
         st = GDNLayerState.allocate(2, conv_dim=1, conv_kernel=2, key_heads=hk, value_heads=hv, key_dim=dk,
                                     value_dim=dv, chunk=chunk, dtype=torch.float32, device=dev, form=form,
-                                    u_dtype=gt.state_u_dtype(form, prec))  # fmt: skip
+                                    u_dtype=gc.state_u_dtype(form, prec))  # fmt: skip
         outs, pos = [], 0
         for n in pieces:
             r = slice(pos, pos + n)

@@ -166,7 +166,7 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
     form = getattr(config, "iso_gdn_form", "scan")
     u_dtype = torch.float32
     if form == "chunk":  # the chunk form exists only on the GPU kernels, which decide how they store u
-        from megatron_iso.ops.gdn.gdn_triton import chunk_u_dtype
+        from megatron_iso.ops.gdn.triton.config import chunk_u_dtype
 
         u_dtype = chunk_u_dtype(getattr(config, "iso_gdn_dot_precision", None))
     return GDNStateCache.allocate(

@@ -33,9 +33,23 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def gt():
-    from megatron_iso.ops.gdn import gdn_triton
+    from megatron_iso.ops.gdn.triton import rule
 
-    return gdn_triton
+    return rule
+
+
+@pytest.fixture(scope="module")
+def gc():
+    from megatron_iso.ops.gdn.triton import config
+
+    return config
+
+
+@pytest.fixture(scope="module")
+def cg():
+    from megatron_iso.ops.gdn.triton import conv_gates
+
+    return conv_gates
 
 
 def inputs(n: int, seed: int, d: int, hk: int = HK, hv: int = HV, device: str = "cuda"):
@@ -198,7 +212,7 @@ def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
 @pytest.mark.parametrize("prec", ["bf16", "ieee/bf16"])
-def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkeypatch):
+def test_bf16_storage_of_intermediates_is_bit_neutral(gt, gc, chunk, d, prec, monkeypatch):
     """With bf16 chain dots, W, KD, u and the entry states are stored as bf16 (``MID_BF16``): the training forward,
     prefill + decode outputs and the state cache are bitwise those of fp32 storage (every consumer is a bf16 dot,
     which rounds an fp32 operand to the same bf16)."""
@@ -207,8 +221,8 @@ def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkey
     x = inputs(total, 63, d)
     got = {}
     for mid in (True, False):
-        monkeypatch.setattr(gt, "MID_BF16", mid)
-        assert gt.config_for(d, d, chunk, prec, "chunk").mid_dtype == (torch.bfloat16 if mid else torch.float32)
+        monkeypatch.setattr(gc, "MID_BF16", mid)
+        assert gc.config_for(d, d, chunk, prec, "chunk").mid_dtype == (torch.bfloat16 if mid else torch.float32)
         full = gt.gated_delta_rule(*x, cu([total]), chunk=chunk, **kw)
         inc, st = incremental(gt, x, [chunk + 3, 1, 1, chunk - 5, 1, 1, total - 2 * chunk - 2], chunk, **kw)
         # buf_u rows a prefill copied hold the stored u (bf16 values under MID_BF16): equal as the dots see them
@@ -220,7 +234,7 @@ def test_bf16_storage_of_intermediates_is_bit_neutral(gt, chunk, d, prec, monkey
 
 @pytest.mark.parametrize(("chunk", "d"), SHAPES)
 @pytest.mark.parametrize("variant", ["scan", "chunk:bf16"])
-def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
+def test_narrow_state_buffers_are_bit_neutral(gt, gc, chunk, d, variant):
     """buf_v in bf16 v's own dtype and (chunk form, bf16 chain dots) buf_u in bf16, as the model allocates them: a
     prefill's buffer copy and the decode steps read and write the same values, so the outputs and the state are the
     fp32 buffers' bits, and training's."""
@@ -230,7 +244,7 @@ def test_narrow_state_buffers_are_bit_neutral(gt, chunk, d, variant):
     nb = total % chunk  # the open chunk's tokens at the end
     x = list(inputs(total, 65, d))
     x[2] = x[2].bfloat16()
-    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.state_u_dtype(form, prec)}
+    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gc.state_u_dtype(form, prec)}
     got = {}
     for dtypes in ({}, narrow):
         st = new_state(2, chunk, d, form=form, **dtypes)
@@ -319,24 +333,24 @@ def test_heads_subset_tp_sharding(gt, chunk, d):
         assert same_bits(inc, full[:, 2 * lo : 2 * lo + 4]), f"key heads {lo}.., decode"
 
 
-def test_conv_gates_l2norm_invariance_and_accuracy(gt):
+def test_conv_gates_l2norm_invariance_and_accuracy(cg):
     from megatron_iso.ops.gdn import reference as ref
 
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(40, 600, generator=gen).to(dtype).cuda()
         w = torch.randn(600, 4, generator=gen).to(dtype).cuda()
-        full = gt.causal_conv1d(x, w, cu([40]))
+        full = cg.causal_conv1d(x, w, cu([40]))
         cs = torch.full((3, 600, 3), float("nan"), dtype=dtype, device="cuda")
         outs, pos = [], 0
         for n in (2, 17, 1, 1, 1, 18):
-            outs.append(gt.causal_conv1d(x[pos : pos + n], w, cu([n]), conv_state=cs,
+            outs.append(cg.causal_conv1d(x[pos : pos + n], w, cu([n]), conv_state=cs,
                                          slots=torch.tensor([2], device="cuda"),
                                          starts=torch.tensor([pos], device="cuda")))  # fmt: skip
             pos += n
         assert same_bits(full, torch.cat(outs)), f"conv prefill/decode {dtype}"
         assert same_bits(cs[2], x[-3:].t()), "conv state"
-        two = gt.causal_conv1d(torch.cat([x[:5], x]), w, cu([5, 40]))
+        two = cg.causal_conv1d(torch.cat([x[:5], x]), w, cu([5, 40]))
         assert same_bits(two[5:], full) and same_bits(two[:5], full[:5]), "conv packing"
         rc = ref.causal_conv1d(x.cpu(), w.cpu(), cu([40], "cpu"))
         # |d| <= rtol |ref| + atol. fp32: 1e-5, 1e-6; bf16: the output rounding of either side, 2 ulps (2^-7), 1e-3
@@ -346,11 +360,11 @@ def test_conv_gates_l2norm_invariance_and_accuracy(gt):
     a, b = (torch.randn(300, 32, generator=gen) * 8).cuda(), torch.randn(300, 32, generator=gen).cuda()
     al, dt = torch.randn(32, generator=gen).cuda(), torch.randn(32, generator=gen).cuda()
     xn = torch.randn(300, 16, 128, generator=gen).cuda()
-    g, beta = gt.gdn_gates(a, b, al, dt)
-    nrm = gt.l2norm(xn)
+    g, beta = cg.gdn_gates(a, b, al, dt)
+    nrm = cg.l2norm(xn)
     for i in (0, 17, 299):
-        gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
-        assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+        gi, bi = cg.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
+        assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(cg.l2norm(xn[i : i + 1])[0], nrm[i])
     rg, rb = ref.gdn_gates(a.cpu(), b.cpu(), al.cpu(), dt.cpu())
     # fp32 tl.exp/tl.log vs the fp64-composed reference: 2e-6 relative on g, 1e-6 absolute on beta.
     assert float(((g.cpu() - rg).abs() / rg.abs()).max()) < 2e-6 and maxdiff(beta, rb) < 1e-6

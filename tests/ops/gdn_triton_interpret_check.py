@@ -36,8 +36,10 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.gdn import GDNLayerState
-from megatron_iso.ops.gdn import gdn_triton as gt
 from megatron_iso.ops.gdn import reference as ref
+from megatron_iso.ops.gdn.triton import config as gc
+from megatron_iso.ops.gdn.triton import conv_gates as cg
+from megatron_iso.ops.gdn.triton import rule as gt
 from megatron_iso.testing.bits import same_bits
 from megatron_iso.testing.gdn_inputs import checked_rule_grads, random_gdn_inputs
 
@@ -276,20 +278,20 @@ def check_rule(form: str) -> None:
             assert "dot_precision" in str(e) and "'tf32x3'" in str(e), str(e)
     for bad in ("tf32x3", "ieee/tf32x3", "tf32x3/bf16"):  # the chunk form refuses tf32x3 (its row bits follow M)
         try:
-            gt.config_for(D, D, C, bad, "chunk")
+            gc.config_for(D, D, C, bad, "chunk")
             raise AssertionError(f"chunk form accepted {bad!r}")
         except ValueError as e:
             assert "form='chunk'" in str(e) and "'bf16'" in str(e), str(e)
-    assert gt.config_for(D, D, C, "ieee/bf16", "chunk").form == "chunk"
-    cfg = gt.config_for(D, D, C)
-    assert cfg.dot_precision == gt.DOT_PRECISION == "ieee/tf32x3"
+    assert gc.config_for(D, D, C, "ieee/bf16", "chunk").form == "chunk"
+    cfg = gc.config_for(D, D, C)
+    assert cfg.dot_precision == gc.DOT_PRECISION == "ieee/tf32x3"
     assert gt._RULE_CONSTANTS["dot_precision_defaults"] == ["scan:ieee/tf32x3", "chunk:bf16"]
-    assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gt.split_dot_precision(gt.DOT_PRECISION)
-    assert gt.split_dot_precision("tf32") == ("tf32", "tf32") and gt.config_for(D, D, C, "tf32").dot_precision == "tf32"
+    assert (cfg.prep_precision, cfg.chain_precision) == ("ieee", "tf32x3") == gc.split_dot_precision(gc.DOT_PRECISION)
+    assert gc.split_dot_precision("tf32") == ("tf32", "tf32") and gc.config_for(D, D, C, "tf32").dot_precision == "tf32"
     # chunk 16: four blocks of the prep kernel's triangular inverse (INV_BLOCK 4 here), so block rows 1..3 each sum
     # over 1..3 lower blocks (chunk C has two). Against the reference, and train == prefill + decode across closes.
-    C16 = 4 * gt.INV_BLOCK
-    assert gt.config_for(D, D, C16).inv_block == gt.INV_BLOCK
+    C16 = 4 * gc.INV_BLOCK
+    assert gc.config_for(D, D, C16).inv_block == gc.INV_BLOCK
     x = inputs(2 * C16 + 3, 47)
     st16 = GDNLayerState.allocate(2, conv_dim=4, conv_kernel=4, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
                                   chunk=C16, dtype=torch.float32, form=form)  # fmt: skip
@@ -307,14 +309,14 @@ def check_rule(form: str) -> None:
 
 
 def check_bf16_storage() -> None:
-    # bf16 storage of the dot-only intermediates (gt.MID_BF16: W, KD, u, entry states; chunk form, bf16 chain dots) is
+    # bf16 storage of the dot-only intermediates (gc.MID_BF16: W, KD, u, entry states; chunk form, bf16 chain dots) is
     # bit-neutral: training, prefill + decode and the state cache as with fp32 storage. The interpreter's bf16 dot gives
     # wrong values, but a fixed function of the bf16 operands, which is all this plumbing check needs (the GPU test
     # test_bf16_storage_of_intermediates_is_bit_neutral holds the same on tensor cores).
     x = inputs(2 * C + 5, 44)
     got = {}
     for mid in (True, False):
-        gt.MID_BF16 = mid
+        gc.MID_BF16 = mid
         kw = {"form": "chunk", "dot_precision": "bf16"}
         inc, st = incremental(x, [C + 1, 1, 1, C - 3, 1, 1, 1, 1, 1], st=new_state(2, form="chunk"), **kw)
         check_entry_bf16(st)
@@ -325,16 +327,16 @@ def check_bf16_storage() -> None:
             st.entry[1],
             st.buf_u[1].bfloat16(),
         )
-    gt.MID_BF16 = True
-    assert gt.config_for(D, D, C, "bf16", "chunk").mid_dtype == torch.bfloat16
-    assert gt.config_for(D, D, C, "tf32", "chunk").mid_dtype == torch.float32
+    gc.MID_BF16 = True
+    assert gc.config_for(D, D, C, "bf16", "chunk").mid_dtype == torch.bfloat16
+    assert gc.config_for(D, D, C, "tf32", "chunk").mid_dtype == torch.float32
     for name, a, b in zip(("train", "prefill + decode", "state.entry", "state.buf_u"), *got.values(), strict=True):
         assert same_bits(a, b), f"bf16 storage: {name}"
     assert same_bits(got[True][0], got[True][1]), "bf16 storage: train vs prefill + decode"
     # The state cache's narrow buffers (buf_v in bf16 v's dtype, buf_u in the bf16 u is stored in) give the bits of
     # fp32 ones: in a prefill's buffer copy and in the decode steps' reads and writes.
     x16 = (*x[:2], x[2].bfloat16(), *x[3:])
-    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gt.chunk_u_dtype("bf16")}
+    narrow = {"v_dtype": torch.bfloat16, "u_dtype": gc.chunk_u_dtype("bf16")}
     assert narrow["u_dtype"] == torch.bfloat16
     got = {}
     for dtypes in ({}, narrow):
@@ -360,19 +362,19 @@ def check_conv() -> None:
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         xc, w = torch.randn(14, 12, generator=gen).to(dtype), torch.randn(12, 4, generator=gen).to(dtype)
-        full = gt.causal_conv1d(xc, w, cu([14]))
+        full = cg.causal_conv1d(xc, w, cu([14]))
         cs = torch.full((2, 12, 3), float("nan"), dtype=dtype)
         outs, pos = [], 0
         for n in (2, 5, 1, 1, 1, 4):
             outs.append(
-                gt.causal_conv1d(
+                cg.causal_conv1d(
                     xc[pos : pos + n], w, cu([n]), conv_state=cs, slots=torch.tensor([1]), starts=torch.tensor([pos])
                 )
             )
             pos += n
         assert same_bits(full, torch.cat(outs)), "conv prefill/decode"
         assert same_bits(cs[1], xc[-3:].t()), "conv state"
-        two = gt.causal_conv1d(torch.cat([xc[:5], xc]), w, cu([5, 14]))
+        two = cg.causal_conv1d(torch.cat([xc[:5], xc]), w, cu([5, 14]))
         assert same_bits(two[5:], full) and same_bits(two[:5], full[:5]), "conv packing"
         r64 = torch.nn.functional.silu(
             torch.nn.functional.conv1d(xc.double().t()[None], w.double()[:, None], padding=3, groups=12)[0, :, :14].t()
@@ -384,10 +386,10 @@ def check_conv() -> None:
     # a sequence shorter than K-1 keeps the older history in its conv state
     cs = torch.zeros(1, 12, 3)
     xc = torch.randn(6, 12, generator=gen)
-    gt.causal_conv1d(
+    cg.causal_conv1d(
         xc[:4], torch.ones(12, 4), cu([4]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([0])
     )
-    gt.causal_conv1d(
+    cg.causal_conv1d(
         xc[4:5], torch.ones(12, 4), cu([1]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([4])
     )
     assert same_bits(cs[0], xc[2:5].t()), "conv state of a short call"
@@ -399,11 +401,11 @@ def check_gates() -> None:
     gen = torch.Generator().manual_seed(5)
     a, b, xn = torch.randn(33, HV, generator=gen) * 8, torch.randn(33, HV, generator=gen), torch.randn(33, 3, 24)
     al, dt = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
-    g, beta = gt.gdn_gates(a, b, al, dt)
-    nrm = gt.l2norm(xn)
+    g, beta = cg.gdn_gates(a, b, al, dt)
+    nrm = cg.l2norm(xn)
     for i in (0, 17, 32):
-        gi, bi = gt.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
-        assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(gt.l2norm(xn[i : i + 1])[0], nrm[i])
+        gi, bi = cg.gdn_gates(a[i : i + 1], b[i : i + 1], al, dt)
+        assert same_bits(gi[0], g[i]) and same_bits(bi[0], beta[i]) and same_bits(cg.l2norm(xn[i : i + 1])[0], nrm[i])
     rg, rb = ref.gdn_gates(a, b, al, dt)
     assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs().max()) < 1e-6
     assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
@@ -411,8 +413,8 @@ def check_gates() -> None:
 
 
 def check_grads() -> None:
-    # backward (gdn_triton_backward's kernels): deterministic, close to fp64 autograd of the reference, per form (the
-    # scan form recomputes the chunk-form state pass), with an open last chunk and Dk != Dv
+    # backward (ops/gdn/triton/backward.py's kernels): deterministic, close to fp64 autograd of the reference, per form
+    # (the scan form recomputes the chunk-form state pass), with an open last chunk and Dk != Dv
     gen = torch.Generator().manual_seed(7)
     for form, prec, dv in (("scan", None, D), ("chunk", "ieee", D), ("chunk", "ieee", 12)):
         lengths = [13, 8, 3]
@@ -428,7 +430,7 @@ def check_grads() -> None:
     xc = torch.randn(9, 12, generator=gen, requires_grad=True)
     wc = torch.randn(12, 4, generator=gen, requires_grad=True)
     xr, wr = xc.detach().clone().requires_grad_(True), wc.detach().clone().requires_grad_(True)
-    (gt.causal_conv1d(xc, wc, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
+    (cg.causal_conv1d(xc, wc, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
     (ref.causal_conv1d(xr, wr, cu([4, 5])) * torch.arange(108.0).reshape(9, 12)).sum().backward()
     assert float((xc.grad - xr.grad).abs().max()) < 1e-3 and float((wc.grad - wr.grad).abs().max()) < 1e-3, "conv grads"
     print("grad ok", round(time.time() - t_start, 1))

@@ -1,4 +1,4 @@
-"""The GDN Triton module's host side (no kernels): the call plan (which chunks, chains and buffer copies a call gets,
+"""The GDN Triton package's host side (no kernels): the call plan (which chunks, chains and buffer copies a call gets,
 per output form) and the backward's key-head sum. Bitwise behaviour is tested under the interpreter
 (test_gdn_triton_interpret.py) and on the GPU; these pin the tables those kernels read (columns: ``_prep_kernel``'s
 and ``_chain_kernel``'s docstrings)."""
@@ -10,7 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_iso.ops.gdn import gdn_triton as gt
+from megatron_iso.ops.gdn.triton import config as gc
+from megatron_iso.ops.gdn.triton import plan as gp
+from megatron_iso.ops.gdn.triton import rule as gt
 
 C = 8
 CPU = torch.device("cpu")
@@ -20,7 +22,7 @@ def plan(lengths, starts=None, slots=None, form="chunk", has_state=True, slot_co
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     st = None if starts is None else torch.tensor(starts)
     sl = None if slots is None else torch.tensor(slots)
-    return gt._plan(cu, st, sl, C, has_state, CPU, slot_count, form)
+    return gp._plan(cu, st, sl, C, has_state, CPU, slot_count, form)
 
 
 def test_chunk_form_decode_step_mid_chunk_and_at_close():
@@ -57,24 +59,24 @@ def test_fresh_sequence_writes_its_zero_entry_back():
 
 def test_bad_form_and_precision_are_named():
     with pytest.raises(ValueError, match="form='spiral' must be one of"):
-        gt.config_for(8, 8, C, "ieee", "spiral")
+        gc.config_for(8, 8, C, "ieee", "spiral")
     with pytest.raises(ValueError, match="form='chunk' with dot_precision='tf32x3'"):
-        gt.config_for(8, 8, C, "tf32x3", "chunk")
+        gc.config_for(8, 8, C, "tf32x3", "chunk")
 
 
 def test_decode_dv_block_is_one_for_every_precision(monkeypatch):
-    # H200, Session 20: without fp contraction the ieee chunk-form tests pass at the tensor-core precisions' block (64)
-    monkeypatch.setattr(gt, "DECODE_BV", 64)
+    # without fp contraction the ieee chunk form is bitwise at the tensor-core precisions' block (64) too
+    monkeypatch.setattr(gc, "DECODE_BV", 64)
     for prec in ("ieee", "bf16", "ieee/bf16", "tf32"):
-        assert gt.config_for(128, 128, 64, prec, "chunk").decode_bv == 64, prec
-    assert gt.config_for(32, 32, 16, "tf32", "chunk").decode_bv == 32  # never wider than Dv
+        assert gc.config_for(128, 128, 64, prec, "chunk").decode_bv == 64, prec
+    assert gc.config_for(32, 32, 16, "tf32", "chunk").decode_bv == 32  # never wider than Dv
 
 
 @pytest.mark.parametrize("rep", [1, 2, 3])
 def test_key_head_sum_adds_a_key_heads_planes_in_order(rep):
     """The backward's dq/dk per value head, plane r holding value head ``j * rep + r`` of key head j, -> per key head:
     planes added left to right (bit patterns of an explicit fp32 loop)."""
-    from megatron_iso.ops.gdn.gdn_triton_backward import key_head_sum
+    from megatron_iso.ops.gdn.triton.backward import key_head_sum
 
     planes = torch.randn(rep, 7, 3, 5)
     want = planes[0].clone()

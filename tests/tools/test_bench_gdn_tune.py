@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 def test_tune_sets_forward_and_backward_constants_and_names_bad_ones(
     bench_gdn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from megatron_iso.ops.gdn import gdn_triton as G
-    from megatron_iso.ops.gdn import gdn_triton_backward as B
+    from megatron_iso.ops.gdn.triton import backward as B
+    from megatron_iso.ops.gdn.triton import config as G
 
     monkeypatch.setattr(B, "BWD_KS", B.BWD_KS)  # restored after the test
     monkeypatch.setattr(G, "OUT_BV", G.OUT_BV)
@@ -24,16 +24,16 @@ def test_tune_sets_forward_and_backward_constants_and_names_bad_ones(
 
 
 def test_tune_register_caps_take_any_ptxas_value_and_refuse_others(bench_gdn, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_iso.ops.gdn import gdn_triton as G
-    from megatron_iso.ops.gdn import gdn_triton_backward as B
+    from megatron_iso.ops.gdn.triton import backward as B
+    from megatron_iso.ops.gdn.triton import config as G
 
     monkeypatch.setattr(G, "DECODE_MAXNREG", G.DECODE_MAXNREG)
     monkeypatch.setattr(B, "BWD_MAXNREG", B.BWD_MAXNREG)
-    monkeypatch.setattr(G, "_INTERPRET", False)  # the cap is passed on the GPU only
+    monkeypatch.setattr(G, "INTERPRET", False)  # the cap is passed on the GPU only
     bench_gdn._apply_tune(["DECODE_MAXNREG=168", "BWD_MAXNREG=200"])  # not powers of two: a cap is any register count
-    assert G.DECODE_MAXNREG == 168 and G._maxnreg(G.DECODE_MAXNREG) == {"maxnreg": 168}
+    assert G.DECODE_MAXNREG == 168 and G.maxnreg(G.DECODE_MAXNREG) == {"maxnreg": 168}
     assert B.BWD_MAXNREG == 200 and not hasattr(G, "BWD_MAXNREG")
-    assert G._maxnreg(0) == {}
+    assert G.maxnreg(0) == {}
     for bad in ("DECODE_MAXNREG=300", "DECODE_PREP_MAXNREG=8"):
         with pytest.raises(SystemExit, match=r"0 \(none\) or in 24\.\.255"):
             bench_gdn._apply_tune([bad])

@@ -17,7 +17,7 @@ ARGS = ["--device", "cpu", "--chunk", "4", "--dim", "8", "--heads", "1", "2", "-
 PLANTED = """
 import sys, torch
 sys.path.insert(0, "tools")
-from megatron_iso.ops.gdn import gdn_triton as gt
+from megatron_iso.ops.gdn.triton import rule as gt
 import locate_gdn_decode_mismatch as tool
 rule = gt.gated_delta_rule
 def moved(*a, starts=None, **kw):

@@ -1,7 +1,7 @@
 """Gated DeltaNet op family: causal conv1d + SiLU, l2norm, gates, and the gated delta rule (CPR).
 
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference`` (CPR: one semantics for training,
-prefill and decode), CUDA+correctness = ``megatron_iso.ops.gdn.gdn_triton`` (lazy, same signatures),
+prefill and decode), CUDA+correctness = the ``megatron_iso.ops.gdn.triton`` package (lazy, same signatures),
 performance = ``native`` (chunked for training/prefill, recurrent for decode, as stock stacks).
 Per-sequence state lives in :class:`~megatron_iso.ops.gdn.state_cache.GDNStateCache`.
 """
@@ -17,7 +17,7 @@ from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports regis
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
 
-TRITON_MODULE = "megatron_iso.ops.gdn.gdn_triton"
+TRITON_MODULE = "megatron_iso.ops.gdn.triton"
 # What a GPU training forward keeps for the backward (rl.gdn_backward_states): "keep" its chunk-form state pass (u, W,
 # KD, T^{-1}, entry states: about 49 KB per token and layer at 32 value heads of 128 with bf16 dots, 88 KB with fp32
 # storage), or "recompute" it in the backward (the prep and chain kernels again). Gradients are bitwise the same

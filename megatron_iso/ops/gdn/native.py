@@ -77,7 +77,7 @@ def _intra_chunk(q, k, v, g, beta):
 
     ``T^-1`` of the unit lower triangular ``T = I + A`` comes from one triangular solve against the identity, and
     U0, W from matmuls with it: the backward needs ``T^-T`` as well, and a solve per right-hand side cost more
-    (three batched solves were 12.8 of the H200's 109 ms fwd+bwd at 8 x 4096 tokens, 32 heads; one is 1.6 ms)."""
+    (three batched solves took 12.8 of 109 ms fwd+bwd at 8 x 4096 tokens, 32 heads; one takes 1.6 ms)."""
     chunk = k.shape[-2]
     gc = g.cumsum(-1)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)

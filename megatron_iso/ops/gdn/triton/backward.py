@@ -8,8 +8,8 @@ policy asks a backward to be deterministic, not invariant: its dots run at the f
 
 Inputs are the chunk-form state pass of the forward (per chunk and value head: u = U0 - W E, W, KD = e^{G_C-G} k,
 e^{G_C}, G, T^{-1}, and the entry state E; u, W, KD and E are bf16 with bf16 dots, ``GDNConfig.mid_dtype``), kept by
-a chunk-form forward or recomputed for a scan-form one (``gdn_triton._state_pass``, called from
-``gdn_triton._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
+a chunk-form forward or recomputed for a scan-form one (:func:`.state_pass.state_pass`, called from
+``rule._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
 ``dE'`` the gradient of the chunk's exit state:
 
 1. ``_bwd_local_kernel`` (chunks in parallel): ``dv_local = P^T dO``.
@@ -31,23 +31,22 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gdn.gdn_triton import _INTERPRET, MIN_DOT, _chunk_row, _dot, _maxnreg
+from megatron_iso.ops.gdn.triton.config import INTERPRET, MIN_DOT, dot, maxnreg
+from megatron_iso.ops.gdn.triton.tiles import chunk_row
 
-# Tuning (H200, chunk:bf16, 8 x 4096, docs/PERFORMANCE.md "Session 9"). The chain's Dv block: 64 with bf16 operands
-# (1.86 ms; 32: 3.19), 32 with fp32 ones (64 needs more shared memory than sm_90 has at tf32). The output and WY
-# kernels loop over Dv blocks of BWD_BV and key slices of BWD_KS (sm_90a: slices of 32 spill nothing); 4 warps
-# (output 4.21 -> 2.61 ms, WY 2.82 -> 1.63 against 8).
-BWD_CHAIN_BV_BF16 = 4 if _INTERPRET else 64
-BWD_CHAIN_BV = 4 if _INTERPRET else 32
-BWD_BV = 4 if _INTERPRET else 32
-BWD_KS = 4 if _INTERPRET else 32
+# Tuning. The chain's Dv block: 64 with bf16 operands (faster than 32), 32 with fp32 ones (64 needs more shared
+# memory than sm_90 has at tf32). The output and WY kernels loop over Dv blocks of BWD_BV and key slices of BWD_KS
+# (on sm_90a slices of 32 spill nothing); 4 warps (faster than 8).
+BWD_CHAIN_BV_BF16 = 4 if INTERPRET else 64
+BWD_CHAIN_BV = 4 if INTERPRET else 32
+BWD_BV = 4 if INTERPRET else 32
+BWD_KS = 4 if INTERPRET else 32
 BWD_WARPS = 4
 BWD_CHAIN_WARPS = 4
 # Software-pipelining depth of the chain's loop over chunks (it only moves loads). 1: 48 KB of shared memory, so two
-# programs fit on an SM; Triton's default 3 took 144 KB, one program per SM (H200, chunk:bf16, 8 x 4096: 1.55 -> 0.99
-# ms; 2 stages 1.47 ms; PERFORMANCE.md Session 13)
+# programs fit on an SM; Triton's default 3 takes 144 KB, one program per SM, and is slower (so is 2)
 BWD_CHAIN_STAGES = 1
-# Register caps (gdn_triton's *_MAXNREG): the local, output and WY kernels, and the chain; 0 = ptxas' choice
+# Register caps (as config's *_MAXNREG): the local, output and WY kernels, and the chain; 0 = ptxas' choice
 BWD_MAXNREG, BWD_CHAIN_MAXNREG = 0, 0
 
 
@@ -77,7 +76,7 @@ def _bwd_local_kernel(
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // REP
-    row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+    row0, _nbuf, _brow0, nrows = chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BVF)
@@ -89,10 +88,10 @@ def _bwd_local_kernel(
     gc = tl.load(gcum_ptr + base * C + ot)
     causal = ot[:, None] >= ot[None, :]
     p = tl.where(
-        causal, _dot(q, tl.trans(k), None, PREC) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0
+        causal, dot(q, tl.trans(k), None, PREC) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0
     )
     do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
-    tl.store(dvl_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], _dot(tl.trans(p), do, None, PREC))
+    tl.store(dvl_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], dot(tl.trans(p), do, None, PREC))
 
 
 @triton.jit
@@ -121,19 +120,19 @@ def _bwd_chain_kernel(
     for jj in range(nc):
         cid = c0 + nc - 1 - jj
         base = cid * HV + h
-        row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+        row0, _nbuf, _brow0, nrows = chunk_row(chunk_ptr, cid)
         present = ot < nrows
         rows = row0 + ot
         tl.store(dsx_ptr + cid * hsz + st, ds, mask=m2)
         kd = tl.load(kd_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
         dvl = tl.load(dvl_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0)
-        du = _dot(kd, ds, dvl, PREC)
+        du = dot(kd, ds, dvl, PREC)
         tl.store(du_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], du, mask=mv[None, :])
         gc = tl.load(gcum_ptr + base * C + ot)
         qd = _row_tile(q_ptr, rows, present, SQ, hk * DK, ok, DK) * (scale * tl.exp(gc))[:, None]
         do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
         w = tl.load(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
-        ds = _dot(tl.trans(qd), do, tl.load(egc_ptr + base) * ds, PREC) - _dot(tl.trans(w), du, None, PREC)
+        ds = dot(tl.trans(qd), do, tl.load(egc_ptr + base) * ds, PREC) - dot(tl.trans(w), du, None, PREC)
 
 
 @triton.jit
@@ -152,7 +151,7 @@ def _bwd_output_kernel(
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // REP
-    row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+    row0, _nbuf, _brow0, nrows = chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     present = ot < nrows
     rows = row0 + ot
@@ -164,7 +163,7 @@ def _bwd_output_kernel(
         do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
         u = tl.load(u_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=present[:, None] & (ov < DV)[None, :],
                     other=0.0)  # fmt: skip
-        d_p = _dot(do, tl.trans(u), d_p, PREC)
+        d_p = dot(do, tl.trans(u), d_p, PREC)
     gc = tl.load(gcum_ptr + base * C + ot)
     gl = tl.sum(tl.where(ot == C - 1, gc, 0.0), axis=0)
     kdec = tl.exp(gl - gc)
@@ -191,9 +190,9 @@ def _bwd_output_kernel(
             du = tl.load(du_ptr + tile, mask=mv[None, :], other=0.0).to(tl.float32)
             e = tl.load(ex_ptr + cid * hsz + st, mask=m2, other=0.0).to(tl.float32)  # bf16 with bf16 dots
             dsx = tl.load(dsx_ptr + cid * hsz + st, mask=m2, other=0.0).to(tl.float32)
-            d_qe = _dot(do, tl.trans(e), d_qe, PREC)
-            d_kd = _dot(u, tl.trans(dsx), d_kd, PREC)
-            du_e = _dot(du, tl.trans(e), du_e, PREC)
+            d_qe = dot(do, tl.trans(e), d_qe, PREC)
+            d_kd = dot(u, tl.trans(dsx), d_kd, PREC)
+            du_e = dot(du, tl.trans(e), du_e, PREC)
             d_egc += tl.sum(dsx * e, axis=1)
         tl.store(dwm_ptr + (base * C + ot[:, None]) * BK + oks[None, :], du_e)
         m_rows = present[:, None] & mks[None, :]
@@ -204,11 +203,11 @@ def _bwd_output_kernel(
         q = _row_tile(q_ptr, rows, present, SQ, hk * DK, oks, DK) * scale
         d_q = eg[:, None] * d_qe
         # Through P's decay: dG_t += sum_i dP_ti P_ti - sum_s dP_st P_st = q_t . dq_P,t - k_t . dk_P,t (no P tile)
-        d_q_p = _dot(d_qk, k, None, PREC)
+        d_q_p = dot(d_qk, k, None, PREC)
         d_g += tl.sum(q * (d_q + d_q_p), axis=1) - f
         dq_at = _key_grad_rows(dq_ptr, rows, oks, h, hk, NT, HK, DK, REP)
         tl.store(dq_at, (d_q + d_q_p) * scale, mask=m_rows)
-        d_k_p = _dot(tl.trans(d_qk), q, None, PREC)
+        d_k_p = dot(tl.trans(d_qk), q, None, PREC)
         d_g -= tl.sum(k * d_k_p, axis=1)
         tl.store(_key_grad_rows(dk_ptr, rows, oks, h, hk, NT, HK, DK, REP), d_k + d_k_p, mask=m_rows)
     d_gl = tl.sum(f_sum, axis=0) + tl.load(egc_ptr + base) * tl.sum(d_egc, axis=0)
@@ -231,7 +230,7 @@ def _bwd_wy_kernel(
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // REP
-    row0, _nbuf, _brow0, nrows = _chunk_row(chunk_ptr, cid)
+    row0, _nbuf, _brow0, nrows = chunk_row(chunk_ptr, cid)
     ot = tl.arange(0, C)
     present = ot < nrows
     rows = row0 + ot
@@ -245,11 +244,11 @@ def _bwd_wy_kernel(
         mv = ov < DV
         du = tl.load(du_ptr + (base * C + ot[:, None]) * BVF + ov[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
         v = _row_tile(v_ptr, rows, present, SV, h * DV, ov, DV)
-        d_x1 = _dot(tinv_t, du, None, PREC)
+        d_x1 = dot(tinv_t, du, None, PREC)
         d_v = (beta[:, None] * d_x1).to(dv_ptr.dtype.element_ty)
         tl.store(dv_ptr + (rows[:, None] * HV + h) * DV + ov[None, :], d_v, mask=present[:, None] & mv[None, :])
         d_b += tl.sum(v * d_x1, axis=1)
-        m = _dot(d_x1, tl.trans(beta[:, None] * v), m, PREC)
+        m = dot(d_x1, tl.trans(beta[:, None] * v), m, PREC)
     gc = tl.load(gcum_ptr + base * C + ot)
     eg = tl.exp(gc)
     d_gt = tl.load(dgp_ptr + base * C + ot)
@@ -258,22 +257,22 @@ def _bwd_wy_kernel(
         m_rows = present[:, None] & (oks < DK)[None, :]
         k = _row_tile(k_ptr, rows, present, SK, hk * DK, oks, DK)
         x2 = (beta * eg)[:, None] * k
-        d_x2 = -_dot(tinv_t, tl.load(dwm_ptr + (base * C + ot[:, None]) * BK + oks[None, :]).to(tl.float32), None, PREC)
-        m = _dot(d_x2, tl.trans(x2), m, PREC)
+        d_x2 = -dot(tinv_t, tl.load(dwm_ptr + (base * C + ot[:, None]) * BK + oks[None, :]).to(tl.float32), None, PREC)
+        m = dot(d_x2, tl.trans(x2), m, PREC)
         d_gt += tl.sum(x2 * d_x2, axis=1)
         d_b += tl.sum(eg[:, None] * k * d_x2, axis=1)
         dk_at = _key_grad_rows(dk_ptr, rows, oks, h, hk, NT, HK, DK, REP)
         tl.store(dk_at, tl.load(dk_at, mask=m_rows, other=0.0) + (beta * eg)[:, None] * d_x2, mask=m_rows)
     lower = ot[:, None] > ot[None, :]
     dec = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
-    d_kk = tl.where(lower, -_dot(m, tinv_t, None, PREC), 0.0) * dec  # d(beta k k^T) on the strict lower triangle
+    d_kk = tl.where(lower, -dot(m, tinv_t, None, PREC), 0.0) * dec  # d(beta k k^T) on the strict lower triangle
     for ks in range(BK // KS):  # through A
         oks = ks * KS + tl.arange(0, KS)
         m_rows = present[:, None] & (oks < DK)[None, :]
         k = _row_tile(k_ptr, rows, present, SK, hk * DK, oks, DK)
         kb = beta[:, None] * k
-        d_kb = _dot(d_kk, k, None, PREC)
-        d_k_a = _dot(tl.trans(d_kk), kb, None, PREC)
+        d_kb = dot(d_kk, k, None, PREC)
+        d_k_a = dot(tl.trans(d_kk), kb, None, PREC)
         d_b += tl.sum(k * d_kb, axis=1)
         # Through A's decay, as for P in the output kernel: dG_t += kb_t . dkb_t - k_t . dk_A,t (no A tile)
         d_gt += tl.sum(kb * d_kb, axis=1) - tl.sum(k * d_k_a, axis=1)
@@ -304,9 +303,9 @@ def rule_backward(
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of q, k, v, g, beta from ``d_out`` ``[T, Hv, Dv]``: fp32, except dv, in v's kernel dtype.
 
-    ``rows``: q, k, v, g, beta as ``gdn_triton._rows`` returns them (tensor, row stride); ``shapes``: (Hk, Dk, Hv, Dv);
+    ``rows``: q, k, v, g, beta as ``rule._rows`` returns them (tensor, row stride); ``shapes``: (Hk, Dk, Hv, Dv);
     ``plan``: the call's chunk-form plan; ``states``: its chunk-form state pass, ``(u, W, KD, e^{G_C}, G, T^{-1},
-    E)`` (``gdn_triton._state_pass`` and the entry states it fills); ``cfg``: the forward's ``GDNConfig``."""
+    E)`` (:func:`.state_pass.state_pass` and the entry states it fills); ``cfg``: the forward's ``GDNConfig``."""
     (qf, sq), (kf, sk), (vf, sv), (_gf, _sg), (bf, sb) = rows
     hk, dk, hv, dv = shapes
     u, w, kd, egc, gcum, tinv, ex = states
@@ -333,28 +332,28 @@ def rule_backward(
     ks = max(MIN_DOT, min(BWD_KS, cfg.bk))
     _bwd_local_kernel[(n, hv)](
         qf, kf, d_out, plan.chunks, gcum, dvl, scale, sq, sk, hk, hv, dk, dv, rep, **dims, num_warps=BWD_WARPS,
-        **_maxnreg(BWD_MAXNREG),
+        **maxnreg(BWD_MAXNREG),
     )  # fmt: skip
     _bwd_chain_kernel[(plan.nchains, hv, triton.cdiv(dv, chain_bv))](
         qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, scale, sq, hk, hv, dk, dv, rep,
-        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS, num_stages=BWD_CHAIN_STAGES, **_maxnreg(BWD_CHAIN_MAXNREG),
+        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS, num_stages=BWD_CHAIN_STAGES, **maxnreg(BWD_CHAIN_MAXNREG),
     )  # fmt: skip
     _bwd_output_kernel[(n, hv)](
         qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep, t,
-        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **_maxnreg(BWD_MAXNREG),
+        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **maxnreg(BWD_MAXNREG),
     )  # fmt: skip
     _bwd_wy_kernel[(n, hv)](
         kf, vf, bf, plan.chunks, du, tinv, gcum, dwm, dgp, dkk, dvv, db, dg, sk, sv, sb, hk, hv, dk, dv, rep, t,
-        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **_maxnreg(BWD_MAXNREG),
+        **dims, BV=bv, KS=ks, num_warps=BWD_WARPS, **maxnreg(BWD_MAXNREG),
     )  # fmt: skip
     return key_head_sum(dq), key_head_sum(dkk), dvv, dg, db
 
 
 def key_head_sum(planes: torch.Tensor) -> torch.Tensor:
     """``[rep, T, Hk, D]`` -> ``[T, Hk, D]``: plane r holds value head ``j * rep + r`` of key head j; the planes are
-    added one after another in ascending order (fixed: deterministic), each add over whole contiguous tensors. H200,
-    8 x 4096, Hv 32, per dq and dk: 0.185 ms, at copy bandwidth; 0.29 ms as a torch sum over a strided middle dim of
-    size rep (``[T, Hk, rep, D]``), 0.23 ms as adds of strided views of it (PERFORMANCE.md, Session 13)."""
+    added one after another in ascending order (fixed: deterministic), each add over whole contiguous tensors: at copy
+    bandwidth, faster than a torch sum over a strided middle dim of size rep (``[T, Hk, rep, D]``) or adds of strided
+    views of it."""
     out = planes[0]
     for r in range(1, planes.shape[0]):
         out = out + planes[r]

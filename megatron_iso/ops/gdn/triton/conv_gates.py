@@ -1,0 +1,218 @@
+"""conv1d + SiLU, l2norm and the gates: one element (conv, gates) or one row (l2norm) per program lane, fixed block
+sizes; nothing depends on the number of rows. Backward: autograd of a plain torch form of each."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.gdn import native
+from megatron_iso.ops.gdn.reference import L2NORM_EPS
+from megatron_iso.ops.gdn.triton import config
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, y_ptr, sid_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD,
+    K: tl.constexpr, HAS_STATE: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """One packed row, BC channels: silu(sum_j w[:, j] x[t-K+1+j]); history from the conv state."""
+    r = tl.program_id(0).to(tl.int64)
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = oc < CD
+    sid = tl.load(sid_ptr + r)
+    a = tl.load(cu_ptr + sid).to(tl.int64)
+    p = r - a  # position inside this call's rows of the sequence
+    if HAS_STATE:
+        warm = tl.load(starts_ptr + sid) > 0
+        slot = tl.load(slots_ptr + sid).to(tl.int64)
+    else:
+        warm = False
+        slot = 0
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = p - (K - 1) + j
+        xr = tl.load(x_ptr + (r - (K - 1) + j) * CD + oc, mask=mc & (src >= 0), other=0.0).to(tl.float32)
+        hs = tl.load(cs_ptr + (slot * CD + oc) * (K - 1) + (K - 1) + src, mask=mc & (src < 0) & warm, other=0.0)
+        xv = tl.where(src >= 0, xr, hs.to(tl.float32))
+        wj = tl.load(w_ptr + oc * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc = acc + wj * xv
+    y = tl.math.div_rn(acc, 1.0 + tl.exp(-acc))
+    tl.store(y_ptr + r * CD + oc, y.to(y_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD,
+    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """conv_state[slot] = the sequence's last K-1 inputs (older ones from the state or zeros)."""
+    i = tl.program_id(0)
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = oc < CD
+    a = tl.load(cu_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1).to(tl.int64) - a
+    warm = tl.load(starts_ptr + i) > 0
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    jj = tl.arange(0, KP)
+    mj = jj < K - 1
+    idx = n - (K - 1) + jj  # row inside the call (< 0: from the old state, column K-1+idx)
+    m = mc[:, None] & mj[None, :]
+    xr = tl.load(x_ptr + (a + idx[None, :]) * CD + oc[:, None], mask=m & (idx[None, :] >= 0), other=0.0)
+    old = tl.load(
+        cs_ptr + (slot * CD + oc[:, None]) * (K - 1) + (K - 1) + idx[None, :],
+        mask=m & (idx[None, :] < 0) & warm,
+        other=0.0,
+    )
+    val = tl.where(idx[None, :] >= 0, xr.to(cs_ptr.dtype.element_ty), old)
+    tl.store(cs_ptr + (slot * CD + oc[:, None]) * (K - 1) + jj[None, :], val, mask=m)
+
+
+@triton.jit
+def _l2norm_kernel(x_ptr, y_ptr, D, eps, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BD)
+    x = tl.load(x_ptr + r * D + o, mask=o < D, other=0.0).to(tl.float32)
+    inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) + eps))
+    tl.store(y_ptr + r * D + o, x * inv, mask=o < D)
+
+
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: tl.constexpr):
+    """g in float64 (libdevice exp/log), rounded once: softplus(x) = max(x, 0) + log1p(exp(-|x|)) with
+    log1p(y) = log(u) * y / (u - 1), u = 1 + y, accurate for tiny y; beta = 1 / (1 + exp(-b)) in fp32."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    h = i % H
+    x = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float64) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float64)
+    y = tl.exp(-tl.abs(x))
+    uu = 1.0 + y
+    d = uu - 1.0
+    l1p = tl.where(d == 0.0, y, tl.log(uu) * (y / tl.where(d == 0.0, 1.0, d)))
+    sp = tl.maximum(x, 0.0) + l1p
+    al = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float64)
+    tl.store(g_ptr + i, (-(tl.exp(al) * sp)).to(tl.float32), mask=m)
+    b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + i, tl.math.div_rn(1.0, 1.0 + tl.exp(-b)), mask=m)
+
+
+def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
+    t, cd = x.shape
+    kw = weight.shape[-1]
+    if weight.shape != (cd, kw):
+        raise ValueError(f"causal_conv1d: weight shape {tuple(weight.shape)} != (channels={cd}, kernel)")
+    if conv_state is not None:
+        if slots is None or slots.numel() != cu_seqlens.numel() - 1:
+            raise ValueError("a conv state needs one slot per sequence (slots=...)")
+        if conv_state.shape[1:] != (cd, kw - 1) or not conv_state.is_contiguous():
+            raise ValueError(
+                f"causal_conv1d: conv_state must be contiguous [slots, {cd}, {kw - 1}], got {tuple(conv_state.shape)}"
+            )
+    elif starts is not None and bool((starts > 0).any()):
+        raise ValueError("sequences starting at positions > 0 need their conv state (conv_state=..., slots=...)")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = cu_seqlens.numel() - 1
+    if t == 0:
+        return y
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
+    sid = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True).to(torch.int32)
+    has = conv_state is not None
+    st = (starts if starts is not None else torch.zeros(n, dtype=torch.int64)).to(device=x.device, dtype=torch.int64)
+    sl = slots.to(device=x.device, dtype=torch.int64) if has else st
+    cs = conv_state if has else x
+    grid = (t, triton.cdiv(cd, config.CONV_BC))
+    _conv_kernel[grid](x, weight.contiguous(), y, sid, cu, st, sl, cs, cd, K=kw, HAS_STATE=has, BC=config.CONV_BC)
+    if has:
+        kp = triton.next_power_of_2(max(kw - 1, 1))
+        _conv_state_kernel[(n, triton.cdiv(cd, config.CONV_BC))](
+            x, cu, st, sl, conv_state, cd, K=kw, KP=kp, BC=config.CONV_BC
+        )
+    return y
+
+
+def _conv_plain(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Differentiable conv + SiLU for the backward: shifted copies by pad/slice (no scatter, so the
+    gradient is deterministic), zeroed before each sequence's start."""
+    t = x.shape[0]
+    kw = weight.shape[-1]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+    ar = torch.arange(t, device=x.device)
+    pos = ar - cu[torch.searchsorted(cu[1:], ar, right=True)]
+    xf, wf = x.float(), weight.float()
+    acc = None
+    for j in range(kw):
+        shift = kw - 1 - j
+        xs = torch.nn.functional.pad(xf, (0, 0, shift, 0))[:t] * (pos >= shift)[:, None]
+        term = wf[:, j] * xs
+        acc = term if acc is None else acc + term
+    return torch.nn.functional.silu(acc).to(x.dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    conv_state: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU (``x [T, Cd]``, ``weight [Cd, K]``); updates ``conv_state`` like the reference."""
+    fwd = functools.partial(_conv_forward, conv_state=conv_state, slots=slots, starts=starts)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not needs_grad:
+        return fwd(x, weight, cu_seqlens)
+    if conv_state is not None:
+        raise NotImplementedError(
+            "causal_conv1d (triton): gradients through a call with a conv state are not supported"
+        )
+    return with_plain_backward(fwd, _conv_plain, x, weight, cu_seqlens)
+
+
+def _l2norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    rows = xc.numel() // max(d, 1)
+    if rows:
+        _l2norm_kernel[(rows,)](xc, y, d, float(eps), BD=triton.next_power_of_2(d))
+    return y
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """fp32 ``x / sqrt(sum(x^2) + eps)`` over the last dim: one row per program, fixed block."""
+    return with_plain_backward(_l2norm_forward, native.l2norm, x, eps)
+
+
+def _gates_forward(a, b, A_log, dt_bias):
+    t, h = a.shape
+    g = torch.empty(t, h, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if a.numel():
+        _gates_kernel[(triton.cdiv(a.numel(), config.ELEM_BLOCK),)](
+            a.contiguous(), b.contiguous(), A_log.contiguous(), dt_bias.contiguous(), g, beta, a.numel(), h,
+            BLOCK=config.ELEM_BLOCK,
+        )  # fmt: skip
+    return torch.stack([g, beta])
+
+
+def _gates_plain(a, b, A_log, dt_bias):
+    return torch.stack(native.gdn_gates(a, b, A_log, dt_bias))
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp64 inside) and ``beta = sigmoid(b)``; elementwise."""
+    if a.shape != b.shape or a.dim() != 2 or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
+        raise ValueError(
+            f"gdn_gates: a{tuple(a.shape)} b{tuple(b.shape)} must be [T, Hv] and A_log{tuple(A_log.shape)} "
+            f"dt_bias{tuple(dt_bias.shape)} [Hv]"
+        )
+    out = with_plain_backward(_gates_forward, _gates_plain, a, b, A_log, dt_bias)
+    return out[0], out[1]

@@ -1,0 +1,141 @@
+"""A call's plan: which packed rows form which segment (scan form), chunk and chain, as int32 tables the kernels read,
+built on the host from the sequence boundaries and cached across the layers of a forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
+from megatron_iso.ops.gdn.triton import config
+
+
+@dataclass
+class Plan:
+    n: int
+    nseg: int
+    nchunks: int
+    seg: torch.Tensor  # [nseg, 8] int32 (device; columns: _scan_kernel's docstring; scan form)
+    chunks: torch.Tensor  # [nchunks, CHUNK_COLS] int32 (_prep_kernel's docstring)
+    chains: torch.Tensor  # [nchains, 6] int32 (_chain_kernel's docstring)
+    nchains: int
+    scratch: bool  # finals go to a scratch tensor (some sequence has several segments; scan form)
+    buffers: bool  # some chunk's tokens go to the state cache's buffer (chunk form: _buffer_kernel runs)
+
+
+# A call's plan, shared by the GDN layers of a forward (same layout tensors, chunk, state, device, slot count).
+_PLAN_CACHE: TensorKeyedCache[Plan] = TensorKeyedCache(4)
+
+
+def _host_lists(cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tensor | None):
+    parts = [cu.reshape(-1).to(torch.int64)]
+    for t in (starts, slots):
+        if t is not None:
+            parts.append(t.reshape(-1).to(device=cu.device, dtype=torch.int64))
+    flat = torch.cat(parts).tolist()  # the one device->host copy of a call (cached across layers)
+    n = cu.numel() - 1
+    cu_l = flat[: n + 1]
+    rest = flat[n + 1 :]
+    st = [0] * n
+    if starts is not None:
+        st, rest = rest[:n], rest[n:]
+    sl = rest[:n] if slots is not None else None
+    return cu_l, st, sl
+
+
+def cached_plan(cu, starts, slots, chunk, has_state, dev, slot_count, form) -> Plan:
+    """:func:`_plan`, shared by the layers of a forward; the slot count is part of the key because the plan's bounds
+    check depends on it."""
+    extra = (chunk, has_state, dev, slot_count, form)
+    return _PLAN_CACHE.get((cu, starts, slots), extra, lambda: _plan(cu, starts, slots, *extra))
+
+
+def _plan(
+    cu: torch.Tensor,
+    starts: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    chunk: int,
+    has_state: bool,
+    dev: torch.device,
+    slot_count: int,
+    form: str = config.FORM,
+) -> Plan:
+    """Segments (with the buffer rows of a chunk left open), chunks and chains of a call, as int32 tables on ``dev``.
+    Scan form: the chunk table holds the chunks the call closes (the state pass); chunk form: every chunk the call
+    has tokens in, open ones included (each gets output tiles)."""
+    cu_l, st, sl = _host_lists(cu, starts, slots)
+    n = len(cu_l) - 1
+    empty = [i for i in range(n) if cu_l[i + 1] <= cu_l[i]]
+    if empty:
+        raise ValueError(f"gated_delta_rule: sequences {empty} have no tokens in cu_seqlens={cu_l}; drop them")
+    if has_state and sl is not None and any(not 0 <= s < slot_count for s in sl):
+        raise ValueError(f"gated_delta_rule: slots {sl} outside the state cache's {slot_count} slots")
+    if len(st) != n:
+        raise ValueError(f"starts has {len(st)} entries for {n} sequences")
+    if any(s < 0 for s in st):
+        raise ValueError(f"starts must be >= 0, got {st}")
+    if not has_state and any(st):
+        raise ValueError(f"sequences starting at positions {st} need their GDN state (state=..., slots=...)")
+    if has_state and (sl is None or len(sl) != n):
+        raise ValueError("a GDN state cache needs one slot per sequence (slots=...)")
+    segs, chunks, chains = [], [], []
+    fin_rows = []
+    multi = False
+    for i in range(n):
+        a, pos, end = cu_l[i], st[i], cu_l[i + 1]
+        slot = sl[i] if has_state else 0
+        first_chunk = len(chunks)
+        prev_chunk = -1
+        mine = []
+        while a < end:
+            o = pos % chunk
+            b = min(end, a + chunk - o)
+            closes = o + b - a == chunk
+            # scan start: the running state (or zeros) for the call's first segment, else the exit state
+            # of the chunk the previous segment closed
+            init = (2, prev_chunk) if prev_chunk >= 0 else (1, slot) if pos > 0 else (0, 0)
+            cidx = -1
+            if closes or form == "chunk":
+                cidx = len(chunks)
+                chunks.append((a - o, o, slot * chunk, o + b - a, int(has_state and not closes)))
+            # columns 0-6 and 10 go to the table (_scan_kernel's seg row); 7-9 are planning notes
+            mine.append([a, b - a, init[0], init[1], -1, 0, 0, closes, cidx, o, -1])
+            prev_chunk = cidx
+            pos += b - a
+            a = b
+        if len(mine) > 1:
+            multi = True
+        nc = len(chunks) - first_chunk
+        last_open = int(form == "chunk" and not mine[-1][7])
+        if nc or (has_state and st[i] == 0):
+            # write back: the open chunk's entry state for the next call (unchanged if no chunk closed and the
+            # sequence did not start here)
+            wb = has_state and (nc > last_open or st[i] == 0)
+            chains.append((first_chunk, nc, 1 if st[i] > 0 else 0, slot, int(wb), last_open))
+        if has_state:
+            last = mine[-1]
+            last[4] = i  # placeholder: becomes the slot (direct) or i (scratch) below
+            last[5], last[6] = (1, last[8]) if last[7] else (0, 0)
+            fin_rows.append(last)
+            if not last[7]:  # the call leaves this chunk open: the scan copies its tokens into the buffer
+                last[10] = slot * chunk + last[9]
+        segs += mine
+    for i, last in enumerate(fin_rows):
+        last[4] = i if multi else sl[i]
+
+    def tab(rows, cols):
+        flat = [int(r[c]) for r in rows for c in cols]
+        return torch.tensor(flat or [0] * len(cols), dtype=torch.int32).reshape(-1, len(cols)).to(dev)
+
+    return Plan(
+        n=n,
+        nseg=len(segs),
+        nchunks=len(chunks),
+        seg=tab(segs, (0, 1, 2, 3, 4, 5, 6, 10)),
+        chunks=tab(chunks, range(config.CHUNK_COLS)),
+        chains=tab(chains, range(6)),
+        nchains=len(chains),
+        scratch=multi,
+        buffers=any(c[4] for c in chunks),
+    )
