@@ -1,5 +1,5 @@
 """Decode throughput: the bundled decoder in the correctness (iso) and performance (native) profiles
-vs HF transformers ``generate``, all three on the same random seeded weights (issue 9, "Speed").
+vs HF transformers ``generate``, all three on the same random seeded weights.
 
     python tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 --new-tokens 512 \
         --max-seconds 40 --budget-seconds 500 --out bench_decode.json
@@ -39,8 +39,8 @@ from megatron_iso.bench.profiling import module_ranges, print_summary, ranged, s
 
 ENGINES = ("iso", "native", "hf")
 PROFILES = {"iso": "correctness", "native": "performance"}
-ISO_OVER_NATIVE_TARGET = 0.9  # issue 9: iso >= 0.9x native tokens/s
-NATIVE_OVER_HF_TARGET = (64, 3.0)  # issue 9: native >= 3x HF generate at batch 64
+ISO_OVER_NATIVE_TARGET = 0.9  # target: iso >= 0.9x native tokens/s
+NATIVE_OVER_HF_TARGET = (64, 3.0)  # target: native >= 3x HF generate at batch 64
 
 
 @dataclass

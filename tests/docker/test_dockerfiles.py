@@ -26,8 +26,7 @@ SCRIPTS = [
     ROOT / "examples" / "torchrun_single_node.sh",
     ROOT / "examples" / "torchrun_multi_node.sh",
     ROOT / "examples" / "slurm_grpo.sbatch",
-    ROOT / "tools" / "h200_call.sh",
-    ROOT / "tools" / "gdn_tune_profiles.sh",
+    ROOT / "tools" / "gpu_bench.sh",
 ]
 # The image's torch stack: installing any of these over the NVIDIA image would replace its build.
 IMAGE_STACK = {"torch", "triton", "numpy", "transformer-engine", "apex"}

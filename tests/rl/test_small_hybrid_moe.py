@@ -119,7 +119,7 @@ def _tool():
 
 
 def test_bench_rl_step_shrunk_iso_mismatch_zero(tmp_path):
-    """Trainer micro-batches as the H200 step runs them (h200_call.sh rlhybrid): iso logprobs still exact."""
+    """Trainer micro-batches as the GPU step runs them (gpu_bench.sh rlhybrid): iso logprobs still exact."""
     out = tmp_path / "rl_step.json"
     argv = ["--model", MODEL, "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "6"]
     argv += ["--prompt-len", "8", "--kv-cache-mb", "16", "--train-micro-batch-seqs", "3", "--out", str(out), *SHRINK]

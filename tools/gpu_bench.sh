@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks on a CUDA machine, as named steps. Run from the repo root with the package's
+# dependencies importable (the `gpu` extra, plus `hf` for the decode step's HF `generate` column):
+#
+#   bash tools/gpu_bench.sh -o runs/bench gputests gdn rl   # steps in the order given, results under runs/bench
+#   OUT=runs/bench bash tools/gpu_bench.sh decode            # the same, output folder from $OUT
+#   STEP_LIMIT_SCALE=0.5 bash tools/gpu_bench.sh ...         # scale every step's time limit
+#   WHEELS=wheels/ bash tools/gpu_bench.sh ...               # first install wheels/*.whl (no index) into a
+#                                                            # private folder put on PYTHONPATH
+#
+# Each step runs under its own time limit and writes STEP.log (and its JSON, if any) into the output folder; a
+# step cut by its limit keeps its log and the JSON rows written so far. stdout gets "=== STEP", the exit status,
+# the seconds taken and the tail of the log. The script exits 0 once every step has run; read each step's rc.
+#
+# Steps (seconds are each step's limit):
+#   gputests 300    pytest tests/gpu except the GDN kernel file (GPU_TESTS="files..." names the files instead)
+#   gdntests 540    pytest -v tests/gpu/test_gdn_triton.py alone (compile-bound: about 400 s on a fresh
+#                   machine; GDN_TESTS_K="expr" narrows it with pytest -k)
+#   gdn      200    bench_gdn --quick: the GDN rule vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch) in the
+#                   op's default form (scan); the correctness profile's CUDA form is chunk:bf16, timed by gdndot with
+#                   GDN_VARIANTS=chunk:bf16 GDN_BENCH_ARGS=--fla-bwd-unchecked
+#   gdnprof   90    bench_gdn --profile train:8x4096: per-kernel table of our training forward
+#   flaprof   90    bench_gdn --profile flatrain:8x4096: per-kernel table of FLA's chunk forward
+#   gdndot   300    bench_gdn --dot-precision $GDN_VARIANTS (default "ieee tf32x3 tf32") $GDN_BENCH_ARGS: per
+#                   variant (dot precision, or FORM:PRECISION such as chunk:bf16) training fwd (+bwd), prefill
+#                   1024, decode 64, accuracy, train-vs-rollout bits; GDN_TUNE_TAG suffixes the log and JSON names
+#   gdnbwd   300    bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
+#                   reference only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd (scan form)
+#   rl       150    bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
+#   rlhybrid 300    bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run, trainer
+#                   micro-batches of 16 sequences; RLHYBRID_PROFILES picks the profiles, RLHYBRID_OVERRIDES appends
+#                   Hydra overrides (e.g. "profile.gdn_form=scan")
+#   decode   200    bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens
+#   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs
+#   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
+#   kvstaged 120    the same with --staged-kv (staging + write-back)
+#   moe      100    bench_ops --moe: grouped expert GEMM vs a cuBLAS per-expert loop
+#   nccl     300    needs 2 GPUs: tests/multigpu over NCCL
+#   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
+# The numbers these steps produced: docs/PERFORMANCE.md.
+set -u
+out=${OUT:-}
+if [ "${1:-}" = "-o" ] || [ "${1:-}" = "--out" ]; then
+  out=${2:-}
+  shift 2 || shift $#
+fi
+if [ -z "$out" ]; then
+  echo "no output folder: pass -o DIR or set OUT" >&2
+  exit 2
+fi
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+for s in "$@"; do
+  case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
+done
+mkdir -p "$out" || exit 2
+OUT=$(cd "$out" && pwd)
+export OUT
+if [ -n "${WHEELS:-}" ]; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEELS"/*.whl || exit 2
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+scale=${STEP_LIMIT_SCALE:-1}
+gdn_test_file=tests/gpu/test_gdn_triton.py  # run by gdntests, left out of gputests
+
+step() {  # step NAME LIMIT_S TAIL_LINES CMD...
+  local name=$1 limit tail_n=$3 t0=$SECONDS
+  limit=$(python3 -c "print(max(1, int($2 * $scale)))")
+  shift 3
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$? in $((SECONDS - t0)) s"
+  grep -v -e "Warning" -e "warnings.warn" "$OUT/$name.log" | tail -n "$tail_n"
+}
+
+for s in "$@"; do
+  case $s in
+    gputests)  # GPU_TESTS may name several files: word splitting on purpose
+      # shellcheck disable=SC2086
+      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=$gdn_test_file} ;;
+    gdntests)
+      step gdntests 540 40 python3 -m pytest -v -p no:warnings -rfE "$gdn_test_file" ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
+    gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
+    gdnprof) step gdnprof 90 20 python3 tools/bench_gdn.py --profile train:8x4096 --out "$OUT/gdn_prof_train.json" ;;
+    flaprof) step flaprof 90 24 python3 tools/bench_gdn.py --profile flatrain:8x4096 --out "$OUT/fla_prof_train.json" ;;
+    gdndot)  # GDN_VARIANTS: the variants, e.g. "chunk:bf16 chunk:tf32"; GDN_BENCH_ARGS: more bench_gdn arguments
+      # shellcheck disable=SC2086
+      step "gdndot${GDN_TUNE_TAG:-}" 300 14 python3 tools/bench_gdn.py --quick --prefill 1024 --decode 64 \
+        --dot-precision ${GDN_VARIANTS:-ieee tf32x3 tf32} ${GDN_BENCH_ARGS:-} \
+        --out "$OUT/bench_gdn_dot${GDN_TUNE_TAG:-}.json" ;;
+    gdnbwd)
+      step gdnbwd 240 14 python3 tools/bench_gdn.py --quick --prefill 512 --decode 64 --fla-bwd-unchecked \
+        --out "$OUT/bench_gdn_bwd.json"
+      step gdnbwdprof 60 16 python3 tools/bench_gdn.py --profile trainbwd:8x4096 --out "$OUT/gdn_prof_trainbwd.json" ;;
+    rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
+      --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
+    rlhybrid)  # RLHYBRID_PROFILES and RLHYBRID_OVERRIDES hold several words: word splitting on purpose
+      # shellcheck disable=SC2086
+      step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
+      --prompts 8 --group 8 --prompt-len 128 --new-tokens 96 --kv-cache-mb 2048 --train-micro-batch-seqs 16 \
+      --profiles ${RLHYBRID_PROFILES:-correctness performance} --out "$OUT/rl_step_hybrid.json" \
+      ${RLHYBRID_OVERRIDES:-} ;;
+    decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
+      --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
+    decodeeager) step decodeeager 150 12 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso native \
+      --batch 8 64 --prompt-len 512 --new-tokens 128 --max-seconds 15 --budget-seconds 140 --no-cuda-graphs \
+      --out "$OUT/bench_decode_eager.json" ;;
+    kvpaged) step kvpaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \
+      --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --out "$OUT/bench_decode_paged.json" ;;
+    kvstaged) step kvstaged 120 8 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso --batch 8 64 \
+      --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --staged-kv \
+      --out "$OUT/bench_decode_staged.json" ;;
+    moe) step moe 100 20 python3 tools/bench_ops.py --moe --skip-gemm --skip-mem --out "$OUT/bench_moe.json" ;;
+    nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu/test_nccl_invariance.py ;;
+    rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
+      --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \
+      --out "$OUT/rl_step_tp2.json" parallel.tp=2 ;;
+  esac
+done
