@@ -45,7 +45,7 @@ def test_every_gdn_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         for name in ("_prep_kernel", "_chain_kernel"):
             assert r["kernels"][name]["ptx_vector_loads"] > 0, (variant, name, r["kernels"][name])
         # the chunk form's decode kernels redo its training kernels' arithmetic row by row: all of them compile without
-        # contraction, so LLVM cannot fuse on one side what the other rounds twice (Session 19: `beta v - (beta e^G k)
+        # contraction, so LLVM cannot fuse on one side what the other rounds twice (with it, `beta v - (beta e^G k)
         # E` became one fma in the row kernel, so its Y rows differed from the chain's)
         for name in (
             (CHUNK - BACKWARD - {"_buffer_kernel"}) | {"_prep_kernel (train)"} if variant.startswith("chunk:") else ()

@@ -75,7 +75,7 @@ CONFIGS: dict[torch.dtype, GemmTileConfig] = {
         block_m=64, block_n=64, block_k=TRITON_BLOCK_K["fp32"], num_warps=4, num_stages=3, loop="static"
     ),
 }
-# Buckets picked from the H200 candidate sweep of 2026-11-29 (docs/PERFORMANCE.md, ``gemm_candidates``);
+# Buckets picked from a candidate sweep on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md);
 # every tile here was in the bitwise tile-equivalence experiment (all equal to the default's bits).
 _BF16_TILES = {
     # (M bucket, one leaf in the kernel?) -> tile
