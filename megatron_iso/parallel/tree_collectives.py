@@ -1,4 +1,4 @@
-"""Tree collectives: the transport only moves fp32 partials; the sum is always ``ops.tree``.
+"""Tree collectives: the transport only moves fp32 partials; the sum is always ``ops.common.tree``.
 
 A collective library's all-reduce adds in an order of its own choosing (ring, tree, chunked,
 whatever rank answered first), so TP=2 and TP=4 would add the same leaves differently. Here

@@ -1,5 +1,5 @@
 """Training attention: the invariant forward, and as the plain backward formula (see
-``ops/autograd.py``) causal GQA attention in differentiable fp32 torch ops, sequences batched with padding
+``ops/common/autograd.py``) causal GQA attention in differentiable fp32 torch ops, sequences batched with padding
 (one launch sequence per group of sequences instead of per sequence: the backward was host-bound)."""
 
 from __future__ import annotations

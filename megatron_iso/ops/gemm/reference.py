@@ -1,7 +1,7 @@
 """Leaf-tree linear, torch reference path: batch and TP invariant by construction on any device.
 
 ``y[m, n] = sum_k x[m, k] * w[n, k]`` with the contraction dimension K cut into ``leaves``
-contiguous equal leaves. Each leaf is summed with the fixed tree (``ops.tree``), then the leaf
+contiguous equal leaves. Each leaf is summed with the fixed tree (``ops.common.tree``), then the leaf
 sums are combined with the same balanced tree. Only elementwise fp32 multiplies and adds are
 used, and an elementwise op rounds each element once whatever the tensor's shape, so a row's
 result can depend on nothing but that row (batch invariance). ``torch.matmul`` is not used on
