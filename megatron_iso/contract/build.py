@@ -3,20 +3,26 @@
 Every check here is one that, if skipped, lets a run start whose claims are false (e.g. a TP size
 outside the leaves' reach silently changes the reduction tree). Errors name the config field and
 the allowed values so the fix is obvious from the message.
+
+The builder reads resolved values (:class:`ContractInputs`): the device class and the GDN form are resolved
+above it, by :mod:`megatron_iso.settings` (which may ask the op families; this package, the bottom layer the
+ops register into, never imports them). A raw Hydra config is accepted too and handed to the resolver that
+:mod:`megatron_iso.settings` registers on import (:func:`register_config_resolver`).
 """
 
 from __future__ import annotations
 
 import platform
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.contract import registry
 from megatron_iso.contract.canonical import to_canonical
-from megatron_iso.contract.registry import CASES, DEVICE_CLASSES, PROFILES, OpImpl
+from megatron_iso.contract.registry import CASES, DEVICE_CLASSES, PROFILES, OpImpl, Profile
 from megatron_iso.contract.schema import (
     CASE_SIDES,
     AxisClaim,
@@ -48,10 +54,49 @@ class ContractValidationError(ValueError):
     """The config and registry do not form a valid contract; the message names the field."""
 
 
-def _plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+def plain_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` as plain containers, interpolations resolved (a mapping: its groups copied one level deep)."""
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in cfg.items()}
+
+
+@dataclass(frozen=True)
+class ContractInputs:
+    """What the builder reads, resolved: the device class (never "auto"), the profile with its GDN form resolved
+    (never "auto"), and the plain model, parallel and contract groups. :mod:`megatron_iso.settings` fills it."""
+
+    device_class: str
+    profile: Mapping[str, Any]
+    model: Mapping[str, Any]
+    parallel: Mapping[str, Any]
+    contract: Mapping[str, Any] = field(default_factory=dict)
+
+
+# Set by megatron_iso.settings on import: raw config -> ContractInputs, and the GPU GEMM K tiles per dtype.
+_RESOLVER: dict[str, Callable[..., Any]] = {}
+
+
+def register_config_resolver(
+    inputs: Callable[[Any], ContractInputs], gemm_block_k: Callable[[], Mapping[str, int]]
+) -> None:
+    """Install how a raw config becomes :class:`ContractInputs` and where the GPU GEMMs' K tiles come from
+    (called by :mod:`megatron_iso.settings`, the layer above the ops, as ops register their implementations)."""
+    _RESOLVER["inputs"], _RESOLVER["gemm_block_k"] = inputs, gemm_block_k
+
+
+def _resolver(name: str) -> Callable[..., Any]:
+    if name not in _RESOLVER:
+        raise ContractValidationError(
+            "a raw config needs megatron_iso.settings to resolve it (device class, GDN form): import "
+            "megatron_iso.settings (megatron_iso.config.load_config does) or pass ContractInputs"
+        )
+    return _RESOLVER[name]
+
+
+def contract_inputs(cfg: ContractInputs | DictConfig | Mapping[str, Any]) -> ContractInputs:
+    """``cfg`` itself when resolved already, else the registered resolver's reading of the raw config."""
+    return cfg if isinstance(cfg, ContractInputs) else _resolver("inputs")(cfg)
 
 
 def resolve_device_class(device: str) -> str:
@@ -98,10 +143,16 @@ def row_parallel_ks(model: Mapping[str, Any]) -> dict[str, int]:
     return ks
 
 
-def _validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> None:
-    name = profile.get("name")
+def check_profile_name(name: Any) -> Profile:
+    """``profile.name`` as a :class:`Profile`; anything else is an error naming the field and the allowed values."""
     if name not in PROFILES:
         raise ContractValidationError(f"profile.name={name!r} is not allowed; allowed values: {list(PROFILES)}")
+    return Profile(name)
+
+
+def validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+    """The profile's leaves and domains against the model (each error names the field and the allowed values)."""
+    check_profile_name(profile.get("name"))
     leaves = profile.get("leaves")
     if not _is_pow2(leaves):
         raise ContractValidationError(f"profile.leaves={leaves!r} must be a power of two (1, 2, 4, 8, 16, ...)")
@@ -134,24 +185,27 @@ def _validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> N
             )
 
 
-def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any]) -> None:
+def check_gpu_gemm_shapes(
+    cfg: ContractInputs | DictConfig | Mapping[str, Any], block_k_of: Mapping[str, int] | None = None
+) -> None:
     """Refuse, before anything is built, a correctness-profile run on CUDA whose GEMM shapes the Triton
     leaf-tree kernels cannot walk: each leaf is read in whole K tiles, so every GEMM's K / leaves must be a
     multiple of the BLOCK_K of the model's dtype (row-parallel: profile.leaves; experts' down projection:
     profile.expert_leaves; column-parallel, whose K is the hidden size: one leaf). A capability of the GPU
-    kernels, not a policy: the contract itself does not depend on it. No-op for other profiles."""
-    from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
-
-    c = _plain(cfg)
-    profile, model = c["profile"], c["model"]
-    if profile.get("name") != "correctness":
+    kernels, not a policy: the contract itself does not depend on it. No-op for other profiles.
+    ``block_k_of``: the GEMM kernels' K tile per dtype (default: the registered resolver's, from the GEMM ops)."""
+    inputs = contract_inputs(cfg)
+    profile, model = inputs.profile, inputs.model
+    if profile.get("name") != Profile.CORRECTNESS:
         return
 
+    if block_k_of is None:
+        block_k_of = _resolver("gemm_block_k")()
     dtype = str(model.get("params_dtype", "fp32"))
-    block_k = TRITON_BLOCK_K.get(dtype)
+    block_k = block_k_of.get(dtype)
     if block_k is None:
         raise ContractValidationError(
-            f"model.params_dtype={dtype!r} has no GPU GEMM; allowed values: {sorted(TRITON_BLOCK_K)}"
+            f"model.params_dtype={dtype!r} has no GPU GEMM; allowed values: {sorted(block_k_of)}"
         )
     # Row-parallel GEMM contractions only: hidden_size (an SP reduction size) and the vocab are no GEMM's K here.
     not_gemm = ("model.vocab_size", "model.hidden_size")
@@ -197,32 +251,13 @@ def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _gdn_kernels(profile: Mapping[str, Any], device_class: str) -> dict[str, Any]:
-    """profile.gdn_form / gdn_dot_precision choose among the GDN GPU kernels (docs/GDN.md "Output forms"): refuse them
-    where those kernels do not run, rather than write a contract whose composition computes something else. Returns
-    the profile with the form resolved ("auto" -> the form that runs here), the constant the contract pins."""
-    from megatron_iso.ops.gdn import gdn_choice_runs_here, gdn_profile_fields
-
-    try:
-        form, precision = gdn_profile_fields(profile, device_class)
-    except ValueError as e:
-        raise ContractValidationError(str(e)) from None
-    if not gdn_choice_runs_here(form, precision, device_class, profile["name"]):
-        raise ContractValidationError(
-            f"profile.gdn_form={form!r}, profile.gdn_dot_precision={precision!r} need device=cuda and profile "
-            f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile['name']!r} "
-            "only gdn_form='scan' (or 'auto') with gdn_dot_precision=null exists"
-        )
-    return {**profile, "gdn_form": form} if "gdn_form" in profile else dict(profile)
-
-
 def _axis_claims(
     profile: Mapping[str, Any], parallel: Mapping[str, Any], max_batch: int, model: Mapping[str, Any]
 ) -> list[AxisClaim]:
     """Per-axis claims. Invariant and neutral axes keep their actual value out of the policy (deployment).
     An invariance domain is narrowed to the degrees the model can be sharded at: a claim over a layout
     that cannot run is no claim."""
-    bitwise = profile["name"] == "correctness"
+    bitwise = profile["name"] == Profile.CORRECTNESS
     claims: list[AxisClaim] = []
     for axis in sorted(parallel):
         value = to_canonical(parallel[axis], f"parallel.{axis}")
@@ -330,21 +365,20 @@ def _runtime(device_class: str) -> dict[str, Any]:
     return out
 
 
-def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] | None = None) -> Contract:
-    """The contract for ``cfg`` (keys model, profile, parallel, device; optional contract.max_batch/max_seq_len).
+def build_contract(
+    cfg: ContractInputs | DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] | None = None
+) -> Contract:
+    """The contract for ``cfg``: resolved :class:`ContractInputs`, or a raw config (keys model, profile, parallel,
+    device; optional contract.max_batch/max_seq_len) resolved by :mod:`megatron_iso.settings`.
 
     ``impls`` defaults to the registry's implementations for the resolved device class and profile;
     call :func:`megatron_iso.contract.load_op_implementations` first so every op module has registered.
     """
-    c = _plain(cfg)
-    for key in ("model", "profile", "parallel"):
-        if not isinstance(c.get(key), Mapping):
-            raise ContractValidationError(f"config has no '{key}' group; compose the root config (conf/config.yaml)")
-    model, profile, parallel = c["model"], c["profile"], c["parallel"]
-    device_class = resolve_device_class(c.get("device", "auto"))
-    _validate_profile(profile, model)
-    bitwise = profile["name"] == "correctness"
-    profile = _gdn_kernels(profile, device_class)
+    inputs = contract_inputs(cfg)
+    model, parallel, device_class = inputs.model, inputs.parallel, inputs.device_class
+    profile = dict(inputs.profile)
+    validate_profile(profile, model)
+    bitwise = profile["name"] == Profile.CORRECTNESS
 
     if impls is None:
         impls = registry.registered(device_class=device_class, profile=profile["name"])
@@ -360,10 +394,10 @@ def build_contract(cfg: DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] 
             "call megatron_iso.contract.load_op_implementations() before build_contract()"
         )
 
-    cases = _cases(c, model)
+    cases = _cases({"contract": inputs.contract}, model)
     max_batch = cases[0].max_batch
     axes = _axis_claims(profile, parallel, max_batch, model)
-    invalidation = _invalidation((c.get("contract") or {}).get("invalidation"))
+    invalidation = _invalidation(inputs.contract.get("invalidation"))
     parity: dict[str, Any] = (
         {"kind": "bitwise", "quantity": "logprob_full_vocab", "equal_cases": sorted(CASES), "tolerance": 0}
         if bitwise

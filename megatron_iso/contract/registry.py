@@ -13,10 +13,27 @@ import contextlib
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 DEVICE_CLASSES = ("cpu", "cuda")
-PROFILES = ("correctness", "performance")
+
+
+class Profile(str, Enum):
+    """The two numerical policies. A ``str``: equal to, hashed and serialised as its value ("correctness",
+    "performance"), so config values, canonical JSON and digests read the same as plain strings."""
+
+    CORRECTNESS = "correctness"  # invariant ops: results independent of batch, layout and case
+    PERFORMANCE = "performance"  # stock ops: the baseline the correctness profile is measured against
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+PROFILES = tuple(p.value for p in Profile)
 # The executions the contract covers; every implementation says which it serves.
 CASES = ("trainer_forward", "trainer_score", "prefill", "decode")
 

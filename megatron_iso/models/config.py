@@ -13,16 +13,26 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_iso.contract.build import resolve_device_class
-from megatron_iso.ops.gdn import check_backward_states, gdn_profile_fields
+from megatron_iso.contract.registry import PROFILES, Profile
+from megatron_iso.settings import (
+    HF_GDN_LAYOUTS,
+    ModelSettings,
+    ParallelSettings,
+    ProfileSettings,
+    Settings,
+    check_backward_states,
+    resolve,
+    resolve_gdn,
+    resolve_profile,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PROFILES = ("correctness", "performance")
+__all__ = ["DTYPES", "HF_GDN_LAYOUTS", "PROFILES", "IsoTransformerConfig", "gdn_fields", "is_hybrid", "moe_fields"]
 
 
 @dataclass
 class IsoTransformerConfig(TransformerConfig):
-    iso_profile: str = "correctness"  # correctness = invariant ops; performance = stock ops
+    iso_profile: str = Profile.CORRECTNESS.value  # correctness = invariant ops; performance = stock ops
     iso_leaves: int = 8  # leaves of row-parallel GEMMs and of the vocab log-sum-exp
     iso_column_leaves: int = 1  # column-parallel GEMMs never split K across ranks
     iso_expert_leaves: int = 1  # routed experts' down projection: expert TP is 1, K never split
@@ -41,78 +51,70 @@ class IsoTransformerConfig(TransformerConfig):
     hf_gdn_layout: str = "qkvz"
 
 
-HF_GDN_LAYOUTS = ("qkvz", "split")
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
-
-
 def is_hybrid(model: Any) -> bool:
     """Whether ``model`` interleaves Gated DeltaNet layers with full attention (it sets ``full_attention_interval``)."""
-    return _get(model, "full_attention_interval") is not None
+    value = (
+        model.get("full_attention_interval")
+        if hasattr(model, "get")
+        else getattr(model, "full_attention_interval", None)
+    )
+    return value is not None
 
 
 def gdn_fields(model: Any, profile: Any, rl: Any, device_class: str) -> dict[str, Any]:
+    """Megatron's Gated DeltaNet fields for a hybrid model from raw groups (``rl``: for ``rl.gdn_backward_states``,
+    default "keep"; ``device_class`` resolves ``profile.gdn_form=auto``); empty otherwise. See :func:`_gdn_fields`."""
+    gdn_rl = rl.get("gdn_backward_states") if rl is not None else None
+    return _gdn_fields(
+        resolve_gdn(model) if is_hybrid(model) else None,
+        resolve_profile(profile, device_class),
+        check_backward_states("keep" if gdn_rl is None else gdn_rl),
+    )
+
+
+def _gdn_fields(model: ModelSettings | Any, profile: ProfileSettings, backward_states: str) -> dict[str, Any]:
     """Megatron's Gated DeltaNet fields (``experimental_attention_variant``, ``linear_*``) for a hybrid
     model (one with ``full_attention_interval``); empty otherwise. Every ``full_attention_interval``-th
-    layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``). ``rl``: the trainer's
-    group, for ``rl.gdn_backward_states`` (default "keep"). ``device_class`` resolves ``profile.gdn_form=auto``."""
-    if not is_hybrid(model):
+    layer is full attention (Megatron's ``linear_attention_freq``, HF's ``layer_types``)."""
+    gdn = model.gdn if isinstance(model, ModelSettings) else model
+    if gdn is None:
         return {}
-    interval = _get(model, "full_attention_interval")
-    if int(interval) < 1:
-        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
-    chunk = int(_get(profile, "gdn_chunk", 64))
-    if chunk < 1:
-        raise ValueError(f"profile.gdn_chunk={chunk} must be a positive int")
-    form, precision = gdn_profile_fields(profile, device_class)
-    backward_states = check_backward_states(str(_get(rl, "gdn_backward_states", "keep")), "rl.gdn_backward_states")
-    layout = str(_get(model, "hf_gdn_layout", "qkvz"))
-    if layout not in HF_GDN_LAYOUTS:
-        raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
     return {
         "experimental_attention_variant": "gated_delta_net",
-        "hf_gdn_layout": layout,
-        "linear_attention_freq": int(interval),
-        "linear_conv_kernel_dim": int(model.linear_conv_kernel_dim),
-        "linear_key_head_dim": int(model.linear_key_head_dim),
-        "linear_value_head_dim": int(model.linear_value_head_dim),
-        "linear_num_key_heads": int(model.linear_num_key_heads),
-        "linear_num_value_heads": int(model.linear_num_value_heads),
-        "iso_gdn_chunk": chunk,
-        "iso_gdn_form": form,
-        "iso_gdn_dot_precision": precision,
+        "hf_gdn_layout": gdn.hf_layout,
+        "linear_attention_freq": gdn.full_attention_interval,
+        "linear_conv_kernel_dim": gdn.conv_kernel_dim,
+        "linear_key_head_dim": gdn.key_head_dim,
+        "linear_value_head_dim": gdn.value_head_dim,
+        "linear_num_key_heads": gdn.num_key_heads,
+        "linear_num_value_heads": gdn.num_value_heads,
+        "iso_gdn_chunk": profile.gdn_chunk,
+        "iso_gdn_form": profile.gdn_form,
+        "iso_gdn_dot_precision": profile.gdn_dot_precision,
         "iso_gdn_backward_states": backward_states,
     }
 
 
 def transformer_config(cfg: Any) -> IsoTransformerConfig:
-    """Build the Megatron config for ``cfg.model`` under ``cfg.profile`` and ``cfg.parallel``."""
-    model, profile, parallel = cfg.model, cfg.profile, cfg.parallel
-    name = str(profile.name)
-    if name not in PROFILES:
-        raise ValueError(f"profile.name={name!r} is not allowed; allowed values: {list(PROFILES)}")
-    dtype_name = str(_get(model, "params_dtype", "fp32"))
-    if dtype_name not in DTYPES:
-        raise ValueError(f"model.params_dtype={dtype_name!r} is not allowed; allowed values: {sorted(DTYPES)}")
-    dtype = DTYPES[dtype_name]
-    tp = int(_get(parallel, "tp", 1))
+    """Build the Megatron config for ``cfg.model`` under ``cfg.profile`` and ``cfg.parallel`` (a raw config, read
+    through :func:`megatron_iso.settings.resolve`, or its :class:`~megatron_iso.settings.Settings`)."""
+    s: Settings = resolve(cfg)
+    model, profile, parallel = s.model, s.profile, s.parallel
+    dtype = DTYPES[model.params_dtype]
     return IsoTransformerConfig(
-        **gdn_fields(model, profile, _get(cfg, "rl"), resolve_device_class(str(_get(cfg, "device", "auto")))),
+        **_gdn_fields(model, profile, s.gdn_backward_states),
         **moe_fields(model, parallel),
-        num_layers=int(model.num_layers),
-        hidden_size=int(model.hidden_size),
-        ffn_hidden_size=int(model.ffn_hidden_size),
-        num_attention_heads=int(model.num_attention_heads),
-        num_query_groups=int(model.num_query_groups),
-        kv_channels=int(model.kv_channels),
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
         normalization="RMSNorm",
-        layernorm_epsilon=float(model.norm_epsilon),
-        layernorm_zero_centered_gamma=bool(_get(model, "zero_centered_norm", False)),
-        qk_layernorm=bool(_get(model, "qk_layernorm", True)),
-        attention_output_gate=bool(_get(model, "attention_output_gate", False)),
+        layernorm_epsilon=model.norm_epsilon,
+        layernorm_zero_centered_gamma=model.zero_centered_norm,
+        qk_layernorm=model.qk_layernorm,
+        attention_output_gate=model.attention_output_gate,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -125,51 +127,49 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
         persist_layer_norm=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=int(_get(parallel, "pp", 1)),
-        sequence_parallel=bool(_get(parallel, "sp", False)) and tp > 1,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        sequence_parallel=parallel.sp and parallel.tp > 1,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
         use_cpu_initialization=True,
-        init_method_std=float(_get(model, "init_std", 0.02)),
-        iso_profile=name,
-        iso_leaves=int(_get(profile, "leaves", 8)) if name == "correctness" else 1,
-        iso_expert_leaves=int(_get(profile, "expert_leaves", 1)) if name == "correctness" else 1,
-        iso_kv_block=int(_get(profile, "attention_kv_block", 64)) or 64,
-        rope_theta=float(model.rope_theta),
-        rotary_fraction=float(_get(model, "rotary_fraction", 1.0)),
-        vocab_size=int(model.vocab_size),
-        max_sequence_length=int(model.max_position_embeddings),
-        tie_word_embeddings=bool(_get(model, "tie_word_embeddings", False)),
+        init_method_std=model.init_std,
+        iso_profile=profile.name.value,
+        iso_leaves=profile.leaves,
+        iso_expert_leaves=profile.expert_leaves,
+        iso_kv_block=profile.attention_kv_block,
+        rope_theta=model.rope_theta,
+        rotary_fraction=model.rotary_fraction,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        tie_word_embeddings=model.tie_word_embeddings,
     )
 
 
-def moe_fields(model: Any, parallel: Any) -> dict[str, Any]:
+def moe_fields(model: ModelSettings, parallel: ParallelSettings) -> dict[str, Any]:
     """Megatron's MoE config fields from ``model.num_experts`` & co.; empty for a dense model.
 
     ``norm_topk_prob`` (HF) is Megatron's ``moe_router_pre_softmax=False``: a softmax over the
     top-k logits is the renormalised top-k probabilities. Experts are never split by TP
     (``expert_tensor_parallel_size=1``); EP spreads them over ranks.
     """
-    experts = _get(model, "num_experts")
-    if experts is None:
+    moe = model.moe
+    if moe is None:
         return {}
-    aux = float(_get(model, "moe_aux_loss_coeff", 0.0))
-    shared = _get(model, "shared_expert_ffn_hidden_size")
     return {
-        "num_moe_experts": int(experts),
-        "moe_router_topk": int(model.moe_topk),
-        "moe_ffn_hidden_size": int(model.moe_ffn_hidden_size),
-        "moe_shared_expert_intermediate_size": None if shared is None else int(shared),
-        "moe_shared_expert_gate": bool(_get(model, "shared_expert_gate", False)),
-        "moe_router_pre_softmax": not bool(_get(model, "norm_topk_prob", True)),
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+        "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
         "moe_router_score_function": "softmax",
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
-        "moe_aux_loss_coeff": aux,
+        "moe_router_load_balancing_type": "aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
-        "expert_model_parallel_size": int(_get(parallel, "ep", 1)),
+        "expert_model_parallel_size": parallel.ep,
         "expert_tensor_parallel_size": 1,
     }

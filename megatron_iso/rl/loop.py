@@ -33,6 +33,7 @@ from megatron_iso.rl.losses import (
 from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.tasks import Prompt, make_task
+from megatron_iso.settings import RLSettings, Settings, check_micro_batch_seqs, resolve
 
 
 class RunSetupError(RuntimeError):
@@ -48,77 +49,71 @@ class Sample:
     reward: float = 0.0
 
 
-def _loss_config(rl: Any) -> PolicyLossConfig:
+def _loss_config(rl: RLSettings) -> PolicyLossConfig:
     return PolicyLossConfig(
-        algo=str(rl.algo),
-        clip_low=float(rl.clip_low),
-        clip_high=float(rl.clip_high),
-        aggregation=str(rl.aggregation),
-        kl_coef=float(rl.kl_coef),
-        tis_cap=float(rl.tis_cap),
+        algo=rl.algo,
+        clip_low=rl.clip_low,
+        clip_high=rl.clip_high,
+        aggregation=rl.aggregation,
+        kl_coef=rl.kl_coef,
+        tis_cap=rl.tis_cap,
     )
 
 
 def micro_batch_seqs(rl: Any) -> int:
     """``rl.train_micro_batch_seqs`` checked: sequences per trainer micro-batch, 0 = all in one batch."""
-    value = rl.get("train_micro_batch_seqs")
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"rl.train_micro_batch_seqs={value!r} is not allowed; allowed values: 0 or null (all sequences "
-            "in one batch) or a positive integer (sequences per micro-batch)"
-        )
-    return value
+    return check_micro_batch_seqs(rl.get("train_micro_batch_seqs"))
 
 
 class Trainer:
     """Everything one rank holds for the run: model, optimizer, decoder, task, logs."""
 
-    def __init__(self, cfg: DictConfig, rank: int) -> None:
+    def __init__(self, cfg: DictConfig, rank: int, settings: Settings | None = None) -> None:
+        """Build the run's parts in order, each from the typed ``settings`` (default: :func:`resolve` of ``cfg``;
+        ``cfg`` itself is still what the rollout layout and the task read)."""
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        from megatron_iso.contract import (
-            ContractValidationError,
-            build_contract,
-            check_compatible,
-            handshake,
-            load_op_implementations,
-        )
-        from megatron_iso.inference.engine import EngineConfig, RolloutEngine
-        from megatron_iso.models.config import transformer_config
-        from megatron_iso.models.gpt import build_model
-        from megatron_iso.models.weights import random_hf_state_dict
 
         self.cfg, self.rank = cfg, rank
-        self.rl = cfg.rl
-        self.loss_cfg = _loss_config(cfg.rl)
-        self.micro_batch_seqs = micro_batch_seqs(cfg.rl)
-        self.run_dir = Path(str(cfg.out_dir))
-        self.tc = transformer_config(cfg)
+        self.settings = settings if settings is not None else resolve(cfg)
+        self.rl: RLSettings = self.settings.require("rl")
+        self.loss_cfg = _loss_config(self.rl)
+        self.micro_batch_seqs = self.rl.train_micro_batch_seqs
+        self.run_dir: Path = self.settings.require("out_dir")
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.tc = self._build_transformer_config()
+        rollout_cfg, separate = self._build_contract()
+        self._build_model()
+        self._build_optimizer()
+        self._build_engine(rollout_cfg, separate)
+        self._build_task()
 
-        # Contract: the rollout side (the decoder) and the trainer must agree before anything runs.
+    def _build_transformer_config(self) -> Any:
+        from megatron_iso.models.config import transformer_config
+
+        return transformer_config(self.settings)
+
+    def _build_contract(self) -> tuple[DictConfig, bool]:
+        """Contract: the rollout side (the decoder) and the trainer must agree before anything runs. Returns the
+        rollout's config (its layout) and whether that layout needs a model of its own."""
+        from megatron_iso.contract import ContractValidationError, check_compatible, handshake, load_op_implementations
+        from megatron_iso.settings import build_contract, check_gpu_gemm_shapes
+
         load_op_implementations()
-        self.contract = build_contract(cfg)
-        if self.contract.numerical_policy.device_class == "cuda":
-            from megatron_iso.contract.build import check_gpu_gemm_shapes
-
+        self.contract = build_contract(self.settings)
+        if self.settings.device_class == "cuda":
             try:
-                check_gpu_gemm_shapes(cfg)
+                check_gpu_gemm_shapes(self.settings)
             except ContractValidationError as exc:
                 raise RunSetupError(str(exc)) from exc
         world = dist.get_world_size() if dist.is_initialized() else 1
         try:
-            rollout_par = rollout_parallel(cfg, world)
-            separate = separate_layout_needed(cfg, rollout_par)
+            rollout_par = rollout_parallel(self.cfg, world)
+            separate = separate_layout_needed(self.cfg, rollout_par)
         except ValueError as exc:
             raise RunSetupError(str(exc)) from exc
-        rollout_cfg = with_parallel(cfg, rollout_par)
+        rollout_cfg = with_parallel(self.cfg, rollout_par)
         try:
             rollout_contract = build_contract(rollout_cfg)
         except ContractValidationError as exc:
@@ -127,33 +122,51 @@ class Trainer:
         check_compatible(self.contract, rollout_contract, where)
         handshake(self.contract)
         self.policy_digest = self.contract.identities.numerical_policy
+        return rollout_cfg, separate
 
-        initial = random_hf_state_dict(self.tc, seed=int(cfg.seed))
+    def _build_model(self) -> None:
+        """The policy from seeded random HF weights; a frozen copy of it for the KL term (rl.kl_coef > 0 only)."""
+        from megatron_iso.models.gpt import build_model
+        from megatron_iso.models.weights import random_hf_state_dict
+
+        initial = random_hf_state_dict(self.tc, seed=self.settings.require("seed"))
         self.model = build_model(self.tc, initial)
         # KL to the initial policy: a frozen copy scored with the same function (rl.kl_coef > 0 only).
         self.ref_model = None
-        if float(self.rl.kl_coef) > 0:
+        if self.rl.kl_coef > 0:
             self.ref_model = build_model(self.tc, initial).eval().requires_grad_(False)
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
         self.ddp = DistributedDataParallel(self.tc, DistributedDataParallelConfig(), self.model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
-                lr=float(self.rl.lr),
-                clip_grad=float(self.rl.grad_clip),
+                lr=self.rl.lr,
+                clip_grad=self.rl.grad_clip,
                 bf16=self.tc.bf16,
                 params_dtype=self.tc.params_dtype,
             ),
             [self.ddp],
         )
+
+    def _build_engine(self, rollout_cfg: DictConfig, separate: bool) -> None:
+        """Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced."""
+        from megatron_iso.inference.engine import EngineConfig, RolloutEngine
+
+        rollout = self.settings.require("rollout")
         engine_cfg = EngineConfig(
-            kv_cache_bytes=int(cfg.rollout.kv_cache_mb) << 20,
-            paged_kv_reads=bool(cfg.rollout.paged_kv_reads),
-            cuda_graphs=bool(cfg.rollout.cuda_graphs),
+            kv_cache_bytes=rollout.kv_cache_bytes,
+            paged_kv_reads=rollout.paged_kv_reads,
+            cuda_graphs=rollout.cuda_graphs,
         )
-        # Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced.
         self.layout_rollout = LayoutRollout(rollout_cfg, self.model, engine_cfg) if separate else None
         self.engine = self.layout_rollout.engine if separate else RolloutEngine(self.model, engine_cfg)
-        self.task = make_task(cfg.task, self.tc.vocab_size, int(cfg.seed))
+
+    def _build_task(self) -> None:
+        self.task = make_task(self.cfg.task, self.tc.vocab_size, self.settings.require("seed"))
         self.device = next(self.model.parameters()).device
 
     # --- one RL step ------------------------------------------------------------------------
@@ -163,10 +176,10 @@ class Trainer:
         every = self.task.prompts(step)
         prompts = every[self.dp_rank :: self.dp_size]
         params = SamplingParams(
-            temperature=float(self.rl.temperature),
-            max_new_tokens=int(self.rl.max_new_tokens),
-            n=int(self.rl.group_size),
-            seed=int(self.cfg.seed),
+            temperature=self.rl.temperature,
+            max_new_tokens=self.rl.max_new_tokens,
+            n=self.rl.group_size,
+            seed=self.settings.require("seed"),
         )
 
         # The request id keys the sampler's random stream: it names the trainer DP rank and the
@@ -190,10 +203,10 @@ class Trainer:
 
     def score_rewards(self, samples: list[Sample]) -> torch.Tensor:
         rewards = torch.tensor([self.task.reward(s.prompt, s.tokens) for s in samples], dtype=torch.float32)
-        if int(self.rl.overlong_buffer) > 0:
+        if self.rl.overlong_buffer > 0:
             lengths = torch.tensor([len(s.tokens) for s in samples])
             rewards = rewards + overlong_penalty(
-                lengths, int(self.rl.max_new_tokens), int(self.rl.overlong_buffer), float(self.rl.overlong_penalty)
+                lengths, self.rl.max_new_tokens, self.rl.overlong_buffer, self.rl.overlong_penalty
             )
         for s, r in zip(samples, rewards.tolist(), strict=True):
             s.reward = r
@@ -318,9 +331,7 @@ class Trainer:
             r = torch.arange(a + len(s.prompt.ids) - 1, a + len(s.prompt.ids) - 1 + len(s.tokens))
             mask[r] = True
             response_rows.append(r)
-        logp, _ = score_sequences(
-            self.ddp.module, ids, batch, temperature=float(self.rl.temperature), with_entropy=False
-        )
+        logp, _ = score_sequences(self.ddp.module, ids, batch, temperature=self.rl.temperature, with_entropy=False)
         logp = logp.float().cpu()
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
         rollout = torch.zeros(rows, dtype=torch.float32)
@@ -330,7 +341,7 @@ class Trainer:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref, _ = score_sequences(
-                    self.ref_model, ids, batch, temperature=float(self.rl.temperature), with_entropy=False
+                    self.ref_model, ids, batch, temperature=self.rl.temperature, with_entropy=False
                 )
             ref = ref.float().cpu()
         loss, _ = policy_loss(
@@ -362,9 +373,9 @@ class Trainer:
         samples = self.rollout(step)
         gen_s = time.perf_counter() - t0
         rewards = self.score_rewards(samples)
-        group_size = int(self.rl.group_size)
+        group_size = self.rl.group_size
         keep = torch.ones(len(samples) // group_size, dtype=torch.bool)
-        if bool(self.rl.dynamic_sampling):
+        if self.rl.dynamic_sampling:
             keep = informative_groups(rewards, group_size)
         kept = [s for s in samples if bool(keep[s.group])]
         t1 = time.perf_counter()
@@ -374,7 +385,7 @@ class Trainer:
             adv = torch.zeros(0)
             if kept:
                 rewards_kept = torch.tensor([s.reward for s in kept])
-                adv = group_advantages(rewards_kept, group_size, scale_by_std=bool(self.rl.scale_adv_by_std))
+                adv = group_advantages(rewards_kept, group_size, scale_by_std=self.rl.scale_adv_by_std)
             out = self.train_on(kept, adv, micro_batches=passes, filler=samples[0])
             metrics |= {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
             trainer_logp, rollout_logp = out["trainer_logp"], out["rollout_logp"]
@@ -435,15 +446,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    run_dir = Path(str(cfg.out_dir))
-    resume = bool(cfg.resume)
+    settings = resolve(cfg)
+    rl: RLSettings = settings.require("rl")
+    run_dir = settings.require("out_dir")
+    resume = settings.resume
     existing = latest_checkpoint(run_dir) if run_dir.exists() else None
     if not resume and (existing is not None or (run_dir / "metrics.jsonl").exists()):
         raise RunSetupError(
             f"out_dir={run_dir} already holds a run; pass resume=true to continue it or choose a new out_dir"
         )
     with config_world(cfg) as rank:
-        trainer = Trainer(cfg, rank)
+        trainer = Trainer(cfg, rank, settings)
         start = 0
         if resume and existing is not None:
             meta = load_checkpoint(existing, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank)
@@ -459,8 +472,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             resume_step=start if resume else None,
             enabled=rank == 0,
         )
-        steps = int(cfg.rl.steps)
-        every = max(1, int(cfg.rl.checkpoint_every))
+        steps = rl.steps
+        every = max(1, rl.checkpoint_every)
         history = []
         bar = _progress(range(start, steps), rank == 0)
         try:

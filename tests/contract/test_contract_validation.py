@@ -129,7 +129,7 @@ def test_plain_dict_config_works_and_auto_device_resolves(cfg_for):
     ],
 )
 def test_gpu_gemm_shapes_refused_before_a_cuda_run(cfg_for, overrides, pattern):
-    from megatron_iso.contract.build import check_gpu_gemm_shapes
+    from megatron_iso.settings import check_gpu_gemm_shapes
 
     with pytest.raises(ContractValidationError, match=pattern):
         check_gpu_gemm_shapes(cfg_for(*overrides))
@@ -137,7 +137,7 @@ def test_gpu_gemm_shapes_refused_before_a_cuda_run(cfg_for, overrides, pattern):
 
 @pytest.mark.parametrize("model", ["qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b", "qwen3_next_80b_a3b", "qwen3p5_35b_a3b"])
 def test_real_shapes_fit_the_gpu_gemm_tiles(cfg_for, model):
-    from megatron_iso.contract.build import check_gpu_gemm_shapes
+    from megatron_iso.settings import check_gpu_gemm_shapes
 
     check_gpu_gemm_shapes(cfg_for(f"model={model}"))
     check_gpu_gemm_shapes(cfg_for("profile=performance"))  # no Triton GEMM there: nothing to check

@@ -1,0 +1,464 @@
+"""The one reading of the Hydra config: the composed DictConfig, validated once into typed settings.
+
+:func:`resolve` turns the root config (``conf/``) into :class:`Settings`: typed groups (``model``, ``parallel``,
+``rl``, ``rollout``, the run's ``seed`` / ``out_dir`` / ``resume``) and a resolved :class:`ProfileSettings`: the
+device class from ``device: auto|cpu|cuda``, the GDN output form from ``profile.gdn_form: auto|scan|chunk`` and its
+dot precision (the GDN op family says which forms exist where), the leaves the layers use. Errors name the field
+and the allowed values.
+
+Layering: this module sits above ``ops`` and ``contract``: it may ask the op families (lazily, as the contract
+builder used to) and fills the contract builder's :class:`~megatron_iso.contract.build.ContractInputs`; the builder
+(``contract/``) and the model config (``models/config.py``) both read what it resolved, neither imports the other.
+On import it registers itself with the contract builder, which hands it raw configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from megatron_iso.contract.build import (
+    ContractInputs,
+    ContractValidationError,
+    check_profile_name,
+    plain_config,
+    register_config_resolver,
+    resolve_device_class,
+)
+from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
+from megatron_iso.contract.registry import Profile
+
+HF_GDN_LAYOUTS = ("qkvz", "split")
+PARAMS_DTYPES = ("bf16", "fp32")
+
+
+def _get(group: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
+    """``group[key]``, or ``default`` when the group, the key or its value is missing (null)."""
+    value = None if group is None else group.get(key)
+    return default if value is None else value
+
+
+def _group(c: Mapping[str, Any], key: str) -> dict[str, Any]:
+    group = c.get(key)
+    if not isinstance(group, Mapping):
+        raise ContractValidationError(f"config has no '{key}' group; compose the root config (conf/config.yaml)")
+    return dict(group)
+
+
+# --- profile -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """``profile`` resolved for one device class. ``raw``: the group as the contract pins it (form resolved)."""
+
+    name: Profile
+    device_class: str  # "cpu" or "cuda", never "auto"
+    leaves: int  # row-parallel GEMMs' and the vocab LSE's leaves the layers use (1 outside correctness)
+    expert_leaves: int  # routed experts' down projection (1 outside correctness)
+    attention_kv_block: int  # keys reduced in blocks of this many positions (0 in the profile: 64)
+    gdn_chunk: int
+    gdn_form: str  # "scan" or "chunk", never "auto"
+    gdn_dot_precision: str | None
+    raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def bitwise(self) -> bool:
+        return self.name is Profile.CORRECTNESS
+
+
+def resolve_gdn_form(profile: Mapping[str, Any], device_class: str) -> tuple[str, str | None]:
+    """(gdn_form, gdn_dot_precision) of ``profile`` on ``device_class``: "auto" resolved by the GDN family."""
+    from megatron_iso.ops.gdn import gdn_profile_fields
+
+    try:
+        return gdn_profile_fields(profile, device_class)
+    except ValueError as e:
+        raise ContractValidationError(str(e)) from None
+
+
+def check_gdn_choice_runs_here(profile: ProfileSettings) -> None:
+    """Refuse a GDN (form, dot precision) where its kernels do not run, rather than write a contract whose
+    composition computes something else (docs/GDN.md "Output forms"). The contract's check: a model config may
+    still carry such a choice (its op then refuses to run)."""
+    from megatron_iso.ops.gdn import gdn_choice_runs_here
+
+    form, precision, device_class = profile.gdn_form, profile.gdn_dot_precision, profile.device_class
+    if not gdn_choice_runs_here(form, precision, device_class, profile.name.value):
+        raise ContractValidationError(
+            f"profile.gdn_form={form!r}, profile.gdn_dot_precision={precision!r} need device=cuda and profile "
+            f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile.name.value!r} "
+            "only gdn_form='scan' (or 'auto') with gdn_dot_precision=null exists"
+        )
+    return form, precision
+
+
+def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
+    """``profile`` and ``device`` resolved (order of checks: device, profile.name, the GDN choice)."""
+    device_class = resolve_device_class(device)
+    name = check_profile_name(profile.get("name"))
+    form, precision = resolve_gdn_form(profile, device_class)
+    chunk = int(_get(profile, "gdn_chunk", 64))
+    if chunk < 1:
+        raise ContractValidationError(f"profile.gdn_chunk={chunk} must be a positive int")
+    bitwise = name is Profile.CORRECTNESS
+    raw = {**profile, "gdn_form": form} if "gdn_form" in profile else dict(profile)
+    return ProfileSettings(
+        name=name,
+        device_class=device_class,
+        leaves=int(_get(profile, "leaves", 8)) if bitwise else 1,
+        expert_leaves=int(_get(profile, "expert_leaves", 1)) if bitwise else 1,
+        attention_kv_block=int(_get(profile, "attention_kv_block", 64)) or 64,
+        gdn_chunk=chunk,
+        gdn_form=form,
+        gdn_dot_precision=precision,
+        raw=raw,
+    )
+
+
+# --- model -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GDNSettings:
+    """A hybrid model's Gated DeltaNet layers (``full_attention_interval`` set)."""
+
+    full_attention_interval: int
+    conv_kernel_dim: int
+    key_head_dim: int
+    value_head_dim: int
+    num_key_heads: int
+    num_value_heads: int
+    hf_layout: str  # model.hf_gdn_layout: "qkvz" (Qwen3-Next) or "split" (Qwen3.5); naming only
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """An MoE model's experts (``num_experts`` set)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int | None
+    shared_expert_gate: bool
+    norm_topk_prob: bool
+    aux_loss_coeff: float
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``model``, typed. ``raw``: the plain group (the contract's semantic identity reads every key)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    zero_centered_norm: bool
+    qk_layernorm: bool
+    attention_output_gate: bool
+    init_std: float
+    rope_theta: float
+    rotary_fraction: float
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    params_dtype: str
+    gdn: GDNSettings | None
+    moe: MoESettings | None
+    raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+
+def resolve_gdn(model: Mapping[str, Any]) -> GDNSettings | None:
+    """The GDN fields of a hybrid model (one with ``full_attention_interval``); None otherwise."""
+    interval = _get(model, "full_attention_interval")
+    if interval is None:
+        return None
+    if int(interval) < 1:
+        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
+    layout = str(_get(model, "hf_gdn_layout", "qkvz"))
+    if layout not in HF_GDN_LAYOUTS:
+        raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
+    return GDNSettings(
+        full_attention_interval=int(interval),
+        conv_kernel_dim=int(model["linear_conv_kernel_dim"]),
+        key_head_dim=int(model["linear_key_head_dim"]),
+        value_head_dim=int(model["linear_value_head_dim"]),
+        num_key_heads=int(model["linear_num_key_heads"]),
+        num_value_heads=int(model["linear_num_value_heads"]),
+        hf_layout=layout,
+    )
+
+
+def resolve_moe(model: Mapping[str, Any]) -> MoESettings | None:
+    experts = _get(model, "num_experts")
+    if experts is None:
+        return None
+    shared = _get(model, "shared_expert_ffn_hidden_size")
+    return MoESettings(
+        num_experts=int(experts),
+        topk=int(model["moe_topk"]),
+        ffn_hidden_size=int(model["moe_ffn_hidden_size"]),
+        shared_expert_ffn_hidden_size=None if shared is None else int(shared),
+        shared_expert_gate=bool(_get(model, "shared_expert_gate", False)),
+        norm_topk_prob=bool(_get(model, "norm_topk_prob", True)),
+        aux_loss_coeff=float(_get(model, "moe_aux_loss_coeff", 0.0)),
+    )
+
+
+def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
+    dtype = str(_get(model, "params_dtype", "fp32"))
+    if dtype not in PARAMS_DTYPES:
+        raise ValueError(f"model.params_dtype={dtype!r} is not allowed; allowed values: {sorted(PARAMS_DTYPES)}")
+    gdn, moe = resolve_gdn(model), resolve_moe(model)
+    return ModelSettings(
+        num_layers=int(model["num_layers"]),
+        hidden_size=int(model["hidden_size"]),
+        ffn_hidden_size=int(model["ffn_hidden_size"]),
+        num_attention_heads=int(model["num_attention_heads"]),
+        num_query_groups=int(model["num_query_groups"]),
+        kv_channels=int(model["kv_channels"]),
+        norm_epsilon=float(model["norm_epsilon"]),
+        zero_centered_norm=bool(_get(model, "zero_centered_norm", False)),
+        qk_layernorm=bool(_get(model, "qk_layernorm", True)),
+        attention_output_gate=bool(_get(model, "attention_output_gate", False)),
+        init_std=float(_get(model, "init_std", 0.02)),
+        rope_theta=float(model["rope_theta"]),
+        rotary_fraction=float(_get(model, "rotary_fraction", 1.0)),
+        vocab_size=int(model["vocab_size"]),
+        max_position_embeddings=int(model["max_position_embeddings"]),
+        tie_word_embeddings=bool(_get(model, "tie_word_embeddings", False)),
+        params_dtype=dtype,
+        gdn=gdn,
+        moe=moe,
+        raw=dict(model),
+    )
+
+
+# --- parallel, rl, rollout ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelSettings:
+    """``parallel`` (conf/parallel/*.yaml). Also the group's structured-config schema."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sp: bool = False
+    dp: int = 1
+
+
+def resolve_parallel(parallel: Mapping[str, Any]) -> ParallelSettings:
+    return ParallelSettings(
+        tp=int(_get(parallel, "tp", 1)),
+        pp=int(_get(parallel, "pp", 1)),
+        ep=int(_get(parallel, "ep", 1)),
+        sp=bool(_get(parallel, "sp", False)),
+        dp=int(_get(parallel, "dp", 1)),
+    )
+
+
+def check_micro_batch_seqs(value: Any) -> int:
+    """``rl.train_micro_batch_seqs`` checked: sequences per trainer micro-batch, 0 = all in one batch."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"rl.train_micro_batch_seqs={value!r} is not allowed; allowed values: 0 or null (all sequences "
+            "in one batch) or a positive integer (sequences per micro-batch)"
+        )
+    return value
+
+
+def check_backward_states(value: Any) -> str:
+    """``rl.gdn_backward_states`` checked by the GDN family's rule (keep | recompute)."""
+    from megatron_iso.ops.gdn import check_backward_states as check
+
+    return check(str(value), "rl.gdn_backward_states")
+
+
+@dataclass
+class RLSettings:
+    """``rl`` (conf/rl/*.yaml), typed. Also the group's structured-config schema (defaults: conf/rl/grpo.yaml)."""
+
+    algo: str = "grpo"
+    steps: int = 20
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    lr: float = 0.02
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = "seq_mean_token_mean"
+    kl_coef: float = 0.0
+    tis_cap: float = 0.0
+    dynamic_sampling: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    scale_adv_by_std: bool = True
+    checkpoint_every: int = 10
+    grad_clip: float = 1.0
+    train_micro_batch_seqs: int | None = 0
+    gdn_backward_states: str = "keep"
+
+
+def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
+    """``rl`` typed; every key the loop reads must be present (as when the loop read the DictConfig)."""
+    return RLSettings(
+        algo=str(rl["algo"]),
+        steps=int(rl["steps"]),
+        group_size=int(rl["group_size"]),
+        max_new_tokens=int(rl["max_new_tokens"]),
+        temperature=float(rl["temperature"]),
+        lr=float(rl["lr"]),
+        clip_low=float(rl["clip_low"]),
+        clip_high=float(rl["clip_high"]),
+        aggregation=str(rl["aggregation"]),
+        kl_coef=float(rl["kl_coef"]),
+        tis_cap=float(rl["tis_cap"]),
+        dynamic_sampling=bool(rl["dynamic_sampling"]),
+        overlong_buffer=int(rl["overlong_buffer"]),
+        overlong_penalty=float(rl["overlong_penalty"]),
+        scale_adv_by_std=bool(rl["scale_adv_by_std"]),
+        checkpoint_every=int(rl["checkpoint_every"]),
+        grad_clip=float(rl["grad_clip"]),
+        train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),
+        gdn_backward_states=check_backward_states(_get(rl, "gdn_backward_states", "keep")),
+    )
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """``rollout``: the bundled decoder. (``rollout.parallel`` is read by :mod:`megatron_iso.rl.rollout`.)"""
+
+    kv_cache_mb: int
+    paged_kv_reads: bool
+    cuda_graphs: bool
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_mb << 20
+
+
+def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
+    return RolloutSettings(
+        kv_cache_mb=int(rollout["kv_cache_mb"]),
+        paged_kv_reads=bool(rollout["paged_kv_reads"]),
+        cuda_graphs=bool(rollout["cuda_graphs"]),
+    )
+
+
+# --- the whole config --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The composed config, resolved. Groups a caller's config lacks (a bare model/profile/parallel mapping in a
+    test or tool) are None; :meth:`require` names the missing one."""
+
+    profile: ProfileSettings
+    model: ModelSettings
+    parallel: ParallelSettings
+    contract: ContractInputs
+    gdn_backward_states: str  # rl.gdn_backward_states (default "keep"): the model config reads it without rl
+    rl: RLSettings | None = None
+    rollout: RolloutSettings | None = None
+    seed: int | None = None
+    out_dir: Path | None = None
+    resume: bool = False
+
+    @property
+    def device_class(self) -> str:
+        return self.profile.device_class
+
+    def require(self, name: str) -> Any:
+        value = getattr(self, name)
+        if value is None:
+            raise ContractValidationError(f"config has no '{name}' group; compose the root config (conf/config.yaml)")
+        return value
+
+
+def contract_inputs(cfg: DictConfig | Mapping[str, Any]) -> ContractInputs:
+    """What the contract builder reads, from a raw config (checks in the builder's order: groups, device,
+    profile name, the profile against the model, the GDN choice)."""
+    from megatron_iso.contract.build import validate_profile
+
+    c = plain_config(cfg)
+    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
+    device_class = resolve_device_class(c.get("device", "auto"))
+    validate_profile(profile, model)
+    resolved = resolve_profile(profile, device_class)
+    check_gdn_choice_runs_here(resolved)
+    return ContractInputs(device_class, resolved.raw, model, parallel, dict(c.get("contract") or {}))
+
+
+def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
+    """The one reading of ``cfg`` (a composed root config, or a mapping holding at least model, profile and
+    parallel); a :class:`Settings` is returned as it is."""
+    if isinstance(cfg, Settings):
+        return cfg
+    c = plain_config(cfg)
+    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
+    resolved = resolve_profile(profile, c.get("device", "auto"))
+    rl = c.get("rl")
+    rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
+    rollout = c.get("rollout")
+    return Settings(
+        profile=resolved,
+        model=resolve_model(model),
+        parallel=resolve_parallel(parallel),
+        contract=ContractInputs(resolved.device_class, resolved.raw, model, parallel, dict(c.get("contract") or {})),
+        gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
+        rl=rl_settings,
+        rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
+        seed=None if c.get("seed") is None else int(c["seed"]),
+        out_dir=None if c.get("out_dir") is None else Path(str(c["out_dir"])),
+        resume=bool(c.get("resume", False)),
+    )
+
+
+def gemm_block_k() -> Mapping[str, int]:
+    """The GPU leaf-tree GEMMs' K tile per params dtype (the GEMM family's constant)."""
+    from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
+
+    return TRITON_BLOCK_K
+
+
+def build_contract(cfg: DictConfig | Mapping[str, Any] | Settings, impls: Any = None) -> Any:
+    """The contract of ``cfg`` (see :func:`megatron_iso.contract.build_contract`), from its resolved settings."""
+    from megatron_iso.contract.build import build_contract as build
+
+    return build(_checked_contract_inputs(cfg), impls)
+
+
+def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any] | Settings) -> None:
+    """:func:`megatron_iso.contract.build.check_gpu_gemm_shapes` with the GEMM family's K tiles."""
+    _check_gpu_gemm_shapes(_checked_contract_inputs(cfg), gemm_block_k())
+
+
+def _checked_contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> ContractInputs:
+    """The contract's inputs, checked as :func:`contract_inputs` checks a raw config."""
+    if not isinstance(cfg, Settings):
+        return contract_inputs(cfg)
+    from megatron_iso.contract.build import validate_profile
+
+    validate_profile(cfg.contract.profile, cfg.contract.model)
+    check_gdn_choice_runs_here(cfg.profile)
+    return cfg.contract
+
+
+register_config_resolver(contract_inputs, gemm_block_k)
+
+# Structured-config schemas of the groups whose keys are fixed (validation of the YAML files against them:
+# tests/test_settings.py). Stored under schema/ only: the conf/ groups' defaults and keys stay as they are.
+_STORE = ConfigStore.instance()
+_STORE.store(group="schema", name="rl", node=RLSettings)
+_STORE.store(group="schema", name="parallel", node=ParallelSettings)
