@@ -10,7 +10,7 @@ and every batch size of the grid runs inside it. Per row, on every rank of the l
 3. trainer: the prompt+response sequences in a fresh training-forward packing (SP-padded when SP is
    on), teacher-forced through :func:`~megatron_iso.models.scoring.score_sequences`; the full
    log-softmax comes from the same logits (a hook on the output layer) through
-   ``parallel.vocab.log_softmax``, the function the engine uses;
+   ``parallel.vocab_scoring.log_softmax``, the function the engine uses;
 4. statistics of |trainer - rollout| from :func:`megatron_iso.rl.metrics.mismatch_metrics`.
 
 The rollout engine never runs sequence-parallel (decode rows do not split over ranks; production
@@ -157,7 +157,7 @@ def _tp_group():
 def _full_log_softmax(logits: torch.Tensor, config, temperature: float) -> torch.Tensor:
     """The full-vocab fp32 log-softmax by the engine's own function (vocab gather is transport)."""
     from megatron_iso.parallel.tree_collectives import gather_along
-    from megatron_iso.parallel.vocab import log_softmax
+    from megatron_iso.parallel.vocab_scoring import log_softmax
 
     group = _tp_group()
     logp = log_softmax(

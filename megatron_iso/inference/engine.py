@@ -7,12 +7,12 @@ cache can reserve their worst case), runs ONE packed forward (``IsoBatch`` case 
 new prompts join, else ``decode``; a decode row is a one-token prefill row, the same kernel), and
 samples one token for every row:
 
-- logits of the producing step -> ``parallel.vocab.log_softmax`` (full vocab gathered, pure
-  transport) -> :func:`~megatron_iso.inference.sampler.select_tokens` with a Philox uniform keyed
-  by (seed, request id, sample index, position);
-- the recorded logprob is ``models.scoring.token_logprobs`` on those logits and the drawn token:
-  the trainer's function, so an iso-profile rollout logprob equals the trainer's recompute bit
-  for bit.
+- logits of the producing step -> ``parallel.vocab_scoring.log_softmax`` (full vocab gathered,
+  pure transport) -> :func:`~megatron_iso.inference.sampler.select_tokens` with a Philox uniform
+  keyed by (seed, request id, sample index, position);
+- the recorded logprob is ``parallel.vocab_scoring.token_logprobs`` on those logits and the drawn
+  token: the trainer's function, so an iso-profile rollout logprob equals the trainer's recompute
+  bit for bit.
 
 Prefix sharing: with ``prefix_caching`` the prompt of a request is prefilled once and its ``n``
 samples fork its KV blocks; full prompt blocks are also kept for later requests with the same
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core import parallel_state
 
+import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
 from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
@@ -49,10 +50,9 @@ from megatron_iso.inference.sampler import select_tokens, top_logprobs
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack
 from megatron_iso.models.gdn import gdn_layer_indices
-from megatron_iso.models.scoring import token_logprobs
 from megatron_iso.ops.logprob import host_checked_temperature
 from megatron_iso.parallel.tree_collectives import gather_along
-from megatron_iso.parallel.vocab import log_softmax
+from megatron_iso.parallel.vocab_scoring import log_softmax, token_logprobs
 
 
 @dataclass
@@ -445,7 +445,7 @@ class RolloutEngine:
                 logp, on_dev[5].float(), greedy=greedy, top_k=on_dev[3].long(), top_p=on_dev[4].float()
             )
             # select_tokens draws from this vocab: no range check (it was the step's second host read)
-            recorded = token_logprobs(rows, tokens, mc, temperature=temp, ids_in_range=True)
+            recorded = token_logprobs(rows, tokens, temperature=temp, ids_in_range=True, **common)
             k = max(p.top_logprobs for p in params)
             top = top_logprobs(logp, k) if k else None
         # One device-to-host read for all of it, top logprobs included (were 2 reads per row that

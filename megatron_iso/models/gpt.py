@@ -14,8 +14,8 @@ from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.specs import dense_block_spec, hybrid_block_spec, moe_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
+from megatron_iso.parallel.embedding import IsoVocabParallelEmbedding
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
-from megatron_iso.parallel.vocab import IsoVocabParallelEmbedding
 
 
 class _UnknownMlpWarningFilter(logging.Filter):

@@ -1,32 +1,25 @@
-"""Vocab-parallel embedding and THE scoring function (token logprob / entropy / log-softmax).
+"""Vocab-parallel scoring: token logprob, entropy and log-softmax of logits sharded over a TP group.
 
-``token_logprobs`` is the one function both the trainer and the rollout sampler call to turn
-logits into the logprob of a chosen token, so the two sides can only differ if their logits do.
+:func:`token_logprobs` is the scoring function; :func:`entropy`, :func:`token_logprobs_and_entropy`
+and :func:`log_softmax` are the same reduction queried for other row statistics. The model-level
+adapter ``models.scoring.score_sequences`` calls these with the model config's leaves and profile.
 
 Logits are Megatron's vocab-parallel output: on each of the C ranks of ``group`` the contiguous
 shard [..., V/C] (rank i holds ids [iV/C, (i+1)V/C)). ``group=None`` means no vocab parallelism:
-the tensor holds the whole vocab. The reduction is the leaf tree of ``ops.logprob.reference``;
-the cross-rank steps move data and finish the same tree, so results are independent of C.
+the tensor holds the whole vocab. The reduction is the leaf tree of ``ops.logprob.reference``,
+picked per device and profile by ``ops.logprob.vocab_scores``; the cross-rank steps
+(:class:`GroupComm`) move data and finish the same tree, so results are independent of C.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-from megatron_iso.contract.registry import OpImpl, register
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
-from megatron_iso.parallel.tree_collectives import (
-    Group,
-    _size,
-    all_gather_list,
-    gather_along,
-    split_along,
-    tree_all_reduce,
-)
+from megatron_iso.parallel.tree_collectives import Group, _size, gather_along, tree_all_reduce
 
 
 class GroupComm:
@@ -87,11 +80,15 @@ def token_logprobs(
 ) -> torch.Tensor:
     """fp32 ``log softmax(logits.float() / temperature)[target]`` per row. Differentiable.
 
+    The function both the rollout and the trainer call: the engine records this for each drawn
+    token, the trainer recomputes it (``models.scoring.score_sequences``), so the two sides can only
+    differ if their logits do.
+
     logits: [..., V/C] this rank's vocab shard (full vocab if ``group`` is None or of size 1);
     target_ids: [...] global token ids; temperature: > 0, float or tensor broadcasting as [..., 1];
     leaves: vocab leaves G (power of two, >= C, divides V); valid_vocab: ids >= it are padding.
     In the correctness profile the gradient is the native formula's (deterministic, see
-    ``ops/autograd.py``), so the backward never stores the leaf-tree intermediates.
+    ``ops/common/autograd.py``), so the backward never stores the leaf-tree intermediates.
     ``ids_in_range``: the caller guarantees the ids are in the vocab (the rollout's own samples): the
     range check, a host read on a GPU, is skipped.
     """
@@ -149,76 +146,8 @@ def log_softmax(
     return _scores(logits, group, temperature, leaves, valid_vocab, profile).log_softmax().squeeze(0)
 
 
-class IsoVocabParallelEmbedding(VocabParallelEmbedding):
-    """VocabParallelEmbedding whose cross-rank combine is a selection, not a sum.
-
-    Exactly one rank owns each token id; stock Megatron all-reduces one row among zeros, which is
-    exact except that -0.0 + 0.0 = +0.0 (TP=1 keeps -0.0, TP>1 does not: different bits). Here
-    every rank gathers all ranks' lookups and keeps the owner's row: no arithmetic, so the
-    result is the weight row bit for bit at every TP. With sequence parallel
-    (``reduce_scatter_embeddings``) each rank then keeps its own sequence block (transport).
-    ``config.iso_profile == "performance"`` runs the stock forward.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method, config, **kwargs) -> None:
-        super().__init__(num_embeddings, embedding_dim, init_method=init_method, config=config, **kwargs)
-        self.iso_profile = getattr(config, "iso_profile", "correctness")
-
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        if self.iso_profile == "performance":
-            return super().forward(input_)
-        c = self.tp_group.size() if self.tp_group is not None else 1
-        if c == 1:
-            out = self.weight[input_] if self.deterministic_mode else torch.nn.functional.embedding(input_, self.weight)
-        else:
-            owner = (input_ // self.num_embeddings_per_partition).clamp(0, c - 1)
-            local = (input_ - self.vocab_start_index).clamp(0, self.num_embeddings_per_partition - 1)
-            mine = self.weight[local] if self.deterministic_mode else torch.nn.functional.embedding(local, self.weight)
-            stacked = gather_along(mine.unsqueeze(0), self.tp_group, dim=0)  # [C, ..., H]
-            idx = owner.unsqueeze(0).unsqueeze(-1).expand(1, *mine.shape)
-            out = stacked.gather(0, idx).squeeze(0)
-        if self.reduce_scatter_embeddings:
-            # [b, s, h] -> [s, b, h], then this rank's sequence block (Megatron's SP layout).
-            out = split_along(out.transpose(0, 1).contiguous(), self.tp_group, dim=0)
-        return out
-
-
-def _probe_embedding() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    table = torch.randn(32, 8, generator=g).bfloat16()
-    table[3, 1] = -0.0
-    return {"bf16": table[torch.tensor([[3, 0, 31], [7, 3, 3]])]}
-
-
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="embedding",
-            impl_id="vocab_embedding.select",
-            version="1",
-            device_class=_device,
-            profile="correctness",
-            fn=IsoVocabParallelEmbedding,
-            constants={"combine": "all_gather_select_owner"},
-            probe=_probe_embedding,
-        )
-    )
-    register(
-        OpImpl(
-            op="embedding",
-            impl_id="vocab_embedding.native",
-            version="1",
-            device_class=_device,
-            profile="performance",
-            fn=VocabParallelEmbedding,
-            constants={"combine": "backend_all_reduce_sum"},
-        )
-    )
-
 __all__ = [
     "GroupComm",
-    "IsoVocabParallelEmbedding",
-    "all_gather_list",
     "entropy",
     "log_softmax",
     "token_logprobs",

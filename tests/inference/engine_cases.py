@@ -110,7 +110,7 @@ def full_vocab(overrides: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from megatron_iso.models.batch import pack
     from megatron_iso.parallel.tree_collectives import gather_along
-    from megatron_iso.parallel.vocab import log_softmax
+    from megatron_iso.parallel.vocab_scoring import log_softmax
 
     tc, model = setup(overrides)
     reqs = requests(tc.vocab_size, SPECS[:3], max_new_tokens=3, top_logprobs=tc.vocab_size)

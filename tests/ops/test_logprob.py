@@ -14,7 +14,7 @@ from megatron_iso.ops.logprob import (
     token_logprobs_native,
     token_logprobs_shards,
 )
-from megatron_iso.parallel.vocab import entropy, log_softmax, token_logprobs, token_logprobs_and_entropy
+from megatron_iso.parallel.vocab_scoring import entropy, log_softmax, token_logprobs, token_logprobs_and_entropy
 from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -243,7 +243,7 @@ def test_target_range_check_and_its_skip() -> None:
     the check (a host read on a GPU): the same bits for ids that are in range."""
     import pytest
 
-    from megatron_iso.parallel.vocab import token_logprobs
+    from megatron_iso.parallel.vocab_scoring import token_logprobs
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 64, generator=g)

@@ -78,9 +78,10 @@ def _worker(dtype_names: tuple[str, ...]) -> dict:
 
 
 def _checks(dtype_names: tuple[str, ...], tp: int, group, rank: int) -> dict:
+    from megatron_iso.parallel.embedding import IsoVocabParallelEmbedding
     from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
     from megatron_iso.parallel.tree_collectives import native_all_reduce, tree_all_reduce, tree_reduce_scatter
-    from megatron_iso.parallel.vocab import IsoVocabParallelEmbedding, entropy, log_softmax, token_logprobs
+    from megatron_iso.parallel.vocab_scoring import entropy, log_softmax, token_logprobs
 
     init = torch.nn.init.zeros_
     out: dict = {}

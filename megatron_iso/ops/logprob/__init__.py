@@ -7,7 +7,7 @@
 |        |             | invariant on GPU as well (``logprob_triton`` is not wired in yet)   |
 | any    | performance | ``native.NativeScores`` (torch.log_softmax over the gathered vocab)  |
 
-The public, group-aware scoring API is ``megatron_iso.parallel.vocab`` (token_logprobs, ...).
+The public, group-aware scoring API is ``megatron_iso.parallel.vocab_scoring`` (token_logprobs, ...).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ vocab-parallel (TP) invariance both hold. With one shard the max and the sums ru
 row is re-read from L2); with several shards the global max is taken first (a max, so exact).
 Signature matches ``reference.token_logprobs_shards``.
 
-Not registered as the CUDA correctness ``logprob`` implementation: scoring (``parallel.vocab``) needs a
-backward, entropy and the full log-softmax, which this forward-only kernel does not provide yet, so CUDA
-runs ``reference.VocabScores`` (elementwise torch ops + the tree, invariant on the GPU too) and the
-contract says so. Wiring it in means a scores class around this kernel with ``with_plain_backward``.
+Not registered as the CUDA correctness ``logprob`` implementation: scoring (``parallel.vocab_scoring``)
+needs a backward, entropy and the full log-softmax, which this forward-only kernel does not provide yet,
+so CUDA runs ``reference.VocabScores`` (elementwise torch ops + the tree, invariant on the GPU too) and
+the contract says so. Wiring it in means a scores class around this kernel with ``with_plain_backward``.
 """
 
 from __future__ import annotations
