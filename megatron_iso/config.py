@@ -37,9 +37,6 @@ def conf_dir() -> Path:
 def load_config(overrides: Sequence[str] = (), config_name: str = ROOT_CONFIG) -> DictConfig:
     """Compose the root config with Hydra ``overrides`` and return it (interpolations left lazy). Typed, resolved
     settings: :func:`megatron_iso.settings.resolve` of it."""
-    # The resolver of raw configs registers itself with the contract builder on import.
-    import megatron_iso.settings  # noqa: F401
-
     # Hydra keeps one process-global instance; a caller already inside @hydra.main owns it, so park
     # it, compose with ours, and put it back rather than failing with "already initialized".
     global_hydra = GlobalHydra.instance()

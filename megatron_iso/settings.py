@@ -9,7 +9,8 @@ and the allowed values.
 Layering: this module sits above ``ops`` and ``contract``: it may ask the op families (lazily, as the contract
 builder used to) and fills the contract builder's :class:`~megatron_iso.contract.build.ContractInputs`; the builder
 (``contract/``) and the model config (``models/config.py``) both read what it resolved, neither imports the other.
-On import it registers itself with the contract builder, which hands it raw configs.
+:func:`contract_for` is the one way from a config to its contract, for every tool and the trainer: it loads every
+registered implementation first, so no caller can build a contract that misses one.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from megatron_iso.contract.build import (
     ContractValidationError,
     check_profile_name,
     plain_config,
-    register_config_resolver,
     resolve_device_class,
 )
+from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
+from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.registry import Profile
+from megatron_iso.contract.schema import Contract
 
 HF_GDN_LAYOUTS = ("qkvz", "split")
 PARAMS_DTYPES = ("bf16", "fp32")
@@ -432,11 +435,16 @@ def gemm_block_k() -> Mapping[str, int]:
     return TRITON_BLOCK_K
 
 
-def build_contract(cfg: DictConfig | Mapping[str, Any] | Settings, impls: Any = None) -> Any:
-    """The contract of ``cfg`` (see :func:`megatron_iso.contract.build_contract`), from its resolved settings."""
-    from megatron_iso.contract.build import build_contract as build
-
-    return build(_checked_contract_inputs(cfg), impls)
+def contract_for(
+    cfg: DictConfig | Mapping[str, Any] | Settings, impls: Any = None, *, load_implementations: bool = True
+) -> Contract:
+    """The contract of ``cfg``: every registered implementation loaded (``contract.load_op_implementations``:
+    the op families and the parallel layer's collectives and embedding), the config resolved and checked,
+    the contract built. ``impls``: an explicit composition instead of the registry's (tests, iso-gate);
+    ``load_implementations=False`` for a caller that has loaded its own set (iso-gate's candidates)."""
+    if load_implementations and impls is None:
+        load_op_implementations()
+    return _build_contract(_checked_contract_inputs(cfg), impls)
 
 
 def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any] | Settings) -> None:
@@ -454,8 +462,6 @@ def _checked_contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> 
     check_gdn_choice_runs_here(cfg.profile)
     return cfg.contract
 
-
-register_config_resolver(contract_inputs, gemm_block_k)
 
 # Structured-config schemas of the groups whose keys are fixed (validation of the YAML files against them:
 # tests/test_settings.py). Stored under schema/ only: the conf/ groups' defaults and keys stay as they are.

@@ -81,11 +81,11 @@ def test_field_errors_name_field_and_allowed_values(overrides, pattern):
 
 def test_contract_inputs_refuse_a_gdn_choice_that_does_not_run_here():
     """A model config may carry the chunk form on the CPU (its op refuses to run); the contract refuses it."""
-    from megatron_iso.settings import build_contract, contract_inputs
+    from megatron_iso.settings import contract_for, contract_inputs
 
     cfg = load_config(["model=tiny_hybrid", "device=cpu", "profile.gdn_form=chunk"])
     assert resolve(cfg).profile.gdn_form == "chunk"
-    for check, arg in ((contract_inputs, cfg), (build_contract, resolve(cfg))):
+    for check, arg in ((contract_inputs, cfg), (contract_for, resolve(cfg))):
         with pytest.raises(
             ContractValidationError, match=r"gdn_form='chunk'.*need device=cuda and profile correctness"
         ):

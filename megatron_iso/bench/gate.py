@@ -279,18 +279,25 @@ def run_gate(
     runs: int = 15,
     warmup: int = 3,
     inputs: str | None = None,
-    ops_packages: Sequence[str] = ("megatron_iso.ops",),
+    ops_packages: Sequence[str] | None = None,
 ) -> GateResult:
-    """Run both checks (see the module doc); raises :class:`GateInputError` on bad input."""
+    """Run both checks (see the module doc); raises :class:`GateInputError` on bad input. ``ops_packages``:
+    the implementation packages to load instead of the project's own."""
     from megatron_iso.config import load_config
-    from megatron_iso.contract import build_contract, load_op_implementations, read_lock, verify_lock, write_lock
+    from megatron_iso.contract import load_op_implementations, read_lock, verify_lock, write_lock
     from megatron_iso.contract.build import resolve_device_class
     from megatron_iso.contract.registry import lookup
+    from megatron_iso.settings import contract_for
 
     if runs < 1 or warmup < 0 or min_speedup <= 0:
         raise GateInputError(f"runs={runs} (>= 1), warmup={warmup} (>= 0), min_speedup={min_speedup} (> 0) required")
-    load_op_implementations(packages=ops_packages)
+    if ops_packages:
+        load_op_implementations(packages=ops_packages)
     cfg = load_config(list(overrides))
+
+    def build_contract(cfg: Any) -> Any:
+        return contract_for(cfg, load_implementations=not ops_packages)
+
     device = resolve_device_class(str(cfg.device))
     try:
         incumbent = lookup(op, device, str(cfg.profile.name))
@@ -324,7 +331,7 @@ def run_gate(
             read_lock(lock)  # LockfileError (bad input) before any swap
         identity = _new_identity(incumbent, cand, candidate_id) if new_policy else None
         with swapped_in(incumbent, cand, new_identity=identity):
-            report = verify_lock(lock, cfg)
+            report = verify_lock(lock, build_contract(cfg))
             result.lock_lines = report.lines()
             if new_policy:
                 contract = build_contract(cfg)

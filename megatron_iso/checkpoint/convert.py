@@ -102,10 +102,9 @@ def hf_dir_config(hf_dir: str | Path, overrides: Sequence[str] = ()) -> DictConf
 
 
 def _identities(cfg: DictConfig) -> dict[str, Any]:
-    from megatron_iso.contract import build_contract, load_op_implementations
+    from megatron_iso.settings import contract_for
 
-    load_op_implementations()
-    return build_contract(cfg).identities.to_dict()
+    return contract_for(cfg).identities.to_dict()
 
 
 def import_hf(

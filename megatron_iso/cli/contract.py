@@ -17,12 +17,17 @@ from typing import Any
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
 
 
-def _contract(args: argparse.Namespace) -> Any:
+def _contract(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> Any:
+    """The contract of the overrides, built as the trainer builds it (``settings.contract_for``); ``--ops``
+    names the implementation packages instead of the project's own."""
     from megatron_iso.config import load_config
-    from megatron_iso.contract import build_contract, load_op_implementations
+    from megatron_iso.contract import load_op_implementations
+    from megatron_iso.settings import contract_for
 
-    load_op_implementations(packages=args.ops)
-    return build_contract(load_config(args.overrides))
+    if args.ops:
+        load_op_implementations(packages=args.ops)
+    cfg = load_config(args.overrides if overrides is None else overrides)
+    return contract_for(cfg, load_implementations=not args.ops)
 
 
 def _load_contract_file(path: str) -> dict[str, Any]:
@@ -75,13 +80,11 @@ def cmd_lock(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from megatron_iso.config import load_config
-    from megatron_iso.contract import load_op_implementations, read_lock, verify_lock
+    from megatron_iso.contract import read_lock, verify_lock
 
-    load_op_implementations(packages=args.ops)
     # No overrides given: rebuild the contract the lock was written for.
     overrides = args.overrides or read_lock(args.lock)["overrides"]
-    report = verify_lock(args.lock, load_config(overrides))
+    report = verify_lock(args.lock, _contract(args, overrides))
     for line in report.lines():
         print(line)
     if report.ok:
@@ -102,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
             action="append",
             default=None,
             metavar="PACKAGE",
-            help="package(s) to import op implementations from (default: megatron_iso.ops; plus $ISO_OP_MODULES)",
+            help="package(s) to import op implementations from instead of the project's own "
+            "(megatron_iso.ops and megatron_iso.parallel); plus $ISO_OP_MODULES",
         )
 
     with_config(sub.add_parser("show", help="print the contract as JSON"))
@@ -140,8 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if getattr(args, "ops", None) is None:
-        args.ops = ["megatron_iso.ops"]
     try:
         return COMMANDS[args.command](args)
     except (ContractValidationError, ContractFormatError, LockfileError, CanonicalError) as exc:

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs=args.runs,
             warmup=args.warmup,
             inputs=args.inputs,
-            ops_packages=args.ops or ["megatron_iso.ops"],
+            ops_packages=args.ops,
         )
     except (GateInputError, LockfileError, ContractValidationError) as exc:
         print(f"iso-gate: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Build a :class:`Contract` from the Hydra config and the op registry, validating it on the way.
+"""Build a :class:`Contract` from resolved settings and the op registry, validating it on the way.
 
 Every check here is one that, if skipped, lets a run start whose claims are false (e.g. a TP size
 outside the leaves' reach silently changes the reduction tree). Errors name the config field and
@@ -6,15 +6,15 @@ the allowed values so the fix is obvious from the message.
 
 The builder reads resolved values (:class:`ContractInputs`): the device class and the GDN form are resolved
 above it, by :mod:`megatron_iso.settings` (which may ask the op families; this package, the bottom layer the
-ops register into, never imports them). A raw Hydra config is accepted too and handed to the resolver that
-:mod:`megatron_iso.settings` registers on import (:func:`register_config_resolver`).
+ops register into, never imports them). :func:`megatron_iso.settings.contract_for` is the one way from a config
+to a contract.
 """
 
 from __future__ import annotations
 
 import platform
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,32 +71,6 @@ class ContractInputs:
     model: Mapping[str, Any]
     parallel: Mapping[str, Any]
     contract: Mapping[str, Any] = field(default_factory=dict)
-
-
-# Set by megatron_iso.settings on import: raw config -> ContractInputs, and the GPU GEMM K tiles per dtype.
-_RESOLVER: dict[str, Callable[..., Any]] = {}
-
-
-def register_config_resolver(
-    inputs: Callable[[Any], ContractInputs], gemm_block_k: Callable[[], Mapping[str, int]]
-) -> None:
-    """Install how a raw config becomes :class:`ContractInputs` and where the GPU GEMMs' K tiles come from
-    (called by :mod:`megatron_iso.settings`, the layer above the ops, as ops register their implementations)."""
-    _RESOLVER["inputs"], _RESOLVER["gemm_block_k"] = inputs, gemm_block_k
-
-
-def _resolver(name: str) -> Callable[..., Any]:
-    if name not in _RESOLVER:
-        raise ContractValidationError(
-            "a raw config needs megatron_iso.settings to resolve it (device class, GDN form): import "
-            "megatron_iso.settings (megatron_iso.config.load_config does) or pass ContractInputs"
-        )
-    return _RESOLVER[name]
-
-
-def contract_inputs(cfg: ContractInputs | DictConfig | Mapping[str, Any]) -> ContractInputs:
-    """``cfg`` itself when resolved already, else the registered resolver's reading of the raw config."""
-    return cfg if isinstance(cfg, ContractInputs) else _resolver("inputs")(cfg)
 
 
 def resolve_device_class(device: str) -> str:
@@ -185,22 +159,18 @@ def validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> No
             )
 
 
-def check_gpu_gemm_shapes(
-    cfg: ContractInputs | DictConfig | Mapping[str, Any], block_k_of: Mapping[str, int] | None = None
-) -> None:
+def check_gpu_gemm_shapes(inputs: ContractInputs, block_k_of: Mapping[str, int]) -> None:
     """Refuse, before anything is built, a correctness-profile run on CUDA whose GEMM shapes the Triton
     leaf-tree kernels cannot walk: each leaf is read in whole K tiles, so every GEMM's K / leaves must be a
     multiple of the BLOCK_K of the model's dtype (row-parallel: profile.leaves; experts' down projection:
     profile.expert_leaves; column-parallel, whose K is the hidden size: one leaf). A capability of the GPU
     kernels, not a policy: the contract itself does not depend on it. No-op for other profiles.
-    ``block_k_of``: the GEMM kernels' K tile per dtype (default: the registered resolver's, from the GEMM ops)."""
-    inputs = contract_inputs(cfg)
+    ``block_k_of``: the GEMM kernels' K tile per dtype (the GEMM family's constant, passed in by
+    :mod:`megatron_iso.settings`: the contract layer imports no op family)."""
     profile, model = inputs.profile, inputs.model
     if profile.get("name") != Profile.CORRECTNESS:
         return
 
-    if block_k_of is None:
-        block_k_of = _resolver("gemm_block_k")()
     dtype = str(model.get("params_dtype", "fp32"))
     block_k = block_k_of.get(dtype)
     if block_k is None:
@@ -365,16 +335,17 @@ def _runtime(device_class: str) -> dict[str, Any]:
     return out
 
 
-def build_contract(
-    cfg: ContractInputs | DictConfig | Mapping[str, Any], impls: Iterable[OpImpl] | None = None
-) -> Contract:
-    """The contract for ``cfg``: resolved :class:`ContractInputs`, or a raw config (keys model, profile, parallel,
-    device; optional contract.max_batch/max_seq_len) resolved by :mod:`megatron_iso.settings`.
+def build_contract(inputs: ContractInputs, impls: Iterable[OpImpl] | None = None) -> Contract:
+    """The contract of resolved :class:`ContractInputs` (from a config: ``megatron_iso.settings.contract_for``,
+    which every tool and the trainer use, and which first loads every registered implementation).
 
-    ``impls`` defaults to the registry's implementations for the resolved device class and profile;
-    call :func:`megatron_iso.contract.load_op_implementations` first so every op module has registered.
+    ``impls`` defaults to the registry's implementations for the inputs' device class and profile.
     """
-    inputs = contract_inputs(cfg)
+    if not isinstance(inputs, ContractInputs):
+        raise TypeError(
+            f"build_contract takes ContractInputs, got {type(inputs).__name__}; for a config use "
+            "megatron_iso.settings.contract_for"
+        )
     model, parallel, device_class = inputs.model, inputs.parallel, inputs.device_class
     profile = dict(inputs.profile)
     validate_profile(profile, model)
@@ -391,7 +362,7 @@ def build_contract(
     if not impls:
         raise ContractValidationError(
             f"no op implementations registered for device_class={device_class!r}, profile={profile['name']!r}; "
-            "call megatron_iso.contract.load_op_implementations() before build_contract()"
+            "megatron_iso.settings.contract_for loads them (megatron_iso.contract.load_op_implementations)"
         )
 
     cases = _cases({"contract": inputs.contract}, model)

@@ -1,7 +1,9 @@
-"""Import every op module so each registers its implementations before a contract is built.
+"""Import every module that registers implementations, before a contract is built.
 
-Discovery is by walking the ops package, so a new ``megatron_iso/ops/<family>/...`` module is in
-the contract the moment it exists; nobody has to remember to add it to a list. A module that
+Discovery is by walking the ops package and the parallel package (its tree collectives and vocab
+embedding register too), so a new module is in the contract the moment it exists; nobody has to
+remember to add it to a list. Packages are named here as strings: the contract layer imports none of
+them statically. A module that
 fails to import is an error, not a skip: a contract silently missing an op would be a lie.
 """
 
@@ -13,10 +15,12 @@ import os
 import pkgutil
 from collections.abc import Sequence
 
-DEFAULT_PACKAGES = ("megatron_iso.ops",)
+DEFAULT_PACKAGES = ("megatron_iso.ops", "megatron_iso.parallel")
 # Extra modules (comma separated) to import after the packages: out-of-tree op plugins, test fakes.
 PLUGIN_ENV = "ISO_OP_MODULES"
+# Modules and packages that need triton: ``*_triton`` and any package named ``triton`` (ops/gdn/triton/).
 TRITON_SUFFIX = "_triton"
+TRITON_PACKAGE = "triton"
 
 
 def triton_available() -> bool:
@@ -33,7 +37,7 @@ def _walk(package: str, skip_triton: bool, out: list[str]) -> None:
     # decide to skip them, and a *_triton package would fail to import without triton.
     for info in sorted(pkgutil.iter_modules(path), key=lambda i: i.name):
         name = f"{package}.{info.name}"
-        if skip_triton and info.name.endswith(TRITON_SUFFIX):
+        if skip_triton and (info.name.endswith(TRITON_SUFFIX) or info.name == TRITON_PACKAGE):
             continue
         if info.ispkg:
             _walk(name, skip_triton, out)
@@ -45,7 +49,7 @@ def _walk(package: str, skip_triton: bool, out: list[str]) -> None:
 def load_op_implementations(
     packages: Sequence[str] = DEFAULT_PACKAGES, extra_modules: Sequence[str] | None = None
 ) -> list[str]:
-    """Import ``packages`` recursively (skipping ``*_triton`` modules when triton is absent) and plugins.
+    """Import ``packages`` recursively (skipping the triton modules when triton is absent) and plugins.
 
     ``extra_modules`` defaults to the comma-separated ``$ISO_OP_MODULES``. Returns the module names
     imported, in order. Importing is idempotent: modules already imported are not re-run.

@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from megatron_iso.contract import registry
-from megatron_iso.contract.build import build_contract
 from megatron_iso.contract.canonical import canonical_json, sha256_of
 from megatron_iso.contract.handshake import contract_diffs
 from megatron_iso.contract.registry import OpImpl
@@ -175,18 +172,14 @@ def compare_probes(locked: Mapping[str, Any], current: Mapping[str, Any]) -> lis
     return out
 
 
-def verify_lock(path: str | os.PathLike[str], cfg: DictConfig | Mapping[str, Any] | None = None) -> VerifyReport:
-    """Rebuild the contract from ``cfg`` (default: the lock's own overrides), rerun the probes, compare.
+def verify_lock(path: str | os.PathLike[str], current: Contract) -> VerifyReport:
+    """Compare ``current`` (the contract rebuilt now, by default from the lock's own ``overrides``) with the
+    lock and rerun the probes of its implementations.
 
     Raises :class:`LockfileError` if the lock itself cannot be trusted. Deployment differences are
     ignored (neutral by the claims); semantic and numerical_policy differences are reported.
     """
     lock = read_lock(path)
-    if cfg is None:
-        from megatron_iso.config import load_config
-
-        cfg = load_config(lock["overrides"])
-    current = build_contract(cfg)
     report = VerifyReport()
     report.contract_diffs = contract_diffs(lock["contract"], current.to_dict())
     probes = run_probes(_contract_impls(current))

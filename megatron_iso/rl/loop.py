@@ -97,11 +97,10 @@ class Trainer:
     def _build_contract(self) -> tuple[DictConfig, bool]:
         """Contract: the rollout side (the decoder) and the trainer must agree before anything runs. Returns the
         rollout's config (its layout) and whether that layout needs a model of its own."""
-        from megatron_iso.contract import ContractValidationError, check_compatible, handshake, load_op_implementations
-        from megatron_iso.settings import build_contract, check_gpu_gemm_shapes
+        from megatron_iso.contract import ContractValidationError, check_compatible, handshake
+        from megatron_iso.settings import check_gpu_gemm_shapes, contract_for
 
-        load_op_implementations()
-        self.contract = build_contract(self.settings)
+        self.contract = contract_for(self.settings)
         if self.settings.device_class == "cuda":
             try:
                 check_gpu_gemm_shapes(self.settings)
@@ -115,7 +114,7 @@ class Trainer:
             raise RunSetupError(str(exc)) from exc
         rollout_cfg = with_parallel(self.cfg, rollout_par)
         try:
-            rollout_contract = build_contract(rollout_cfg)
+            rollout_contract = contract_for(rollout_cfg)
         except ContractValidationError as exc:
             raise RunSetupError(f"rollout.parallel: {exc}") from exc
         where = "rollout layout (rollout.parallel)" if separate else "rollout (colocated decoder)"

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from megatron_iso.cli.gate import main
-from megatron_iso.contract import build_contract, registry, write_lock
+from megatron_iso.contract import registry, write_lock
+from megatron_iso.settings import contract_for
 
 FAKES = "tests.bench.gate_fakes"
 
@@ -73,7 +74,7 @@ def test_against_an_existing_lockfile(tmp_path, capsys):
     from megatron_iso.config import load_config
 
     lock = tmp_path / "iso.lock.json"
-    write_lock(lock, build_contract(load_config(["device=cpu"])), ["device=cpu"])
+    write_lock(lock, contract_for(load_config(["device=cpu"]), load_implementations=False), ["device=cpu"])
     assert gate("--candidate", f"{FAKES}:fast_identical", "--lock", str(lock)) == 0
     assert gate("--candidate", f"{FAKES}:fast_different", "--lock", str(lock)) == 2
 

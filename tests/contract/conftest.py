@@ -58,3 +58,10 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     full_env.pop(PLUGIN_ENV, None)
     cmd = [sys.executable, "-m", "megatron_iso.cli.contract", *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def contract_of(cfg: Any, impls: Any = None) -> Any:
+    """``settings.contract_for`` over the registry as the test left it (the fakes, or what it loaded itself)."""
+    from megatron_iso.settings import contract_for
+
+    return contract_for(cfg, impls, load_implementations=False)

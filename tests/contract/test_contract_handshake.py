@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from megatron_iso.contract import ContractFormatError, ContractMismatchError, build_contract, handshake
+from megatron_iso.contract import ContractFormatError, ContractMismatchError, handshake
+from tests.contract.conftest import contract_of
 
 pytestmark = pytest.mark.usefixtures("fake_registry")
 
 
 def test_file_handshake_matching_pair(cfg_for, tmp_path):
-    trainer = build_contract(cfg_for("parallel.tp=4", "parallel.dp=2"))
-    rollout = build_contract(cfg_for())  # a different, neutral layout
+    trainer = contract_of(cfg_for("parallel.tp=4", "parallel.dp=2"))
+    rollout = contract_of(cfg_for())  # a different, neutral layout
     first = handshake(trainer, path=tmp_path, role="trainer")
     assert first.peers == {}
     res = handshake(rollout, path=tmp_path, role="rollout", expect=("trainer",), timeout_s=5)
@@ -36,54 +37,54 @@ def test_file_handshake_matching_pair(cfg_for, tmp_path):
     ],
 )
 def test_file_handshake_mismatch_names_field(cfg_for, tmp_path, override, field, local, remote):
-    handshake(build_contract(cfg_for(override)), path=tmp_path, role="trainer")
+    handshake(contract_of(cfg_for(override)), path=tmp_path, role="trainer")
     with pytest.raises(ContractMismatchError) as info:
-        handshake(build_contract(cfg_for()), path=tmp_path, role="rollout", expect=("trainer",), timeout_s=5)
+        handshake(contract_of(cfg_for()), path=tmp_path, role="rollout", expect=("trainer",), timeout_s=5)
     err = info.value
     assert (err.field, err.local, err.remote) == (field, local, remote)
     assert field in str(err) and "'trainer'" in str(err) and "refusing to start" in str(err)
 
 
 def test_profile_mismatch_reports_first_policy_field(cfg_for, tmp_path):
-    handshake(build_contract(cfg_for("profile=performance")), path=tmp_path, role="trainer")
+    handshake(contract_of(cfg_for("profile=performance")), path=tmp_path, role="trainer")
     with pytest.raises(ContractMismatchError) as info:
-        handshake(build_contract(cfg_for()), path=tmp_path, role="rollout")
+        handshake(contract_of(cfg_for()), path=tmp_path, role="rollout")
     assert info.value.field.startswith("numerical_policy.")
     assert len(info.value.diffs) > 3
 
 
 def test_file_handshake_times_out_naming_missing_peer(cfg_for, tmp_path):
     with pytest.raises(TimeoutError, match=r"no contract from \['rollout'\]"):
-        handshake(build_contract(cfg_for()), path=tmp_path, role="trainer", expect=("rollout",), timeout_s=0.3)
+        handshake(contract_of(cfg_for()), path=tmp_path, role="trainer", expect=("rollout",), timeout_s=0.3)
 
 
 def test_file_handshake_rejects_tampered_peer(cfg_for, tmp_path):
-    handshake(build_contract(cfg_for()), path=tmp_path, role="trainer")
+    handshake(contract_of(cfg_for()), path=tmp_path, role="trainer")
     f = tmp_path / "trainer.contract.json"
     d = json.loads(f.read_text())
     d["numerical_policy"]["constants"]["leaves"] = 4  # forged to look compatible with someone
     f.write_text(json.dumps(d))
     with pytest.raises(ContractFormatError, match=r"identities\.numerical_policy"):
-        handshake(build_contract(cfg_for()), path=tmp_path, role="rollout")
+        handshake(contract_of(cfg_for()), path=tmp_path, role="rollout")
 
 
 def test_handshake_without_process_group_explains(cfg_for):
     with pytest.raises(RuntimeError, match="initialized process group"):
-        handshake(build_contract(cfg_for()))
+        handshake(contract_of(cfg_for()))
 
 
 def _dist_worker(rank: int, world: int, init_file: str, out_dir: str, chunks: list[int]) -> None:
     import torch.distributed as dist
 
     from megatron_iso.config import load_config
-    from megatron_iso.contract import ContractMismatchError, build_contract, handshake
+    from megatron_iso.contract import ContractMismatchError, handshake
     from tests.contract import iso_fake_ops  # noqa: F401  (registers the fakes in this fresh process)
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         cfg = load_config(["device=cpu", f"profile.gdn_chunk={chunks[rank]}", f"parallel.tp={2**rank}"])
         try:
-            handshake(build_contract(cfg))
+            handshake(contract_of(cfg))
             result = {"ok": True}
         except ContractMismatchError as exc:
             result = {"ok": False, "field": exc.field, "local": exc.local, "remote": exc.remote, "peer": exc.peer}

@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from megatron_iso.contract import Contract, ContractFormatError, build_contract, canonical_json, registry, sha256_of
+from megatron_iso.contract import Contract, ContractFormatError, canonical_json, registry, sha256_of
 from megatron_iso.contract.canonical import CanonicalError, diff_paths
+from tests.contract.conftest import contract_of
 
 pytestmark = pytest.mark.usefixtures("fake_registry")
 
 
 def ids(cfg) -> dict[str, str]:
-    return build_contract(cfg).identities.to_dict()
+    return contract_of(cfg).identities.to_dict()
 
 
 def changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
@@ -55,8 +56,8 @@ def test_gdn_form_moves_numerical_policy_and_is_named(cfg_for):
     base = cfg_for("device=cuda", "profile.gdn_form=scan")
     for override in ("profile.gdn_form=chunk", "profile.gdn_dot_precision=bf16"):
         assert changed(ids(base), ids(cfg_for("device=cuda", override))) == {"numerical_policy"}
-    a = build_contract(base).to_dict()["numerical_policy"]
-    b = build_contract(cfg_for("device=cuda", "profile.gdn_form=chunk")).to_dict()["numerical_policy"]
+    a = contract_of(base).to_dict()["numerical_policy"]
+    b = contract_of(cfg_for("device=cuda", "profile.gdn_form=chunk")).to_dict()["numerical_policy"]
     assert diff_paths(a, b) == [("constants.gdn_form", "scan", "chunk")]
 
 
@@ -64,15 +65,15 @@ def test_auto_gdn_form_is_pinned_resolved(cfg_for):
     """profile.gdn_form=auto (the default) is pinned as the form it resolves to: a side on auto and a side naming that
     form handshake; on the CPU auto is the scan form, on cuda the chunk form."""
     for device, form in (("cuda", "chunk"), ("cpu", "scan")):
-        auto = build_contract(cfg_for(f"device={device}"))
+        auto = contract_of(cfg_for(f"device={device}"))
         assert auto.numerical_policy.constants["gdn_form"] == form
         assert ids(cfg_for(f"device={device}")) == ids(cfg_for(f"device={device}", f"profile.gdn_form={form}"))
     assert ids(cfg_for("device=cuda")) != ids(cfg_for("device=cuda", "profile.gdn_form=scan"))
 
 
 def test_leaves_change_is_named_in_policy_diff(cfg_for):
-    a = build_contract(cfg_for()).to_dict()["numerical_policy"]
-    b = build_contract(cfg_for("profile.leaves=16")).to_dict()["numerical_policy"]
+    a = contract_of(cfg_for()).to_dict()["numerical_policy"]
+    b = contract_of(cfg_for("profile.leaves=16")).to_dict()["numerical_policy"]
     assert diff_paths(a, b) == [("constants.leaves", 8, 16)]
 
 
@@ -80,7 +81,7 @@ def test_impl_version_changes_numerical_policy(cfg_for):
     before = ids(cfg_for())
     old = registry.lookup("fake_gemm", "cpu", "correctness")
     registry._REGISTRY[("fake_gemm", "cpu", "correctness")] = dataclasses.replace(old, version="2")
-    after = build_contract(cfg_for())
+    after = contract_of(cfg_for())
     assert changed(before, after.identities.to_dict()) == {"numerical_policy"}
     assert after.numerical_policy.entry("fake_gemm", "prefill").impl == "fake_gemm.correctness@2"
 
@@ -95,8 +96,8 @@ def test_impl_constant_changes_numerical_policy(cfg_for):
 
 
 def test_performance_profile_pins_tp(cfg_for):
-    c1 = build_contract(cfg_for("profile=performance"))
-    c2 = build_contract(cfg_for("profile=performance", "parallel.tp=2"))
+    c1 = contract_of(cfg_for("profile=performance"))
+    c2 = contract_of(cfg_for("profile=performance", "parallel.tp=2"))
     assert c1.numerical_policy.claims.axis("tp").kind == "pinned"
     assert c2.numerical_policy.claims.axis("tp").value == 2
     assert c1.identities.numerical_policy != c2.identities.numerical_policy
@@ -104,7 +105,7 @@ def test_performance_profile_pins_tp(cfg_for):
 
 
 def test_correctness_claims(cfg_for):
-    claims = build_contract(cfg_for()).numerical_policy.claims
+    claims = contract_of(cfg_for()).numerical_policy.claims
     tp = claims.axis("tp")
     assert (tp.kind, tp.domain, tp.tolerance) == (
         "invariant",
@@ -126,7 +127,7 @@ def test_model_change_moves_semantic(cfg_for):
 
 
 def test_floats_are_bit_patterns_and_cases_have_limits(cfg_for):
-    d = build_contract(cfg_for()).to_dict()
+    d = contract_of(cfg_for()).to_dict()
     assert d["semantic"]["architecture"]["norm_epsilon"] == registry.float_bits(1e-6)
     assert d["numerical_policy"]["composition"]["fake_gemm"]["decode"]["constants"]["alpha"] == registry.float_bits(1.0)
     assert d["semantic"]["cases"]["decode"]["tokens_per_step"] == 1
@@ -138,7 +139,7 @@ def test_floats_are_bit_patterns_and_cases_have_limits(cfg_for):
 
 
 def test_asymmetric_entry_records_per_case_impl_and_note(cfg_for):
-    pol = build_contract(cfg_for()).numerical_policy
+    pol = contract_of(cfg_for()).numerical_policy
     assert pol.entry("fake_attention", "decode").impl == "fake_attention_decode.correctness@1"
     assert pol.entry("fake_attention", "prefill").impl == "fake_attention.correctness@1"
     assert "fixed blocks" in pol.entry("fake_attention", "decode").equivalence_note
@@ -154,7 +155,7 @@ def test_canonical_json_rejects_floats_with_path():
 
 
 def test_roundtrip_and_tamper_detection(cfg_for):
-    c = build_contract(cfg_for())
+    c = contract_of(cfg_for())
     d = json.loads(canonical_json(c.to_dict()))
     again = Contract.from_dict(d)
     assert again.identities == c.identities

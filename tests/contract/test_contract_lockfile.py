@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from megatron_iso.contract import LockfileError, build_contract, read_lock, registry, verify_lock, write_lock
+from megatron_iso.contract import LockfileError, read_lock, registry, verify_lock, write_lock
 from megatron_iso.contract.canonical import sha256_of
 from megatron_iso.contract.lockfile import tensor_digest
+from tests.contract.conftest import contract_of
 
 pytestmark = pytest.mark.usefixtures("fake_registry")
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
 @pytest.fixture
 def lock_path(cfg_for, tmp_path):
     path = tmp_path / "iso.lock.json"
-    write_lock(path, build_contract(cfg_for()), ["device=cpu"])
+    write_lock(path, contract_of(cfg_for()), ["device=cpu"])
     return path
 
 
@@ -28,15 +29,13 @@ def test_lock_contents_and_clean_verify(lock_path, cfg_for):
     assert set(lock["probes"]["fake_gemm"]) == {"decode", "trainer_forward"}
     assert lock["probes"]["fake_attention"]["decode"]["dtype"] == "bfloat16"
     assert lock["probes"]["fake_gemm"]["trainer_forward"]["shape"] == [4, 8]
-    report = verify_lock(lock_path, cfg_for())
+    report = verify_lock(lock_path, contract_of(cfg_for()))
     assert report.ok and report.checked == 4 and report.lines() == []
-    # default cfg: rebuilt from the overrides recorded in the lock
-    assert verify_lock(lock_path).ok
 
 
 def test_lock_file_is_byte_stable(lock_path, cfg_for, tmp_path):
     again = tmp_path / "again.json"
-    write_lock(again, build_contract(cfg_for()), ["device=cpu"])
+    write_lock(again, contract_of(cfg_for()), ["device=cpu"])
     assert again.read_bytes() == lock_path.read_bytes()
 
 
@@ -49,7 +48,7 @@ def test_changed_kernel_is_reported_by_op_and_case(lock_path, cfg_for):
         return out
 
     registry._REGISTRY[("fake_gemm", "cpu", "correctness")] = dataclasses.replace(old, probe=drifted)
-    report = verify_lock(lock_path, cfg_for())
+    report = verify_lock(lock_path, contract_of(cfg_for()))
     assert not report.ok
     assert report.contract_diffs == []
     assert [(op, name, what) for op, name, what, _, _ in report.probe_mismatches] == [
@@ -63,16 +62,16 @@ def test_missing_and_new_probe_outputs(lock_path, cfg_for):
     registry._REGISTRY[("fake_attention", "cpu", "correctness")] = dataclasses.replace(
         old, probe=lambda: {"prefill": old.probe()["prefill"], "extra": torch.zeros(1)}
     )
-    what = {(name, w) for op, name, w, _, _ in verify_lock(lock_path, cfg_for()).probe_mismatches}
+    what = {(name, w) for op, name, w, _, _ in verify_lock(lock_path, contract_of(cfg_for())).probe_mismatches}
     assert what == {("decode", "missing"), ("extra", "new")}
 
 
 def test_policy_change_is_reported_as_contract_diff(lock_path, cfg_for):
-    report = verify_lock(lock_path, cfg_for("profile.leaves=16"))
+    report = verify_lock(lock_path, contract_of(cfg_for("profile.leaves=16")))
     assert not report.ok
     assert report.contract_diffs == [("numerical_policy.constants.leaves", 8, 16)]
     # a neutral change is not a difference
-    assert verify_lock(lock_path, cfg_for("parallel.tp=2")).ok
+    assert verify_lock(lock_path, contract_of(cfg_for("parallel.tp=2"))).ok
 
 
 def _edit(path, fn) -> None:
@@ -84,7 +83,7 @@ def _edit(path, fn) -> None:
 def test_hand_edited_lock_is_rejected(lock_path, cfg_for):
     _edit(lock_path, lambda d: d["probes"]["fake_gemm"]["decode"].update(sha256="0" * 64))
     with pytest.raises(LockfileError, match=r"self_digest mismatch.*edited by hand or corrupted"):
-        verify_lock(lock_path, cfg_for())
+        verify_lock(lock_path, contract_of(cfg_for()))
 
 
 def test_edit_with_recomputed_self_digest_still_rejected(lock_path):

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from megatron_iso.contract import ContractValidationError, build_contract, registry
+from megatron_iso.contract import ContractValidationError, registry
 from megatron_iso.contract.registry import OpImpl
+from tests.contract.conftest import contract_of
 
 pytestmark = pytest.mark.usefixtures("fake_registry")
 
@@ -63,11 +64,11 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
 )
 def test_invalid_configs_are_refused(cfg_for, overrides, pattern):
     with pytest.raises(ContractValidationError, match=pattern):
-        build_contract(cfg_for(*overrides))
+        contract_of(cfg_for(*overrides))
 
 
 def test_performance_profile_accepts_any_tp_and_pins_it(cfg_for):
-    c = build_contract(cfg_for("profile=performance", "parallel.tp=3"))
+    c = contract_of(cfg_for("profile=performance", "parallel.tp=3"))
     assert c.numerical_policy.claims.axis("tp").value == 3
     assert c.numerical_policy.to_dict()["claims"]["axes"]["tp"]["kind"] == "pinned"
 
@@ -78,28 +79,28 @@ def test_asymmetric_entry_without_note_is_refused(cfg_for):
     with pytest.raises(
         ContractValidationError, match=r"composition\.fake_attention\.equivalence_note is empty.*decode"
     ):
-        build_contract(cfg_for())
+        contract_of(cfg_for())
     # the performance profile claims no parity, so it records the asymmetry without a note
     perf = registry.lookup("fake_attention", "cpu", "performance")
     registry._REGISTRY[("fake_attention", "cpu", "performance")] = dataclasses.replace(perf, equivalence_note="")
-    build_contract(cfg_for("profile=performance"))
+    contract_of(cfg_for("profile=performance"))
 
 
 def test_impl_constant_must_agree_with_profile(cfg_for):
     with pytest.raises(ContractValidationError, match=r"composition\.fake_gemm\.constants\.accumulate_dtype='fp32'"):
-        build_contract(cfg_for("profile.accumulate_dtype=fp64"))
+        contract_of(cfg_for("profile.accumulate_dtype=fp64"))
 
 
 def test_empty_registry_is_refused(cfg_for):
     registry._REGISTRY.clear()
     with pytest.raises(ContractValidationError, match=r"no op implementations registered.*load_op_implementations"):
-        build_contract(cfg_for())
+        contract_of(cfg_for())
 
 
 def test_impls_for_another_device_are_refused(cfg_for):
     cuda = registry.registered(device_class="cuda", profile="correctness")
     with pytest.raises(ContractValidationError, match="do not match device_class='cpu'"):
-        build_contract(cfg_for(), impls=cuda)
+        contract_of(cfg_for(), impls=cuda)
 
 
 def test_case_impls_validated_by_registry():
@@ -113,7 +114,7 @@ def test_plain_dict_config_works_and_auto_device_resolves(cfg_for):
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg_for("device=auto"), resolve=True)
-    c = build_contract(plain)
+    c = contract_of(plain)
     assert c.numerical_policy.device_class in ("cpu", "cuda")
 
 
@@ -144,10 +145,10 @@ def test_real_shapes_fit_the_gpu_gemm_tiles(cfg_for, model):
 
 
 def test_invariance_domain_is_narrowed_to_layouts_the_model_can_run(cfg_for):
-    claims = build_contract(cfg_for("model=qwen3_next_80b_a3b")).to_dict()["numerical_policy"]["claims"]["axes"]
+    claims = contract_of(cfg_for("model=qwen3_next_80b_a3b")).to_dict()["numerical_policy"]["claims"]["axes"]
     assert claims["tp"]["domain"] == [1, 2]  # 2 KV groups: TP 4 and 8 cannot shard attention
     assert claims["ep"]["domain"] == [1, 2, 4, 8]
-    dense = build_contract(cfg_for()).to_dict()["numerical_policy"]["claims"]["axes"]
+    dense = contract_of(cfg_for()).to_dict()["numerical_policy"]["claims"]["axes"]
     assert dense["tp"]["domain"] == [1, 2, 4]  # tiny_dense: 4 KV groups
 
 

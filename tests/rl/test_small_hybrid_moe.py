@@ -49,10 +49,9 @@ def _full(*overrides: str):
 
 @pytest.mark.parametrize("profile", ["correctness", "performance"])
 def test_full_size_contract_validates_for_cuda(profile):
-    from megatron_iso.contract import build_contract, load_op_implementations
+    from megatron_iso.settings import contract_for
 
-    load_op_implementations()
-    contract = build_contract(_full("device=cuda", f"profile={profile}"))
+    contract = contract_for(_full("device=cuda", f"profile={profile}"))
     policy, arch = contract.numerical_policy, contract.semantic.architecture
     assert policy.device_class == "cuda" and policy.profile == profile
     assert {e.device_class for e in policy.composition} == {"cuda"}
