@@ -2,10 +2,10 @@
 
 Typical use at start-up of either side of the RL loop::
 
-    from megatron_iso.contract import build_contract, handshake, load_op_implementations
+    from megatron_iso.contract import handshake
+    from megatron_iso.settings import contract_for
 
-    load_op_implementations()
-    contract = build_contract(cfg)
+    contract = contract_for(cfg)  # every registered implementation loaded, the config resolved
     handshake(contract)  # or handshake(contract, path=rendezvous_dir, role="rollout", expect=("trainer",))
 """
 

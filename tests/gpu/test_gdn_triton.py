@@ -173,8 +173,8 @@ CHUNK_FORM_SANITY = {"ieee": 2e-5, "tf32": 1e-2, "bf16": 5e-2, "ieee/bf16": 5e-2
 def test_chunk_form_train_equals_rollout(gt, chunk, d, prec):
     """Chunk form: training forward == prefill(P) + decode (P around chunk boundaries) == chunked prefill, bitwise,
     and a batch of sequences at mixed positions == each alone. A decode step runs the row kernel (its token's rows
-    through 16-row tiles), a longer call the tiles; both give each row the same bits (the MMA row probe,
-    tools/probe_dot_rows.py)."""
+    through 16-row tiles), a longer call the tiles; both give each row the same bits (a tl.dot row's bits do not depend on the
+    other rows of its tile at these shapes and launch options)."""
     kw = {"dot_precision": prec, "form": "chunk"}
     total = 3 * chunk + 7
     x = inputs(total, 62, d)

@@ -19,7 +19,7 @@ call), so a token's chunk does not depend on how the sequence was cut into calls
   re-run over the buffered chunk from the stored entry state, which is bit for bit what the training
   forward computed, and the running state is replaced by it.
 
-Only elementwise IEEE operations, ``ops.tree`` sums and the IEEE-composed ``exp`` are used, so the
+Only elementwise IEEE operations, ``ops.common.tree`` sums and the IEEE-composed ``exp`` are used, so the
 bits of a token never depend on the batch, the call boundaries, or the other heads (TP shards heads).
 Everything is differentiable by autograd (deterministic on CPU).
 """

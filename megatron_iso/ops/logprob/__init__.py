@@ -59,7 +59,7 @@ def vocab_scores(
     profile: str = "correctness",
 ) -> VocabScores | NativeScores:
     """Row statistics of ``logits`` [R, ..., V/C] (R local vocab shards) by the registered implementation
-    for the device class and profile (``ops.dispatch.select``, so a registry swap reaches scoring); query
+    for the device class and profile (``ops.common.dispatch.select``, so a registry swap reaches scoring); query
     ``.token_logprobs(ids)``, ``.entropy()``, ``.log_softmax()``."""
     if profile not in ("correctness", "performance"):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
