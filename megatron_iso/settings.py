@@ -35,9 +35,34 @@ from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.registry import Profile
 from megatron_iso.contract.schema import Contract
+from megatron_iso.errors import UserError
 
 HF_GDN_LAYOUTS = ("qkvz", "split")
 PARAMS_DTYPES = ("bf16", "fp32")
+# resume=false starts a run, true continues the latest checkpoint (an error without one), auto either.
+RESUME_MODES = ("false", "true", "auto")
+# What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class SettingsError(UserError, ValueError):
+    """A setting outside its allowed values; the message names the field and the values."""
+
+
+def resume_mode(value: Any) -> str:
+    """``resume`` as one of :data:`RESUME_MODES` (Hydra reads ``true`` / ``false`` as booleans)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower()
+    if text not in RESUME_MODES:
+        raise SettingsError(f"resume={value!r} is not allowed; allowed values: {list(RESUME_MODES)}")
+    return text
+
+
+def _choice(value: Any, field_name: str, allowed: tuple[str, ...]) -> str:
+    if str(value) not in allowed:
+        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: {list(allowed)}")
+    return str(value)
 
 
 def _get(group: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
@@ -311,6 +336,7 @@ class RLSettings:
     grad_clip: float = 1.0
     train_micro_batch_seqs: int | None = 0
     gdn_backward_states: str = "keep"
+    nonfinite: str = "stop"
 
 
 def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
@@ -335,6 +361,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         grad_clip=float(rl["grad_clip"]),
         train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),
         gdn_backward_states=check_backward_states(_get(rl, "gdn_backward_states", "keep")),
+        nonfinite=_choice(_get(rl, "nonfinite", "stop"), "rl.nonfinite", NONFINITE_POLICIES),
     )
 
 
@@ -376,7 +403,7 @@ class Settings:
     rollout: RolloutSettings | None = None
     seed: int | None = None
     out_dir: Path | None = None
-    resume: bool = False
+    resume: str = "false"  # one of RESUME_MODES
 
     @property
     def device_class(self) -> str:
@@ -424,7 +451,7 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
         seed=None if c.get("seed") is None else int(c["seed"]),
         out_dir=None if c.get("out_dir") is None else Path(str(c["out_dir"])),
-        resume=bool(c.get("resume", False)),
+        resume=resume_mode(c.get("resume", False)),
     )
 
 

@@ -12,7 +12,10 @@ logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at e
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_iso.errors import NonFiniteError
 from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
@@ -294,7 +298,18 @@ class Trainer:
         # applies to its own heads or rows (q/k norms; norms under SP) need their grads summed over TP,
         # else the replicas drift apart from the first step on.
         finalize_model_grads([self.ddp])
-        ok, grad_norm, _ = self.optimizer.step()
+        if self._grads_finite():
+            ok, grad_norm, _ = self.optimizer.step()
+            skipped = False
+        elif self.rl.nonfinite == "stop":
+            raise NonFiniteError(
+                f"NaN or Inf in the gradients (loss {float(loss)}); the run stops before its weights take them "
+                "(rl.nonfinite=skip drops such updates instead)"
+            )
+        else:  # rl.nonfinite=skip: the update is dropped, the weights stay as they were
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            ok, grad_norm, skipped = False, float("nan"), True
         t0 = time.perf_counter()
         self.publish_weights()
         return {
@@ -302,10 +317,25 @@ class Trainer:
             "loss": float(loss),
             "grad_norm": float(grad_norm or 0.0),
             "update_ok": bool(ok),
+            "nonfinite/skipped": float(skipped),
             "trainer_logp": trainer_logp,
             "rollout_logp": rollout_logp,
             **stats,
         }
+
+    def _grads_finite(self) -> bool:
+        """Whether every rank's gradients are finite (one reduction per tensor, one host sync, a MIN over ranks)."""
+        flags = [
+            torch.isfinite(g).all()
+            for p in self.model.parameters()
+            if (g := p.main_grad if getattr(p, "main_grad", None) is not None else p.grad) is not None
+        ]
+        ok = torch.stack(flags).all() if flags else torch.tensor(True)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = ok.to(device=self.device, dtype=torch.int32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            return bool(flag.item())
+        return bool(ok)
 
     def _accumulate_grads(
         self, samples: list[Sample], advantages: torch.Tensor, normaliser: float, weight: float = 1.0
@@ -371,6 +401,12 @@ class Trainer:
         t0 = time.perf_counter()
         samples = self.rollout(step)
         gen_s = time.perf_counter() - t0
+        bad = sum(not all(math.isfinite(x) for x in s.rollout_logp) for s in samples)
+        if bad and self.rl.nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {step}: the rollout recorded NaN or Inf logprobs for {bad} of {len(samples)} samples "
+                "(non-finite logits: the weights diverged; lower rl.lr, or rl.nonfinite=skip to drop such updates)"
+            )
         rewards = self.score_rewards(samples)
         group_size = self.rl.group_size
         keep = torch.ones(len(samples) // group_size, dtype=torch.bool)
@@ -433,46 +469,79 @@ def _checkpoint_identity(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def run_identity(cfg: DictConfig) -> dict[str, Any]:
+    """What a run trains: its model and task. Resuming with any other is refused, the differing keys named."""
+    return {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "task")}
+
+
+def _check_resumable(checkpoint: Path, cfg: DictConfig) -> None:
+    from megatron_iso.rl.checkpoint import CheckpointError
+    from megatron_iso.rl.run_dir import identity_diff
+
+    saved = json.loads((checkpoint / "meta.json").read_text()).get("identity")
+    if saved is None:
+        raise CheckpointError(f"checkpoint {checkpoint} records no run identity (model, task); it cannot be resumed")
+    diff = identity_diff(saved, run_identity(cfg))
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was trained with another model or task ({'; '.join(diff[:4])}"
+            f"{'; ...' if len(diff) > 4 else ''}); resume with the same settings or choose a new out_dir"
+        )
+
+
 # Metrics whose values depend on wall-clock or memory, not on the computation: excluded when
 # comparing a resumed run with an uninterrupted one.
 TIMING_PREFIXES = ("timing/", "throughput/", "memory/")
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run ``cfg.rl.steps`` RL steps (resuming from the latest checkpoint when ``cfg.resume``)."""
+    """Run ``cfg.rl.steps`` RL steps in ``cfg.out_dir``: a new run (``resume=false``), the continuation of its
+    latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``."""
     from megatron_iso.parallel.world import config_world
     from megatron_iso.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megatron_iso.rl.run_dir import RunLock, plan_start
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     settings = resolve(cfg)
     rl: RLSettings = settings.require("rl")
     run_dir = settings.require("out_dir")
-    resume = settings.resume
-    existing = latest_checkpoint(run_dir) if run_dir.exists() else None
-    if not resume and (existing is not None or (run_dir / "metrics.jsonl").exists()):
-        raise RunSetupError(
-            f"out_dir={run_dir} already holds a run; pass resume=true to continue it or choose a new out_dir"
-        )
-    with config_world(cfg) as rank:
+    resume_from = plan_start(run_dir, settings.resume, latest_checkpoint(run_dir) if run_dir.exists() else None)
+    if resume_from is not None:
+        _check_resumable(resume_from, cfg)
+    with contextlib.ExitStack() as stack:
+        rank = stack.enter_context(config_world(cfg))
         trainer = Trainer(cfg, rank, settings)
+        # Taken once the run is built (a run that fails to build writes nothing) and before anything is written.
+        if rank == 0:
+            stack.enter_context(RunLock(run_dir))
         start = 0
-        if resume and existing is not None:
-            meta = load_checkpoint(existing, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank)
+        if resume_from is not None:
+            meta = load_checkpoint(
+                resume_from, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank
+            )
             start = int(meta["step"]) + 1
             trainer.publish_weights()
+        identities = trainer.contract.identities.to_dict()
         if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            print(
+                f"run {run_dir}: profile {settings.profile.name.value} on {settings.device_class}, contract "
+                + ", ".join(f"{k} {v[:12]}" for k, v in sorted(identities.items())),
+                file=sys.stderr,
+            )
+            # The first config stays config.yaml; a resumed run's own goes beside it.
+            name = "config.yaml" if resume_from is None else f"config.resumed_step{start:06d}.yaml"
+            (run_dir / name).write_text(OmegaConf.to_yaml(cfg, resolve=True))
         log = MetricsLog(
             run_dir,
             cfg.logger,
-            OmegaConf.to_container(cfg, resolve=True),
-            resume_step=start if resume else None,
+            {**OmegaConf.to_container(cfg, resolve=True), "contract": identities},
+            resume_step=None if resume_from is None else start,
             enabled=rank == 0,
         )
         steps = rl.steps
         every = max(1, rl.checkpoint_every)
+        meta = {**_checkpoint_identity(trainer), "identity": run_identity(cfg), "contract": identities}
         history = []
         bar = _progress(range(start, steps), rank == 0)
         try:
@@ -486,14 +555,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                         dlogp_max=f"{metrics.get('mismatch/abs_diff_max', 0):.2e}",
                     )
                 if (step + 1) % every == 0 or step + 1 == steps:
-                    save_checkpoint(
-                        run_dir, step, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank
-                    )
+                    save_checkpoint(run_dir, step, trainer.model, trainer.optimizer, meta, rank=rank)
         finally:
             log.close()
         dashboard = None
         if rank == 0 and (run_dir / "metrics.jsonl").exists():
-            dashboard = write_dashboard(run_dir / "metrics.jsonl", run_dir / "dashboard.png")
+            title = (
+                f"{run_dir.name}: profile {settings.profile.name.value}, policy {identities['numerical_policy'][:12]}"
+            )
+            dashboard = write_dashboard(run_dir / "metrics.jsonl", run_dir / "dashboard.png", title=title)
         return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard)}
 
 

@@ -22,24 +22,15 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-RESUME_MODES = ("false", "true", "auto")
+from megatron_iso.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"
 LOCK_FILE = ".lock"
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UserError, RuntimeError):
     """The run directory cannot be used as asked; the message names the directory and the way out."""
-
-
-def resume_mode(value: Any) -> str:
-    """``resume`` as one of :data:`RESUME_MODES` (Hydra reads ``true``/``false`` as booleans)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = str(value).strip().lower()
-    if text not in RESUME_MODES:
-        raise RunDirError(f"resume={value!r} is not allowed; allowed values: {list(RESUME_MODES)}")
-    return text
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
@@ -59,7 +50,8 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def plan_start(run_dir: Path, mode: str, latest: Path | None) -> Path | None:
     """The checkpoint to resume from, or None for a new run; refuses a start that would mix or lose data.
 
-    ``latest``: the directory's latest complete checkpoint (``rl.checkpoint.latest_checkpoint``).
+    ``mode``: ``settings.resume`` (false | true | auto); ``latest``: the directory's latest complete
+    checkpoint (``rl.checkpoint.latest_checkpoint``).
     """
     metrics = run_dir / METRICS_FILE
     if mode == "false":

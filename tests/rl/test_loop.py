@@ -8,7 +8,8 @@ import pytest
 
 from megatron_iso.config import load_config
 from megatron_iso.rl.checkpoint import CheckpointError
-from megatron_iso.rl.loop import TIMING_PREFIXES, RunSetupError, train
+from megatron_iso.rl.loop import TIMING_PREFIXES, train
+from megatron_iso.rl.run_dir import RunDirError
 
 FAST = ["rl.group_size=4", "rl.max_new_tokens=4", "task.prompts_per_step=3", "rl.checkpoint_every=2"]
 
@@ -52,7 +53,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 def test_refuses_to_overwrite_or_resume_under_another_contract(tmp_path):
     _run(tmp_path, "run", "rl.steps=2")
-    with pytest.raises(RunSetupError, match="already holds a run"):
+    with pytest.raises(RunDirError, match="already holds a run"):
         _run(tmp_path, "run", "rl.steps=2")
     with pytest.raises(CheckpointError, match="numerical_policy"):
         _run(tmp_path, "run", "rl.steps=3", "resume=true", "profile=performance")

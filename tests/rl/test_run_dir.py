@@ -15,9 +15,9 @@ from megatron_iso.rl.run_dir import (
     RunLock,
     identity_diff,
     plan_start,
-    resume_mode,
     rewind_metrics,
 )
+from megatron_iso.settings import SettingsError, resume_mode
 
 
 def _metrics(run_dir, steps, torn: str | None = None):
@@ -32,7 +32,9 @@ def test_resume_mode_accepts_booleans_and_auto(value, mode):
 
 
 def test_resume_mode_names_the_allowed_values():
-    with pytest.raises(RunDirError, match=r"resume='yes' is not allowed; allowed values: \['false', 'true', 'auto'\]"):
+    with pytest.raises(
+        SettingsError, match=r"resume='yes' is not allowed; allowed values: \['false', 'true', 'auto'\]"
+    ):
         resume_mode("yes")
 
 
