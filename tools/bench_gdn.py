@@ -617,7 +617,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     def compile_launch(fn: JITFunction, *args, grid, warmup, **kwargs) -> None:
         # Triton's own launch binding: the kernel signature, constexprs and the specialisations a launch on a GPU
         # gets (16-byte-aligned pointers and integers divisible by 16 marked so, which is what lets the compiler
-        # vectorise loads; an integer 1 a constexpr). Without them every load compiled scalar here (Session 19).
+        # vectorise loads; an integer 1 a constexpr). Without them every load compiles scalar here.
         bind = create_function_from_signature(fn.signature, fn.params, backend)
         options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, *bind(*args, **kwargs))
         consts = {fn.arg_names[path[0]]: v for path, v in constexprs.items()}

@@ -2,8 +2,8 @@
 tokens is compared, bit for bit, with a prefill of L + 1 tokens and with the training forward over the whole
 sequence: the token's output row, and in the chunk form the state cache rows the step wrote (u, Y, the diagonal
 block of T^{-1}) or, when the step closes its chunk, the entry state. The first step and quantity that differ say
-which kernel line to read (Session 19 found an fp contraction this way in one device call: Y differed from the
-second chunk on, at t = 0, where only ``beta v - (beta e^G k) E`` enters it).
+which kernel line to read (an fp contraction in one device call shows this way: Y differs from the second
+chunk on, at t = 0, where only ``beta v - (beta e^G k) E`` enters it).
 
     python tools/locate_gdn_decode_mismatch.py --form chunk --dot-precision bf16 --chunk 64 --dim 128 --out m.json
     python tools/locate_gdn_decode_mismatch.py --device cpu --chunk 4 --dim 8     # the kernels under the interpreter

@@ -142,7 +142,7 @@ def lookup(op: str, device_class: str, profile: str) -> OpImpl:
     except KeyError:
         have = sorted({k[0] for k in _REGISTRY})
         raise KeyError(
-            f"no implementation of op '{op}' for device_class={device_class!r}, profile={profile!r}; registered ops: {have}"
+            f"no implementation of op '{op}' for device_class={device_class!r}, profile={str(profile)!r}; registered ops: {have}"
         ) from None
 
 

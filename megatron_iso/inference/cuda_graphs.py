@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
@@ -50,7 +51,7 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
     device = next(model.parameters()).device
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (the model is on {device})"
-    if mc.iso_profile == "correctness" and not paged_kv_reads:
+    if mc.iso_profile == Profile.CORRECTNESS and not paged_kv_reads:
         return "paged_kv_reads=False: the correctness profile's staged attention reads positions on the host"
     if mc.tensor_model_parallel_size > 1:
         return (

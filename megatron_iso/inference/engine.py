@@ -41,6 +41,7 @@ import torch
 from megatron.core import parallel_state
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
+from megatron_iso.contract.registry import Profile
 from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
@@ -182,7 +183,7 @@ class RolloutEngine:
         itself: a caller forcing it takes that on. One KV block is reserved for the padding rows."""
         if self.decode_graphs is None:
             width = min(-(-self.max_model_len // self.kv.block_size), self.kv.num_blocks)
-            paged = self.profile == "correctness" and self.config.paged_kv_reads
+            paged = self.profile == Profile.CORRECTNESS and self.config.paged_kv_reads
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv, width=width, max_rows=self.config.max_num_seqs, paged=paged, capture=capture
             )

@@ -21,6 +21,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.gdn import GDNStateCache, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
 from megatron_iso.ops.norm import gated_rms_norm
@@ -47,7 +48,7 @@ class GatedRMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
         super().__init__()
         self.eps = eps
-        self.profile = getattr(config, "iso_profile", "correctness")
+        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ class IsoGatedDeltaNet(MegatronModule):
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int, **_: object) -> None:
         super().__init__(config=config)
         self.layer_index = layer_number - 1  # Megatron numbers layers from 1
-        self.profile = getattr(config, "iso_profile", "correctness")
+        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
         self.chunk = int(getattr(config, "iso_gdn_chunk", 64))
         self.form = getattr(config, "iso_gdn_form", "scan")
         self.dot_precision = getattr(config, "iso_gdn_dot_precision", None)

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
@@ -62,7 +63,7 @@ class IsoGPTModel(GPTModel):
                 share_embeddings_and_output_weights=config.tie_word_embeddings,
                 position_embedding_type="none",
             )
-        if config.iso_profile != "correctness":
+        if config.iso_profile != Profile.CORRECTNESS:
             return
         if pre_process:
             stock = self.embedding.word_embeddings

@@ -16,6 +16,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.attention import (
@@ -34,7 +35,7 @@ class IsoRMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
         super().__init__()
         self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        self.profile = getattr(config, "iso_profile", "correctness")
+        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
         self.eps = eps
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
@@ -56,7 +57,7 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         self.layer_index = layer_number - 1  # Megatron numbers layers from 1
         self.softmax_scale = softmax_scale
-        self.profile = getattr(config, "iso_profile", "correctness")
+        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
         self.kv_block = int(getattr(config, "iso_kv_block", 64))
 
     def forward(
@@ -111,7 +112,7 @@ class CachedSelfAttention(SelfAttention):
         head_dim = self.hidden_size_per_attention_head
         self.rotary_dim = rotary_dim_for(head_dim, float(getattr(config, "rotary_fraction", 1.0)))
         self.rope_theta = float(getattr(config, "rope_theta", 10000.0))
-        self.profile = getattr(config, "iso_profile", "correctness")
+        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_: object):
         batch = packed_seq_params
@@ -158,4 +159,6 @@ class IsoMLP(MLP):
         intermediate, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             raise ValueError("IsoMLP: add_bias_linear must be False")
-        return self.linear_fc2(swiglu_packed(intermediate, profile=getattr(self.config, "iso_profile", "correctness")))
+        return self.linear_fc2(
+            swiglu_packed(intermediate, profile=getattr(self.config, "iso_profile", Profile.CORRECTNESS))
+        )

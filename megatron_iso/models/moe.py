@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
@@ -41,13 +42,13 @@ from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeR
 
 
 def _profile(config) -> str:
-    return getattr(config, "iso_profile", "correctness")
+    return getattr(config, "iso_profile", Profile.CORRECTNESS)
 
 
 def _mlp_fp32(mlp, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP (Megatron ``MLP`` submodules) with its fp32 down projection left unrounded."""
     h, _ = mlp.linear_fc1(x)
-    return mlp.linear_fc2.forward_fp32(swiglu_packed(h, profile="correctness"))
+    return mlp.linear_fc2.forward_fp32(swiglu_packed(h, profile=Profile.CORRECTNESS))
 
 
 class IsoTopKRouter(TopKRouter):
@@ -73,7 +74,7 @@ class IsoTopKRouter(TopKRouter):
         self.normalize = not config.moe_router_pre_softmax
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, leaves=1, profile="correctness")
+        return linear(input, self.weight, leaves=1, profile=Profile.CORRECTNESS)
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         logits = logits.reshape(-1, self.config.num_moe_experts)
@@ -117,7 +118,7 @@ class IsoSequentialExperts(SequentialMLP):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
             if not (isinstance(fc1, LeafTreeColumnParallelLinear) and isinstance(fc2, LeafTreeRowParallelLinear)):
                 return False
-            if fc1.iso_profile != "correctness" or fc2.iso_profile != "correctness":
+            if fc1.iso_profile != Profile.CORRECTNESS or fc2.iso_profile != Profile.CORRECTNESS:
                 return False
             # fc1's bias is added by its _finish (fc2's forward_fp32 never adds one): keep that path as it is.
             if fc1.bias is not None and not fc1.skip_bias_add:
@@ -131,10 +132,12 @@ class IsoSequentialExperts(SequentialMLP):
         counts = tokens_per_expert.to(tokens.device, non_blocking=True)
         fc1 = [expert.linear_fc1 for expert in self.local_experts]
         fc2 = [expert.linear_fc2 for expert in self.local_experts]
-        h = grouped_linear(tokens, [m.weight for m in fc1], counts, leaves=fc1[0].iso_leaves, profile="correctness")
-        act = swiglu_packed(h.to(tokens.dtype), profile="correctness")
+        h = grouped_linear(
+            tokens, [m.weight for m in fc1], counts, leaves=fc1[0].iso_leaves, profile=Profile.CORRECTNESS
+        )
+        act = swiglu_packed(h.to(tokens.dtype), profile=Profile.CORRECTNESS)
         return grouped_linear(
-            act, [m.weight for m in fc2], counts, leaves=fc2[0].iso_local_leaves, profile="correctness"
+            act, [m.weight for m in fc2], counts, leaves=fc2[0].iso_local_leaves, profile=Profile.CORRECTNESS
         )
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs=None):
@@ -151,7 +154,7 @@ class IsoSharedExpertMLP(SharedExpertMLP):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = _mlp_fp32(self, hidden_states)
         if self.use_shared_expert_gate:
-            gate = iso_sigmoid(linear(hidden_states, self.gate_weight, leaves=1, profile="correctness"))
+            gate = iso_sigmoid(linear(hidden_states, self.gate_weight, leaves=1, profile=Profile.CORRECTNESS))
             out = out * gate
         return out
 
@@ -239,7 +242,7 @@ class IsoMoELayer(MoELayer):
         # TransformerLayer hands pg_collection only to the exact stock MoELayer class; the default is the same groups.
         pg_collection = pg_collection or get_default_pg_collection()
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
-        self.iso = _profile(config) == "correctness"
+        self.iso = _profile(config) == Profile.CORRECTNESS
         if self.iso:
             if config.moe_shared_expert_overlap:
                 raise ValueError("moe_shared_expert_overlap=True is not supported by IsoMoELayer; use False")

@@ -27,12 +27,11 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_iso.contract.registry import PROFILES, Profile
 from megatron_iso.models.gdn import GatedRMSNorm, IsoGatedDeltaNet
 from megatron_iso.models.modules import CachedSelfAttention, IsoMLP, IsoRMSNorm, PackedCoreAttention
 from megatron_iso.models.moe import IsoMoELayer, IsoSequentialExperts, IsoSharedExpertMLP, IsoTopKRouter
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
-
-PROFILES = ("correctness", "performance")
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ NATIVE_KIT = LayerKit(column_linear=ColumnParallelLinear, row_linear=RowParallel
 def layer_kit(profile: str) -> LayerKit:
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not allowed; allowed values: {list(PROFILES)}")
-    return ISO_KIT if profile == "correctness" else NATIVE_KIT
+    return ISO_KIT if profile == Profile.CORRECTNESS else NATIVE_KIT
 
 
 def attention_spec(kit: LayerKit) -> ModuleSpec:
@@ -82,7 +81,7 @@ def moe_mlp_spec(profile: str) -> ModuleSpec:
     performance: Megatron's stock TopKRouter, SequentialMLP, SharedExpertMLP and all-to-all dispatcher.
     """
     kit = layer_kit(profile)
-    iso = profile == "correctness"
+    iso = profile == Profile.CORRECTNESS
     expert_mlp = MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear)
     return ModuleSpec(
         module=IsoMoELayer if iso else MoELayer,

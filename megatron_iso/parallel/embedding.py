@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.parallel.tree_collectives import gather_along, split_along
 
 
@@ -22,10 +22,10 @@ class IsoVocabParallelEmbedding(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method, config, **kwargs) -> None:
         super().__init__(num_embeddings, embedding_dim, init_method=init_method, config=config, **kwargs)
-        self.iso_profile = getattr(config, "iso_profile", "correctness")
+        self.iso_profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        if self.iso_profile == "performance":
+        if self.iso_profile == Profile.PERFORMANCE:
             return super().forward(input_)
         c = self.tp_group.size() if self.tp_group is not None else 1
         if c == 1:
@@ -57,7 +57,7 @@ for _device in ("cpu", "cuda"):
             impl_id="vocab_embedding.select",
             version="1",
             device_class=_device,
-            profile="correctness",
+            profile=Profile.CORRECTNESS,
             fn=IsoVocabParallelEmbedding,
             constants={"combine": "all_gather_select_owner"},
             probe=_probe_embedding,
@@ -69,7 +69,7 @@ for _device in ("cpu", "cuda"):
             impl_id="vocab_embedding.native",
             version="1",
             device_class=_device,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=VocabParallelEmbedding,
             constants={"combine": "backend_all_reduce_sum"},
         )

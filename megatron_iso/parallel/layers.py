@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from megatron_iso.contract.registry import PROFILES, Profile
 from megatron_iso.ops.gemm import DEFAULT_LEAVES, linear, validate_leaves
 from megatron_iso.parallel.tree_collectives import (
     copy_to_tp,
@@ -30,14 +31,13 @@ from megatron_iso.parallel.tree_collectives import (
 )
 
 DEFAULT_COLUMN_LEAVES = 1
-PROFILES = ("correctness", "performance")
 
 
 def iso_settings(config) -> tuple[int, int, str]:
     """(row leaves, column leaves, profile) from a Megatron config, with documented defaults."""
     leaves = getattr(config, "iso_leaves", DEFAULT_LEAVES)
     column_leaves = getattr(config, "iso_column_leaves", DEFAULT_COLUMN_LEAVES)
-    profile = getattr(config, "iso_profile", "correctness")
+    profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
     if profile not in PROFILES:
         raise ValueError(f"config.iso_profile={profile!r}; expected one of {PROFILES}")
     return leaves, column_leaves, profile
@@ -61,7 +61,7 @@ class LeafTreeColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs) -> None:
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         _, self.iso_leaves, self.iso_profile = iso_settings(config)
-        if self.iso_profile == "correctness":
+        if self.iso_profile == Profile.CORRECTNESS:
             _check_supported(config, type(self).__name__)
             validate_leaves(self.iso_leaves, k=input_size)
 
@@ -71,7 +71,7 @@ class LeafTreeColumnParallelLinear(ColumnParallelLinear):
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.iso_profile == "performance":
+        if self.iso_profile == Profile.PERFORMANCE:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         if weight is None:
             if self.weight is None:
@@ -89,7 +89,10 @@ class LeafTreeColumnParallelLinear(ColumnParallelLinear):
         else:
             x = copy_to_tp(input_, self.tp_group)
         out, out_bias = _finish(
-            linear(x, weight, leaves=self.iso_leaves, profile="correctness"), self.bias, self.skip_bias_add, x.dtype
+            linear(x, weight, leaves=self.iso_leaves, profile=Profile.CORRECTNESS),
+            self.bias,
+            self.skip_bias_add,
+            x.dtype,
         )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -109,7 +112,7 @@ class LeafTreeRowParallelLinear(RowParallelLinear):
             # GPU kernels' K tiles (Qwen3-30B-A3B: 768 / 8 = 96 is not).
             self.iso_leaves = getattr(config, "iso_expert_leaves", 1)
         tp = self.tp_group.size() if self.tp_group is not None else 1
-        if self.iso_profile == "correctness":
+        if self.iso_profile == Profile.CORRECTNESS:
             _check_supported(config, type(self).__name__)
             validate_leaves(self.iso_leaves, k=input_size, tp=tp)
             if self.explicit_expert_comm and tp > 1:
@@ -124,12 +127,12 @@ class LeafTreeRowParallelLinear(RowParallelLinear):
         before their own single rounding (the MoE combine adds expert and shared-expert outputs)."""
         x = input_ if self.input_is_parallel else split_along(input_, self.tp_group, dim=-1)
         # fp32 node of the global tree over this rank's leaves; never rounded before the tree ends.
-        partial = linear(x, self.weight, leaves=self.iso_local_leaves, profile="correctness")
+        partial = linear(x, self.weight, leaves=self.iso_local_leaves, profile=Profile.CORRECTNESS)
         if self.sequence_parallel:
             return tree_reduce_scatter(partial, self.tp_group, dim=0)
         return tree_all_reduce(partial, self.tp_group)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.iso_profile == "performance":
+        if self.iso_profile == Profile.PERFORMANCE:
             return super().forward(input_)
         return _finish(self.forward_fp32(input_), self.bias, self.skip_bias_add, input_.dtype)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.tree import tree_sum
 
 Group = dist.ProcessGroup | None
@@ -233,7 +233,7 @@ for _device in ("cpu", "cuda"):
             impl_id="tree_all_reduce",
             version="1",
             device_class=_device,
-            profile="correctness",
+            profile=Profile.CORRECTNESS,
             fn=tree_all_reduce,
             constants={"transport": "all_gather", "combine": "balanced_tree_rank_order", "dtype": "fp32"},
             probe=_probe_tree,
@@ -245,7 +245,7 @@ for _device in ("cpu", "cuda"):
             impl_id="native_all_reduce",
             version="1",
             device_class=_device,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=native_all_reduce,
             constants={"combine": "backend_sum"},
         )

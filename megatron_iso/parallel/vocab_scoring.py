@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
@@ -75,7 +76,7 @@ def token_logprobs(
     group: Group = None,
     leaves: int = DEFAULT_LEAVES,
     valid_vocab: int | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
     ids_in_range: bool = False,
 ) -> torch.Tensor:
     """fp32 ``log softmax(logits.float() / temperature)[target]`` per row. Differentiable.
@@ -98,8 +99,8 @@ def token_logprobs(
             target_ids, ids_in_range=ids_in_range
         )
 
-    if profile == "correctness":
-        return with_plain_backward(score("correctness"), score("performance"), logits)
+    if profile == Profile.CORRECTNESS:
+        return with_plain_backward(score(Profile.CORRECTNESS), score(Profile.PERFORMANCE), logits)
     return score(profile)(logits)
 
 
@@ -110,7 +111,7 @@ def entropy(
     group: Group = None,
     leaves: int = DEFAULT_LEAVES,
     valid_vocab: int | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """fp32 entropy of ``softmax(logits / temperature)`` per row (same arguments as token_logprobs)."""
     return _scores(logits, group, temperature, leaves, valid_vocab, profile).entropy()
@@ -124,7 +125,7 @@ def token_logprobs_and_entropy(
     group: Group = None,
     leaves: int = DEFAULT_LEAVES,
     valid_vocab: int | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both; bits equal to the separate calls. The entropy is a statistic here: no gradient."""
     kwargs = {"temperature": temperature, "group": group, "leaves": leaves, "valid_vocab": valid_vocab}
@@ -140,7 +141,7 @@ def log_softmax(
     group: Group = None,
     leaves: int = DEFAULT_LEAVES,
     valid_vocab: int | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """fp32 log-softmax of this rank's vocab shard [..., V/C] (normalised over the whole vocab)."""
     return _scores(logits, group, temperature, leaves, valid_vocab, profile).log_softmax().squeeze(0)

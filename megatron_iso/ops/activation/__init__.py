@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.activation import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import select
@@ -15,13 +16,13 @@ from megatron_iso.ops.common.dispatch import select
 TRITON_MODULE = "megatron_iso.ops.activation.activation_triton"
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, profile: str = Profile.CORRECTNESS) -> torch.Tensor:
     """``silu(gate) * up``."""
     fn = select("swiglu", gate, profile, TRITON_MODULE)
-    return with_plain_backward(fn, native.swiglu, gate, up) if profile == "correctness" else fn(gate, up)
+    return with_plain_backward(fn, native.swiglu, gate, up) if profile == Profile.CORRECTNESS else fn(gate, up)
 
 
-def swiglu_packed(x: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+def swiglu_packed(x: torch.Tensor, *, profile: str = Profile.CORRECTNESS) -> torch.Tensor:
     """Megatron's fused layout: ``x = [gate | up]`` along the last dim (``torch.chunk(x, 2, -1)``).
 
     The halves are views, so on CUDA the one SwiGLU kernel reads them in place; output in ``x.dtype``.

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA, f32_to, sigmoid64, to_f32
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,7 +74,7 @@ register(
         impl_id="swiglu.triton",
         version="1",
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=swiglu_triton,
         constants={
             "compute_dtype": "fp64 IEEE-composed silu * up (ieee_math_triton)",

@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="swiglu.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=swiglu,
             constants={"formula": "F.silu(gate) * up in input dtype"},
             probe=functools.partial(_probe, _dev),

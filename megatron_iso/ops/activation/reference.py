@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import sigmoid64
 
 
@@ -34,7 +34,7 @@ register(
         impl_id="swiglu.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=swiglu,
         constants={"compute_dtype": "fp64 IEEE-composed silu * up", "output_rounding": "fp32 then input dtype"},
         probe=_probe,

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan, PagedKVLayer
@@ -34,12 +35,12 @@ def attention_varlen(
     softmax_scale: float | None = None,
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens [n+1]``."""
     fn = select("attention", q, profile, TRITON_MODULE)
     if (
-        profile == "correctness"
+        profile == Profile.CORRECTNESS
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (q, k, v, gate))
     ):
@@ -63,7 +64,7 @@ def attention_with_kv_cache(
     softmax_scale: float | None = None,
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
     plan: KVStepPlan | None = None,
 ) -> torch.Tensor:
     """Prefill/decode: write new k/v at ``cache_seqlens[i]..`` of cache row ``slots[i]``, then attend.
@@ -107,7 +108,7 @@ def attention_with_paged_kv_cache(
     softmax_scale: float | None = None,
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
     plan: KVStepPlan | None = None,
 ) -> torch.Tensor:
     """:func:`attention_with_kv_cache` reading a paged pool through its block table (row ``slots[i]``)
@@ -116,7 +117,7 @@ def attention_with_paged_kv_cache(
     if not paged_kv_reads(q, profile):
         raise ValueError(
             f"paged kv reads need device class 'cuda' and profile 'correctness' (the Triton kernel), got "
-            f"{device_class_of(q)!r}/{profile!r}; stage the pool into a contiguous cache instead"
+            f"{device_class_of(q)!r}/{str(profile)!r}; stage the pool into a contiguous cache instead"
         )
     fn = select("attention_kvcache", q, profile, TRITON_MODULE)
     mod = import_triton_module(TRITON_MODULE, "paged attention_kvcache on cuda")
@@ -149,7 +150,7 @@ def attention_decode(
     softmax_scale: float | None = None,
     gate: torch.Tensor | None = None,
     kv_block: int = DEFAULT_KV_BLOCK,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """One new token per sequence: q ``[B, Hq, D]``, k/v ``[B, Hkv, D]`` (the same kernel as prefill)."""
     cu = torch.arange(q.shape[0] + 1)

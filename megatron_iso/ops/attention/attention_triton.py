@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer, resolve_plan
 from megatron_iso.ops.attention.reference import (
     DEFAULT_KV_BLOCK,
@@ -578,7 +578,7 @@ register(
         impl_id=IMPL_ID,
         version=VERSION,
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=attention_varlen,
         constants=_constants(),
         cases=("trainer_forward", "trainer_score"),
@@ -591,7 +591,7 @@ register(
         impl_id=KVCACHE_IMPL_ID,
         version=VERSION,
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=attention_with_kv_cache,
         constants={**_constants(), "cache_write": "before attention (index_copy_); cache dtype == k dtype"},
         cases=("prefill", "decode"),

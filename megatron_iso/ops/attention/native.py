@@ -14,7 +14,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.autograd import padded_index
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 
@@ -253,7 +253,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="attention.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=attention_varlen,
             constants={
                 "kernel": "torch sdpa: one masked call over the sequences padded to the longest (per-sequence "
@@ -269,7 +269,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="attention_kvcache.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=attention_with_kv_cache,
             constants={"kernel": "torch sdpa over the cache prefix (no mask for decode, offset mask for chunks)"},
             cases=("prefill", "decode"),

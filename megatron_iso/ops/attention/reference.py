@@ -28,7 +28,7 @@ from itertools import pairwise
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 from megatron_iso.ops.common.ieee_math import iso_exp, iso_sigmoid
 from megatron_iso.ops.common.tree import tree_sum_dim
@@ -277,7 +277,7 @@ register(
         impl_id="attention.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=attention_varlen,
         constants=_CONSTANTS,
         cases=("trainer_forward", "trainer_score"),
@@ -290,7 +290,7 @@ register(
         impl_id="attention_kvcache.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=attention_with_kv_cache,
         constants={**_CONSTANTS, "cache_write": "before attention; cache dtype == k dtype"},
         cases=("prefill", "decode"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_iso.contract.registry import lookup
+from megatron_iso.contract.registry import Profile, lookup
 from megatron_iso.extras import require
 
 
@@ -35,7 +35,7 @@ def import_triton_module(module: str, feature: str) -> Any:
 
 def runs_triton(device_class: str, profile: str) -> bool:
     """Whether a family with a Triton module runs it: on cuda with the correctness profile."""
-    return device_class == "cuda" and profile == "correctness"
+    return device_class == "cuda" and profile == Profile.CORRECTNESS
 
 
 def select(op: str, t: torch.Tensor, profile: str, triton_module: str | None = None) -> Callable[..., Any]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.dispatch import device_class_of, runs_triton, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
@@ -41,20 +42,20 @@ def causal_conv1d(
     conv_state: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over packed rows ``x [T, Cd]`` with ``weight [Cd, K]``; updates ``conv_state``."""
     fn = select("gdn_conv1d", x, profile, TRITON_MODULE)
     return fn(x, weight, cu_seqlens, conv_state=conv_state, slots=slots, starts=starts)
 
 
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, *, profile: str = "correctness") -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, *, profile: str = Profile.CORRECTNESS) -> torch.Tensor:
     """fp32 ``x / sqrt(sum(x^2) + eps)`` over the last dim."""
     return select("gdn_l2norm", x, profile, TRITON_MODULE)(x, eps)
 
 
 def gdn_gates(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, profile: str = "correctness"
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, profile: str = Profile.CORRECTNESS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(g, beta) = (-exp(A_log) * softplus(a + dt_bias), sigmoid(b))``."""
     return select("gdn_gates", a, profile, TRITON_MODULE)(a, b, A_log, dt_bias)
@@ -101,7 +102,7 @@ def gated_delta_rule(
     state: GDNLayerState | None = None,
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
     form: str = "scan",
     dot_precision: str | None = None,
     backward_states: str = "keep",
@@ -120,7 +121,7 @@ def gated_delta_rule(
     if not gdn_choice_runs_here(form, dot_precision, device_class, profile):
         raise ValueError(
             f"gated_delta_rule: form={form!r}, dot_precision={dot_precision!r} choose GPU kernels (cuda, profile "
-            f"correctness); on {device_class} with profile {profile!r} only form='scan' with dot_precision=None "
+            f"correctness); on {device_class} with profile {str(profile)!r} only form='scan' with dot_precision=None "
             "exists (profile.gdn_form, profile.gdn_dot_precision)"
         )
     gpu = runs_triton(device_class, profile)  # the Triton module takes the choice; others have none

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _check_state, _starts
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 
@@ -290,7 +290,7 @@ for _dev in ("cpu", "cuda"):
                 # loop with fused matmul-adds; the other ops are unchanged.
                 version="2" if _op == "gated_delta_rule" else "1",
                 device_class=_dev,
-                profile="performance",
+                profile=Profile.PERFORMANCE,
                 fn=_fn,
                 constants=_consts,
                 probe=functools.partial(_probe_rule, _dev) if _op == "gated_delta_rule" else None,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import exp64, iso_exp, iso_silu, sigmoid64, softplus64
 from megatron_iso.ops.common.tree import tree_sum_dim
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
@@ -392,7 +392,7 @@ for _op, _fn, _probe, _consts in (
             impl_id=f"{_op}.reference",
             version="1",
             device_class="cpu",
-            profile="correctness",
+            profile=Profile.CORRECTNESS,
             fn=_fn,
             constants=_consts,
             equivalence_note=(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
@@ -46,15 +46,15 @@ TRITON_MODULE = "megatron_iso.ops.gemm.gemm_triton"
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, *, leaves: int = DEFAULT_LEAVES, profile: str = "correctness"
+    x: torch.Tensor, weight: torch.Tensor, *, leaves: int = DEFAULT_LEAVES, profile: str = Profile.CORRECTNESS
 ) -> torch.Tensor:
     """fp32 ``x @ weight.T`` (weight in Megatron layout [N, K]) by the registered implementation serving
     ``x``'s device class and ``profile`` (so a registry swap, e.g. by iso-gate, reaches every linear layer).
     Differentiable: correctness kernels get the deterministic matmul backward."""
-    if profile not in ("correctness", "performance"):
+    if profile not in (Profile.CORRECTNESS, Profile.PERFORMANCE):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
     kernel = select(OP, x, profile, TRITON_MODULE)
-    if profile == "performance":
+    if profile == Profile.PERFORMANCE:
         return kernel(x, weight)  # library matmul, its own autograd
     check_dtype(x, "x")
     check_dtype(weight, "weight")
@@ -97,7 +97,7 @@ register(
         impl_id=REFERENCE_ID,
         version=REFERENCE_VERSION,
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=leaf_tree_linear_forward,
         # The leaves count itself is a per-layer setting (config.iso_leaves), recorded by the contract.
         constants={
@@ -117,7 +117,7 @@ for _device in ("cpu", "cuda"):
             impl_id=NATIVE_ID,
             version=NATIVE_VERSION,
             device_class=_device,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=native_linear,
             constants={"algorithm": "library_matmul", "accumulate": "library"},
             probe=_probe_native(_device),

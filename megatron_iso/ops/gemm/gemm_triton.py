@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
 
 IMPL_ID = "leaf_tree_gemm.triton"
@@ -442,7 +442,7 @@ register(
         impl_id=IMPL_ID,
         version=VERSION,
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=leaf_tree_linear_triton,
         constants={
             "accumulate": "fp32",

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.dispatch import import_triton_module
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
@@ -163,14 +163,14 @@ def grouped_linear(
     counts: torch.Tensor,
     *,
     leaves: int = DEFAULT_LEAVES,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """fp32 ``[T, N]``: rows of ``x [T, K]`` (sorted by expert, ``counts[e]`` each) times their expert's
     ``[N, K]`` weight, by the implementation serving ``x``'s device class and ``profile``.
     Differentiable in ``x`` and the weights (a ``[E, N, K]`` tensor or a list of ``[N, K]``)."""
-    if profile == "performance":
+    if profile == Profile.PERFORMANCE:
         return grouped_native(x, weights, counts, leaves)
-    if profile != "correctness":
+    if profile != Profile.CORRECTNESS:
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
     if x.device.type == "cpu":
         kernel = grouped_reference
@@ -215,7 +215,7 @@ register(
         impl_id=REFERENCE_ID,
         version=REFERENCE_VERSION,
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=grouped_reference,
         constants={
             "per_expert": "leaf_tree_gemm.reference on each expert's contiguous rows",
@@ -232,7 +232,7 @@ for _device in ("cpu", "cuda"):
             impl_id=NATIVE_ID,
             version=NATIVE_VERSION,
             device_class=_device,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=grouped_native,
             constants={"algorithm": "library_matmul per expert", "accumulate": "library"},
             probe=_probe_native(_device),

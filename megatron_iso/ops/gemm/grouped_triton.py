@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gemm.gemm_triton import (
     CONFIGS,
     INTERPRET_CONFIG,
@@ -217,7 +217,7 @@ register(
         impl_id=IMPL_ID,
         version=VERSION,
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=grouped_leaf_tree_linear_triton,
         constants={
             "per_expert": "leaf_tree_gemm.triton tile code on each expert's rows (bitwise the dense result)",

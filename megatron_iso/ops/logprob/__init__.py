@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob.native import NativeScores, entropy_native, log_softmax_native, token_logprobs_native
@@ -56,12 +56,12 @@ def vocab_scores(
     temperature: float | torch.Tensor = 1.0,
     leaves: int = DEFAULT_LEAVES,
     valid_vocab: int | None = None,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> VocabScores | NativeScores:
     """Row statistics of ``logits`` [R, ..., V/C] (R local vocab shards) by the registered implementation
     for the device class and profile (``ops.common.dispatch.select``, so a registry swap reaches scoring); query
     ``.token_logprobs(ids)``, ``.entropy()``, ``.log_softmax()``."""
-    if profile not in ("correctness", "performance"):
+    if profile not in (Profile.CORRECTNESS, Profile.PERFORMANCE):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
     fn = select(OP, logits, profile)
     return fn(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
@@ -117,7 +117,7 @@ for _device in ("cpu", "cuda"):
             impl_id="vocab_logprob.reference",
             version="1",
             device_class=_device,
-            profile="correctness",
+            profile=Profile.CORRECTNESS,
             fn=_reference_scores,
             constants={
                 "default_leaves": DEFAULT_LEAVES,
@@ -137,7 +137,7 @@ for _device in ("cpu", "cuda"):
             impl_id="vocab_logprob.native",
             version="1",
             device_class=_device,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=_native_scores,
             constants={"algorithm": "torch_log_softmax_gathered_vocab"},
             probe=_probe(_nat) if _device == "cpu" else None,

@@ -15,32 +15,32 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import PROFILES, OpImpl, Profile, register
 from megatron_iso.ops.moe import native, reference
-
-PROFILES = ("correctness", "performance")
 
 
 def _impl(profile: str):
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not allowed; allowed values: {list(PROFILES)}")
-    return reference if profile == "correctness" else native
+    return reference if profile == Profile.CORRECTNESS else native
 
 
-def router_probs(logits: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+def router_probs(logits: torch.Tensor, *, profile: str = Profile.CORRECTNESS) -> torch.Tensor:
     """fp32 softmax over experts of fp32 router logits ``[..., E]``."""
     return _impl(profile).router_probs(logits)
 
 
 def top_k_route(
-    probs: torch.Tensor, k: int, *, normalize: bool, profile: str = "correctness"
+    probs: torch.Tensor, k: int, *, normalize: bool, profile: str = Profile.CORRECTNESS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k] fp32, experts [N, k] int64)``; correctness: ties to the lowest expert index,
     experts ascending (the combine order)."""
     return _impl(profile).top_k_route(probs, k, normalize=normalize)
 
 
-def combine_routed(expert_out: torch.Tensor, weights: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+def combine_routed(
+    expert_out: torch.Tensor, weights: torch.Tensor, *, profile: str = Profile.CORRECTNESS
+) -> torch.Tensor:
     """fp32 ``sum_k weights[:, k] * expert_out[:, k]`` per token (``expert_out [N, k, H]``)."""
     return _impl(profile).combine_routed(expert_out, weights)
 
@@ -67,7 +67,7 @@ for _device in ("cpu", "cuda"):
             impl_id="moe_route_combine.reference",
             version="1",
             device_class=_device,
-            profile="correctness",
+            profile=Profile.CORRECTNESS,
             fn=reference.combine_routed,
             constants={
                 "router_logits": "fp32 batch-invariant GEMM",
@@ -85,7 +85,7 @@ for _device in ("cpu", "cuda"):
             impl_id="moe_route_combine.native",
             version="1",
             device_class=_device,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=native.combine_routed,
             constants={"softmax": "torch.softmax", "top_k": "torch.topk", "combine": "library sum"},
             probe=functools.partial(_probe, native, _device),

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.norm import native, reference  # noqa: F401  (imports register the implementations)
@@ -25,12 +26,12 @@ def rms_norm(
     eps: float = 1e-6,
     *,
     zero_centered: bool = False,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """RMSNorm over the last dim; ``zero_centered`` uses the scale ``1 + weight``."""
     fn = functools.partial(select("rmsnorm", x, profile, TRITON_MODULE), eps=eps, zero_centered=zero_centered)
     plain = functools.partial(native.rms_norm, eps=eps, zero_centered=zero_centered)
-    return with_plain_backward(fn, plain, x, weight) if profile == "correctness" else fn(x, weight)
+    return with_plain_backward(fn, plain, x, weight) if profile == Profile.CORRECTNESS else fn(x, weight)
 
 
 def gated_rms_norm(
@@ -40,12 +41,12 @@ def gated_rms_norm(
     eps: float = 1e-6,
     *,
     zero_centered: bool = False,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """``rms_norm(x) * silu(gate)`` over the last dim."""
     fn = functools.partial(select("rmsnorm_gated", x, profile, TRITON_MODULE), eps=eps, zero_centered=zero_centered)
     plain = functools.partial(native.gated_rms_norm, eps=eps, zero_centered=zero_centered)
-    return with_plain_backward(fn, plain, x, gate, weight) if profile == "correctness" else fn(x, gate, weight)
+    return with_plain_backward(fn, plain, x, gate, weight) if profile == Profile.CORRECTNESS else fn(x, gate, weight)
 
 
 __all__ = ["gated_rms_norm", "rms_norm"]

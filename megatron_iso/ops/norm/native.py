@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered: bool = False) -> torch.Tensor:
@@ -59,7 +59,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="rmsnorm.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=rms_norm,
             constants={"formula": "hf: x.float() * rsqrt(mean(x^2) + eps); weight * y.to(dtype)"},
             probe=functools.partial(_probe_rms_norm, _dev),
@@ -71,7 +71,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="rmsnorm_gated.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=gated_rms_norm,
             constants={"formula": "hf qwen3-next: weight * y.to(dtype) * silu(gate.float())"},
             probe=functools.partial(_probe_gated, _dev),

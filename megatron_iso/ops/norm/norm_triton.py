@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HIDDEN = 65536
@@ -114,7 +114,7 @@ _CONSTANTS = {
     "output_rounding": "once, to input dtype",
     "triton": triton.__version__,
 }
-register(OpImpl(op="rmsnorm", impl_id="rmsnorm.triton", version="1", device_class="cuda", profile="correctness",
+register(OpImpl(op="rmsnorm", impl_id="rmsnorm.triton", version="1", device_class="cuda", profile=Profile.CORRECTNESS,
                 fn=rms_norm_triton, constants=_CONSTANTS, probe=_probe_plain))  # fmt: skip
 register(OpImpl(op="rmsnorm_gated", impl_id="rmsnorm_gated.triton", version="1", device_class="cuda",
-                profile="correctness", fn=gated_rms_norm_triton, constants=_CONSTANTS, probe=_probe_gated))  # fmt: skip
+                profile=Profile.CORRECTNESS, fn=gated_rms_norm_triton, constants=_CONSTANTS, probe=_probe_gated))  # fmt: skip

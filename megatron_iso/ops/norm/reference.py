@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import iso_silu
 from megatron_iso.ops.common.tree import tree_sum_dim
 
@@ -96,7 +96,7 @@ REFERENCE_RMSNORM = register(
         impl_id="rmsnorm.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=rms_norm,
         constants=_CONSTANTS,
         probe=_probe_rms_norm,
@@ -108,7 +108,7 @@ REFERENCE_GATED_RMSNORM = register(
         impl_id="rmsnorm_gated.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=gated_rms_norm,
         constants={**_CONSTANTS, "silu": "fp64 IEEE-composed (ieee_math.iso_silu), rounded to fp32"},
         probe=_probe_gated,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.rope import native, reference  # noqa: F401  (imports register the implementations)
@@ -21,7 +22,7 @@ def rope_cos_sin(
     rotary_dim: int,
     theta: float = 10000.0,
     *,
-    profile: str = "correctness",
+    profile: str = Profile.CORRECTNESS,
     max_position: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos, sin`` of shape ``[*positions.shape, rotary_dim]`` for absolute integer positions.
@@ -32,10 +33,14 @@ def rope_cos_sin(
     return fn(positions, rotary_dim, theta, max_position=max_position)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile: str = "correctness") -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile: str = Profile.CORRECTNESS
+) -> torch.Tensor:
     """Rotate ``x`` ``[tokens, heads, head_dim]``'s first ``cos.shape[-1]`` channels."""
     fn = select("rope", x, profile, TRITON_MODULE)
-    return with_plain_backward(fn, native.apply_rope, x, cos, sin) if profile == "correctness" else fn(x, cos, sin)
+    return (
+        with_plain_backward(fn, native.apply_rope, x, cos, sin) if profile == Profile.CORRECTNESS else fn(x, cos, sin)
+    )
 
 
 __all__ = [

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 
 
 def rope_cos_sin(
@@ -54,7 +54,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="rope_cos_sin.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=rope_cos_sin,
             constants={"formula": "hf: fp32 inv_freq, fp32 angle, torch.cos/sin"},
         )
@@ -65,7 +65,7 @@ for _dev in ("cpu", "cuda"):
             impl_id="rope.native",
             version="1",
             device_class=_dev,
-            profile="performance",
+            profile=Profile.PERFORMANCE,
             fn=apply_rope,
             constants={"formula": "hf apply_rotary_pos_emb in input dtype"},
             probe=functools.partial(_probe, _dev),

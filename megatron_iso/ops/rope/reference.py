@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_constants import MAX_ANGLE
 from megatron_iso.ops.common.ieee_math import sincos64
 
@@ -134,7 +134,7 @@ register(
         impl_id="rope_cos_sin.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=rope_cos_sin,
         constants={
             "inv_freq": "fp64 python theta ** (-2i/rotary_dim)",
@@ -151,7 +151,7 @@ register(
         impl_id="rope.reference",
         version="1",
         device_class="cpu",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=apply_rope,
         constants={
             "accumulate_dtype": "fp32",

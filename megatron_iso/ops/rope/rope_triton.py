@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA, f32_to, neg, sincos64, to_f32
 from megatron_iso.ops.rope.reference import check_position, inv_frequencies_on, max_abs_position
 
@@ -155,7 +155,7 @@ register(
         impl_id="rope_cos_sin.triton",
         version="1",
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=rope_cos_sin_triton,
         constants={
             "inv_freq": "fp64 python theta ** (-2i/rotary_dim)",
@@ -175,7 +175,7 @@ register(
         impl_id="rope.triton",
         version="1",
         device_class="cuda",
-        profile="correctness",
+        profile=Profile.CORRECTNESS,
         fn=apply_rope_triton,
         constants={
             "accumulate_dtype": "fp32",

@@ -10,7 +10,7 @@ import functools
 import torch
 import triton
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.triton import config
@@ -326,7 +326,7 @@ for _op, _fn, _probe, _consts in (
             impl_id=f"{_op}.triton",
             version=VERSION,
             device_class="cuda",
-            profile="correctness",
+            profile=Profile.CORRECTNESS,
             fn=_fn,
             constants=_consts,
             equivalence_note=(
