@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from megatron_iso.errors import UserError
+
 # module name -> (what it is, how to install it)
 _EXTRAS: dict[str, tuple[str, str]] = {
     "transformer_engine": (
@@ -25,7 +27,7 @@ _EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(UserError, ImportError):
     """An optional dependency needed by the requested path is not installed."""
 
 

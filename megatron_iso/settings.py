@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from megatron_iso.contract.build import (
+    SHARDED_BY,
     ContractInputs,
     ContractValidationError,
     check_profile_name,
@@ -57,6 +58,31 @@ def resume_mode(value: Any) -> str:
     if text not in RESUME_MODES:
         raise SettingsError(f"resume={value!r} is not allowed; allowed values: {list(RESUME_MODES)}")
     return text
+
+
+LOGGERS = ("none", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def check_logger(logger: Mapping[str, Any] | None) -> tuple[str, str]:
+    """``(logger.name, logger.mode)`` checked (mode: W&B's; offline unless set)."""
+    name = _choice(_get(logger, "name", "none"), "logger.name", LOGGERS)
+    mode = _choice(_get(logger, "mode", "offline"), "logger.mode", WANDB_MODES)
+    return name, mode
+
+
+def _int(value: Any, field_name: str, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; anything else names the field and what it takes."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: integers >= {minimum}")
+    return value
+
+
+def _positive(value: Any, field_name: str) -> float:
+    """``value`` as a finite float > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < float(value) < float("inf"):
+        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: finite numbers > 0")
+    return float(value)
 
 
 def _choice(value: Any, field_name: str, allowed: tuple[str, ...]) -> str:
@@ -284,14 +310,27 @@ class ParallelSettings:
     dp: int = 1
 
 
-def resolve_parallel(parallel: Mapping[str, Any]) -> ParallelSettings:
-    return ParallelSettings(
-        tp=int(_get(parallel, "tp", 1)),
-        pp=int(_get(parallel, "pp", 1)),
-        ep=int(_get(parallel, "ep", 1)),
+def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> ParallelSettings:
+    """``parallel`` checked: every degree a positive integer; with ``model``, TP and EP degrees that divide the
+    sizes Megatron shards by them (an error lists the degrees that would)."""
+    out = ParallelSettings(
+        tp=_int(_get(parallel, "tp", 1), "parallel.tp", 1),
+        pp=_int(_get(parallel, "pp", 1), "parallel.pp", 1),
+        ep=_int(_get(parallel, "ep", 1), "parallel.ep", 1),
         sp=bool(_get(parallel, "sp", False)),
-        dp=int(_get(parallel, "dp", 1)),
+        dp=_int(_get(parallel, "dp", 1), "parallel.dp", 1),
     )
+    for axis, keys in SHARDED_BY.items() if model is not None else ():
+        sizes = {k: model[k] for k in keys if isinstance(model.get(k), int) and model[k] > 0}
+        degree = getattr(out, axis)
+        if sizes and any(size % degree for size in sizes.values()):
+            fits = [d for d in range(1, min(sizes.values()) + 1) if all(size % d == 0 for size in sizes.values())]
+            shown = ", ".join(f"model.{k}={v}" for k, v in sizes.items())
+            raise SettingsError(
+                f"parallel.{axis}={degree} does not divide {shown}: Megatron cannot shard this model that way; "
+                f"allowed values: {fits}"
+            )
+    return out
 
 
 def check_micro_batch_seqs(value: Any) -> int:
@@ -343,11 +382,11 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
     """``rl`` typed; every key the loop reads must be present (as when the loop read the DictConfig)."""
     return RLSettings(
         algo=str(rl["algo"]),
-        steps=int(rl["steps"]),
-        group_size=int(rl["group_size"]),
-        max_new_tokens=int(rl["max_new_tokens"]),
-        temperature=float(rl["temperature"]),
-        lr=float(rl["lr"]),
+        steps=_int(rl["steps"], "rl.steps", 1),
+        group_size=_int(rl["group_size"], "rl.group_size", 2),
+        max_new_tokens=_int(rl["max_new_tokens"], "rl.max_new_tokens", 1),
+        temperature=_positive(rl["temperature"], "rl.temperature"),
+        lr=_positive(rl["lr"], "rl.lr"),
         clip_low=float(rl["clip_low"]),
         clip_high=float(rl["clip_high"]),
         aggregation=str(rl["aggregation"]),
@@ -357,7 +396,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         overlong_buffer=int(rl["overlong_buffer"]),
         overlong_penalty=float(rl["overlong_penalty"]),
         scale_adv_by_std=bool(rl["scale_adv_by_std"]),
-        checkpoint_every=int(rl["checkpoint_every"]),
+        checkpoint_every=_int(rl["checkpoint_every"], "rl.checkpoint_every", 1),
         grad_clip=float(rl["grad_clip"]),
         train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),
         gdn_backward_states=check_backward_states(_get(rl, "gdn_backward_states", "keep")),
@@ -440,11 +479,13 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     resolved = resolve_profile(profile, c.get("device", "auto"))
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
+    if isinstance(c.get("logger"), Mapping):
+        check_logger(c["logger"])
     rollout = c.get("rollout")
     return Settings(
         profile=resolved,
         model=resolve_model(model),
-        parallel=resolve_parallel(parallel),
+        parallel=resolve_parallel(parallel, model),
         contract=ContractInputs(resolved.device_class, resolved.raw, model, parallel, dict(c.get("contract") or {})),
         gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
         rl=rl_settings,
@@ -453,6 +494,20 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
         out_dir=None if c.get("out_dir") is None else Path(str(c["out_dir"])),
         resume=resume_mode(c.get("resume", False)),
     )
+
+
+def check_trainable(settings: Settings) -> None:
+    """What a training run needs beyond a valid config, checked before any world or model is built: a
+    visible CUDA device for ``device=cuda``, and no pipeline parallelism (not supported yet)."""
+    if settings.parallel.pp != 1:
+        raise SettingsError(
+            f"parallel.pp={settings.parallel.pp}: the trainer does not run pipeline parallelism yet; allowed values: [1]"
+        )
+    if settings.device_class == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
 
 
 def gemm_block_k() -> Mapping[str, int]:

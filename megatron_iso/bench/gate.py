@@ -42,11 +42,12 @@ from typing import Any
 import torch
 
 from megatron_iso.contract.registry import OpImpl
+from megatron_iso.errors import UserError
 
 EXIT_PASS, EXIT_NOT_FASTER, EXIT_LOCK_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2, 3
 
 
-class GateInputError(ValueError):
+class GateInputError(UserError, ValueError):
     """The gate cannot run as asked (unknown op or candidate, bad inputs, unreadable lock)."""
 
 

@@ -1,8 +1,8 @@
 """``iso-contract``: show, digest, diff, lock and verify Execution Contracts.
 
 Every subcommand takes Hydra overrides (``model=... profile=... parallel.tp=...``) as trailing
-arguments. Exit codes: 0 ok; 1 contracts differ / probes diverged; 2 bad input (invalid config,
-unreadable or tampered file).
+arguments. Exit codes (``megatron_iso.cli.exit_codes``): 0 ok; 1 contracts differ / probes diverged; 2 bad
+input (invalid config, unreadable or tampered file), one line on stderr; 4 internal failure (traceback).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
+from megatron_iso.cli.exit_codes import EXIT_NO as EXIT_DIFFERS
+from megatron_iso.cli.exit_codes import EXIT_OK, EXIT_USAGE, one_line, run_cli
 
 
 def _contract(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> Any:
@@ -128,12 +129,7 @@ COMMANDS = {"show": cmd_show, "digest": cmd_digest, "diff": cmd_diff, "lock": cm
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``iso-contract``; returns the exit code."""
-    from megatron_iso.contract import (
-        CanonicalError,
-        ContractFormatError,
-        ContractValidationError,
-        LockfileError,
-    )
+    from megatron_iso.contract import CanonicalError
 
     parser = _parser()
     # parse_known_args + this merge lets overrides sit on either side of options (`lock a=b --out f c=d`);
@@ -144,19 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    try:
-        return COMMANDS[args.command](args)
-    except (ContractValidationError, ContractFormatError, LockfileError, CanonicalError) as exc:
-        print(f"iso-contract {args.command}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (OSError, json.JSONDecodeError) as exc:
-        print(f"iso-contract {args.command}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as exc:  # Hydra override errors carry their own clear message
-        if type(exc).__module__.startswith(("hydra", "omegaconf")):
-            print(f"iso-contract {args.command}: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        raise
+
+    def command() -> int:
+        try:
+            return COMMANDS[args.command](args)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, CanonicalError) as exc:  # an unreadable input file
+            print(f"iso-contract {args.command}: error: {one_line(exc)}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return run_cli(f"iso-contract {args.command}", command)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from megatron_iso.contract.schema import (
     NumericalPolicy,
     Semantic,
 )
+from megatron_iso.errors import UserError
 
 DEVICES = (*DEVICE_CLASSES, "auto")
 # Axes whose value never enters a row's arithmetic: replicas see disjoint rows.
@@ -50,7 +51,7 @@ DEFAULT_INVALIDATION = (
 )
 
 
-class ContractValidationError(ValueError):
+class ContractValidationError(UserError, ValueError):
     """The config and registry do not form a valid contract; the message names the field."""
 
 
@@ -204,7 +205,7 @@ def _pow2_divisors(ks: Mapping[str, int]) -> list[int]:
 
 
 # Model sizes a TP / EP degree must divide for Megatron to shard the model at all.
-_SPLIT_BY = {
+SHARDED_BY = {
     "tp": ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"),
     "ep": ("num_experts",),
 }
@@ -214,7 +215,7 @@ def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
     """Why ``model`` cannot run at ``parallel.<axis>=degree`` (the first size it does not divide), or None."""
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         return None
-    for key in _SPLIT_BY.get(axis, ()):
+    for key in SHARDED_BY.get(axis, ()):
         size = model.get(key)
         if isinstance(size, int) and size > 0 and size % degree:
             return f"model.{key}={size}"

@@ -18,12 +18,13 @@ from typing import Any
 
 from megatron_iso.contract.canonical import canonical_json, diff_paths
 from megatron_iso.contract.schema import Contract
+from megatron_iso.errors import UserError
 
 # Sections a pair must agree on: the policy is the key; semantic catches two different models.
 KEYED_SECTIONS = ("numerical_policy", "semantic")
 
 
-class ContractMismatchError(RuntimeError):
+class ContractMismatchError(UserError, RuntimeError):
     """Two sides of the RL loop hold contracts with different numerical policies (or models)."""
 
     def __init__(self, field: str, local: Any, remote: Any, peer: str, diffs: Sequence[tuple[str, Any, Any]]):

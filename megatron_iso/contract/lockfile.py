@@ -22,6 +22,7 @@ from megatron_iso.contract.canonical import canonical_json, sha256_of
 from megatron_iso.contract.handshake import contract_diffs
 from megatron_iso.contract.registry import OpImpl
 from megatron_iso.contract.schema import Contract, ContractFormatError
+from megatron_iso.errors import UserError
 
 LOCK_VERSION = 1
 LOCK_KEYS = ("lock_version", "contract", "overrides", "probes", "self_digest")
@@ -30,7 +31,7 @@ LOCK_KEYS = ("lock_version", "contract", "overrides", "probes", "self_digest")
 PROBE_SEED = 0
 
 
-class LockfileError(ValueError):
+class LockfileError(UserError, ValueError):
     """The lockfile is unreadable, malformed, edited by hand or corrupted."""
 
 

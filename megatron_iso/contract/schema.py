@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_iso.contract.canonical import check_canonical, sha256_of
+from megatron_iso.errors import UserError
 
 SCHEMA = "megatron_iso.contract/1"
 SIDES = ("trainer", "rollout")
@@ -28,7 +29,7 @@ CASE_SIDES = {"trainer_forward": "trainer", "trainer_score": "trainer", "prefill
 CLAIM_KINDS = ("invariant", "pinned", "neutral", "unclaimed")
 
 
-class ContractFormatError(ValueError):
+class ContractFormatError(UserError, ValueError):
     """A serialized contract does not follow the schema, or its identities do not match its content."""
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_iso.errors import UserError
+
 HF_CONFIG_FILE = "config.json"
 
 # HF dtype names <-> conf/model params_dtype names.
@@ -50,7 +52,7 @@ GENERIC_HF_FIELDS = frozenset(
 )
 
 
-class UnsupportedHFConfig(ValueError):
+class UnsupportedHFConfig(UserError, ValueError):
     """The HF config describes a model megatron_iso cannot (yet) reproduce; the message names the field."""
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_iso.errors import NonFiniteError
+from megatron_iso.errors import NonFiniteError, UserError
 from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
@@ -37,10 +37,10 @@ from megatron_iso.rl.losses import (
 from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.tasks import Prompt, make_task
-from megatron_iso.settings import RLSettings, Settings, check_micro_batch_seqs, resolve
+from megatron_iso.settings import RLSettings, Settings, check_micro_batch_seqs, check_trainable, resolve
 
 
-class RunSetupError(RuntimeError):
+class RunSetupError(UserError, RuntimeError):
     """The run cannot start as configured (nothing was written)."""
 
 
@@ -504,6 +504,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     settings = resolve(cfg)
+    check_trainable(settings)
     rl: RLSettings = settings.require("rl")
     run_dir = settings.require("out_dir")
     resume_from = plan_start(run_dir, settings.resume, latest_checkpoint(run_dir) if run_dir.exists() else None)

@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_iso.rl.run_dir import METRICS_FILE, RunDirError, rewind_metrics
+from megatron_iso.settings import check_logger
 
-WANDB_MODES = ("offline", "online", "disabled")
 # How long an online W&B start may wait for the server before the run falls back to offline.
 WANDB_PROBE_S = 5.0
 
@@ -33,14 +33,11 @@ def _wandb_reachable(timeout_s: float = WANDB_PROBE_S) -> bool:
     return True
 
 
-def _wandb_run(run_dir: Path, logger_cfg: Any, config: dict[str, Any]):
-    """A W&B run in ``logger.mode``; an online run whose server cannot be reached falls back to offline
-    (the run can be synced later with ``wandb sync``) instead of stalling the first step."""
+def _wandb_run(run_dir: Path, logger_cfg: Any, config: dict[str, Any], mode: str):
+    """A W&B run in ``mode`` (``logger.mode``, checked); an online run whose server cannot be reached falls back
+    to offline (the run can be synced later with ``wandb sync``) instead of stalling the first step."""
     import wandb
 
-    mode = str(logger_cfg.get("mode", "offline"))
-    if mode not in WANDB_MODES:
-        raise ValueError(f"logger.mode={mode!r} is not allowed; allowed values: {list(WANDB_MODES)}")
     if mode == "online" and not _wandb_reachable():
         print(
             f"W&B server unreachable within {WANDB_PROBE_S:.0f} s: logging offline under {run_dir}/wandb "
@@ -115,11 +112,9 @@ class MetricsLog:
             rewind_metrics(run_dir, resume_step)
         elif self.path.exists():
             raise RunDirError(f"{self.path} exists; a new run never overwrites another run's metrics")
-        name = str(logger_cfg.get("name", "none"))
+        name, mode = check_logger(logger_cfg)
         if name == "wandb":
-            self.wandb = _wandb_run(run_dir, logger_cfg, config)
-        elif name != "none":
-            raise ValueError(f"logger.name={name!r} is not allowed; allowed values: ['none', 'wandb']")
+            self.wandb = _wandb_run(run_dir, logger_cfg, config, mode)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

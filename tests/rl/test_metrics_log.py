@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from megatron_iso.rl import metrics
 from megatron_iso.rl.run_dir import RunDirError
+from megatron_iso.settings import SettingsError
 
 
 def test_non_finite_values_are_written_as_valid_json(tmp_path):
@@ -41,7 +42,7 @@ def test_online_wandb_without_a_server_falls_back_to_offline(tmp_path, monkeypat
 def test_wandb_mode_is_checked(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace())
     cfg = OmegaConf.create({"name": "wandb", "mode": "sometimes"})
-    with pytest.raises(ValueError, match=r"logger.mode='sometimes' is not allowed; allowed values: \['offline'"):
+    with pytest.raises(SettingsError, match=r"logger.mode='sometimes' is not allowed; allowed values: \['offline'"):
         metrics.MetricsLog(tmp_path, cfg, {}, resume_step=None, enabled=True)
 
 

@@ -1,0 +1,82 @@
+"""iso-train against bad input, as a user meets it: the exit code, one line naming the problem, no
+traceback, and nothing written (every case checks that its out_dir was not created)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none"]
+
+BAD_SETTINGS = [
+    ("rl.steps=abc", r"rl\.steps='abc' is not allowed; allowed values: integers >= 1"),
+    ("rl.steps=0", r"rl\.steps=0 is not allowed"),
+    ("rl.group_size=0", r"rl\.group_size=0 is not allowed; allowed values: integers >= 2"),
+    ("rl.group_size=1", r"rl\.group_size=1 is not allowed"),
+    ("rl.max_new_tokens=0", r"rl\.max_new_tokens=0 is not allowed"),
+    ("rl.lr=-1", r"rl\.lr=-1 is not allowed; allowed values: finite numbers > 0"),
+    ("rl.temperature=0", r"rl\.temperature=0 is not allowed"),
+    ("rl.checkpoint_every=0", r"rl\.checkpoint_every=0 is not allowed"),
+    ("rl.nonfinite=ignore", r"rl\.nonfinite='ignore' is not allowed; allowed values: \['stop', 'skip'\]"),
+    ("parallel.tp=0", r"parallel\.tp=0 is not allowed; allowed values: integers >= 1"),
+    ("parallel.tp=-4", r"parallel\.tp=-4 is not allowed"),
+    ("parallel.tp=3", r"parallel\.tp=3 does not divide model\.num_attention_heads=8.*allowed values: \[1, 2, 4\]"),
+    ("parallel.pp=2", r"parallel\.pp=2: the trainer does not run pipeline parallelism yet; allowed values: \[1\]"),
+    ("resume=maybe", r"resume='maybe' is not allowed; allowed values: \['false', 'true', 'auto'\]"),
+    ("resume=true", r"resume=true but out_dir=.* does not exist"),
+    ("device=tpu", r"device='tpu' is not allowed; allowed values"),
+    ("profile.leaves=3", r"profile\.leaves=3 must be a power of two"),
+    ("model=nope", r"Could not find 'model/nope'"),
+    ("rl.nosuchkey=1", r"Could not override 'rl\.nosuchkey'"),
+    ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),
+]
+
+
+def _iso_train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_iso.cli.train", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("iso-train:")]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_SETTINGS, ids=[o for o, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_one_line_with_exit_2_and_writes_nothing(tmp_path, override, message):
+    import re
+
+    run_dir = tmp_path / "run"
+    proc = _iso_train(*FAST, f"out_dir={run_dir}", override, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and re.search(message, lines[0]), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_nan_stops_with_exit_3_and_leaves_no_nan_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _iso_train(*FAST, f"out_dir={run_dir}", "rl.steps=3", "rl.lr=1e30", "rl.checkpoint_every=1", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "NaN or Inf" in _error_lines(proc.stderr)[0]
+    from safetensors.torch import load_file
+
+    for ckpt in (run_dir / "checkpoints").glob("step_*"):
+        assert all(bool(t.isfinite().all()) for t in load_file(str(ckpt / "model_rank0.safetensors")).values())
+
+
+def test_a_second_bare_run_in_the_same_out_dir_is_refused_with_the_way_out(tmp_path):
+    run_dir = tmp_path / "run"
+    assert _iso_train(*FAST, f"out_dir={run_dir}", "rl.steps=1", cwd=tmp_path).returncode == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    proc = _iso_train(*FAST, f"out_dir={run_dir}", "rl.steps=1", cwd=tmp_path)
+    assert proc.returncode == 2 and "resume=auto" in _error_lines(proc.stderr)[0]
+    assert (run_dir / "metrics.jsonl").read_text() == before
