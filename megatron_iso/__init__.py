@@ -1,7 +1,8 @@
 """megatron_iso: bitwise rollout/trainer parity for Megatron-Core models.
 
 Importing the package checks the interpreter and torch versions up front, so an
-unsupported environment fails with a message instead of a deep stack trace.
+unsupported environment fails with a message instead of a deep stack trace, and filters the
+warnings Megatron prints about absent optional libraries (``platform.silence_expected_cpu_warnings``).
 """
 
 from __future__ import annotations
@@ -37,3 +38,7 @@ def _check_environment() -> None:
 
 
 _check_environment()
+
+from megatron_iso.platform import silence_expected_cpu_warnings  # noqa: E402  (after the environment check)
+
+silence_expected_cpu_warnings()

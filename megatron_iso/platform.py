@@ -144,9 +144,14 @@ def _clip_grad_by_total_norm(
 
 # Megatron warns at import about every optional CUDA library it does not find; on the CPU path
 # that is expected and the noise hides real messages.
-_EXPECTED_CPU_WARNINGS = (
+# Megatron warns at import that Transformer Engine / apex are absent and it falls back to its local code: the
+# documented state of every machine without them (the CPU path always, a GPU without TE), so silenced wherever.
+_ABSENT_EXTRAS_WARNINGS = (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed",
+)
+# Warnings of Megatron's CUDA-oriented code paths when it runs on the CPU with gloo.
+_EXPECTED_CPU_WARNINGS = (
     "full scope is deprecated",
     ".*CUDA_DEVICE_MAX_CONNECTIONS",
     ".*all_gather_into_tensor. is deprecated",
@@ -155,12 +160,14 @@ _EXPECTED_CPU_WARNINGS = (
 
 
 def silence_expected_cpu_warnings() -> None:
-    """Filter Megatron's import-time warnings about absent CUDA-only libraries (call before importing it)."""
+    """Filter Megatron's expected warnings (absent TE / apex anywhere; its CUDA paths on the CPU). Runs when
+    ``megatron_iso`` is imported, before anything imports Megatron, so no command prints them."""
     import warnings
 
-    if torch.cuda.is_available():
-        return
-    for message in _EXPECTED_CPU_WARNINGS:
+    expected = (
+        _ABSENT_EXTRAS_WARNINGS if torch.cuda.is_available() else _ABSENT_EXTRAS_WARNINGS + _EXPECTED_CPU_WARNINGS
+    )
+    for message in expected:
         warnings.filterwarnings("ignore", message=message)
 
 
