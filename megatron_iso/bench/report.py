@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_iso.contract.registry import Profile
+
 # (row key, column header, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("profile", "profile", "s"),
@@ -90,7 +92,7 @@ def write_plot(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
 
     labels = [f"{r['layout']}\nb{r['batch']}" for r in rows]
     x = list(range(len(rows)))
-    colors = ["tab:green" if r["profile"] == "correctness" else "tab:red" for r in rows]
+    colors = ["tab:green" if r["profile"] == Profile.CORRECTNESS else "tab:red" for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(rows)), 8), sharex=True)
     ax1.bar([i - 0.2 for i in x], [r["dlogp_max"] for r in rows], width=0.4, color=colors, label="sampled tokens")
     full = [r.get("full_vocab_dlogp_max") for r in rows]
