@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,12 @@ def _transformers(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids[None]).logits[0].float()
 
 
+def _number(x: torch.Tensor) -> float | str:
+    """A float, or its name ("nan", "inf", "-inf") where JSON has no number for it."""
+    value = float(x)
+    return value if math.isfinite(value) else str(value)
+
+
 def compare_with_transformers(
     hf_dir: str | Path,
     overrides: Sequence[str] = (),
@@ -51,7 +58,8 @@ def compare_with_transformers(
     """Logits of both implementations on ``tokens`` (or ``length`` seeded random ids).
 
     ``max_rel_diff`` is normwise: max |ours - hf| / max |hf| (elementwise ratios explode at logits
-    near zero and say nothing about the model)."""
+    near zero and say nothing about the model). ``finite`` is False when either side's logits hold a NaN or an
+    Inf; the statistics are then written as strings ("nan", "inf"), so the result stays valid JSON."""
     hf_dir = Path(hf_dir)
     vocab = int(hf_dir_config(hf_dir).model.vocab_size)
     if tokens is None:
@@ -70,10 +78,11 @@ def compare_with_transformers(
         **info,
         "tokens": int(ids.numel()),
         "seed": seed if tokens is None else None,
-        "max_abs_diff": float(diff.max()),
-        "max_rel_diff": float(diff.max() / ref.abs().max()),
-        "mean_abs_diff": float(diff.mean()),
-        "max_abs_logprob_diff": float(logp_diff.max()),
+        "finite": bool(torch.isfinite(ours).all() and torch.isfinite(ref).all()),
+        "max_abs_diff": _number(diff.max()),
+        "max_rel_diff": _number(diff.max() / ref.abs().max()),
+        "mean_abs_diff": _number(diff.mean()),
+        "max_abs_logprob_diff": _number(logp_diff.max()),
         "argmax_agreement": float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
         "bitwise_equal": bool(torch.equal(ours.view(torch.int32), ref.view(torch.int32))),
     }

@@ -44,9 +44,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     result = compare_with_transformers(args.hf, args.overrides, tokens=tokens, seed=args.seed, length=args.length)
     if args.max_rel is not None:
         result["max_rel_tolerance"] = args.max_rel
-        result["within_tolerance"] = result["max_rel_diff"] <= args.max_rel
-    print(json.dumps(result, sort_keys=True))
-    return EXIT_DIFFERS if result.get("within_tolerance") is False else EXIT_OK
+        result["within_tolerance"] = result["finite"] and result["max_rel_diff"] <= args.max_rel
+    print(json.dumps(result, sort_keys=True, allow_nan=False))
+    if not result["finite"]:
+        print("iso-convert compare: NaN or Inf in the logits: the checkpoints do not match", file=sys.stderr)
+    return EXIT_DIFFERS if result.get("within_tolerance") is False or not result["finite"] else EXIT_OK
 
 
 def _parser() -> argparse.ArgumentParser:

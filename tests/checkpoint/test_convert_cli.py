@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatron_iso.checkpoint import read_hf_weights
 from megatron_iso.cli.convert import EXIT_BAD_INPUT, EXIT_DIFFERS, EXIT_OK, main
 
@@ -64,3 +66,24 @@ def test_import_ep_and_compare_a_moe_checkpoint(hf_moe, tmp_path, capsys):
     assert sorted(a) == sorted(b) and all(torch_equal_bits(a[n], b[n]) for n in a)
     assert main(["compare", "--hf", str(out), "--tokens", "3,1,4,1,5", "--max-rel", "1e-5"]) == EXIT_OK
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["within_tolerance"] is True
+
+
+def test_compare_fails_on_nan_logits_and_prints_valid_json(hf_untied, monkeypatch, capsys):
+    from megatron_iso.checkpoint import compare
+
+    real = compare._ours
+
+    def nan_logits(*args, **kwargs):
+        logits, info = real(*args, **kwargs)
+        logits = logits.clone()
+        logits[1, 3] = float("nan")
+        return logits, info
+
+    monkeypatch.setattr(compare, "_ours", nan_logits)
+    assert main(["compare", "--hf", str(hf_untied), "--tokens", "3,1,4", "--max-rel", "1e-5"]) == EXIT_DIFFERS
+    captured = capsys.readouterr()
+    result = json.loads(captured.out, parse_constant=lambda name: pytest.fail(f"invalid JSON token {name}"))
+    assert result["finite"] is False and result["within_tolerance"] is False and result["max_abs_diff"] == "nan"
+    assert "NaN or Inf in the logits" in captured.err
+    # Without a tolerance the answer is still no.
+    assert main(["compare", "--hf", str(hf_untied), "--tokens", "3,1,4"]) == EXIT_DIFFERS
