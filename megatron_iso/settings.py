@@ -443,6 +443,7 @@ class Settings:
     seed: int | None = None
     out_dir: Path | None = None
     resume: str = "false"  # one of RESUME_MODES
+    dist_timeout_s: float | None = None  # collectives' timeout (dist_timeout_s); None: torch's default
 
     @property
     def device_class(self) -> str:
@@ -493,6 +494,7 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
         seed=None if c.get("seed") is None else int(c["seed"]),
         out_dir=None if c.get("out_dir") is None else Path(str(c["out_dir"])),
         resume=resume_mode(c.get("resume", False)),
+        dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
     )
 
 

@@ -8,6 +8,7 @@ NCCL on ``cuda:<LOCAL_RANK>``). Multi-rank tests start their ranks with ``parall
 from __future__ import annotations
 
 import contextlib
+import datetime
 import socket
 from collections.abc import Iterator
 
@@ -93,12 +94,15 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, etp: int = 1) -> Iterator[int]:
+def launched_world(
+    tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, etp: int = 1, timeout_s: float | None = None
+) -> Iterator[int]:
     """The world of a launch: torchrun's (``RANK``/``WORLD_SIZE`` in the environment; gloo on CPU,
     NCCL on CUDA with this process on ``cuda:<LOCAL_RANK>``) or, without torchrun, one local process.
     Megatron's parallel_state is initialised with the given layout; yields this process's global
     rank. Inside an already initialised world (e.g. a ``run_on_ranks`` rank) that world is used as it
-    is, if its layout is the one asked for."""
+    is, if its layout is the one asked for. ``timeout_s``: how long a collective waits for the other ranks
+    (torch's default when None)."""
     import os
 
     if dist.is_initialized():
@@ -125,15 +129,25 @@ def launched_world(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, etp:
             )
         # Before the process group: NCCL binds this rank's communicator to the current device.
         torch.cuda.set_device(local)
-    with megatron_world({"backend": default_backend()}, tp, pp, ep, etp, seed=seed):
+    init: dict[str, object] = {"backend": default_backend()}
+    if timeout_s is not None:
+        init["timeout"] = datetime.timedelta(seconds=timeout_s)
+    with megatron_world(init, tp, pp, ep, etp, seed=seed):
         yield dist.get_rank()
 
 
 def config_world(cfg) -> contextlib.AbstractContextManager[int]:
-    """:func:`launched_world` for a root config: its ``parallel.tp/pp/ep`` sizes and ``seed``. The
-    one way a config-driven launch (iso-train, tools/bench_rl_step.py) opens its world."""
+    """:func:`launched_world` for a root config: its ``parallel.tp/pp/ep`` sizes, ``seed`` and
+    ``dist_timeout_s``. The one way a config-driven launch (iso-train, tools/bench_rl_step.py) opens its world."""
     p = cfg.parallel
-    return launched_world(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)), int(cfg.seed))
+    timeout = cfg.get("dist_timeout_s")
+    return launched_world(
+        int(p.tp),
+        int(p.get("pp", 1)),
+        int(p.get("ep", 1)),
+        int(cfg.seed),
+        timeout_s=None if timeout is None else float(timeout),
+    )
 
 
 def _enclosing_world(tp: int, pp: int, ep: int) -> int:

@@ -33,6 +33,7 @@ BAD_SETTINGS = [
     ("profile.leaves=3", r"profile\.leaves=3 must be a power of two"),
     ("model=nope", r"Could not find 'model/nope'"),
     ("rl.nosuchkey=1", r"Could not override 'rl\.nosuchkey'"),
+    ("dist_timeout_s=0", r"dist_timeout_s=0 is not allowed; allowed values: finite numbers > 0"),
     ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),
 ]
 
