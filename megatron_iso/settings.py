@@ -16,6 +16,7 @@ registered implementation first, so no caller can build a contract that misses o
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,6 @@ def check_gdn_choice_runs_here(profile: ProfileSettings) -> None:
             f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile.name.value!r} "
             "only gdn_form='scan' (or 'auto') with gdn_dot_precision=null exists"
         )
-    return form, precision
 
 
 def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
@@ -510,6 +510,16 @@ def check_trainable(settings: Settings) -> None:
 
         if not torch.cuda.is_available():
             raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+
+
+def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractContextManager[int]:
+    """``parallel.world.launched_world`` for a config, from its settings: ``parallel.tp/pp/ep``, ``seed`` and
+    ``dist_timeout_s``. The one way a config-driven launch (iso-train, tools/bench_rl_step.py) opens its world."""
+    from megatron_iso.parallel.world import launched_world
+
+    s = resolve(cfg)
+    p = s.parallel
+    return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s)
 
 
 def gemm_block_k() -> Mapping[str, int]:

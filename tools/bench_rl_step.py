@@ -95,8 +95,9 @@ def _layout() -> dict[str, int]:
 
 
 def run_profile(profile: str, args: argparse.Namespace) -> dict:
-    from megatron_iso.parallel.world import config_world, seed_ranks
+    from megatron_iso.parallel.world import seed_ranks
     from megatron_iso.rl.loop import Trainer
+    from megatron_iso.settings import config_world
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(profile, args, tmp)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("rl_step.json"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args(argv)
-    from megatron_iso.parallel.world import config_world
+    from megatron_iso.settings import config_world
 
     results, failures = [], {}
     # One world for every profile: the config's layout (parallel.tp/pp/ep; under torchrun each rank

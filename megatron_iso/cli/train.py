@@ -34,6 +34,11 @@ def _train(cfg: DictConfig) -> int:
     return EXIT_OK
 
 
+def _compose(overrides: list[str]) -> int:
+    load_config(overrides)
+    return EXIT_OK
+
+
 def _run(cfg: DictConfig) -> None:
     code = run_cli(PROG, lambda: _train(cfg))
     if code != EXIT_OK:
@@ -44,7 +49,7 @@ def main() -> None:
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):
         # Plain overrides: compose them first, so that a bad one is a one-line usage error, not Hydra's report.
-        code = run_cli(PROG, lambda: load_config(args) and EXIT_OK)
+        code = run_cli(PROG, lambda: _compose(args))
         if code != EXIT_OK:
             sys.exit(code)
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_run)()

@@ -1,8 +1,8 @@
 """The worlds megatron_iso opens: torch.distributed plus Megatron's parallel_state for a layout.
 
 ``megatron_world`` (one world, any init), ``single_process_world`` (TP=PP=EP=1 in the calling process:
-conversion checks, notebooks, CLIs), ``launched_world`` / ``config_world`` (a torchrun launch: gloo on CPU,
-NCCL on ``cuda:<LOCAL_RANK>``). Multi-rank tests start their ranks with ``parallel.launch.run_on_ranks``
+conversion checks, notebooks, CLIs), ``launched_world`` (a torchrun launch: gloo on CPU, NCCL on
+``cuda:<LOCAL_RANK>``; ``settings.config_world`` opens it for a config). Multi-rank tests start their ranks with ``parallel.launch.run_on_ranks``
 (forked gloo ranks) or ``parallel.torchrun.run_under_torchrun`` (torchrun; NCCL on GPUs)."""
 
 from __future__ import annotations
@@ -134,20 +134,6 @@ def launched_world(
         init["timeout"] = datetime.timedelta(seconds=timeout_s)
     with megatron_world(init, tp, pp, ep, etp, seed=seed):
         yield dist.get_rank()
-
-
-def config_world(cfg) -> contextlib.AbstractContextManager[int]:
-    """:func:`launched_world` for a root config: its ``parallel.tp/pp/ep`` sizes, ``seed`` and
-    ``dist_timeout_s``. The one way a config-driven launch (iso-train, tools/bench_rl_step.py) opens its world."""
-    p = cfg.parallel
-    timeout = cfg.get("dist_timeout_s")
-    return launched_world(
-        int(p.tp),
-        int(p.get("pp", 1)),
-        int(p.get("ep", 1)),
-        int(cfg.seed),
-        timeout_s=None if timeout is None else float(timeout),
-    )
 
 
 def _enclosing_world(tp: int, pp: int, ep: int) -> int:

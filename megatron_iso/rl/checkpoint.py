@@ -23,7 +23,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megatron_iso.errors import UserError, check_finite
-from megatron_iso.rl.run_dir import complete_checkpoints
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -63,6 +62,14 @@ def save_checkpoint(
         os.replace(latest_tmp, run_dir / "checkpoints" / "latest")
     _barrier()
     return final
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's published checkpoints (renamed into place, with ``meta.json``), oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "meta.json").is_file())
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

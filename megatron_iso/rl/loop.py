@@ -37,7 +37,7 @@ from megatron_iso.rl.losses import (
 from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.tasks import Prompt, make_task
-from megatron_iso.settings import RLSettings, Settings, check_micro_batch_seqs, check_trainable, resolve
+from megatron_iso.settings import RLSettings, Settings, check_trainable, config_world, resolve
 
 
 class RunSetupError(UserError, RuntimeError):
@@ -62,11 +62,6 @@ def _loss_config(rl: RLSettings) -> PolicyLossConfig:
         kl_coef=rl.kl_coef,
         tis_cap=rl.tis_cap,
     )
-
-
-def micro_batch_seqs(rl: Any) -> int:
-    """``rl.train_micro_batch_seqs`` checked: sequences per trainer micro-batch, 0 = all in one batch."""
-    return check_micro_batch_seqs(rl.get("train_micro_batch_seqs"))
 
 
 class Trainer:
@@ -497,7 +492,6 @@ TIMING_PREFIXES = ("timing/", "throughput/", "memory/")
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run ``cfg.rl.steps`` RL steps in ``cfg.out_dir``: a new run (``resume=false``), the continuation of its
     latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``."""
-    from megatron_iso.parallel.world import config_world
     from megatron_iso.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatron_iso.rl.run_dir import RunLock, plan_start
 
@@ -511,7 +505,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if resume_from is not None:
         _check_resumable(resume_from, cfg)
     with contextlib.ExitStack() as stack:
-        rank = stack.enter_context(config_world(cfg))
+        rank = stack.enter_context(config_world(settings))
         trainer = Trainer(cfg, rank, settings)
         # Taken once the run is built (a run that fails to build writes nothing) and before anything is written.
         if rank == 0:
@@ -541,7 +535,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             enabled=rank == 0,
         )
         steps = rl.steps
-        every = max(1, rl.checkpoint_every)
+        every = rl.checkpoint_every
         meta = {**_checkpoint_identity(trainer), "identity": run_identity(cfg), "contract": identities}
         history = []
         bar = _progress(range(start, steps), rank == 0)

@@ -33,20 +33,6 @@ class RunDirError(UserError, RuntimeError):
     """The run directory cannot be used as asked; the message names the directory and the way out."""
 
 
-def _checkpoints(run_dir: Path) -> list[Path]:
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(
-        p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
-    )
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's published checkpoints (those with ``meta.json``), oldest first."""
-    return [p for p in _checkpoints(run_dir) if (p / "meta.json").is_file()]
-
-
 def plan_start(run_dir: Path, mode: str, latest: Path | None) -> Path | None:
     """The checkpoint to resume from, or None for a new run; refuses a start that would mix or lose data.
 

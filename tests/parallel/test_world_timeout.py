@@ -7,6 +7,7 @@ import datetime
 
 from megatron_iso.config import load_config
 from megatron_iso.parallel import world
+from megatron_iso.settings import config_world
 
 
 def test_dist_timeout_s_reaches_init_process_group(monkeypatch):
@@ -22,6 +23,6 @@ def test_dist_timeout_s_reaches_init_process_group(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(world.torch.cuda, "is_available", lambda: False)
-    with world.config_world(load_config(["dist_timeout_s=42"])) as rank:
+    with config_world(load_config(["dist_timeout_s=42"])) as rank:
         assert rank == 0
     assert seen["timeout"] == datetime.timedelta(seconds=42)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from megatron_iso.config import load_config
-from megatron_iso.parallel.world import config_world, seed_ranks
-from megatron_iso.rl.loop import TIMING_PREFIXES, Trainer, micro_batch_seqs, train
+from megatron_iso.parallel.world import seed_ranks
+from megatron_iso.rl.loop import TIMING_PREFIXES, Trainer, train
 from megatron_iso.rl.losses import group_advantages
+from megatron_iso.settings import check_micro_batch_seqs, config_world
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
@@ -128,7 +129,7 @@ def test_micro_batches_change_only_the_weight_grad_sum_order(tmp_path, monkeypat
 def test_bad_micro_batch_size_names_the_field(tmp_path, value):
     cfg = load_config([*FAST, f"out_dir={tmp_path / 'bad'}", f"rl.train_micro_batch_seqs={value}"])
     with pytest.raises(ValueError, match=r"rl.train_micro_batch_seqs=.*allowed values: 0 or null .* positive integer"):
-        micro_batch_seqs(cfg.rl)
+        check_micro_batch_seqs(cfg.rl.get("train_micro_batch_seqs"))
     with pytest.raises(ValueError, match="rl.train_micro_batch_seqs"):
         train(cfg)
     assert not (tmp_path / "bad").exists()
