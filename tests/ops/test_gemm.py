@@ -9,6 +9,7 @@ from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.gemm import leaf_tree_linear, linear, native_linear, validate_leaves
 from megatron_iso.parallel.tree_collectives import tree_combine
 from megatron_iso.testing.bits import same_bits
+from megatron_iso.testing.matmul_log import MatmulLog
 
 DTYPES = [torch.float32, torch.bfloat16]
 M_SIZES = [1, 2, 3, 7, 8, 64]
@@ -100,6 +101,35 @@ def test_backward_is_correct_and_deterministic() -> None:
     xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
     leaf_tree_linear(xb, wb, 8).sum().backward()
     assert xb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+
+
+def test_bf16_backward_multiplies_bf16_operands_and_copies_no_weight_or_activation_to_fp32() -> None:
+    x, w = make(24, 32, 64, torch.bfloat16)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = leaf_tree_linear(xr, wr, 8)
+    with MatmulLog() as log:
+        out.backward(torch.ones_like(out))
+    assert log.matmul_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in log.matmul_dtypes), (
+        log.matmul_dtypes
+    )
+    assert tuple(x.shape) not in log.fp32_casts and tuple(w.shape) not in log.fp32_casts, log.fp32_casts
+
+
+def test_bf16_backward_is_deterministic_and_within_bf16_error_of_float64() -> None:
+    x, w = make(48, 40, 256, torch.bfloat16, seed=3)
+    upstream = torch.randn(48, 40, generator=torch.Generator().manual_seed(4))
+    grads = []
+    for _ in range(2):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        leaf_tree_linear(xr, wr, 8).backward(upstream)
+        grads.append((xr.grad, wr.grad))
+    assert same_bits(grads[0][0], grads[1][0]) and same_bits(grads[0][1], grads[1][1])
+    g64 = upstream.bfloat16().double()  # the backward takes the upstream gradient in the weight's dtype
+    exact_x, exact_w = g64 @ w.double(), g64.t() @ x.double()
+    for got, exact in ((grads[0][0], exact_x), (grads[0][1], exact_w)):
+        assert got.dtype == torch.bfloat16
+        rel = (got.double() - exact).norm() / exact.norm()
+        assert rel < 2**-7, f"relative error {rel:.3e} is above bf16 rounding"
 
 
 def test_dispatch_and_registry() -> None:

@@ -16,7 +16,7 @@ On CUDA the grouped kernel gives, bit for bit, what a per-expert loop of
 jit tile code with a tile that shares the dense kernel's BLOCK_K and K-loop order. All paths
 return fp32, as ``ops.gemm.linear`` does.
 
-The backward (training) is per expert and plain fp32 matmuls, exactly the dense op's backward
+The backward (training) is per expert: the dense op's :func:`~megatron_iso.ops.gemm.reference.linear_backward`
 applied to each expert's rows; it reads the counts on the host (one sync, backward only).
 """
 
@@ -33,6 +33,7 @@ from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,
     check_dtype,
     leaf_tree_linear_forward,
+    linear_backward,
     validate_leaves,
 )
 
@@ -139,15 +140,17 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         x, counts, *ws = ctx.saved_tensors
         sizes = [int(c) for c in counts.tolist()]  # host sync: backward only
-        g = grad_out.float()
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grad_ws = []
         start = 0
         for i, (w, c) in enumerate(zip(ws, sizes, strict=True)):
-            g_e, x_e = g[start : start + c], x[start : start + c]
+            rows = slice(start, start + c)
+            gx, gw = linear_backward(
+                grad_out[rows], x[rows], w, need_x=grad_x is not None, need_w=ctx.needs_input_grad[4 + i]
+            )
             if grad_x is not None:
-                grad_x[start : start + c] = (g_e @ w.float()).to(x.dtype)
-            grad_ws.append((g_e.t() @ x_e.float()).to(w.dtype) if ctx.needs_input_grad[4 + i] else None)
+                grad_x[rows] = gx
+            grad_ws.append(gw)
             start += c
         return (grad_x, None, None, None, *grad_ws)
 

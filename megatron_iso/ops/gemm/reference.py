@@ -83,8 +83,40 @@ def leaf_tree_linear_forward(x: torch.Tensor, weight: torch.Tensor, leaves: int)
     return out.reshape(*x.shape[:-1], n)
 
 
+def _mm_rounded_once(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the operands' dtype, accumulated in fp32 and rounded once. On CUDA the fp32 output is
+    asked for explicitly, so a long reduction split by the library is not summed in 16 bits."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32).to(a.dtype)
+    return a @ b
+
+
+def linear_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, need_x: bool = True, need_w: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``y = x @ weight.T`` (weight [N, K]): deterministic, not invariant.
+
+    The operands are taken in the weight's dtype, as the library GEMM of a stock trainer does: a bf16
+    model's backward runs bf16 x bf16 products with fp32 accumulation on tensor cores and makes no fp32
+    copy of a weight or an activation (only ``grad_out`` is cast, once, when it arrives as fp32). The
+    weight gradient is accumulated over all rows in fp32 and rounded once to the weight's dtype. For a
+    given shape the library picks one kernel and one reduction order, so the same inputs give the same
+    bits on every call; a different row count may give different bits (the backward is not part of the
+    invariance contract).
+    """
+    n, k = weight.shape
+    compute = weight.dtype
+    g2 = grad_out.reshape(-1, n).to(compute)
+    grad_x = grad_w = None
+    if need_x:
+        grad_x = (g2 @ weight).to(x.dtype).reshape(x.shape)
+    if need_w:
+        grad_w = _mm_rounded_once(g2.t(), x.reshape(-1, k).to(compute))
+    return grad_x, grad_w
+
+
 class _LeafTreeLinear(torch.autograd.Function):
-    """Invariant forward via ``kernel``; backward is plain fp32 matmuls (deterministic, not invariant)."""
+    """Invariant forward via ``kernel``; backward is :func:`linear_backward` (deterministic, not invariant)."""
 
     @staticmethod
     def forward(ctx, x, weight, leaves, kernel):  # type: ignore[override]
@@ -94,13 +126,8 @@ class _LeafTreeLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        n, k = weight.shape
-        g2 = grad_out.reshape(-1, n).float()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g2 @ weight.float()).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g2.t() @ x.reshape(-1, k).float()).to(weight.dtype)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x, grad_w = linear_backward(grad_out, x, weight, need_x=need_x, need_w=need_w)
         return grad_x, grad_w, None, None
 
 
