@@ -1,5 +1,7 @@
 """The one place that knows where the Hydra configs live and how to compose them outside ``@hydra.main``.
 
+The configs are ``megatron_iso/conf/``, package data: a wheel or a non-editable install carries them.
+
 CLIs, tests and library code call :func:`load_config` with command-line style overrides
 (``model=tiny_dense profile=performance parallel.tp=2``) and get the same DictConfig a
 Hydra app would see, without Hydra taking over the process (no output dirs, no chdir).
@@ -16,20 +18,23 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-# Set to use a config tree other than the repository's (e.g. an installed wheel with configs elsewhere).
+# Set to use a config tree other than the one installed with the package (a copy of megatron_iso/conf/ with
+# groups of one's own added).
 CONF_ENV = "MEGATRON_ISO_CONF"
 ROOT_CONFIG = "config"
+# The config tree shipped inside the package (package data: an installed wheel has it as a checkout does).
+PACKAGE_CONF = Path(__file__).resolve().parent / "conf"
 
 
 def conf_dir() -> Path:
-    """Absolute path of the Hydra config directory (``$MEGATRON_ISO_CONF`` or the repo's ``conf/``)."""
+    """Absolute path of the Hydra config directory: ``$MEGATRON_ISO_CONF`` when set, else the package's ``conf/``."""
     override = os.environ.get(CONF_ENV)
-    path = Path(override) if override else Path(__file__).resolve().parent.parent / "conf"
-    path = path.resolve()
+    path = (Path(override) if override else PACKAGE_CONF).resolve()
     if not (path / f"{ROOT_CONFIG}.yaml").is_file():
+        where = f"${CONF_ENV}={override}" if override else "the installed package"
         raise FileNotFoundError(
-            f"Hydra config directory {path} has no {ROOT_CONFIG}.yaml; "
-            f"run from a source checkout or point ${CONF_ENV} at a copy of the repo's conf/ directory"
+            f"Hydra config directory {path} ({where}) has no {ROOT_CONFIG}.yaml; "
+            f"point ${CONF_ENV} at a copy of megatron_iso/conf/, or reinstall megatron_iso"
         )
     return path
 

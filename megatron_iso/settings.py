@@ -1,6 +1,6 @@
 """The one reading of the Hydra config: the composed DictConfig, validated once into typed settings.
 
-:func:`resolve` turns the root config (``conf/``) into :class:`Settings`: typed groups (``model``, ``parallel``,
+:func:`resolve` turns the root config (``megatron_iso/conf/``) into :class:`Settings`: typed groups (``model``, ``parallel``,
 ``rl``, ``rollout``, the run's ``seed`` / ``out_dir`` / ``resume``) and a resolved :class:`ProfileSettings`: the
 device class from ``device: auto|cpu|cuda``, the GDN output form from ``profile.gdn_form: auto|scan|chunk`` and its
 dot precision (the GDN op family says which forms exist where), the leaves the layers use. Errors name the field
@@ -101,7 +101,9 @@ def _get(group: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
 def _group(c: Mapping[str, Any], key: str) -> dict[str, Any]:
     group = c.get(key)
     if not isinstance(group, Mapping):
-        raise ContractValidationError(f"config has no '{key}' group; compose the root config (conf/config.yaml)")
+        raise ContractValidationError(
+            f"config has no '{key}' group; compose the root config (megatron_iso/conf/config.yaml)"
+        )
     return dict(group)
 
 
@@ -301,7 +303,7 @@ def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
 
 @dataclass
 class ParallelSettings:
-    """``parallel`` (conf/parallel/*.yaml). Also the group's structured-config schema."""
+    """``parallel`` (megatron_iso/conf/parallel/*.yaml). Also the group's structured-config schema."""
 
     tp: int = 1
     pp: int = 1
@@ -354,7 +356,7 @@ def check_backward_states(value: Any) -> str:
 
 @dataclass
 class RLSettings:
-    """``rl`` (conf/rl/*.yaml), typed. Also the group's structured-config schema (defaults: conf/rl/grpo.yaml)."""
+    """``rl`` (megatron_iso/conf/rl/*.yaml), typed. Also the group's structured-config schema (defaults: rl/grpo.yaml)."""
 
     algo: str = "grpo"
     steps: int = 20
@@ -452,7 +454,9 @@ class Settings:
     def require(self, name: str) -> Any:
         value = getattr(self, name)
         if value is None:
-            raise ContractValidationError(f"config has no '{name}' group; compose the root config (conf/config.yaml)")
+            raise ContractValidationError(
+                f"config has no '{name}' group; compose the root config (megatron_iso/conf/config.yaml)"
+            )
         return value
 
 
@@ -558,7 +562,7 @@ def _checked_contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> 
 
 
 # Structured-config schemas of the groups whose keys are fixed (validation of the YAML files against them:
-# tests/test_settings.py). Stored under schema/ only: the conf/ groups' defaults and keys stay as they are.
+# tests/test_settings.py). Stored under schema/ only: the megatron_iso/conf/ groups' defaults and keys stay as they are.
 _STORE = ConfigStore.instance()
 _STORE.store(group="schema", name="rl", node=RLSettings)
 _STORE.store(group="schema", name="parallel", node=ParallelSettings)

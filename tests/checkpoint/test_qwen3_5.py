@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from megatron_iso.checkpoint import export_hf, import_hf, read_hf_weights
 from megatron_iso.checkpoint.compare import compare_with_transformers
+from megatron_iso.config import conf_dir
 from megatron_iso.models.hf_config import UnsupportedHFConfig, hf_config_from_model, model_config_from_hf
 from tests.checkpoint.conftest import FAMILIES, TINY_QWEN3_5_MOE
 from tests.checkpoint.test_hf_checkpoint import REL_TOL, _rewrite, assert_same_tensors
@@ -45,7 +46,7 @@ def test_config_maps_both_ways_and_transformers_accepts_ours(family):
 
 
 def test_shipped_35b_a3b_conf_has_a_qwen3_5_moe_form():
-    model = yaml.safe_load(Path("conf/model/qwen3p5_35b_a3b.yaml").read_text())
+    model = yaml.safe_load((conf_dir() / "model" / "qwen3p5_35b_a3b.yaml").read_text())
     hf = hf_config_from_model(model)
     assert hf["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in hf
     assert model_config_from_hf(hf, name=model["name"]) == model
