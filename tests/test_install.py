@@ -1,0 +1,105 @@
+"""megatron_iso as a user gets it: a non-editable ``pip install`` into a fresh virtual environment, run
+from a directory that is not the checkout. Its commands must find the configs (and example data) the
+package ships, write nothing into the working directory, and keep stderr free of warnings.
+
+The new environment borrows this one's third-party packages through a ``.pth`` line naming this
+environment's site-packages. Python appends such a line to ``sys.path`` without running the ``.pth``
+files inside that directory, so this checkout's editable install (a ``.pth`` import hook) stays out of it;
+the tests assert that ``megatron_iso`` is imported from the new environment's own site-packages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What `pip install <repo>` reads: the build files and the package (tests, tools and docs stay behind).
+SOURCES = ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "megatron_iso")
+TINY = [
+    "model=tiny_dense",
+    "rl.steps=1",
+    "rl.group_size=2",
+    "rl.max_new_tokens=2",
+    "task.prompts_per_step=2",
+    "logger=none",
+]
+# Lines a clean run must not print: Python and library warnings, Megatron's INFO records, tracebacks.
+NOISE = re.compile(r"warn|\bINFO\b|Traceback", re.IGNORECASE)
+
+
+def _env() -> dict[str, str]:
+    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONWARNINGS", "HYDRA_FULL_ERROR", "VIRTUAL_ENV", "MEGATRON_ISO_CONF")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+class Installed:
+    def __init__(self, venv: Path, site: Path) -> None:
+        self.venv, self.site = venv, site
+        self.python = venv / "bin" / "python"
+
+    def script(self, name: str) -> str:
+        return str(self.venv / "bin" / name)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    root = tmp_path_factory.mktemp("install")
+    src = root / "src"
+    src.mkdir()
+    for name in SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, src / name)
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=_env())
+    installed = Installed(venv, Path())
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run([str(installed.python), "-c", query], cwd=root).stdout.strip())
+    assert site.is_dir() and site.is_relative_to(venv), site
+    installed.site = site
+    ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    (site / "_megatron_iso_test_deps.pth").write_text("".join(f"{path}\n" for path in ours))
+    pip = [str(installed.python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index"]
+    proc = _run([*pip, "--ignore-installed", "--quiet", str(src)], cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return installed
+
+
+def test_the_installed_copy_is_the_one_imported_with_its_configs(installed: Installed, tmp_path: Path) -> None:
+    code = "import megatron_iso, megatron_iso.config as c; print(megatron_iso.__file__); print(c.conf_dir())"
+    proc = _run([str(installed.python), "-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, conf = (Path(line) for line in proc.stdout.split())
+    assert module.is_relative_to(installed.site), f"megatron_iso imported from {module}, not the new environment"
+    assert conf == installed.site / "megatron_iso" / "conf"
+    shipped = {p.relative_to(conf).as_posix() for p in conf.rglob("*.yaml")}
+    in_repo = {
+        p.relative_to(REPO / "megatron_iso" / "conf").as_posix() for p in (REPO / "megatron_iso/conf").rglob("*.yaml")
+    }
+    assert shipped == in_repo
+
+
+@pytest.mark.parametrize("task", ["residue"])
+def test_iso_train_runs_anywhere_with_a_clean_stderr(installed: Installed, tmp_path: Path, task: str) -> None:
+    workdir, run_dir = tmp_path / "elsewhere", tmp_path / "run"
+    workdir.mkdir()
+    proc = _run([installed.script("iso-train"), *TINY, f"task={task}", f"out_dir={run_dir}"], cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noisy = [line for line in (proc.stderr + proc.stdout).splitlines() if NOISE.search(line)]
+    assert noisy == [], "\n".join(noisy)
+    assert (run_dir / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in workdir.iterdir()) == [], "iso-train wrote into its working directory"
