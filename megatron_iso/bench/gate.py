@@ -23,13 +23,21 @@ Checks, in one process:
    Without ``lock`` a baseline lock of the incumbent is made
    first. With ``new_policy`` a numerical change is accepted as a NEW policy: the candidate's own
    identity enters the contract and the new ``numerical_policy`` digest is reported.
+
+Outcomes (``GateResult.exit_code``, the exit code of ``iso-gate``): :data:`EXIT_PASS`; :data:`EXIT_NUMERICS`
+when the numbers moved (it wins over speed: it does not depend on timing noise); :data:`EXIT_NOT_FASTER`.
+Failures: :class:`GateInputError` (a usage error), :class:`CandidateError` (the candidate, or the ``inputs``
+function, raised: the candidate's own bug, kept apart from the gate's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import inspect
+import math
 import statistics
 import sys
 import tempfile
@@ -37,6 +45,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import torch
@@ -44,11 +53,66 @@ import torch
 from megatron_iso.contract.registry import OpImpl
 from megatron_iso.errors import UserError
 
-EXIT_PASS, EXIT_NOT_FASTER, EXIT_LOCK_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2, 3
+# iso-gate's exit codes. 0, 1 and 2 follow megatron_iso.cli.exit_codes (yes / no / usage error); 3 (NaN stop)
+# and 4 (internal failure) keep their shared meaning; 5 and 6 are the gate's own.
+EXIT_PASS = 0  # faster and the numbers hold (or a declared new policy)
+EXIT_NOT_FASTER = 1  # the numbers hold, the speedup does not reach min_speedup
+EXIT_BAD_INPUT = 2  # a usage error: bad option, unknown op or candidate, unreadable lock (GateInputError)
+EXIT_NUMERICS = 5  # the numbers moved: lock mismatch or benchmark outputs differ (an undeclared policy change)
+EXIT_CANDIDATE_FAILED = 6  # the candidate (or the inputs function) raised: its traceback, not a gate bug
+EXIT_LOCK_MISMATCH = EXIT_NUMERICS  # the name before the codes were renumbered
 
 
 class GateInputError(UserError, ValueError):
     """The gate cannot run as asked (unknown op or candidate, bad inputs, unreadable lock)."""
+
+
+class CandidateError(Exception):
+    """The candidate implementation raised while the gate called it; ``__cause__`` is its exception.
+
+    Not a :class:`UserError` (its traceback matters to whoever wrote the candidate) and not an internal
+    failure of the gate either."""
+
+
+def _code_of(fn: Any) -> CodeType | None:
+    """The code object a call of ``fn`` runs (through wrappers, partials and bound methods); None for a builtin."""
+    fn = inspect.unwrap(fn)
+    while isinstance(fn, functools.partial):
+        fn = inspect.unwrap(fn.func)
+    return getattr(getattr(fn, "__func__", fn), "__code__", None)
+
+
+def _codes_in(exc: BaseException) -> list[CodeType]:
+    """The code of every frame in the tracebacks of ``exc`` and the exceptions it was raised from (a probe
+    failure re-raised by the lockfile check carries the candidate's frames in its cause)."""
+    codes: list[CodeType] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        tb = cur.__traceback__
+        while tb is not None:
+            codes.append(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        cur = cur.__cause__ or cur.__context__
+    return codes
+
+
+@contextlib.contextmanager
+def candidate_failures(fn: Callable[..., Any], what: str, *, direct: bool = False) -> Iterator[None]:
+    """Exceptions raised inside ``fn`` (user code: the candidate, the inputs function) become
+    :class:`CandidateError` naming ``what``. ``direct``: the block calls only ``fn``, so anything it raises is
+    ``fn``'s; otherwise the traceback must pass through ``fn``'s code (a gate bug beside a call of ``fn`` stays a
+    gate bug)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:
+        code = _code_of(fn)
+        if direct or (code is not None and code in _codes_in(exc)):
+            raise CandidateError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+        raise
 
 
 def _gemm_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -106,9 +170,9 @@ class GateResult:
 
     @property
     def exit_code(self) -> int:
-        if not self.faster:
-            return EXIT_NOT_FASTER
-        return EXIT_PASS if self.numerics_ok else EXIT_LOCK_MISMATCH
+        if not self.numerics_ok:
+            return EXIT_NUMERICS
+        return EXIT_PASS if self.faster else EXIT_NOT_FASTER
 
     def lines(self) -> list[str]:
         out = [
@@ -125,7 +189,7 @@ class GateResult:
             out.append("lock: contract and probe digests match")
         if self.new_policy:
             out.append(f"declared new numerical policy: {self.old_policy_digest} -> {self.new_policy_digest}")
-        verdict = {EXIT_PASS: "PASS", EXIT_NOT_FASTER: "FAIL (not faster)", EXIT_LOCK_MISMATCH: "FAIL (numerics)"}
+        verdict = {EXIT_PASS: "PASS", EXIT_NOT_FASTER: "FAIL (not faster)", EXIT_NUMERICS: "FAIL (numerics)"}
         out.append(f"gate: {verdict[self.exit_code]}")
         return out
 
@@ -168,15 +232,22 @@ def resolve_candidate(spec: str, op: str) -> Candidate:
 def bench_inputs(op: str, spec: str | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if spec:
         make = _import_attr(spec)
+        if not callable(make):
+            raise GateInputError(f"inputs={spec!r} is a {type(make).__name__}, expected a function")
+        with candidate_failures(make, f"inputs={spec!r}", direct=True):
+            made = make()
     elif op in DEFAULT_INPUTS:
-        make = DEFAULT_INPUTS[op]
+        made = DEFAULT_INPUTS[op]()
     else:
         raise GateInputError(
             f"no default benchmark inputs for op {op!r} (defaults: {sorted(DEFAULT_INPUTS)}); "
             "pass inputs=module:function returning (args, kwargs)"
         )
-    args, kwargs = make()
-    return tuple(args), dict(kwargs)
+    try:
+        args, kwargs = made
+        return tuple(args), dict(kwargs)
+    except (TypeError, ValueError):
+        raise GateInputError(f"inputs={spec!r} returned {type(made).__name__}, expected (args, kwargs)") from None
 
 
 def time_pair(
@@ -254,10 +325,25 @@ def swapped_in(incumbent: OpImpl, cand: Candidate, *, new_identity: OpImpl | Non
             setattr(module, attr, incumbent.fn)
 
 
+def check_candidate_id(candidate_id: str | None) -> None:
+    if candidate_id is not None and (
+        candidate_id.count("@") != 1 or candidate_id.startswith("@") or candidate_id.endswith("@")
+    ):
+        raise GateInputError(f"candidate_id={candidate_id!r} is not allowed; allowed values: 'impl_id@version'")
+
+
+def check_numbers(runs: Any, warmup: Any, min_speedup: Any) -> None:
+    """``runs`` an int >= 1, ``warmup`` an int >= 0, ``min_speedup`` a finite number > 0."""
+    for name, value, low in (("runs", runs, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise GateInputError(f"{name}={value!r} is not allowed; allowed values: integers >= {low}")
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, int | float) or not 0 < min_speedup < math.inf:
+        raise GateInputError(f"min_speedup={min_speedup!r} is not allowed; allowed values: finite numbers > 0")
+
+
 def _new_identity(incumbent: OpImpl, cand: Candidate, candidate_id: str | None) -> OpImpl:
     if candidate_id:
-        if candidate_id.count("@") != 1 or candidate_id.startswith("@") or candidate_id.endswith("@"):
-            raise GateInputError(f"candidate_id={candidate_id!r}: expected 'impl_id@version'")
+        check_candidate_id(candidate_id)
         impl_id, version = candidate_id.split("@")
         base = cand.impl or incumbent
         return dataclasses.replace(base, impl_id=impl_id, version=version, case_impls={})
@@ -282,18 +368,30 @@ def run_gate(
     inputs: str | None = None,
     ops_packages: Sequence[str] | None = None,
 ) -> GateResult:
-    """Run both checks (see the module doc); raises :class:`GateInputError` on bad input. ``ops_packages``:
-    the implementation packages to load instead of the project's own."""
+    """Run both checks (see the module doc); raises :class:`GateInputError` on bad input (before anything is
+    timed or written) and :class:`CandidateError` when the candidate raises. ``ops_packages``: the
+    implementation packages to load instead of the project's own."""
     from megatron_iso.config import load_config
     from megatron_iso.contract import load_op_implementations, read_lock, verify_lock, write_lock
     from megatron_iso.contract.build import resolve_device_class
     from megatron_iso.contract.registry import lookup
     from megatron_iso.settings import contract_for
 
-    if runs < 1 or warmup < 0 or min_speedup <= 0:
-        raise GateInputError(f"runs={runs} (>= 1), warmup={warmup} (>= 0), min_speedup={min_speedup} (> 0) required")
+    check_numbers(runs, warmup, min_speedup)
+    check_candidate_id(candidate_id)
+    if write_lock_to is not None and not new_policy:
+        raise GateInputError(
+            "write_lock_to (--write-lock) writes a new policy's lock; it needs new_policy (--new-policy)"
+        )
+    if write_lock_to is not None and not Path(write_lock_to).resolve().parent.is_dir():
+        raise GateInputError(f"write_lock_to={write_lock_to!r}: directory {Path(write_lock_to).parent} does not exist")
+    if lock is not None:
+        read_lock(lock)  # LockfileError (bad input) before anything runs
+    # The incumbent is looked up in the registry: fill it first (the named packages, or the project's own).
     if ops_packages:
         load_op_implementations(packages=ops_packages)
+    else:
+        load_op_implementations()
     cfg = load_config(list(overrides))
 
     def build_contract(cfg: Any) -> Any:
@@ -305,11 +403,22 @@ def run_gate(
     except KeyError as exc:
         raise GateInputError(str(exc.args[0])) from None
     cand = resolve_candidate(candidate, op)
+    what = f"candidate {cand.label!r}"
     args, kwargs = bench_inputs(op, inputs)
     with torch.no_grad():
-        ref_out = incumbent.fn(*args, **kwargs)
-        cand_out = cand.fn(*args, **kwargs)
-    t_inc, t_cand = time_pair(incumbent.fn, cand.fn, args, kwargs, runs, warmup)
+        try:
+            ref_out = incumbent.fn(*args, **kwargs)
+        except Exception as exc:
+            if inputs is None:
+                raise  # the project's own inputs for its own op: a bug
+            raise GateInputError(
+                f"the incumbent {incumbent.ref} raised {type(exc).__name__} on inputs={inputs!r} ({exc}); "
+                "the inputs must fit the op's signature"
+            ) from None
+        with candidate_failures(cand.fn, what, direct=True):
+            cand_out = cand.fn(*args, **kwargs)
+    with candidate_failures(cand.fn, what):
+        t_inc, t_cand = time_pair(incumbent.fn, cand.fn, args, kwargs, runs, warmup)
     old_digest = build_contract(cfg).identities.numerical_policy
     result = GateResult(
         op=op,
@@ -328,15 +437,13 @@ def run_gate(
             # Baseline: what the incumbent computes now.
             lock = str(Path(tmp) / "incumbent.lock.json")
             write_lock(lock, build_contract(cfg), list(overrides))
-        else:
-            read_lock(lock)  # LockfileError (bad input) before any swap
         identity = _new_identity(incumbent, cand, candidate_id) if new_policy else None
-        with swapped_in(incumbent, cand, new_identity=identity):
+        with candidate_failures(cand.fn, what), swapped_in(incumbent, cand, new_identity=identity):
             report = verify_lock(lock, build_contract(cfg))
             result.lock_lines = report.lines()
             if new_policy:
                 contract = build_contract(cfg)
                 result.new_policy_digest = contract.identities.numerical_policy
-                if write_lock_to:
+                if write_lock_to:  # its probe digests are the candidate's: written while it is swapped in
                     write_lock(write_lock_to, contract, list(overrides))
     return result
