@@ -19,7 +19,8 @@ step's memory (logits and activations of N sequences, not of all).
 ``--profile-step K``: step K of each profile runs under torch.profiler with a range per phase
 (``rl: rollout``, ``rl: train``, ``rl: publish``) and per model module (forward only; the backward's
 ops appear by name): top ops by self CUDA / CPU time and the parts, printed and in the JSON. That
-step's timings include the profiler's overhead and are left out of the means.
+step's timings include the profiler's overhead and are left out of the means. ``--profile-phase
+train`` (or ``rollout``) records only that phase of the step.
 """
 
 from __future__ import annotations
@@ -42,24 +43,47 @@ RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _profiled_step(trainer, step: int, rows: int) -> tuple[dict, dict]:
-    """One trainer step under torch.profiler, with phase and module ranges."""
+PHASES = {"rollout": "rl: rollout", "train_on": "rl: train", "publish_weights": "rl: publish"}
+PROFILE_PHASES = {"step": None, "rollout": "rollout", "train": "train_on"}
+
+
+def _profiled_step(trainer, step: int, rows: int, phase: str = "step") -> tuple[dict, dict]:
+    """One trainer step with torch.profiler recording the whole step (``phase="step"``) or only one phase
+    (``"rollout"``, ``"train"``), with phase and module ranges."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    phases = {"rollout": "rl: rollout", "train_on": "rl: train", "publish_weights": "rl: publish"}
-    for attr, label in phases.items():
-        setattr(trainer, attr, ranged(label, getattr(trainer, attr)))
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    only = PROFILE_PHASES[phase]
+    for attr, label in PHASES.items():
+        method = ranged(label, getattr(trainer, attr))
+        if attr == only:
+            method = _inside(prof, method, cuda)
+        setattr(trainer, attr, method)
     try:
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            with module_ranges(trainer.model):
+        with module_ranges(trainer.model):
+            if only is None:
+                with prof:
+                    metrics = trainer.step(step)
+                    if cuda:
+                        torch.cuda.synchronize()
+            else:
                 metrics = trainer.step(step)
-            if cuda:
-                torch.cuda.synchronize()
     finally:
-        for attr in phases:
+        for attr in PHASES:
             delattr(trainer, attr)  # back to the class's methods
     return metrics, summarize(prof, rows, device=cuda)
+
+
+def _inside(prof, method, cuda: bool):
+    def run(*args, **kwargs):
+        with prof:
+            out = method(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+        return out
+
+    return run
 
 
 def _config(profile: str, args: argparse.Namespace, out_dir: str):
@@ -114,9 +138,9 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
             steps, profiled = [], None
             for step in range(args.steps):
                 if step == args.profile_step:
-                    metrics, profiled = _profiled_step(trainer, step, args.profile_rows)
+                    metrics, profiled = _profiled_step(trainer, step, args.profile_rows, args.profile_phase)
                     if rank == 0:
-                        print(f"\n### profile: {profile}, step {step}")
+                        print(f"\n### profile: {profile}, step {step}, {args.profile_phase}")
                         print_summary(profiled)
                 else:
                     metrics = trainer.step(step)
@@ -169,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences per trainer micro-batch on each rank, both profiles (rl.train_micro_batch_seqs; 0: all in one)",
     )  # fmt: skip
     parser.add_argument("--profile-step", type=int, default=-1, help="profile this step (-1: none)")
+    parser.add_argument(
+        "--profile-phase", choices=sorted(PROFILE_PHASES), default="step",
+        help="what the profiled step records: the whole step, or only its rollout or its training",
+    )  # fmt: skip
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("rl_step.json"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
