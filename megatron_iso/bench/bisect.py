@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_iso.contract.lockfile import tensor_digest
+from megatron_iso.errors import UserError
 from megatron_iso.testing.bits import same_bits
 
 CASES = ("trainer_forward", "prefill_decode")
@@ -44,6 +45,10 @@ _OP_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|\.)mlp$", ("gemm", "swiglu")),
     (r"(^|\.)(linear_attention|gdn|mixer)$", ("gated_delta_rule", "gdn_conv1d", "gdn_gates", "gdn_l2norm")),
 )
+
+
+class BisectInputError(UserError, ValueError):
+    """A side or an input the bisect cannot run; the message names the setting and its allowed values."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def parse_side(spec: str) -> Side:
         else:
             overrides.append(tok)
     if case not in CASES:
-        raise ValueError(f"case={case!r} is not allowed; allowed values: {list(CASES)}")
+        raise BisectInputError(f"case={case!r} is not allowed; allowed values: {list(CASES)}")
     return Side(tuple(overrides), case)
 
 
@@ -80,12 +85,20 @@ class BisectInput:
     seed: int = 3
     weights_seed: int = 7
 
-    def sequences(self, vocab: int) -> list[list[int]]:
-        if not 2 <= self.prompt_len <= self.total_len or self.num_seqs < 1:
-            raise ValueError(
-                f"bisect input: need num_seqs >= 1 and 2 <= prompt_len <= total_len, got num_seqs={self.num_seqs}, "
-                f"prompt_len={self.prompt_len}, total_len={self.total_len}"
+    def check(self) -> None:
+        """Raise :class:`BisectInputError` naming the first field outside its allowed values."""
+        if self.num_seqs < 1:
+            raise BisectInputError(f"num_seqs={self.num_seqs} is not allowed; allowed values: integers >= 1")
+        if self.total_len < 2:
+            raise BisectInputError(f"total_len={self.total_len} is not allowed; allowed values: integers >= 2")
+        if not 2 <= self.prompt_len <= self.total_len:
+            raise BisectInputError(
+                f"prompt_len={self.prompt_len} is not allowed; allowed values: integers from 2 to "
+                f"total_len={self.total_len} (a prefill of at least 2 tokens)"
             )
+
+    def sequences(self, vocab: int) -> list[list[int]]:
+        self.check()
         g = torch.Generator().manual_seed(self.seed)
         return [torch.randint(0, vocab, (self.total_len,), generator=g).tolist() for _ in range(self.num_seqs)]
 
@@ -355,27 +368,64 @@ def _check_case(side: Side, cfg: dict[str, Any]) -> None:
     if side.case != "prefill_decode":
         return
     if cfg["parallel"].get("sp"):
-        raise ValueError(f"side '{side.label}': case=prefill_decode with parallel.sp=true; the decoder does not run SP")
+        raise BisectInputError("case=prefill_decode with parallel.sp=true: the decoder does not run SP")
     if is_hybrid(cfg["model"]):
         # TODO(hybrid): carry a GDNStateCache beside the KV cache (pack(gdn_cache=...)) here.
-        raise ValueError(f"side '{side.label}': case=prefill_decode of a hybrid (GDN) model is not supported yet")
+        raise BisectInputError("case=prefill_decode of a hybrid (GDN) model is not supported yet")
+
+
+def _check_runs_here(cfg: dict[str, Any]) -> None:
+    """What a side needs beyond a valid config: settings that Megatron can shard (``settings.resolve`` checks TP
+    and EP against the model), no pipeline stages, a CUDA device for ``device=cuda``, a contract that builds."""
+    from megatron_iso.settings import contract_inputs, resolve
+
+    settings = resolve(cfg)
+    contract_inputs(cfg)
+    if settings.parallel.pp != 1:
+        raise BisectInputError(
+            f"parallel.pp={settings.parallel.pp}: a side runs one pipeline stage; allowed values: [1]"
+        )
+    if settings.device_class == "cuda" and not torch.cuda.is_available():
+        raise BisectInputError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+
+
+def side_configs(side_a: Side, side_b: Side) -> list[dict[str, Any]]:
+    """Both sides' resolved configs, checked before any rank starts; an error names the side."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    configs = []
+    for flag, side in (("--a", side_a), ("--b", side_b)):
+        try:
+            cfg = side_config(side)
+            _check_runs_here(cfg)
+            _check_case(side, cfg)
+        except (UserError, HydraException, OmegaConfBaseException) as exc:
+            # A side's config error, told as the side's: which of the two sides holds the bad setting.
+            raise BisectInputError(f"{flag} {side.label!r}: {' '.join(str(exc).split())}") from None
+        configs.append(cfg)
+    return configs
 
 
 def bisect(side_a: Side, side_b: Side, inp: BisectInput | None = None, launcher: str = "gloo") -> BisectResult:
-    """Run both sides (each in its own process group) on the same input and compare op by op."""
-    from megatron_iso.bench.grid import LAUNCHERS
+    """Run both sides (each in its own process group) on the same input and compare op by op; a side or input
+    that cannot run raises :class:`BisectInputError` before any rank starts."""
+    from megatron_iso.bench.grid import LAUNCHERS, check_launcher
 
     inp = inp or BisectInput()
-    configs, results = [], []
-    sides = [(side, side_config(side)) for side in (side_a, side_b)]
-    for side, cfg in sides:
-        _check_case(side, cfg)
-    for side, cfg in sides:
+    inp.check()
+    if launcher not in LAUNCHERS:
+        try:
+            check_launcher(launcher, "launcher")
+        except ValueError as exc:
+            raise BisectInputError(str(exc)) from None
+    configs = side_configs(side_a, side_b)
+    results = []
+    for side, cfg in zip((side_a, side_b), configs, strict=True):
         p = cfg["parallel"]
         tp, ep = int(p["tp"]), int(p.get("ep", 1))
         world = math.lcm(tp, ep)  # as in iso-bench: data-parallel ranks hold the extra experts
         results.append(LAUNCHERS[launcher](run_side, world, tp=tp, ep=ep, args=(cfg, side.case, inp)))
-        configs.append(cfg)
     return compare_sides(side_a, side_b, results[0], results[1], configs[0], configs[1])
 
 
