@@ -61,6 +61,17 @@ def resume_mode(value: Any) -> str:
     return text
 
 
+def check_out_dir(value: Any) -> Path | None:
+    """``out_dir`` as a path; None (the default) lets the run make a new ``runs/<UTC time>-<id>``."""
+    if value is None:
+        return None
+    if not str(value).strip():
+        raise SettingsError(
+            f"out_dir={value!r} is not allowed; allowed values: a directory path, or null for a new runs/<time>-<id>"
+        )
+    return Path(str(value))
+
+
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -443,7 +454,7 @@ class Settings:
     rl: RLSettings | None = None
     rollout: RolloutSettings | None = None
     seed: int | None = None
-    out_dir: Path | None = None
+    out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
     resume: str = "false"  # one of RESUME_MODES
     dist_timeout_s: float | None = None  # collectives' timeout (dist_timeout_s); None: torch's default
 
@@ -496,7 +507,7 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
         rl=rl_settings,
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
         seed=None if c.get("seed") is None else int(c["seed"]),
-        out_dir=None if c.get("out_dir") is None else Path(str(c["out_dir"])),
+        out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),
         dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
     )
@@ -504,7 +515,13 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
 
 def check_trainable(settings: Settings) -> None:
     """What a training run needs beyond a valid config, checked before any world or model is built: a
-    visible CUDA device for ``device=cuda``, and no pipeline parallelism (not supported yet)."""
+    visible CUDA device for ``device=cuda``, no pipeline parallelism (not supported yet), and an ``out_dir``
+    to continue when ``resume`` asks to (a run without one gets a new directory: nothing to resume there)."""
+    if settings.out_dir is None and settings.resume != "false":
+        raise SettingsError(
+            f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
+            "runs/<time>-<id>); set out_dir=..."
+        )
     if settings.parallel.pp != 1:
         raise SettingsError(
             f"parallel.pp={settings.parallel.pp}: the trainer does not run pipeline parallelism yet; allowed values: [1]"

@@ -12,6 +12,8 @@ logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at e
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megatron_iso.errors import NonFiniteError, UserError
 from megatron_iso.rl.losses import (
@@ -77,7 +79,7 @@ class Trainer:
         self.rl: RLSettings = self.settings.require("rl")
         self.loss_cfg = _loss_config(self.rl)
         self.micro_batch_seqs = self.rl.train_micro_batch_seqs
-        self.run_dir: Path = self.settings.require("out_dir")
+        self.run_dir: Path | None = self.settings.out_dir  # train() names it before building the Trainer
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -489,23 +491,50 @@ def _check_resumable(checkpoint: Path, cfg: DictConfig) -> None:
 TIMING_PREFIXES = ("timing/", "throughput/", "memory/")
 
 
+def _plan_start(run_dir: Path, settings: Settings, cfg: DictConfig) -> Path | None:
+    """The checkpoint to resume from in ``run_dir`` (None: a new run), by the rules of ``rl.run_dir``."""
+    from megatron_iso.rl.checkpoint import latest_checkpoint
+    from megatron_iso.rl.run_dir import plan_start
+
+    resume_from = plan_start(run_dir, settings.resume, latest_checkpoint(run_dir) if run_dir.exists() else None)
+    if resume_from is not None:
+        _check_resumable(resume_from, cfg)
+    return resume_from
+
+
+def _new_run_dir(cfg: DictConfig, settings: Settings, rank: int) -> tuple[DictConfig, Settings]:
+    """A run without ``out_dir``: a new ``runs/<UTC time>-<id>`` (the same on every rank), printed, and put into
+    copies of ``cfg`` (what config.yaml and the logger record) and ``settings``."""
+    from megatron_iso.rl.run_dir import default_run_dir
+
+    run_dir = default_run_dir()
+    if rank == 0:
+        print(f"out_dir={run_dir} (a new run directory; out_dir=PATH chooses one)", file=sys.stderr)
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.out_dir = str(run_dir)
+    return cfg, dataclasses.replace(settings, out_dir=run_dir)
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run ``cfg.rl.steps`` RL steps in ``cfg.out_dir``: a new run (``resume=false``), the continuation of its
-    latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``."""
-    from megatron_iso.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from megatron_iso.rl.run_dir import RunLock, plan_start
+    latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``. Without an
+    ``out_dir`` (null) the run gets a new directory, named once the world is up and before anything is written."""
+    from megatron_iso.rl.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_iso.rl.run_dir import RunLock
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     settings = resolve(cfg)
     check_trainable(settings)
     rl: RLSettings = settings.require("rl")
-    run_dir = settings.require("out_dir")
-    resume_from = plan_start(run_dir, settings.resume, latest_checkpoint(run_dir) if run_dir.exists() else None)
-    if resume_from is not None:
-        _check_resumable(resume_from, cfg)
+    # An out_dir given is checked before any world opens; a new one after, once every rank knows its name.
+    resume_from = None if settings.out_dir is None else _plan_start(settings.out_dir, settings, cfg)
     with contextlib.ExitStack() as stack:
         rank = stack.enter_context(config_world(settings))
+        if settings.out_dir is None:
+            cfg, settings = _new_run_dir(cfg, settings, rank)  # a directory no run has: nothing to resume
+        run_dir: Path = settings.out_dir
         trainer = Trainer(cfg, rank, settings)
         # Taken once the run is built (a run that fails to build writes nothing) and before anything is written.
         if rank == 0:

@@ -10,13 +10,17 @@
   kept there too.
 - What the run trains (model, task, tokenizer) is its identity: resuming with another one is refused
   with the differing keys named.
+- Without an ``out_dir`` a run gets a directory of its own, ``runs/<UTC start time>-<random id>``
+  (:func:`default_run_dir`), the same on every rank of a launch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +31,36 @@ from megatron_iso.errors import UserError
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"
 LOCK_FILE = ".lock"
+# Where runs without an out_dir go (relative to the working directory, as a relative out_dir is).
+RUNS_ROOT = Path("runs")
 
 
 class RunDirError(UserError, RuntimeError):
     """The run directory cannot be used as asked; the message names the directory and the way out."""
+
+
+def new_run_name(now: datetime | None = None, token: str | None = None) -> str:
+    """A default run directory's name: the UTC start time to the second and 6 random hex digits
+    (``20261203-221500-3fa2c1``): names sort by start time, and two runs started in the same second differ."""
+    now = now if now is not None else datetime.now(timezone.utc)
+    token = token if token is not None else secrets.token_hex(3)
+    return f"{now.astimezone(timezone.utc):%Y%m%d-%H%M%S}-{token}"
+
+
+def default_run_dir(root: Path = RUNS_ROOT) -> Path:
+    """``root/<new_run_name()>``, a path nothing exists at yet, the same on every rank: the ranks of a launch
+    start at different times and draw different ids, so rank 0 names it and broadcasts the name (one
+    collective; call it on every rank of an initialised world, or without one)."""
+    import torch.distributed as dist
+
+    name = new_run_name()
+    while (root / name).exists():  # another run started in the same second and drew the same id
+        name = new_run_name()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    return root / name
 
 
 def plan_start(run_dir: Path, mode: str, latest: Path | None) -> Path | None:

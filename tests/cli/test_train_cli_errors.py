@@ -4,11 +4,13 @@ traceback, and nothing written (every case checks that its out_dir was not creat
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none"]
@@ -35,6 +37,7 @@ BAD_SETTINGS = [
     ("rl.nosuchkey=1", r"Could not override 'rl\.nosuchkey'"),
     ("dist_timeout_s=0", r"dist_timeout_s=0 is not allowed; allowed values: finite numbers > 0"),
     ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),
+    ("out_dir=", r"out_dir='' is not allowed; allowed values: a directory path, or null"),
 ]
 
 
@@ -52,8 +55,6 @@ def _error_lines(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize(("override", "message"), BAD_SETTINGS, ids=[o for o, _ in BAD_SETTINGS])
 def test_a_bad_setting_is_one_line_with_exit_2_and_writes_nothing(tmp_path, override, message):
-    import re
-
     run_dir = tmp_path / "run"
     proc = _iso_train(*FAST, f"out_dir={run_dir}", override, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -81,3 +82,24 @@ def test_a_second_bare_run_in_the_same_out_dir_is_refused_with_the_way_out(tmp_p
     proc = _iso_train(*FAST, f"out_dir={run_dir}", "rl.steps=1", cwd=tmp_path)
     assert proc.returncode == 2 and "resume=auto" in _error_lines(proc.stderr)[0]
     assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_bare_runs_in_one_directory_each_get_a_new_run_dir(tmp_path):
+    procs = [_iso_train(*FAST, "rl.steps=1", cwd=tmp_path) for _ in range(2)]
+    assert [p.returncode for p in procs] == [0, 0], procs[-1].stderr[-2000:]
+    dirs = sorted((tmp_path / "runs").iterdir())
+    assert len(dirs) == 2 and all((d / "metrics.jsonl").is_file() for d in dirs)
+    printed = [re.search(r"^out_dir=(\S+) ", p.stderr, re.MULTILINE) for p in procs]
+    assert sorted(tmp_path / m.group(1) for m in printed) == dirs
+    assert [yaml.safe_load((d / "config.yaml").read_text())["out_dir"] for d in dirs] == [
+        str(d.relative_to(tmp_path)) for d in dirs
+    ]
+
+
+@pytest.mark.parametrize("mode", ["true", "auto"])
+def test_resume_without_an_out_dir_is_refused(tmp_path, mode):
+    proc = _iso_train(*FAST, f"resume={mode}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and f"resume={mode} needs the out_dir of the run to continue" in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()

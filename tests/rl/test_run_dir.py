@@ -1,4 +1,5 @@
-"""Run-directory rules: explicit resume modes, the exclusive lock, metrics never lost, identity diffs."""
+"""Run-directory rules: explicit resume modes, the exclusive lock, metrics never lost, identity diffs, and the
+new directory of a run without out_dir."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
@@ -13,11 +16,14 @@ from megatron_iso.rl.run_dir import (
     REWOUND_FILE,
     RunDirError,
     RunLock,
+    default_run_dir,
     identity_diff,
+    new_run_name,
     plan_start,
     rewind_metrics,
 )
-from megatron_iso.settings import SettingsError, resume_mode
+from megatron_iso.settings import SettingsError, check_out_dir, resume_mode
+from megatron_iso.testing.harness import run_on_ranks
 
 
 def _metrics(run_dir, steps, torn: str | None = None):
@@ -124,3 +130,40 @@ def test_identity_diff_names_nested_keys():
     now = {"model": {"rope_theta": 1e4, "hidden": 64}, "task": {"name": "residue", "extra": 1}}
     assert identity_diff(saved, now) == ["model.rope_theta: 1000000.0 -> 10000.0", "task.extra: '<absent>' -> 1"]
     assert identity_diff(saved, saved) == []
+
+
+def test_a_default_run_name_is_the_utc_start_time_and_a_random_id():
+    east = timezone(timedelta(hours=9))
+    assert new_run_name(datetime(2026, 12, 4, 7, 15, 0, tzinfo=east), "3fa2c1") == "20261203-221500-3fa2c1"
+    a, b = new_run_name(), new_run_name()
+    assert a != b and a[:15] <= b[:15]
+
+
+def test_a_default_run_dir_is_new(tmp_path, monkeypatch):
+    import megatron_iso.rl.run_dir as run_dir
+
+    names = iter(["20261203-221500-aaaaaa", "20261203-221500-aaaaaa", "20261203-221500-bbbbbb"])
+    monkeypatch.setattr(run_dir, "new_run_name", lambda: next(names))
+    (tmp_path / "20261203-221500-aaaaaa").mkdir()
+    assert default_run_dir(tmp_path) == tmp_path / "20261203-221500-bbbbbb"
+
+
+def _rank_run_dir(root: str) -> str:
+    import time
+
+    import torch.distributed as dist
+
+    time.sleep(1.1 * dist.get_rank())  # ranks start at different times: their own names would differ
+    return str(default_run_dir(Path(root)))
+
+
+def test_every_rank_of_a_launch_gets_rank_0s_run_dir(tmp_path):
+    dirs = run_on_ranks(_rank_run_dir, 2, args=(str(tmp_path),), timeout=120)
+    assert dirs[0] == dirs[1] and Path(dirs[0]).parent == tmp_path
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_out_dir_is_refused(value):
+    with pytest.raises(SettingsError, match=r"out_dir=.* is not allowed; allowed values: a directory path, or null"):
+        check_out_dir(value)
+    assert check_out_dir(None) is None and check_out_dir("runs/a") == Path("runs/a")
