@@ -122,6 +122,7 @@ def import_hf(
     tc = transformer_config(cfg)
     tp, ep = tc.tensor_model_parallel_size, int(cfg.parallel.get("ep", 1))
     iso_format.expected_shards(tc, tp, ep)  # a layout the model cannot take fails before anything is written
+    identities = _identities(cfg)  # so does a config without a contract (e.g. a bad profile override)
     weights = checked_hf_weights(read_hf_weights(hf_dir), tc, read_hf_config(hf_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     # No manifest while files change: readers see an incomplete checkpoint, never a mixed one.
@@ -140,7 +141,7 @@ def import_hf(
             "fused_experts": weights.fused_experts,
             "dropped_tensors": list(weights.dropped),
         },
-        "identities": _identities(cfg),
+        "identities": identities,
         "source": str(hf_dir.resolve()),
     }
     iso_format.write_manifest(out_dir, manifest)

@@ -1,17 +1,47 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a torn write."""
+"""Checkpoint file I/O. Writes are atomic: a reader sees the old file or the complete new one, never a torn
+write. Reads of files that are not what they claim (a truncated or corrupted safetensors file, a damaged JSON
+index or manifest) raise :class:`CheckpointFileError` naming the file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from megatron_iso.errors import UserError
+
+
+class CheckpointFileError(UserError, ValueError):
+    """A checkpoint or HF weight file that cannot be read as what it claims to be; the message names the file."""
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """``safe_open(path)`` on the CPU; a missing, truncated or corrupted file is a :class:`CheckpointFileError`."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as exc:
+        raise CheckpointFileError(f"{path}: not a readable safetensors file (truncated or corrupted? {exc})") from None
+    except FileNotFoundError:
+        raise CheckpointFileError(f"{path}: no such file") from None
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content; a file that is not UTF-8 JSON is a :class:`CheckpointFileError` naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFileError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:

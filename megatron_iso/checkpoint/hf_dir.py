@@ -4,15 +4,19 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from megatron_iso.checkpoint.files import write_json, write_safetensors
+from megatron_iso.checkpoint.files import (
+    CheckpointFileError,
+    open_safetensors,
+    read_json,
+    write_json,
+    write_safetensors,
+)
 from megatron_iso.models.hf_config import HF_CONFIG_FILE
 
 SINGLE_FILE = "model.safetensors"
@@ -23,7 +27,7 @@ HF_METADATA = {"format": "pt"}
 
 def _read_file(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     out = {}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
+    with open_safetensors(path) as f:
         present = set(f.keys())
         for name in names if names is not None else sorted(present):
             if name not in present:
@@ -36,7 +40,9 @@ def read_hf_weights(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF safetensors directory, by name (single file or sharded)."""
     hf_dir = Path(hf_dir)
     if (hf_dir / INDEX_FILE).is_file():
-        index = json.loads((hf_dir / INDEX_FILE).read_text(encoding="utf-8"))
+        index = read_json(hf_dir / INDEX_FILE)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise CheckpointFileError(f"{hf_dir / INDEX_FILE}: no 'weight_map' object (tensor name -> file)")
         by_file: dict[str, list[str]] = {}
         for name, file in index["weight_map"].items():
             by_file.setdefault(file, []).append(name)

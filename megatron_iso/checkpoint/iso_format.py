@@ -8,16 +8,20 @@ directory without one is an incomplete write, not a checkpoint.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from megatron_iso.checkpoint.files import write_json, write_safetensors
+from megatron_iso.checkpoint.files import (
+    CheckpointFileError,
+    open_safetensors,
+    read_json,
+    write_json,
+    write_safetensors,
+)
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.weights import hf_shapes, is_expert_param, megatron_shard
 
@@ -76,10 +80,11 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no {MANIFEST}: not a megatron_iso checkpoint (or an incomplete write)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(
-            f"{path}: format={manifest.get('format')!r} version={manifest.get('version')!r}; "
+    manifest = read_json(path)
+    found = manifest if isinstance(manifest, dict) else {}
+    if found.get("format") != FORMAT or found.get("version") != VERSION:
+        raise CheckpointFileError(
+            f"{path}: format={found.get('format')!r} version={found.get('version')!r}; "
             f"supported: format={FORMAT!r} version={VERSION}"
         )
     return manifest
@@ -109,7 +114,7 @@ class RankShards:
 
 
 def _read_file(path: Path, expected: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt", device="cpu") as f:
+    with open_safetensors(path) as f:
         present = set(f.keys())
         for name, shape in expected.items():
             if name not in present:

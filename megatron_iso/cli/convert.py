@@ -5,8 +5,12 @@ against HF transformers.
   iso-convert export  --ckpt DIR --out DIR [--max-shard-size BYTES]
   iso-convert compare --hf DIR [--tokens 1,2,3] [--seed S] [--length L] [--max-rel TOL] [overrides...]
 
-Overrides are Hydra's (``profile=performance model.params_dtype=bf16``). Exit codes: 0 ok;
-1 compare exceeded ``--max-rel``; 2 bad input (unsupported config, missing/misshapen tensor, no file).
+Overrides are Hydra's (``profile=performance model.params_dtype=bf16``).
+
+Exit codes (``megatron_iso.cli.exit_codes``): 0 ok; 1 compare: the logits differ by more than --max-rel
+or are not finite; 2 usage error: a bad option or override, an unsupported config, a missing, truncated
+or corrupted file, a missing or misshapen tensor (one line on stderr naming it; nothing is written);
+4 internal failure (traceback). --debug (or HYDRA_FULL_ERROR=1) re-raises every error.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT = 0, 1, 2
+from megatron_iso.cli.arg_types import finite_float, int_at_least, int_list
+from megatron_iso.cli.exit_codes import EXIT_NO, EXIT_OK, EXIT_USAGE, debug_requested, one_line, run_cli
+
+EXIT_DIFFERS, EXIT_BAD_INPUT = EXIT_NO, EXIT_USAGE
+# How the conversion functions (and the model/config readers under them) report a bad input: a missing file,
+# an unreadable one, a tensor missing (KeyError) or of the wrong shape (ValueError). At this boundary they
+# are the user's to fix; UserErrors (an unsupported config, a damaged file) are usage errors anyway.
+INPUT_ERRORS = (KeyError, ValueError, OSError)
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -40,8 +51,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from megatron_iso.checkpoint.compare import compare_with_transformers
 
-    tokens = [int(t) for t in args.tokens.split(",") if t.strip()] if args.tokens else None
-    result = compare_with_transformers(args.hf, args.overrides, tokens=tokens, seed=args.seed, length=args.length)
+    result = compare_with_transformers(args.hf, args.overrides, tokens=args.tokens, seed=args.seed, length=args.length)
     if args.max_rel is not None:
         result["max_rel_tolerance"] = args.max_rel
         result["within_tolerance"] = result["finite"] and result["max_rel_diff"] <= args.max_rel
@@ -52,23 +62,37 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="iso-convert", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="iso-convert",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n")[-1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--debug", action="store_true", help="re-raise errors with their traceback")
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF safetensors directory -> megatron_iso checkpoint at a TP/EP layout")
     imp.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     imp.add_argument("--out", required=True, help="checkpoint directory to write")
-    imp.add_argument("--tp", type=int, default=None, help="TP layout to write (default: parallel.tp)")
-    imp.add_argument("--ep", type=int, default=None, help="EP layout of a MoE model's experts (default: parallel.ep)")
+    imp.add_argument("--tp", type=int_at_least(1), default=None, help="TP layout to write (default: parallel.tp)")
+    imp.add_argument(
+        "--ep", type=int_at_least(1), default=None, help="EP layout of a MoE model's experts (default: parallel.ep)"
+    )
     exp = sub.add_parser("export", help="megatron_iso checkpoint (any TP/EP layout) -> HF safetensors directory")
     exp.add_argument("--ckpt", required=True)
     exp.add_argument("--out", required=True)
-    exp.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="split weights into shards")
+    exp.add_argument(
+        "--max-shard-size", type=int_at_least(1), default=None, metavar="BYTES", help="split weights into shards"
+    )
     cmp_ = sub.add_parser("compare", help="fp32 logits of megatron_iso vs HF transformers as one JSON object")
     cmp_.add_argument("--hf", required=True)
-    cmp_.add_argument("--tokens", default=None, help="comma-separated token ids (default: random)")
+    cmp_.add_argument("--tokens", type=int_list, default=None, help="comma-separated token ids (default: random)")
     cmp_.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    cmp_.add_argument("--length", type=int, default=16, help="number of random token ids")
-    cmp_.add_argument("--max-rel", type=float, default=None, help="exit 1 if max_rel_diff exceeds this")
+    cmp_.add_argument("--length", type=int_at_least(1), default=16, help="number of random token ids")
+    cmp_.add_argument(
+        "--max-rel", type=finite_float(0, allow_low=True), default=None, help="exit 1 if max_rel_diff exceeds this"
+    )
+    for sp in (imp, exp, cmp_):
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for sp in (imp, cmp_):
         sp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. profile=performance")
     return p
@@ -87,18 +111,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    try:
-        return COMMANDS[args.command](args)
-    except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
-        # UnsupportedHFConfig is a ValueError; KeyError's str() adds quotes, so use its argument.
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"iso-convert {args.command}: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as exc:  # Hydra override errors carry their own clear message
-        if type(exc).__module__.startswith(("hydra", "omegaconf")):
-            print(f"iso-convert {args.command}: {exc}", file=sys.stderr)
+    prog = f"iso-convert {args.command}"
+
+    def command() -> int:
+        try:
+            return COMMANDS[args.command](args)
+        except INPUT_ERRORS as exc:
+            if debug_requested(args.debug):
+                raise
+            # KeyError's str() adds quotes around its message: print the message itself.
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            print(f"{prog}: error: {one_line(Exception(message))}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        raise
+
+    return run_cli(prog, command, debug=args.debug)
 
 
 if __name__ == "__main__":
