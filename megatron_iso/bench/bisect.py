@@ -374,16 +374,17 @@ def _check_case(side: Side, cfg: dict[str, Any]) -> None:
         raise BisectInputError("case=prefill_decode of a hybrid (GDN) model is not supported yet")
 
 
-def _check_runs_here(cfg: dict[str, Any]) -> None:
-    """What a side needs beyond a valid config: settings that Megatron can shard (``settings.resolve`` checks TP
-    and EP against the model), no pipeline stages, a CUDA device for ``device=cuda``, a contract that builds."""
+def check_config_runs(cfg: dict[str, Any]) -> None:
+    """What a side (or an iso-bench layout) needs beyond a valid config: settings that Megatron can shard
+    (``settings.resolve`` checks TP and EP against the model), a contract that builds, one pipeline stage, a
+    CUDA device for ``device=cuda``. Errors are UserErrors naming the setting and its allowed values."""
     from megatron_iso.settings import contract_inputs, resolve
 
     settings = resolve(cfg)
     contract_inputs(cfg)
     if settings.parallel.pp != 1:
         raise BisectInputError(
-            f"parallel.pp={settings.parallel.pp}: a side runs one pipeline stage; allowed values: [1]"
+            f"parallel.pp={settings.parallel.pp}: the model runs as one pipeline stage here; allowed values: [1]"
         )
     if settings.device_class == "cuda" and not torch.cuda.is_available():
         raise BisectInputError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
@@ -398,7 +399,7 @@ def side_configs(side_a: Side, side_b: Side) -> list[dict[str, Any]]:
     for flag, side in (("--a", side_a), ("--b", side_b)):
         try:
             cfg = side_config(side)
-            _check_runs_here(cfg)
+            check_config_runs(cfg)
             _check_case(side, cfg)
         except (UserError, HydraException, OmegaConfBaseException) as exc:
             # A side's config error, told as the side's: which of the two sides holds the bad setting.

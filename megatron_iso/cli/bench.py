@@ -8,29 +8,50 @@ Examples::
     iso-bench --launcher torchrun bench.tp=[1,2]       # layouts' ranks by torchrun: one per GPU, NCCL
 
 ``--launcher gloo|torchrun`` is shorthand for the ``bench.launcher=`` override.
+
+Exit codes (``megatron_iso.cli.exit_codes``): 0 the grid ran and its report was written; 2 usage error: a bad
+flag, override or ``bench.*`` setting, or a grid layout the model cannot run (e.g. a TP that does not divide
+its heads), one line on stderr, checked before any rank starts and before anything is written; 3 a NaN or
+Inf stop; 4 internal failure (traceback). ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows every traceback.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import sys
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from megatron_iso.config import conf_dir
+from megatron_iso.cli.exit_codes import EXIT_OK, run_cli
+from megatron_iso.config import conf_dir, load_config
+from megatron_iso.errors import UserError
 
+PROG = "iso-bench"
 CONFIG_NAME = "iso_bench"
+
+
+class BenchSettingsError(UserError, ValueError):
+    """A flag or ``bench.*`` setting iso-bench cannot run; the message names it and its allowed values."""
 
 
 def _run(cfg: DictConfig) -> None:
     from megatron_iso.bench.run import run_bench
 
-    run_bench(cfg)
+    def bench() -> int:
+        run_bench(cfg)
+        return EXIT_OK
+
+    code = run_cli(PROG, bench)
+    if code != EXIT_OK:
+        sys.exit(code)
 
 
 def launcher_flag(argv: list[str]) -> list[str]:
     """``argv`` with ``--launcher NAME`` / ``--launcher=NAME`` turned into the ``bench.launcher=NAME``
-    override; a name outside ``megatron_iso.bench.grid.LAUNCHERS`` is refused before anything runs."""
+    override; a name outside ``megatron_iso.bench.grid.LAUNCHERS`` is a :class:`BenchSettingsError`."""
     from megatron_iso.bench.grid import LAUNCHERS, check_launcher
 
     out, i = [], 0
@@ -39,22 +60,100 @@ def launcher_flag(argv: list[str]) -> list[str]:
         if arg == "--launcher" or arg.startswith("--launcher="):
             if arg == "--launcher":
                 if i + 1 >= len(argv):
-                    raise SystemExit(f"iso-bench: --launcher needs a value; allowed values: {sorted(LAUNCHERS)}")
+                    raise BenchSettingsError(f"--launcher needs a value; allowed values: {sorted(LAUNCHERS)}")
                 name, i = argv[i + 1], i + 2
             else:
                 name, i = arg.split("=", 1)[1], i + 1
             try:
                 out.append(f"bench.launcher={check_launcher(name, '--launcher')}")
             except ValueError as exc:
-                raise SystemExit(f"iso-bench: {exc}") from None
+                raise BenchSettingsError(str(exc)) from None
             continue
         out.append(arg)
         i += 1
     return out
 
 
+def _refuse(key: str, value: Any, allowed: str) -> BenchSettingsError:
+    return BenchSettingsError(f"bench.{key}={value!r} is not allowed; allowed values: {allowed}")
+
+
+def _check_values(b: dict[str, Any]) -> None:
+    """The ``bench`` group's own values (the grid's axes are checked by ``grid.layouts``)."""
+    from megatron_iso.bench.grid import LAUNCHERS
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key in ("profiles", "tp", "ep", "sp", "batch", "prompt_len"):
+        if not isinstance(b.get(key), list):
+            raise _refuse(key, b.get(key), "a list, e.g. [1, 2]")
+    if not b["batch"] or not all(is_int(v) and v >= 1 for v in b["batch"]):
+        raise _refuse("batch", b["batch"], "a non-empty list of integers >= 1")
+    lo_hi = b["prompt_len"]
+    if len(lo_hi) != 2 or not all(is_int(v) for v in lo_hi) or not 1 <= lo_hi[0] <= lo_hi[1]:
+        raise _refuse("prompt_len", lo_hi, "[min, max], integers with 1 <= min <= max")
+    for key in ("new_tokens", "kv_cache_mb"):
+        if not is_int(b.get(key)) or b[key] < 1:
+            raise _refuse(key, b.get(key), "integers >= 1")
+    for key in ("prompt_seed", "sample_seed", "weights_seed"):
+        if not is_int(b.get(key)):
+            raise _refuse(key, b.get(key), "integers")
+    t = b.get("temperature")
+    if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
+        raise _refuse("temperature", t, "finite numbers > 0")
+    if not isinstance(b.get("full_vocab"), bool):
+        raise _refuse("full_vocab", b.get("full_vocab"), "true or false")
+    if b.get("launcher") not in LAUNCHERS:
+        raise _refuse("launcher", b.get("launcher"), str(sorted(LAUNCHERS)))
+    if not isinstance(b.get("out"), str) or not b["out"].strip():
+        raise _refuse("out", b.get("out"), "a file path")
+    if b.get("plot") is not None and (not isinstance(b["plot"], str) or not b["plot"].strip()):
+        raise _refuse("plot", b["plot"], "null or a file path")
+
+
+def check_bench(cfg: DictConfig) -> None:
+    """Every ``bench.*`` setting, and every layout of the grid against the model and the device, checked before
+    any rank starts: a :class:`BenchSettingsError` (or the settings' own UserError) names what to change."""
+    from megatron_iso.bench.bisect import check_config_runs
+    from megatron_iso.bench.grid import layout_config, layouts
+
+    b = OmegaConf.to_container(cfg.bench, resolve=True)
+    _check_values(b)
+    try:
+        lays, _ = layouts(b["profiles"], b["tp"], b["ep"], b["sp"])
+    except ValueError as exc:
+        raise BenchSettingsError(str(exc)) from None
+    base = OmegaConf.to_container(cfg, resolve=True)
+    # What no layout changes (device, model, profile, pipeline) first, told plainly; then each layout's sizes.
+    check_config_runs({**base, "parallel": {**base["parallel"], "tp": 1, "ep": 1, "sp": False}})
+    for lay in lays:
+        try:
+            check_config_runs(layout_config(base, lay))
+        except UserError as exc:
+            axes = f"bench.tp={b['tp']}, bench.ep={b['ep']}, bench.sp={b['sp']}"
+            raise BenchSettingsError(f"layout {lay.name} of the grid ({axes}): {exc}") from None
+
+
+def _prepare(argv: list[str], out: list[str]) -> int:
+    """``argv`` with the flags turned into overrides (into ``out``); plain overrides composed and checked, so that
+    a bad one is a one-line usage error and not Hydra's report or a rank's traceback."""
+    out[:] = launcher_flag(argv)
+    if not any(a.startswith("-") for a in out):
+        check_bench(load_config(out, config_name=CONFIG_NAME))
+    return EXIT_OK
+
+
 def main() -> None:
-    sys.argv[1:] = launcher_flag(sys.argv[1:])
+    argv = sys.argv[1:]
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # run_cli and Hydra both re-raise with the traceback
+    overrides: list[str] = []
+    code = run_cli(PROG, lambda: _prepare(argv, overrides))
+    if code != EXIT_OK:
+        sys.exit(code)
+    sys.argv[:] = [PROG, *overrides]  # Hydra's own usage errors then read "iso-bench: error: ..." as well
     hydra.main(config_path=str(conf_dir()), config_name=CONFIG_NAME, version_base=None)(_run)()
 
 
