@@ -441,6 +441,47 @@ def attention_bench() -> list[dict[str, Any]]:
     return rows
 
 
+def attention_backward_bench() -> list[dict[str, Any]]:
+    """Training attention backward at Qwen3-8B heads (32 q, 8 kv, d=128, bf16, causal, packed sequences):
+    the Triton kernels vs the plain fp32 formula they replace vs SDPA's backward (not deterministic)."""
+    import torch.nn.functional as F
+
+    from megatron_iso.ops.attention import autograd as attn_autograd
+    from megatron_iso.ops.attention.backward_triton import attention_backward
+
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    scale = d**-0.5
+    for n_seq, L in ((16, 768), (4, 2048), (1, 8192)):
+        T = n_seq * L
+        q, k, v = (_rand((T, h, d), torch.bfloat16, 90 + i) for i, h in enumerate((hq, hkv, hkv)))
+        g = _rand((T, hq, d), torch.bfloat16, 95)
+        cu_list = [i * L for i in range(n_seq + 1)]
+        cu = torch.tensor(cu_list, device="cuda")
+        runs = [attention_backward(q, k, v, g, cu, L, scale) for _ in range(2)]
+        same = all(_bits_equal(a, b) for a, b in zip(runs[0][:3], runs[1][:3], strict=True))
+        ms = _time_events_ms(functools.partial(attention_backward, q, k, v, g, cu, L, scale), rep=10)
+        plain_ms = None
+        if n_seq * hq * L * L * 4 <= 2 << 30:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = attn_autograd._plain_varlen(*leaves, cu_list, scale, None)
+            plain_ms = _time_events_ms(
+                functools.partial(torch.autograd.grad, out, leaves, g.float(), retain_graph=True), rep=5
+            )
+        qs, ks, vs = (t.view(n_seq, L, -1, d).transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        gs = g.view(n_seq, L, hq, d).transpose(1, 2)
+        sdpa_ms = _time_events_ms(functools.partial(torch.autograd.grad, out, (qs, ks, vs), gs, retain_graph=True), rep=10)
+        flop = 2.5 * 4 * n_seq * hq * d * L * L / 2
+        r = {"n_seq": n_seq, "L": L, "ms": ms, "tflops": flop / ms / 1e9, "deterministic": same,
+             "plain_fp32_ms": plain_ms, "sdpa_ms": sdpa_ms, "ratio_to_sdpa": sdpa_ms / ms}  # fmt: skip
+        rows.append(r)
+        plain = f"{plain_ms:.2f} ms" if plain_ms is not None else "skipped (memory)"
+        print(f"attn backward {n_seq}x{L}: ours {ms:.2f} ms ({r['tflops']:.0f} TFLOP/s, same bits twice: {same}), "
+              f"plain fp32 {plain}, sdpa {sdpa_ms:.2f} ms ({r['ratio_to_sdpa']:.2f}x)", flush=True)  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------- memory-bound ops
 def norm_bench(bw: float) -> dict[str, Any]:
     try:
@@ -503,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-large-only", action="store_true", help="with --sweep: skip the small-M schedules")
     ap.add_argument("--tiles", action="store_true", help="tile-equivalence experiment and G=1 tile candidates")
     ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA")
+    ap.add_argument("--attention-backward", action="store_true", help="training attention backward vs SDPA")
     ap.add_argument("--skip-mem", action="store_true", help="skip RMSNorm / logprob")
     ap.add_argument("--moe", action="store_true", help="grouped expert GEMM vs per-expert cuBLAS / leaf-tree loops")
     ap.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)), help="comma-separated token counts")
@@ -543,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 res[key] = {"error": repr(exc)[:500]}
                 print(key, "ERROR", repr(exc)[:500], flush=True)
+    if args.attention_backward:
+        try:
+            res["attention_backward"] = attention_backward_bench()
+        except Exception as exc:
+            res["attention_backward"] = {"error": repr(exc)[:500]}
+            print("attention_backward ERROR", repr(exc)[:500], flush=True)
     if args.moe:
         try:
             res["moe"] = moe_bench(tuple(int(t) for t in args.moe_tokens.split(",")))

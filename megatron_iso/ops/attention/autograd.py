@@ -1,6 +1,9 @@
-"""Training attention: the invariant forward, and as the plain backward formula (see
-``ops/common/autograd.py``) causal GQA attention in differentiable fp32 torch ops, sequences batched with padding
-(one launch sequence per group of sequences instead of per sequence: the backward was host-bound)."""
+"""Training attention: the invariant forward, and a deterministic backward.
+
+On CUDA the backward is ``backward_triton.attention_backward`` (FlashAttention-2 style kernels, no
+atomics). Elsewhere, and as the readable reference those kernels are tested against, it is the plain
+formula (see ``ops/common/autograd.py``): causal GQA attention in differentiable fp32 torch ops, sequences
+batched with padding (one launch sequence per group of sequences instead of per sequence)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from collections.abc import Callable
 import torch
 
 from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.common.dispatch import import_triton_module
+
+BACKWARD_TRITON_MODULE = "megatron_iso.ops.attention.backward_triton"
 
 # Padded score tensors of one batched call stay below this many bytes; more sequences go in several calls.
 _SCORES_BYTES = 1 << 30
@@ -89,6 +95,30 @@ def _plain_varlen(
     return out
 
 
+class _KernelBackward(torch.autograd.Function):
+    """The invariant forward; the backward by the Triton kernels (inputs saved, statistics recomputed)."""
+
+    @staticmethod
+    def forward(ctx, invariant, q, k, v, gate, cu_seqlens, max_len, scale):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v, gate, cu_seqlens)
+        ctx.max_len, ctx.scale = max_len, scale
+        with torch.no_grad():
+            return invariant(q, k, v, gate)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, gate, cu_seqlens = ctx.saved_tensors
+        kernels = import_triton_module(BACKWARD_TRITON_MODULE, "the attention backward on cuda")
+        dq, dk, dv, dgate = kernels.attention_backward(q, k, v, grad_out, cu_seqlens, ctx.max_len, ctx.scale, gate)
+        return None, dq, dk, dv, dgate, None, None, None
+
+
+def kernel_backward_serves(q: torch.Tensor) -> bool:
+    """Whether the Triton backward takes ``q``: on CUDA, head dim a power of two >= 16."""
+    d = q.shape[-1]
+    return q.is_cuda and d >= 16 and not d & (d - 1)
+
+
 def attention_varlen_trainable(
     forward_fn: Callable[..., torch.Tensor],
     q: torch.Tensor,
@@ -105,6 +135,10 @@ def attention_varlen_trainable(
 
     def invariant(q, k, v, gate):
         return forward_fn(q, k, v, cu_seqlens, softmax_scale=scale, gate=gate)
+
+    if kernel_backward_serves(q):
+        max_len = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
+        return _KernelBackward.apply(invariant, q, k, v, gate, cu_seqlens, max_len, scale)
 
     def plain(q, k, v, gate):
         return _plain_varlen(q, k, v, bounds, scale, gate)

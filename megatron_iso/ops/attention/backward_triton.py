@@ -1,0 +1,234 @@
+"""Causal GQA attention backward over packed sequences in Triton, FlashAttention-2 style: the training
+path's gradient on CUDA (the invariant forward kernels are forward-only).
+
+Deterministic, not invariant: every gradient element is accumulated by one program in a fixed loop
+order and no atomics are used, so the same inputs give the same bits on every call. Three kernels:
+
+- ``_stats_kernel``: per (query block, head) the softmax statistics ``lse`` and the fp32 output ``o``
+  (online softmax over the causal key blocks); ``delta = rowsum(dO * o)`` is then one torch reduction;
+- ``_dkdv_kernel``: per (key block, kv head) loops over the head's query group and the query blocks at
+  or after the key block, accumulating ``dK`` and ``dV`` in fp32;
+- ``_dq_kernel``: per (query block, head) loops over the causal key blocks, accumulating ``dQ``.
+
+Products run on tensor cores in the inputs' dtype with fp32 accumulation; ``p`` and ``ds`` are rounded
+to that dtype before their products, as in FlashAttention-2. Under ``TRITON_INTERPRET=1`` the products
+take fp32 operands (the interpreter's bf16 ``tl.dot`` is wrong). The readable reference this kernel is
+tested against is ``ops.attention.autograd``'s plain padded attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+BLOCK_M = 16 if _INTERPRET else 64  # query rows per tile
+BLOCK_N = 16 if _INTERPRET else 64  # key rows per tile
+
+
+@triton.jit
+def _operand(t, DOT_FP32: tl.constexpr, dtype: tl.constexpr):
+    if DOT_FP32:
+        return t.to(tl.float32)
+    return t.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    # fp32 operands multiply exactly ("ieee"), never through TF32.
+    if DOT_FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _sequence(CU, seq):
+    start = tl.load(CU + seq)
+    return start, tl.load(CU + seq + 1) - start
+
+
+@triton.jit
+def _tile(PTR, start, idx, ok, s_t, head, s_h, dims, DOT_FP32: tl.constexpr, dtype: tl.constexpr):
+    """Rows ``start + idx`` of one head, zero where not ``ok``, as a product operand."""
+    t = tl.load(PTR + (start + idx)[:, None] * s_t + head * s_h + dims[None, :], mask=ok[:, None], other=0.0)
+    return _operand(t, DOT_FP32, dtype)
+
+
+@triton.jit
+def _probs_and_score_grads(q, k, v, do, lse, delta, rows, keys, row_ok, key_ok, qk_scale, DOT_FP32: tl.constexpr):
+    """``p = softmax`` probabilities (causal, recomputed from ``lse``) and ``ds = p * (dO v^T - delta)``."""
+    s = _dot(q, tl.trans(k), DOT_FP32) * qk_scale
+    allowed = (keys[None, :] <= rows[:, None]) & key_ok[None, :] & row_ok[:, None]
+    p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), DOT_FP32)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _stats_kernel(
+    Q, K, V, OUT, LSE, CU,
+    s_qt, s_qh, s_kt, s_kh, s_ot, s_oh,
+    qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    mb, seq, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, length = _sequence(CU, seq)
+    m0 = mb * BM
+    if m0 >= length:
+        return
+    rows = m0 + tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    dims = tl.arange(0, D)
+    kvh = h // GROUP
+    row_ok = rows < length
+    q = _tile(Q, start, rows, row_ok, s_qt, h, s_qh, dims, DOT_FP32, Q.dtype.element_ty)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    for n0 in range(0, tl.minimum(length, m0 + BM), BN):
+        keys = n0 + cols
+        key_ok = keys < length
+        k = _tile(K, start, keys, key_ok, s_kt, kvh, s_kh, dims, DOT_FP32, Q.dtype.element_ty)
+        v = _tile(V, start, keys, key_ok, s_kt, kvh, s_kh, dims, DOT_FP32, Q.dtype.element_ty)
+        s = _dot(q, tl.trans(k), DOT_FP32) * qk_scale
+        s = tl.where((keys[None, :] <= rows[:, None]) & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(_operand(p, DOT_FP32, Q.dtype.element_ty), v, DOT_FP32)
+        m_i = m_new
+    tl.store(OUT + (start + rows)[:, None] * s_ot + h * s_oh + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
+    tl.store(LSE + (start + rows) * (s_qt // s_qh) + h, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU,
+    s_qt, s_qh, s_kt, s_kh, s_dkt, s_dkh,
+    qk_scale, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    nb, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, length = _sequence(CU, seq)
+    n0 = nb * BN
+    if n0 >= length:
+        return
+    keys = n0 + tl.arange(0, BN)
+    key_ok = keys < length
+    dims = tl.arange(0, D)
+    k = _tile(K, start, keys, key_ok, s_kt, kvh, s_kh, dims, DOT_FP32, Q.dtype.element_ty)
+    v = _tile(V, start, keys, key_ok, s_kt, kvh, s_kh, dims, DOT_FP32, Q.dtype.element_ty)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    heads = s_qt // s_qh
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        for m0 in range((n0 // BM) * BM, length, BM):
+            rows = m0 + tl.arange(0, BM)
+            row_ok = rows < length
+            q = _tile(Q, start, rows, row_ok, s_qt, h, s_qh, dims, DOT_FP32, Q.dtype.element_ty)
+            do = _tile(DO, start, rows, row_ok, s_qt, h, s_qh, dims, DOT_FP32, Q.dtype.element_ty)
+            lse = tl.load(LSE + (start + rows) * heads + h, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + (start + rows) * heads + h, mask=row_ok, other=0.0)
+            p, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, keys, row_ok, key_ok, qk_scale, DOT_FP32)
+            dv += _dot(tl.trans(_operand(p, DOT_FP32, Q.dtype.element_ty)), do, DOT_FP32)
+            dk += _dot(tl.trans(_operand(ds, DOT_FP32, Q.dtype.element_ty)), q, DOT_FP32)
+    out_off = (start + keys)[:, None] * s_dkt + kvh * s_dkh + dims[None, :]
+    tl.store(DK + out_off, dk * sm_scale, mask=key_ok[:, None])
+    tl.store(DV + out_off, dv, mask=key_ok[:, None])
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU,
+    s_qt, s_qh, s_kt, s_kh,
+    qk_scale, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    mb, seq, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, length = _sequence(CU, seq)
+    m0 = mb * BM
+    if m0 >= length:
+        return
+    rows = m0 + tl.arange(0, BM)
+    row_ok = rows < length
+    cols = tl.arange(0, BN)
+    dims = tl.arange(0, D)
+    kvh = h // GROUP
+    heads = s_qt // s_qh
+    q = _tile(Q, start, rows, row_ok, s_qt, h, s_qh, dims, DOT_FP32, Q.dtype.element_ty)
+    do = _tile(DO, start, rows, row_ok, s_qt, h, s_qh, dims, DOT_FP32, Q.dtype.element_ty)
+    lse = tl.load(LSE + (start + rows) * heads + h, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + (start + rows) * heads + h, mask=row_ok, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    for n0 in range(0, tl.minimum(length, m0 + BM), BN):
+        keys = n0 + cols
+        key_ok = keys < length
+        k = _tile(K, start, keys, key_ok, s_kt, kvh, s_kh, dims, DOT_FP32, Q.dtype.element_ty)
+        v = _tile(V, start, keys, key_ok, s_kt, kvh, s_kh, dims, DOT_FP32, Q.dtype.element_ty)
+        _, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, keys, row_ok, key_ok, qk_scale, DOT_FP32)
+        dq += _dot(_operand(ds, DOT_FP32, Q.dtype.element_ty), k, DOT_FP32)
+    tl.store(DQ + (start + rows)[:, None] * s_qt + h * s_qh + dims[None, :], dq * sm_scale, mask=row_ok[:, None])
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients ``(dq, dk, dv, dgate)`` of ``out = causal_attention(q, k, v) * sigmoid(gate)`` over packed
+    sequences (q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, gate ``[T, Hq, D or 1]`` or None) given ``grad_out``.
+    Gradients come back in their inputs' dtypes; ``max_len`` is the longest sequence (host int)."""
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads or d & (d - 1) or d < 16:
+        raise ValueError(
+            f"attention backward: Hq={heads} must be a multiple of Hkv={kv_heads}, D={d} a power of two >= 16"
+        )
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    nseq = cu.numel() - 1
+    group = heads // kv_heads
+    qk_scale = scale * LOG2E
+    dot_fp32 = _INTERPRET or q.dtype == torch.float32
+    o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
+    common = dict(GROUP=group, D=d, BM=BLOCK_M, BN=BLOCK_N, DOT_FP32=dot_fp32)
+    q_blocks = triton.cdiv(max(max_len, 1), BLOCK_M)
+    if t and nseq:
+        _stats_kernel[(q_blocks, nseq, heads)](
+            q, k, v, o, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
+            qk_scale, num_warps=4, num_stages=2, **common,
+        )  # fmt: skip
+    g_out = grad_out.float()
+    dgate = None
+    if gate is not None:
+        sig = torch.sigmoid(gate.float())
+        dgate_full = g_out * o * sig * (1.0 - sig)
+        dgate = (dgate_full.sum(-1, keepdim=True) if gate.shape[-1] == 1 else dgate_full).to(gate.dtype)
+        g_out = g_out * sig
+    delta = (g_out * o).sum(-1)
+    do = g_out.to(q.dtype).contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if t and nseq:
+        _dkdv_kernel[(triton.cdiv(max(max_len, 1), BLOCK_N), nseq, kv_heads)](
+            q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            dk.stride(0), dk.stride(1), qk_scale, scale, num_warps=8, num_stages=2, **common,
+        )  # fmt: skip
+        _dq_kernel[(q_blocks, nseq, heads)](
+            q, k, v, do, lse, delta, dq, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            qk_scale, scale, num_warps=4, num_stages=2, **common,
+        )  # fmt: skip
+    return dq, dk, dv, dgate
