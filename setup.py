@@ -18,9 +18,10 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
     packages=find_packages(include=["megatron_iso", "megatron_iso.*"]),
-    # The Hydra configs (megatron_iso/conf/, every group directory) travel with the package: the CLIs find
-    # them next to the installed modules, whatever the working directory (MANIFEST.in: the same for sdists).
-    package_data={"megatron_iso": ["py.typed", "conf/*.yaml", "conf/**/*.yaml"]},
+    # The Hydra configs (megatron_iso/conf/, every group directory) and the example data beside them travel
+    # with the package: the CLIs find them next to the installed modules, whatever the working directory
+    # (MANIFEST.in: the same for sdists).
+    package_data={"megatron_iso": ["py.typed", "conf/*.yaml", "conf/**/*.yaml", "conf/**/*.jsonl"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1,<0.17",

@@ -86,14 +86,15 @@ def test_the_installed_copy_is_the_one_imported_with_its_configs(installed: Inst
     module, conf = (Path(line) for line in proc.stdout.split())
     assert module.is_relative_to(installed.site), f"megatron_iso imported from {module}, not the new environment"
     assert conf == installed.site / "megatron_iso" / "conf"
-    shipped = {p.relative_to(conf).as_posix() for p in conf.rglob("*.yaml")}
-    in_repo = {
-        p.relative_to(REPO / "megatron_iso" / "conf").as_posix() for p in (REPO / "megatron_iso/conf").rglob("*.yaml")
-    }
-    assert shipped == in_repo
+
+    def files(root: Path) -> set[str]:
+        return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+    shipped = files(conf)  # every config and the example data beside them
+    assert shipped == files(REPO / "megatron_iso" / "conf") and "task/arith.jsonl" in shipped
 
 
-@pytest.mark.parametrize("task", ["residue"])
+@pytest.mark.parametrize("task", ["residue", "jsonl_math"])
 def test_iso_train_runs_anywhere_with_a_clean_stderr(installed: Installed, tmp_path: Path, task: str) -> None:
     workdir, run_dir = tmp_path / "elsewhere", tmp_path / "run"
     workdir.mkdir()

@@ -4,6 +4,11 @@ A task yields prompts as token ids for a given step (deterministic in (seed, ste
 run sees the same prompts) and scores responses. Rewards are pluggable: ``task.reward`` names a
 registered reward or a ``module:function`` path taking ``(prompt: Prompt, response: list[int],
 tokenizer) -> float``.
+
+File settings (``task.path``, a ``task.tokenizer`` directory) that are relative paths name a file in the
+working directory or, when there is none there, in the config directory (``megatron_iso/conf/``: the
+shipped example data, e.g. ``task/arith.jsonl``), so the shipped tasks run from any directory. A
+setting or data file the task cannot use is a :class:`TaskError`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,27 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from megatron_iso.errors import UserError
+
+
+class TaskError(UserError, ValueError):
+    """A task setting, or the data it names, that the run cannot use; the message names the ``task.<field>``."""
+
+
+def resolve_task_path(value: str, field_name: str, *, directory: bool = False) -> Path:
+    """``task.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
+    the working directory, else in the config directory (where the shipped example data lives)."""
+    from megatron_iso.config import conf_dir
+
+    path = Path(value).expanduser()
+    tried = [path] if path.is_absolute() else [Path.cwd() / path, conf_dir() / path]
+    for candidate in tried:
+        if candidate.is_dir() if directory else candidate.is_file():
+            return candidate
+    kind = "directory" if directory else "file"
+    raise TaskError(f"task.{field_name}={value!r}: no such {kind} ({' nor '.join(str(t) for t in tried)})")
+
 
 # --- tokenizers ---------------------------------------------------------------------------
 
@@ -44,9 +70,13 @@ class HFTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"task.tokenizer={path!r} is not a directory with tokenizer files")
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        where = resolve_task_path(path, "tokenizer", directory=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise TaskError(
+                f"task.tokenizer={path!r}: {where} holds no tokenizer transformers can load ({exc})"
+            ) from exc
         self.vocab_size = len(self._tok)
 
     def encode(self, text: str) -> list[int]:
@@ -101,11 +131,14 @@ def resolve_reward(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     if ":" not in name:
-        raise ValueError(f"task.reward={name!r} is not allowed; allowed values: {sorted(REWARDS)} or 'module:function'")
+        raise TaskError(f"task.reward={name!r} is not allowed; allowed values: {sorted(REWARDS)} or 'module:function'")
     module, func = name.split(":", 1)
-    fn = getattr(importlib.import_module(module), func, None)
+    try:
+        fn = getattr(importlib.import_module(module), func, None)
+    except ImportError as exc:
+        raise TaskError(f"task.reward={name!r}: cannot import {module} ({exc})") from exc
     if not callable(fn):
-        raise ValueError(f"task.reward={name!r}: {module} has no callable {func!r}")
+        raise TaskError(f"task.reward={name!r}: {module} has no callable {func!r}")
     return fn
 
 
@@ -140,7 +173,9 @@ class ResidueTask(Task):
                  prompt_len: int, modulus: int, conditional: bool) -> None:  # fmt: skip
         super().__init__(reward, tokenizer, prompts_per_step, seed)
         if modulus < 2 or modulus > vocab_size:
-            raise ValueError(f"task.modulus={modulus} must be in [2, vocab_size={vocab_size}]")
+            raise TaskError(f"task.modulus={modulus} must be in [2, vocab_size={vocab_size}]")
+        if prompt_len < 1:
+            raise TaskError(f"task.prompt_len={prompt_len} is not allowed; allowed values: integers >= 1")
         self.vocab_size, self.prompt_len, self.modulus, self.conditional = vocab_size, prompt_len, modulus, conditional
 
     def prompts(self, step: int) -> list[Prompt]:
@@ -157,29 +192,38 @@ class JsonlTask(Task):
     def __init__(self, reward: RewardFn, tokenizer: Tokenizer, prompts_per_step: int, seed: int, *, path: str,
                  template: str) -> None:  # fmt: skip
         super().__init__(reward, tokenizer, prompts_per_step, seed)
-        file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"task.path={path!r}: dataset file not found")
-        self.rows = []
-        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        self.file = resolve_task_path(path, "path")
+        self.rows, self.lines = [], []  # the rows, and each one's line number in the file
+        for n, line in enumerate(self.file.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "prompt" not in row or "answer" not in row:
-                raise ValueError(f"{path}:{n}: each line needs 'prompt' and 'answer' keys, got {sorted(row)}")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskError(f"task.path={path!r}: {self.file}:{n} is not JSON ({exc})") from None
+            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+                got = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise TaskError(f"task.path={path!r}: {self.file}:{n} needs 'prompt' and 'answer' keys, got {got}")
             self.rows.append(row)
+            self.lines.append(n)
         if not self.rows:
-            raise ValueError(f"task.path={path!r} holds no rows")
+            raise TaskError(f"task.path={path!r}: {self.file} holds no rows")
+        try:
+            uses_prompt = template.format(prompt="a") != template.format(prompt="b")
+        except (KeyError, IndexError, ValueError):
+            uses_prompt = False
+        if not uses_prompt:
+            raise TaskError(f"task.template={template!r} must hold the field {{prompt}} and no other field")
         self.template = template
+
+    def _ids(self, i: int) -> list[int]:
+        return self.tokenizer.encode(self.template.format(prompt=self.rows[i]["prompt"]))
 
     def prompts(self, step: int) -> list[Prompt]:
         order = torch.randperm(len(self.rows), generator=self._generator(step // max(1, len(self.rows))))
         start = (step * self.prompts_per_step) % len(self.rows)
         picks = [int(order[(start + i) % len(self.rows)]) for i in range(self.prompts_per_step)]
-        return [
-            Prompt(ids=self.tokenizer.encode(self.template.format(prompt=self.rows[i]["prompt"])), meta=self.rows[i])
-            for i in picks
-        ]
+        return [Prompt(ids=self._ids(i), meta=self.rows[i]) for i in picks]
 
 
 TASKS = ("residue", "jsonl")
@@ -189,10 +233,10 @@ def make_task(cfg: Any, vocab_size: int, seed: int) -> Task:
     """Build ``cfg`` (the Hydra ``task`` group) for a model with ``vocab_size`` tokens."""
     kind = str(cfg.name)
     if kind not in TASKS:
-        raise ValueError(f"task.name={kind!r} is not allowed; allowed values: {list(TASKS)}")
+        raise TaskError(f"task.name={kind!r} is not allowed; allowed values: {list(TASKS)}")
     tokenizer = make_tokenizer(str(cfg.get("tokenizer", "bytes")))
     if getattr(tokenizer, "vocab_size", vocab_size) > vocab_size:
-        raise ValueError(f"task.tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+        raise TaskError(f"task.tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
     reward = resolve_reward(str(cfg.reward))
     n = int(cfg.prompts_per_step)
     if kind == "residue":

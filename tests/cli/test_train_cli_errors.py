@@ -38,6 +38,11 @@ BAD_SETTINGS = [
     ("dist_timeout_s=0", r"dist_timeout_s=0 is not allowed; allowed values: finite numbers > 0"),
     ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),
     ("out_dir=", r"out_dir='' is not allowed; allowed values: a directory path, or null"),
+    ("task.name=chess", r"task\.name='chess' is not allowed; allowed values: \['residue', 'jsonl'\]"),
+    (
+        "task=jsonl_math task.path=nope.jsonl",
+        r"task\.path='nope\.jsonl': no such file \(.*/nope\.jsonl nor .*/nope\.jsonl\)",
+    ),
 ]
 
 
@@ -56,7 +61,7 @@ def _error_lines(stderr: str) -> list[str]:
 @pytest.mark.parametrize(("override", "message"), BAD_SETTINGS, ids=[o for o, _ in BAD_SETTINGS])
 def test_a_bad_setting_is_one_line_with_exit_2_and_writes_nothing(tmp_path, override, message):
     run_dir = tmp_path / "run"
-    proc = _iso_train(*FAST, f"out_dir={run_dir}", override, cwd=tmp_path)
+    proc = _iso_train(*FAST, f"out_dir={run_dir}", *override.split(), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and re.search(message, lines[0]), proc.stderr[-2000:]

@@ -1,9 +1,18 @@
 import json
+import re
 
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_iso.rl.tasks import ByteTokenizer, Prompt, make_task, resolve_reward
+from megatron_iso.config import conf_dir, load_config
+from megatron_iso.errors import UserError
+from megatron_iso.rl.tasks import (
+    ByteTokenizer,
+    Prompt,
+    TaskError,
+    make_task,
+    resolve_reward,
+)
 
 
 def _cfg(**kw):
@@ -41,15 +50,50 @@ def test_jsonl_math_task_uses_math_verify(tmp_path):
     assert task.reward(prompts[0], tok.encode("The answer is 12345")) == 0.0
 
 
-def test_task_errors_name_the_field(tmp_path):
-    with pytest.raises(FileNotFoundError, match="task.path"):
-        make_task(
-            _cfg(name="jsonl", reward="math_verify", path=str(tmp_path / "nope.jsonl"), template="{prompt}"), 256, 0
-        )
-    with pytest.raises(ValueError, match=r"task.name='chess'"):
+def _jsonl(**kw):
+    return _cfg(
+        **{"name": "jsonl", "reward": "math_verify", "template": "Q: {prompt}\nA: ", "prompts_per_step": 2} | kw
+    )
+
+
+def test_task_errors_are_user_errors_naming_the_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    missing = re.escape(
+        f"task.path='nope.jsonl': no such file ({tmp_path / 'nope.jsonl'} nor {conf_dir() / 'nope.jsonl'})"
+    )
+    with pytest.raises(TaskError, match=missing):
+        make_task(_jsonl(path="nope.jsonl"), 256, 0)
+    with pytest.raises(TaskError, match=r"task.name='chess'"):
         make_task(_cfg(name="chess"), 256, 0)
-    with pytest.raises(ValueError, match=r"task.reward='nope'"):
+    with pytest.raises(TaskError, match=r"task.reward='nope'"):
         resolve_reward("nope")
+    with pytest.raises(TaskError, match=r"task.reward='no_such_module:f': cannot import no_such_module"):
+        resolve_reward("no_such_module:f")
+    with pytest.raises(TaskError, match=r"task.prompt_len=0 is not allowed"):
+        make_task(_cfg(prompt_len=0), 256, 0)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2",\n')
+    with pytest.raises(TaskError, match=r"task.path='bad.jsonl': .*bad.jsonl:2 is not JSON"):
+        make_task(_jsonl(path="bad.jsonl"), 256, 0)
+    (tmp_path / "keys.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    with pytest.raises(TaskError, match=r"keys.jsonl:1 needs 'prompt' and 'answer' keys, got \['answer', 'question'\]"):
+        make_task(_jsonl(path="keys.jsonl"), 256, 0)
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    for template in ("Q: {question}", "no prompt here"):
+        with pytest.raises(TaskError, match=r"task.template=.* must hold the field \{prompt\}"):
+            make_task(_jsonl(path="ok.jsonl", template=template), 256, 0)
+    assert issubclass(TaskError, UserError)  # the CLI prints it as one line, exit 2
+
+
+def test_the_shipped_jsonl_task_runs_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["task=jsonl_math"]).task
+    task = make_task(cfg, 256, 0)
+    assert task.file == conf_dir() / str(cfg.path) and task.file.is_file() and len(task.rows) > 10
+    # A file of the same relative name in the working directory is the user's: it wins.
+    (tmp_path / cfg.path).parent.mkdir(parents=True)
+    (tmp_path / cfg.path).write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
+    mine = make_task(cfg, 256, 0)
+    assert mine.file == tmp_path / cfg.path and len(mine.rows) == 1
 
 
 def test_reward_resolves_from_a_dotted_path():
