@@ -432,7 +432,7 @@ class RolloutSettings:
 
 def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
     return RolloutSettings(
-        kv_cache_mb=int(rollout["kv_cache_mb"]),
+        kv_cache_mb=_int(rollout["kv_cache_mb"], "rollout.kv_cache_mb", 1),
         paged_kv_reads=bool(rollout["paged_kv_reads"]),
         cuda_graphs=bool(rollout["cuda_graphs"]),
     )

@@ -38,7 +38,7 @@ from megatron_iso.rl.losses import (
 )
 from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
-from megatron_iso.rl.tasks import Prompt, make_task
+from megatron_iso.rl.tasks import Prompt, check_prompts_fit, make_task, rollout_refusal
 from megatron_iso.settings import RLSettings, Settings, check_trainable, config_world, resolve
 
 
@@ -167,6 +167,7 @@ class Trainer:
 
     def _build_task(self) -> None:
         self.task = make_task(self.cfg.task, self.tc.vocab_size, self.settings.require("seed"))
+        check_prompts_fit(self.task, rollout_refusal(self.engine, self.rl.max_new_tokens, self.rl.group_size))
         self.device = next(self.model.parameters()).device
 
     # --- one RL step ------------------------------------------------------------------------

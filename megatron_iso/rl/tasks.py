@@ -7,15 +7,16 @@ tokenizer) -> float``.
 
 File settings (``task.path``, a ``task.tokenizer`` directory) that are relative paths name a file in the
 working directory or, when there is none there, in the config directory (``megatron_iso/conf/``: the
-shipped example data, e.g. ``task/arith.jsonl``), so the shipped tasks run from any directory. A
-setting or data file the task cannot use is a :class:`TaskError`.
+shipped example data, e.g. ``task/arith.jsonl``), so the shipped tasks run from any directory. Every
+prompt a task can yield is checked against the rollout's limits before the first step
+(:func:`check_prompts_fit`). A setting or data file the task cannot use is a :class:`TaskError`.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -154,6 +155,10 @@ class Task:
     def prompts(self, step: int) -> list[Prompt]:
         raise NotImplementedError
 
+    def prompt_lengths(self) -> Iterator[tuple[str, int]]:
+        """Every prompt this task can yield, as (where it comes from, for an error message; its token count)."""
+        raise NotImplementedError
+
     def reward(self, prompt: Prompt, response: list[int]) -> float:
         return float(self.reward_fn(prompt, response, self.tokenizer))
 
@@ -184,6 +189,9 @@ class ResidueTask(Task):
         return [
             Prompt(ids=row, meta={"key": row[-1] if self.conditional else 0, "modulus": self.modulus}) for row in ids
         ]
+
+    def prompt_lengths(self) -> Iterator[tuple[str, int]]:
+        yield f"task.prompt_len={self.prompt_len}: every prompt", self.prompt_len
 
 
 class JsonlTask(Task):
@@ -219,6 +227,10 @@ class JsonlTask(Task):
     def _ids(self, i: int) -> list[int]:
         return self.tokenizer.encode(self.template.format(prompt=self.rows[i]["prompt"]))
 
+    def prompt_lengths(self) -> Iterator[tuple[str, int]]:
+        for i in range(len(self.rows)):
+            yield f"task.path row {i} ({self.file}:{self.lines[i]}, with task.template)", len(self._ids(i))
+
     def prompts(self, step: int) -> list[Prompt]:
         order = torch.randperm(len(self.rows), generator=self._generator(step // max(1, len(self.rows))))
         start = (step * self.prompts_per_step) % len(self.rows)
@@ -243,3 +255,46 @@ def make_task(cfg: Any, vocab_size: int, seed: int) -> Task:
         return ResidueTask(reward, tokenizer, n, seed, vocab_size=vocab_size, prompt_len=int(cfg.prompt_len),
                            modulus=int(cfg.modulus), conditional=bool(cfg.get("conditional", False)))  # fmt: skip
     return JsonlTask(reward, tokenizer, n, seed, path=str(cfg.path), template=str(cfg.template))
+
+
+# --- prompt lengths against the rollout's limits -------------------------------------------------------------------
+
+
+def check_prompts_fit(task: Task, refusal: Callable[[int], str | None]) -> None:
+    """Refuse, before the first step, a task holding a prompt the rollout would refuse when its row comes up.
+    ``refusal(n)``: why a prompt of ``n`` tokens cannot run (naming the setting to change), None when it can
+    (:func:`rollout_refusal`). The error names the first such prompt and its length."""
+    verdicts: dict[int, str | None] = {}
+    for where, n in task.prompt_lengths():
+        if n not in verdicts:
+            verdicts[n] = "the prompt is empty" if n == 0 else refusal(n)
+        if verdicts[n] is not None:
+            raise TaskError(f"{where} has {n} tokens: {verdicts[n]}")
+
+
+def rollout_refusal(engine: Any, max_new_tokens: int, group_size: int) -> Callable[[int], str | None]:
+    """For :func:`check_prompts_fit`: the admission checks of ``engine`` (a
+    :class:`~megatron_iso.inference.engine.RolloutEngine`) for a prompt of ``n`` tokens sampled ``group_size``
+    times with up to ``max_new_tokens`` new tokens, as its ``add_request`` applies them."""
+
+    def refusal(n: int) -> str | None:
+        limit = engine.max_model_len
+        if n >= limit:
+            return (
+                f"the model runs at most {limit} tokens per sequence, prompt and response (model.max_position_embeddings"
+                f"={limit}); shorten the prompt, or raise model.max_position_embeddings for a model that allows it"
+            )
+        total = min(n + max_new_tokens, limit)
+        for cache in engine.caches:
+            need, have = cache.cost(n, total, group_size, engine.config.prefix_caching, 0), cache.capacity()
+            if need <= have:
+                continue
+            if cache is not engine.kv:  # recurrent-state slots: one per running sample, whatever its length
+                return f"rl.group_size={group_size} samples need {need} {cache.kind} slots, the rollout holds {have}"
+            return (
+                f"its rl.group_size={group_size} samples of up to {total} tokens need {need} KV-cache blocks, the "
+                f"rollout holds {have}; raise rollout.kv_cache_mb, or lower rl.max_new_tokens or rl.group_size"
+            )
+        return None
+
+    return refusal

@@ -3,6 +3,7 @@ traceback, and nothing written (every case checks that its out_dir was not creat
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -38,10 +39,22 @@ BAD_SETTINGS = [
     ("dist_timeout_s=0", r"dist_timeout_s=0 is not allowed; allowed values: finite numbers > 0"),
     ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),
     ("out_dir=", r"out_dir='' is not allowed; allowed values: a directory path, or null"),
+    ("rollout.kv_cache_mb=0", r"rollout\.kv_cache_mb=0 is not allowed; allowed values: integers >= 1"),
     ("task.name=chess", r"task\.name='chess' is not allowed; allowed values: \['residue', 'jsonl'\]"),
     (
         "task=jsonl_math task.path=nope.jsonl",
         r"task\.path='nope\.jsonl': no such file \(.*/nope\.jsonl nor .*/nope\.jsonl\)",
+    ),
+    # Prompts the rollout would refuse, named before the first step: too long for the model, too big for the KV cache.
+    (
+        "task.prompt_len=600",
+        r"task\.prompt_len=600: every prompt has 600 tokens: the model runs at most 512 tokens per sequence.*"
+        r"model\.max_position_embeddings",
+    ),
+    (
+        "task.prompt_len=200 rl.max_new_tokens=300 rl.group_size=8 rollout.kv_cache_mb=1",
+        r"task\.prompt_len=200: every prompt has 200 tokens: its rl\.group_size=8 samples of up to 500 tokens need "
+        r"173 KV-cache blocks, the rollout holds 64; raise rollout\.kv_cache_mb",
     ),
 ]
 
@@ -108,3 +121,17 @@ def test_resume_without_an_out_dir_is_refused(tmp_path, mode):
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and f"resume={mode} needs the out_dir of the run to continue" in lines[0], proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_dataset_row_too_long_for_the_model_is_named_before_any_step(tmp_path):
+    rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": "9" * 600, "answer": "9"}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    proc = _iso_train(*FAST, "task=jsonl_math", "task.path=data.jsonl", f"out_dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = _error_lines(proc.stderr)
+    want = (
+        f"task.path row 1 ({tmp_path / 'data.jsonl'}:2, with task.template) has 607 tokens: the model runs at most 512"
+    )
+    assert len(lines) == 1 and want in lines[0], proc.stderr[-2000:]
+    assert not run_dir.exists()

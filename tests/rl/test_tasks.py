@@ -10,9 +10,12 @@ from megatron_iso.rl.tasks import (
     ByteTokenizer,
     Prompt,
     TaskError,
+    check_prompts_fit,
     make_task,
     resolve_reward,
+    rollout_refusal,
 )
+from megatron_iso.testing.harness import run_on_ranks
 
 
 def _cfg(**kw):
@@ -94,6 +97,50 @@ def test_the_shipped_jsonl_task_runs_from_any_directory(tmp_path, monkeypatch):
     (tmp_path / cfg.path).write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
     mine = make_task(cfg, 256, 0)
     assert mine.file == tmp_path / cfg.path and len(mine.rows) == 1
+
+
+def test_the_first_prompt_the_rollout_would_refuse_is_named_before_any_step(tmp_path):
+    rows = ["1+1", "x" * 40, "2+2", "y" * 50]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": r, "answer": "2"}) + "\n" for r in rows))
+    task = make_task(_jsonl(path=str(tmp_path / "d.jsonl")), 256, 0)
+    asked = []
+
+    def refusal(n):
+        asked.append(n)
+        return "too long for the test; lower it" if n > 30 else None
+
+    with pytest.raises(TaskError, match=r"task.path row 1 \(.*d.jsonl:2, with task.template\) has 47 tokens: too long"):
+        check_prompts_fit(task, refusal)
+    assert asked == [10, 47]  # each length asked once, up to the first refused
+    check_prompts_fit(make_task(_cfg(prompt_len=30), 256, 0), refusal)
+    with pytest.raises(TaskError, match=r"task.prompt_len=31: every prompt has 31 tokens: too long"):
+        check_prompts_fit(make_task(_cfg(prompt_len=31), 256, 0), refusal)
+
+
+def _refusals_against_the_engine() -> list[tuple[int, int, int, bool, bool]]:
+    """(prompt length, group size, max new tokens, refused by rollout_refusal, refused by the engine)."""
+    from megatron_iso.inference import Request, SamplingParams
+    from megatron_iso.inference.engine import EngineConfig, RolloutEngine
+    from tests.inference.engine_cases import setup
+
+    _, model = setup(["model=tiny_dense", "model.max_position_embeddings=48"])
+    block = 2 * 2 * 16 * 4 * 16 * 4  # layers x (k, v) x block_size x kv heads x head dim x fp32 bytes
+    engine = RolloutEngine(model, EngineConfig(kv_cache_bytes=6 * block, cuda_graphs=False))
+    out = []
+    for group, new in [(2, 4), (3, 20)]:
+        ours = rollout_refusal(engine, new, group)
+        for n in range(1, 50):
+            params = SamplingParams(max_new_tokens=new, n=group, seed=0, temperature=1.0)
+            done = engine.generate([Request(f"{group}:{n}", [7] * n, params)])[0]
+            out.append((n, group, new, ours(n) is not None, done.error is not None))
+    return out
+
+
+def test_rollout_refusal_agrees_with_the_engine():
+    rows = run_on_ranks(_refusals_against_the_engine, 1)[0]
+    assert [r for r in rows if r[3] != r[4]] == []
+    assert {r[3] for r in rows} == {True, False}  # both outcomes occur: the comparison means something
+    assert any(r[3] and r[0] < 47 for r in rows)  # a refusal for the KV budget, not only for the length
 
 
 def test_reward_resolves_from_a_dotted_path():
