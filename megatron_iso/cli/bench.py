@@ -11,8 +11,8 @@ Examples::
 
 Exit codes (``megatron_iso.cli.exit_codes``): 0 the grid ran and its report was written; 2 usage error: a bad
 flag, override or ``bench.*`` setting, or a grid layout the model cannot run (e.g. a TP that does not divide
-its heads), one line on stderr, checked before any rank starts and before anything is written; 3 a NaN or
-Inf stop; 4 internal failure (traceback). ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows every traceback.
+its heads), one line on stderr, checked before any rank starts and before anything is written; 4 internal
+failure (traceback). ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows every traceback.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ weights and tokens, each in its own process group. Examples::
 Exit codes (``megatron_iso.cli.exit_codes``): 0 no divergence; 1 a divergence (printed: layer, op, case,
 max |diff|, the op's implementation ids on both sides); 2 usage error: a bad option, side or setting (e.g. a
 TP that does not divide the model's heads), one line on stderr naming it, checked before any rank starts;
-3 a NaN or Inf stop; 4 internal failure (traceback). --debug (or HYDRA_FULL_ERROR=1) re-raises every error.
+4 internal failure (traceback). NaNs are compared by their bits like any output (3 is not used). --debug
+(or HYDRA_FULL_ERROR=1) re-raises every error.
 """
 
 from __future__ import annotations
