@@ -471,7 +471,9 @@ def attention_backward_bench() -> list[dict[str, Any]]:
         qs, ks, vs = (t.view(n_seq, L, -1, d).transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         gs = g.view(n_seq, L, hq, d).transpose(1, 2)
-        sdpa_ms = _time_events_ms(functools.partial(torch.autograd.grad, out, (qs, ks, vs), gs, retain_graph=True), rep=10)
+        sdpa_ms = _time_events_ms(
+            functools.partial(torch.autograd.grad, out, (qs, ks, vs), gs, retain_graph=True), rep=10
+        )
         flop = 2.5 * 4 * n_seq * hq * d * L * L / 2
         r = {"n_seq": n_seq, "L": L, "ms": ms, "tflops": flop / ms / 1e9, "deterministic": same,
              "plain_fp32_ms": plain_ms, "sdpa_ms": sdpa_ms, "ratio_to_sdpa": sdpa_ms / ms}  # fmt: skip

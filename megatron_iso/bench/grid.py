@@ -201,18 +201,15 @@ def _trainer(model, seqs: list[list[int]], settings: BenchSettings) -> tuple[tor
     from megatron_iso.models.scoring import score_sequences
 
     tc = model.config
-    captured: list[torch.Tensor] = []
-    handle = None
-    if settings.full_vocab:
-        handle = model.output_layer.register_forward_hook(lambda _m, _i, out: captured.append(out[0].squeeze(1)))
-    try:
-        ids, batch = pack(seqs, pad_to_multiple=tc.tensor_model_parallel_size if tc.sequence_parallel else 1)
-        with torch.no_grad():
-            logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature, with_entropy=False)
-            full = _full_log_softmax(captured[0], tc, settings.temperature) if settings.full_vocab else None
-    finally:
-        if handle is not None:
-            handle.remove()
+    ids, batch = pack(seqs, pad_to_multiple=tc.tensor_model_parallel_size if tc.sequence_parallel else 1)
+    with torch.no_grad():
+        logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature, with_entropy=False)
+        # The whole vocab's logits of every row: one more forward, only when the full distribution is compared.
+        full = (
+            _full_log_softmax(model.forward_packed(ids, batch), tc, settings.temperature)
+            if settings.full_vocab
+            else None
+        )
     return logp, full, batch.cu_seqlens_q.tolist()
 
 

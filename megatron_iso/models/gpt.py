@@ -93,6 +93,27 @@ class IsoGPTModel(GPTModel):
         logits = self.forward(input_ids, position_ids=None, attention_mask=None, packed_seq_params=batch)
         return logits.squeeze(0)
 
+    def forward_hidden(self, input_ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
+        """The final-norm hidden states ``[T, H]`` of packed ``input_ids [1, T]`` (this rank's rows under
+        sequence parallelism), before the LM head: for callers that apply the head themselves, in chunks."""
+        self._hidden_only = True
+        try:
+            hidden = self.forward(input_ids, position_ids=None, attention_mask=None, packed_seq_params=batch)
+        finally:
+            self._hidden_only = False
+        return hidden.squeeze(1)  # [s, b = 1, h]
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[V/tp, H]`` (the word embedding's when they are tied)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if getattr(self, "_hidden_only", False):
+            return hidden_states
+        return super()._postprocess(hidden_states, *args, **kwargs)
+
 
 def block_spec(config: IsoTransformerConfig):
     """MoE layers when the config has experts (``num_moe_experts``), dense layers otherwise; GDN

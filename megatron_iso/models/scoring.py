@@ -1,9 +1,11 @@
 """Teacher-forced scores of packed sequences: a thin adapter over ``parallel.vocab_scoring``.
 
 :func:`score_sequences` runs the model's packed forward and scores every row's next token with
-``parallel.vocab_scoring.token_logprobs`` (and ``token_logprobs_and_entropy``), taking the TP group
-from ``parallel_state`` and the leaves and profile from the model config. It adds no arithmetic of
-its own beyond zeroing each sequence's last row.
+``parallel.vocab_scoring.token_logprobs`` (and ``entropy``), taking the TP group from ``parallel_state``
+and the leaves and profile from the model config. In the correctness profile the LM head and the
+scoring run chunk by chunk over rows (``parallel.head_scoring``), so no [tokens, vocab] tensor of the
+whole batch exists; the bits are those of the unchunked call. It adds no arithmetic of its own beyond
+zeroing each sequence's last row.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import torch
 from megatron.core import parallel_state
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
-from megatron_iso.parallel.vocab_scoring import token_logprobs, token_logprobs_and_entropy
+from megatron_iso.contract.registry import Profile
+from megatron_iso.parallel.head_scoring import chunk_rows, head_token_logprobs, scored_chunks
+from megatron_iso.parallel.vocab_scoring import entropy, token_logprobs, token_logprobs_and_entropy
 
 
 def _scoring_kwargs(config, temperature: float | torch.Tensor) -> dict:
@@ -21,21 +25,42 @@ def _scoring_kwargs(config, temperature: float | torch.Tensor) -> dict:
 
 
 def score_sequences(
-    model, input_ids: torch.Tensor, batch, *, temperature: float | torch.Tensor = 1.0, with_entropy: bool = True
+    model,
+    input_ids: torch.Tensor,
+    batch,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    with_entropy: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher-forced scores of packed sequences: row t scores token t+1 of its own sequence.
 
     Returns ``(logprobs, entropy)`` of shape ``[T]`` (entropy None with ``with_entropy=False``, which
     skips its vocab pass); the last position of every sequence has no next token and holds 0.
+    ``rows`` (indices into T, on the model's device): score only these rows, the others hold 0. A row's
+    scores do not depend on which other rows are scored; the correctness profile then runs the LM head on
+    those rows only (a trainer needs the response rows, not the prompt's).
     """
-    logits = model.forward_packed(input_ids, batch)
     ids = input_ids.reshape(-1)
     targets = torch.roll(ids, -1)
     kwargs = _scoring_kwargs(model.config, temperature)
-    if with_entropy:
-        logp, ent = token_logprobs_and_entropy(logits, targets, **kwargs)
+    if rows is not None:
+        t = kwargs["temperature"]
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == ids.numel():
+            kwargs["temperature"] = t[rows]
+        targets = targets[rows]
+    if model.config.iso_profile == Profile.CORRECTNESS:
+        logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows)
     else:
-        logp, ent = token_logprobs(logits, targets, **kwargs), None
+        logits = model.forward_packed(input_ids, batch)
+        logits = logits if rows is None else logits[rows]
+        if with_entropy:
+            logp, ent = token_logprobs_and_entropy(logits, targets, **kwargs)
+        else:
+            logp, ent = token_logprobs(logits, targets, **kwargs), None
+    if rows is not None:
+        logp = logp.new_zeros(ids.numel()).index_copy(0, rows, logp)
+        ent = None if ent is None else ent.new_zeros(ids.numel()).index_copy(0, rows, ent)
     last = batch.cu_seqlens_q[1:].long() - 1
     keep = torch.ones_like(logp, dtype=torch.bool)
     keep[last] = False
@@ -44,3 +69,35 @@ def score_sequences(
         return torch.where(keep, t, torch.zeros_like(t))
 
     return masked(logp), None if ent is None else masked(ent)
+
+
+def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows):
+    """The invariant LM head (``output_layer.local_output``) and scoring, a chunk of rows at a time."""
+    head = model.output_layer
+    x = head.local_input(model.forward_hidden(input_ids, batch))
+    x = x if rows is None else x[rows]
+    weight = model.output_weight()
+    total = x.shape[0]
+
+    def logits_of(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return head.local_output(rows, w)[0]
+
+    def for_rows(c: slice) -> dict:
+        t = kwargs["temperature"]
+        per_row = isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == total
+        return kwargs | {"temperature": t[c]} if per_row else kwargs
+
+    def score(logits: torch.Tensor, c: slice) -> torch.Tensor:
+        return token_logprobs(logits, targets[c], **for_rows(c))
+
+    def plain(logits: torch.Tensor, c: slice) -> torch.Tensor:
+        return token_logprobs(logits, targets[c], **(for_rows(c) | {"profile": Profile.PERFORMANCE}))
+
+    logp = head_token_logprobs(x, weight, logits_of, score, plain)
+    ent = None
+    if with_entropy:  # a statistic (no gradient): its own pass over the chunks
+        with torch.no_grad():
+            ent = scored_chunks(
+                x, weight, logits_of, lambda lg, c: entropy(lg, **for_rows(c)), chunk_rows(weight.shape[0])
+            )
+    return logp, ent

@@ -50,6 +50,16 @@ def _finish(out_fp32: torch.Tensor, bias: torch.Tensor | None, skip_bias_add: bo
     return out_fp32.to(dtype), bias
 
 
+def _rounded_linear(
+    x: torch.Tensor, weight: torch.Tensor, leaves: int, bias: torch.Tensor | None, skip_bias_add: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_finish(linear(x, weight))`` for a layer whose tree ends on this rank. Without a bias to add the GEMM
+    rounds its own output (same bits, no fp32 output tensor, a 16-bit gradient in the backward)."""
+    if bias is None or skip_bias_add:
+        return linear(x, weight, leaves=leaves, profile=Profile.CORRECTNESS, out_dtype=x.dtype), bias
+    return _finish(linear(x, weight, leaves=leaves, profile=Profile.CORRECTNESS), bias, skip_bias_add, x.dtype)
+
+
 def _check_supported(config, layer: str) -> None:
     if getattr(config, "defer_embedding_wgrad_compute", False):
         raise ValueError(f"{layer}: defer_embedding_wgrad_compute=True is not supported by the invariant linears")
@@ -82,22 +92,24 @@ class LeafTreeColumnParallelLinear(ColumnParallelLinear):
                 f"supplied weight's shape is {tuple(weight.shape)}, "
                 f"not {(self.output_size_per_partition, self.input_size)} as expected"
             )
-        if self.sequence_parallel and not self.explicit_expert_comm:
-            x = gather_rows(input_, self.tp_group, dim=0)
-        elif self.explicit_expert_comm or self.disable_grad_reduce:
-            x = input_
-        else:
-            x = copy_to_tp(input_, self.tp_group)
-        out, out_bias = _finish(
-            linear(x, weight, leaves=self.iso_leaves, profile=Profile.CORRECTNESS),
-            self.bias,
-            self.skip_bias_add,
-            x.dtype,
-        )
+        out, out_bias = self.local_output(self.local_input(input_), weight)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_along(out, self.tp_group, dim=-1)
         return out, out_bias
+
+    def local_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """The rows this rank multiplies: sequence-parallel rows gathered, else the input with the TP
+        group's gradient reduction attached (none for expert or grad-reduce-disabled layers)."""
+        if self.sequence_parallel and not self.explicit_expert_comm:
+            return gather_rows(input_, self.tp_group, dim=0)
+        if self.explicit_expert_comm or self.disable_grad_reduce:
+            return input_
+        return copy_to_tp(input_, self.tp_group)
+
+    def local_output(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's output columns for rows ``x`` (from :meth:`local_input`), rounded once to x's dtype."""
+        return _rounded_linear(x, weight, self.iso_leaves, self.bias, self.skip_bias_add)
 
 
 class LeafTreeRowParallelLinear(RowParallelLinear):
@@ -135,4 +147,7 @@ class LeafTreeRowParallelLinear(RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.iso_profile == Profile.PERFORMANCE:
             return super().forward(input_)
+        if self.iso_local_leaves == self.iso_leaves:  # one rank holds the whole tree: nothing to reduce
+            x = input_ if self.input_is_parallel else split_along(input_, self.tp_group, dim=-1)
+            return _rounded_linear(x, self.weight, self.iso_leaves, self.bias, self.skip_bias_add)
         return _finish(self.forward_fp32(input_), self.bias, self.skip_bias_add, input_.dtype)

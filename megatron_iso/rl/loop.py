@@ -358,8 +358,9 @@ class Trainer:
             r = torch.arange(a + len(s.prompt.ids) - 1, a + len(s.prompt.ids) - 1 + len(s.tokens))
             mask[r] = True
             response_rows.append(r)
-        logp, _ = score_sequences(self.ddp.module, ids, batch, temperature=self.rl.temperature, with_entropy=False)
-        logp = logp.float().cpu()
+        # Only the response rows enter the loss: the prompt's rows are not scored (their LM head is skipped).
+        how = {"temperature": self.rl.temperature, "with_entropy": False, "rows": mask.nonzero()[:, 0].to(self.device)}
+        logp = score_sequences(self.ddp.module, ids, batch, **how)[0].float().cpu()
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
         rollout = torch.zeros(rows, dtype=torch.float32)
         for s, r in zip(samples, response_rows, strict=True):
@@ -367,10 +368,7 @@ class Trainer:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref, _ = score_sequences(
-                    self.ref_model, ids, batch, temperature=self.rl.temperature, with_entropy=False
-                )
-            ref = ref.float().cpu()
+                ref = score_sequences(self.ref_model, ids, batch, **how)[0].float().cpu()
         loss, _ = policy_loss(
             logp, old, advantages, mask, seq_index, self.loss_cfg,
             rollout_logp=rollout, ref_logp=ref, normaliser=normaliser,

@@ -71,3 +71,15 @@ def test_grouped_backward():
         rel = (got.double() - exact).norm() / exact.norm()
         assert rel < 2**-7, f"relative error {rel:.3e}"
     assert bool((gw[1] == 0).all())
+
+
+@pytest.mark.parametrize(("m", "leaves", "parallel"), [(1, 8, 8), (64, 8, 2), (3000, 8, 1), (3000, 1, 1)])
+def test_rounded_output_is_the_fp32_output_rounded(m, leaves, parallel):
+    from megatron_iso.ops.gemm import linear
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton
+
+    x, w = _rand((m, 4096), 4), _rand((1536, 4096), 5, 4096**-0.5)
+    fp32 = leaf_tree_linear_triton(x, w, leaves, parallel=parallel)
+    rounded = leaf_tree_linear_triton(x, w, leaves, parallel=parallel, out_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and same_bits(rounded, fp32.bfloat16())
+    assert same_bits(linear(x, w, leaves=leaves, out_dtype=torch.bfloat16), linear(x, w, leaves=leaves).bfloat16())

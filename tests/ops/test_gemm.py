@@ -194,3 +194,14 @@ def test_linear_runs_the_registered_implementation():
     assert during.shape == (2, 3, 8)
     linear(x, w, leaves=4)
     assert len(seen) == 1  # the incumbent is back
+
+
+def test_a_rounded_output_is_the_fp32_output_rounded_and_its_backward_takes_16_bits() -> None:
+    x, w = make(10, 24, 64, torch.bfloat16, seed=6)
+    assert same_bits(linear(x, w, leaves=8, out_dtype=torch.bfloat16), linear(x, w, leaves=8).bfloat16())
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = linear(xr, wr, leaves=8, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    with MatmulLog() as log:
+        out.backward(torch.ones_like(out))
+    assert not log.fp32_casts, log.fp32_casts  # the gradient arrives in bf16: no cast on the way

@@ -46,24 +46,40 @@ TRITON_MODULE = "megatron_iso.ops.gemm.gemm_triton"
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, *, leaves: int = DEFAULT_LEAVES, profile: str = Profile.CORRECTNESS
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    leaves: int = DEFAULT_LEAVES,
+    profile: str = Profile.CORRECTNESS,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """fp32 ``x @ weight.T`` (weight in Megatron layout [N, K]) by the registered implementation serving
+    """``x @ weight.T`` (weight in Megatron layout [N, K]) by the registered implementation serving
     ``x``'s device class and ``profile`` (so a registry swap, e.g. by iso-gate, reaches every linear layer).
-    Differentiable: correctness kernels get the deterministic matmul backward."""
+    fp32, or rounded once to ``out_dtype`` (the same bits as ``linear(...).to(out_dtype)``; a kernel that
+    can round as it stores skips the fp32 tensor). Differentiable: correctness kernels get the
+    deterministic matmul backward, which then receives its gradient in ``out_dtype``."""
     if profile not in (Profile.CORRECTNESS, Profile.PERFORMANCE):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
     kernel = select(OP, x, profile, TRITON_MODULE)
     if profile == Profile.PERFORMANCE:
-        return kernel(x, weight)  # library matmul, its own autograd
+        out = kernel(x, weight)  # library matmul, its own autograd
+        return out if out_dtype is None else out.to(out_dtype)
     check_dtype(x, "x")
     check_dtype(weight, "weight")
     validate_leaves(leaves, k=weight.shape[1])
+    rounded = out_dtype is not None and out_dtype != torch.float32
 
     def forward(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
         # Registered correctness kernels take 2-D rows: fp32 [M, K] x [N, K] -> [M, N].
         n, k = weight.shape
-        return kernel(x.reshape(-1, k), weight, leaves).reshape(*x.shape[:-1], n)
+        rows = x.reshape(-1, k)
+        if not rounded:
+            out = kernel(rows, weight, leaves)
+        elif getattr(kernel, "rounds_output", False):
+            out = kernel(rows, weight, leaves, out_dtype=out_dtype)
+        else:
+            out = kernel(rows, weight, leaves).to(out_dtype)
+        return out.reshape(*x.shape[:-1], n)
 
     return apply_with_matmul_backward(forward, x, weight, leaves)
 

@@ -378,11 +378,14 @@ def leaf_tree_linear_triton(
     *,
     parallel: int | None = None,
     config: GemmTileConfig | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``x[M, K] @ weight[N, K].T`` as a ``leaves``-leaf tree of fp32 GEMMs; returns fp32 ``[M, N]``.
+    """``x[M, K] @ weight[N, K].T`` as a ``leaves``-leaf tree of fp32 GEMMs; returns ``[M, N]`` in ``out_dtype``.
 
-    ``parallel`` (programs per output tile) and ``config`` are for tests and benchmarks; the
-    correctness profile uses :func:`select_config` and :func:`auto_parallel`.
+    The tree's root is fp32; with a 16-bit ``out_dtype`` the kernel rounds it once (to nearest even, as
+    ``Tensor.to`` does) as it stores it, so the fp32 tile never goes to memory. ``parallel`` (programs per
+    output tile) and ``config`` are for tests and benchmarks; the correctness profile uses
+    :func:`select_config` and :func:`auto_parallel`.
     """
     M, N, K = _check(x, weight, leaves)
     cfg = config or (INTERPRET_CONFIG if _INTERPRET else select_config(x.dtype, M, leaves))
@@ -391,7 +394,7 @@ def leaf_tree_linear_triton(
         raise ValueError(
             f"leaf_tree_linear_triton: leaf depth K/leaves={leaf_k} is not a multiple of block_k={cfg.block_k}"
         )
-    out = torch.empty((M, N), device=x.device, dtype=torch.float32)
+    out = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
     if parallel is None:
@@ -426,6 +429,9 @@ def leaf_tree_linear_triton(
         block = 1024
         _tree_combine_kernel[(triton.cdiv(numel, block),)](target, out, numel, M * N, PARTS=parallel, BLOCK=block)
     return out
+
+
+leaf_tree_linear_triton.rounds_output = True  # type: ignore[attr-defined]  # see ops.gemm.linear
 
 
 def _probe() -> dict[str, torch.Tensor]:

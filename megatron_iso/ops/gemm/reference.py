@@ -83,16 +83,23 @@ def leaf_tree_linear_forward(x: torch.Tensor, weight: torch.Tensor, leaves: int)
     return out.reshape(*x.shape[:-1], n)
 
 
-def _mm_rounded_once(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in the operands' dtype, accumulated in fp32 and rounded once. On CUDA the fp32 output is
-    asked for explicitly, so a long reduction split by the library is not summed in 16 bits."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32).to(a.dtype)
-    return a @ b
+def _weight_grad(g_t: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g_t @ x`` (operands in their own dtype) accumulated in fp32, returned in ``dtype``. On CUDA the fp32
+    output is asked of the library, so a long reduction it splits is never summed in 16 bits; CPU libraries
+    accumulate 16-bit products in fp32 and round the result once."""
+    if g_t.is_cuda and g_t.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(g_t, x, out_dtype=torch.float32).to(dtype)
+    return (g_t @ x).to(dtype)
 
 
 def linear_backward(
-    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, need_x: bool = True, need_w: bool = True
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    need_x: bool = True,
+    need_w: bool = True,
+    fp32_weight_grad: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``y = x @ weight.T`` (weight [N, K]): deterministic, not invariant.
 
@@ -102,7 +109,8 @@ def linear_backward(
     weight gradient is accumulated over all rows in fp32 and rounded once to the weight's dtype. For a
     given shape the library picks one kernel and one reduction order, so the same inputs give the same
     bits on every call; a different row count may give different bits (the backward is not part of the
-    invariance contract).
+    invariance contract). ``fp32_weight_grad``: return the weight gradient unrounded (fp32), for a caller
+    that sums it over row chunks before rounding once.
     """
     n, k = weight.shape
     compute = weight.dtype
@@ -111,7 +119,8 @@ def linear_backward(
     if need_x:
         grad_x = (g2 @ weight).to(x.dtype).reshape(x.shape)
     if need_w:
-        grad_w = _mm_rounded_once(g2.t(), x.reshape(-1, k).to(compute))
+        out_dtype = torch.float32 if fp32_weight_grad else weight.dtype
+        grad_w = _weight_grad(g2.t(), x.reshape(-1, k).to(compute), out_dtype)
     return grad_x, grad_w
 
 
