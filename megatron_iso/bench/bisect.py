@@ -403,7 +403,7 @@ def side_configs(side_a: Side, side_b: Side) -> list[dict[str, Any]]:
             _check_case(side, cfg)
         except (UserError, HydraException, OmegaConfBaseException) as exc:
             # A side's config error, told as the side's: which of the two sides holds the bad setting.
-            raise BisectInputError(f"{flag} {side.label!r}: {' '.join(str(exc).split())}") from None
+            raise BisectInputError(f"{flag} {side.label!r}: {' '.join(str(exc).split())}") from exc
         configs.append(cfg)
     return configs
 

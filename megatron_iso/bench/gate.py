@@ -414,7 +414,7 @@ def run_gate(
             raise GateInputError(
                 f"the incumbent {incumbent.ref} raised {type(exc).__name__} on inputs={inputs!r} ({exc}); "
                 "the inputs must fit the op's signature"
-            ) from None
+            ) from exc
         with candidate_failures(cand.fn, what, direct=True):
             cand_out = cand.fn(*args, **kwargs)
     with candidate_failures(cand.fn, what):

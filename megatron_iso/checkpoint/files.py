@@ -31,7 +31,7 @@ def open_safetensors(path: Path) -> Iterator[Any]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             yield f
     except SafetensorError as exc:
-        raise CheckpointFileError(f"{path}: not a readable safetensors file (truncated or corrupted? {exc})") from None
+        raise CheckpointFileError(f"{path}: not a readable safetensors file (truncated or corrupted? {exc})") from exc
     except FileNotFoundError:
         raise CheckpointFileError(f"{path}: no such file") from None
 
@@ -41,7 +41,7 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointFileError(f"{path}: not valid JSON ({exc})") from None
+        raise CheckpointFileError(f"{path}: not valid JSON ({exc})") from exc
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:

@@ -132,7 +132,7 @@ def check_bench(cfg: DictConfig) -> None:
             check_config_runs(layout_config(base, lay))
         except UserError as exc:
             axes = f"bench.tp={b['tp']}, bench.ep={b['ep']}, bench.sp={b['sp']}"
-            raise BenchSettingsError(f"layout {lay.name} of the grid ({axes}): {exc}") from None
+            raise BenchSettingsError(f"layout {lay.name} of the grid ({axes}): {exc}") from exc
 
 
 def _prepare(argv: list[str], out: list[str]) -> int:
