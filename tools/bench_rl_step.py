@@ -86,6 +86,31 @@ def _inside(prof, method, cuda: bool):
     return run
 
 
+BF16_DENSE_PEAK = 989e12  # H100/H200 SXM bf16 dense tensor-core peak, FLOP/s
+
+
+def train_model_flops(model, n_seq: int, seq_len: int) -> float:
+    """Model FLOPs of one training pass (forward + backward) over ``n_seq`` sequences of ``seq_len`` tokens:
+    6 N T for the matmul weights (N without the input embedding's lookup; routed experts counted at
+    top-k of E, the active share) plus causal attention's 6 L^2 d H per full-attention layer and sequence.
+    Per rank: with tensor parallelism the weights and heads are this rank's shards."""
+    from megatron_iso.models.gdn import gdn_layer_indices
+
+    tc = model.config
+    experts = tc.num_moe_experts or 0
+    active = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "word_embeddings" in name:
+            continue
+        share = tc.moe_router_topk / experts if experts and ".experts." in name else 1.0
+        active += p.numel() * share
+    tokens = n_seq * seq_len
+    attn_layers = tc.num_layers - len(gdn_layer_indices(tc))
+    heads = tc.num_attention_heads // tc.tensor_model_parallel_size  # this rank's heads, as its weights are its shards
+    attention = 6 * seq_len**2 * tc.kv_channels * heads * attn_layers * n_seq
+    return 6 * active * tokens + attention
+
+
 def _config(profile: str, args: argparse.Namespace, out_dir: str):
     from megatron_iso.config import load_config
 
@@ -133,6 +158,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             trainer = Trainer(cfg, rank)
             build_s = time.perf_counter() - t0
+            flops = train_model_flops(trainer.model, args.prompts * args.group, args.prompt_len + args.new_tokens)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             steps, profiled = [], None
@@ -164,6 +190,8 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
         "profile": profile,
         **layout,
         "build_s": build_s,
+        "train_model_flops": flops,
+        "train_mfu": flops / mean("timing/train_s") / BF16_DENSE_PEAK,
         "gen_s": mean("timing/gen_s"),
         "train_s": mean("timing/train_s"),
         "step_s": mean("timing/step_s"),
@@ -227,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{args.model} on {device}: {args.prompts} prompts x {args.group} samples, {args.new_tokens} new tokens{micro}"
     )
-    print("| profile | gen s | train s | step s | gen tok/s | peak GB | max abs dlogp | bitwise frac |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| profile | gen s | train s | train MFU | step s | gen tok/s | peak GB | max abs dlogp | bitwise frac |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['profile']} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['step_s']:.3f} | {r['gen_tokens_per_s']:.0f} "
-            f"| {r['peak_memory_gb']:.2f} | {r['mismatch_max']:.3e} | {r['bitwise_equal_frac']:.3f} |"
+            f"| {r['profile']} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['train_mfu']:.1%} | {r['step_s']:.3f} "
+            f"| {r['gen_tokens_per_s']:.0f} | {r['peak_memory_gb']:.2f} | {r['mismatch_max']:.3e} "
+            f"| {r['bitwise_equal_frac']:.3f} |"
         )
     for r in results:
         print(f"decode graphs, {r['profile']}: {r['decode_graphs']}")
