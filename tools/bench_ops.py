@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 MS = (1, 16, 64, 256, 1024, 4096, 16384)
-NKS = ((4096, 4096), (8192, 8192), (4096, 14336))
+# (N, K) of Qwen3-8B's linears: attention output and MLP down (row-parallel, the 8-leaf tree), fused QKV and
+# gate/up (column-parallel, one leaf).
+NKS = ((4096, 4096), (4096, 12288), (6144, 4096), (24576, 4096))
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
