@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_iso.bench.grid import LAUNCHERS, BenchSettings, Layout, layout_config, run_grid
-from megatron_iso.cli.bench import launcher_flag
+from megatron_iso.cli.bench import BenchSettingsError, launcher_flag
 
 REPO = Path(__file__).resolve().parents[2]
 # Compared bit for bit (python floats hold the fp32 values exactly); the rest is timing or memory.
@@ -41,9 +41,11 @@ def test_launcher_flag_becomes_the_override():
     assert launcher_flag(["--launcher", "torchrun", "bench.tp=[2]"]) == ["bench.launcher=torchrun", "bench.tp=[2]"]
     assert launcher_flag(["model=tiny_moe", "--launcher=gloo"]) == ["model=tiny_moe", "bench.launcher=gloo"]
     assert launcher_flag(["bench.tp=[1]"]) == ["bench.tp=[1]"]
-    with pytest.raises(SystemExit, match=r"--launcher='nccl' is not allowed; allowed values: \['gloo', 'torchrun'\]"):
+    with pytest.raises(
+        BenchSettingsError, match=r"--launcher='nccl' is not allowed; allowed values: \['gloo', 'torchrun'\]"
+    ):
         launcher_flag(["--launcher", "nccl"])
-    with pytest.raises(SystemExit, match="--launcher needs a value"):
+    with pytest.raises(BenchSettingsError, match="--launcher needs a value"):
         launcher_flag(["--launcher"])
 
 
@@ -58,6 +60,6 @@ def test_cli_refuses_a_bad_launcher_before_running(tmp_path):
     cmd = [sys.executable, "-m", "megatron_iso.cli.bench", "--launcher", "slurm", f"bench.out={tmp_path / 'b.json'}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "iso-bench: --launcher='slurm' is not allowed; allowed values: ['gloo', 'torchrun']" in proc.stderr
+    assert proc.returncode == 2
+    assert "iso-bench: error: --launcher='slurm' is not allowed; allowed values: ['gloo', 'torchrun']" in proc.stderr
     assert not (tmp_path / "b.json").exists()

@@ -51,8 +51,8 @@ def test_min_speedup_is_enforced(capsys):
     assert gate("--candidate", f"{FAKES}:fast_identical", "--min-speedup", "1000") == 1
 
 
-def test_bit_different_candidate_fails_with_exit_2_and_passes_as_new_policy(capsys, tmp_path):
-    assert gate("--candidate", f"{FAKES}:fast_different") == 2
+def test_bit_different_candidate_fails_with_exit_5_and_passes_as_new_policy(capsys, tmp_path):
+    assert gate("--candidate", f"{FAKES}:fast_different") == 5
     out = capsys.readouterr().out
     assert "benchmark outputs: DIFFER" in out
     assert "lock: probe gate_fake/out: diverged" in out  # the swap reached the probe
@@ -66,7 +66,7 @@ def test_bit_different_candidate_fails_with_exit_2_and_passes_as_new_policy(caps
     old, new = line.split(": ", 1)[1].split(" -> ")
     assert len(old) == len(new) == 64 and old != new
     # The new lock is the candidate's policy: it verifies with the candidate swapped in, not without.
-    assert gate("--candidate", f"{FAKES}:fast_different", "--lock", str(new_lock)) == 2  # identity differs
+    assert gate("--candidate", f"{FAKES}:fast_different", "--lock", str(new_lock)) == 5  # identity differs
     assert "gate_fake.v2@2" in new_lock.read_text()
 
 
@@ -76,7 +76,7 @@ def test_against_an_existing_lockfile(tmp_path, capsys):
     lock = tmp_path / "iso.lock.json"
     write_lock(lock, contract_for(load_config(["device=cpu"]), load_implementations=False), ["device=cpu"])
     assert gate("--candidate", f"{FAKES}:fast_identical", "--lock", str(lock)) == 0
-    assert gate("--candidate", f"{FAKES}:fast_different", "--lock", str(lock)) == 2
+    assert gate("--candidate", f"{FAKES}:fast_different", "--lock", str(lock)) == 5
 
 
 def test_registry_entry_candidate_and_restored_registry(capsys):
@@ -98,11 +98,11 @@ def test_registry_entry_candidate_and_restored_registry(capsys):
         (["--candidate", f"{FAKES}:fast_identical", "--lock", "/nonexistent/iso.lock.json"], "no such lockfile"),
     ],
 )
-def test_bad_input_exits_3(args, message, capsys):
-    assert gate(*args) == 3
+def test_bad_input_exits_2(args, message, capsys):
+    assert gate(*args) == 2
     assert message in capsys.readouterr().err
 
 
-def test_unknown_op_exits_3(capsys):
-    assert main(["--op", "no_such_op", "--candidate", f"{FAKES}:fast_identical", "--ops", FAKES, "device=cpu"]) == 3
+def test_unknown_op_exits_2(capsys):
+    assert main(["--op", "no_such_op", "--candidate", f"{FAKES}:fast_identical", "--ops", FAKES, "device=cpu"]) == 2
     assert "no implementation of op 'no_such_op'" in capsys.readouterr().err
