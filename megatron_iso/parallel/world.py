@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import socket
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from megatron_iso.errors import UserError
+
+
+class LaunchError(UserError, ValueError):
+    """A layout the launch cannot run (e.g. ``parallel.tp=2`` in one process); the message names the setting
+    and how to launch it."""
+
+
+def _needs_torchrun(tp: int, pp: int, ep: int) -> str:
+    """One line: the settings that need several processes, and the torchrun launch that gives them."""
+    nproc = math.lcm(tp * pp, ep * pp)
+    named = [f"parallel.{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v != 1]
+    return (
+        f"{', '.join(named)} {'needs' if len(named) == 1 else 'need'} {nproc} processes, and this is a single process (not started by torchrun); "
+        f"launch it with torchrun, e.g. `torchrun --nproc-per-node {nproc} -m megatron_iso.cli.train "
+        f"{' '.join(named)} ...`, or set {' '.join(k.split('=')[0] + '=1' for k in named)}"
+    )
 
 
 def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:
@@ -110,16 +129,16 @@ def launched_world(
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if tp * pp * ep != 1:
-            raise ValueError(
-                f"parallel.tp={tp}, parallel.pp={pp}, parallel.ep={ep} need several processes: "
-                f"launch with `torchrun --nproc-per-node {tp * pp} ...`"
-            )
+            raise LaunchError(_needs_torchrun(tp, pp, ep))
         with single_process_world(seed):
             yield 0
         return
     world = int(os.environ["WORLD_SIZE"])
     if world % (tp * pp):
-        raise ValueError(f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}")
+        raise LaunchError(
+            f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}; "
+            f"start a multiple of {tp * pp} processes (torchrun --nproc-per-node)"
+        )
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():

@@ -29,6 +29,11 @@ BAD_SETTINGS = [
     ("parallel.tp=0", r"parallel\.tp=0 is not allowed; allowed values: integers >= 1"),
     ("parallel.tp=-4", r"parallel\.tp=-4 is not allowed"),
     ("parallel.tp=3", r"parallel\.tp=3 does not divide model\.num_attention_heads=8.*allowed values: \[1, 2, 4\]"),
+    (
+        "parallel.tp=2",
+        r"parallel\.tp=2 needs 2 processes, and this is a single process \(not started by torchrun\); launch it with "
+        r"torchrun, e\.g\. `torchrun --nproc-per-node 2 -m megatron_iso\.cli\.train parallel\.tp=2 \.\.\.`",
+    ),
     ("parallel.pp=2", r"parallel\.pp=2: the trainer does not run pipeline parallelism yet; allowed values: \[1\]"),
     ("resume=maybe", r"resume='maybe' is not allowed; allowed values: \['false', 'true', 'auto'\]"),
     ("resume=true", r"resume=true but out_dir=.* does not exist"),
