@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.bench.grid import BenchSettings, layouts, run_grid
 from megatron_iso.bench.report import print_table, write_json, write_plot
+from megatron_iso.rl.run_dir import RUNS_ROOT, new_run_name
 
 
 def settings_from_config(cfg: DictConfig) -> BenchSettings:
@@ -36,19 +38,39 @@ def settings_from_config(cfg: DictConfig) -> BenchSettings:
     )
 
 
+BENCH_FILE = "bench.json"
+
+
+def bench_out(cfg: DictConfig, root: Path = RUNS_ROOT) -> Path:
+    """Where the JSON report goes: ``bench.out``; without one (null), ``<out_dir>/bench.json`` when ``out_dir`` is
+    set, else ``bench.json`` in a new directory ``root/bench-<UTC start time>-<random id>`` (the naming of
+    ``rl.run_dir.new_run_name``: a bare ``iso-bench`` never overwrites an earlier report)."""
+    out = cfg.bench.get("out")
+    if out is not None:
+        return Path(str(out))
+    if cfg.get("out_dir") is not None:
+        return Path(str(cfg.out_dir)) / BENCH_FILE
+    name = f"bench-{new_run_name()}"
+    while (root / name).exists():  # another bench started in the same second and drew the same id
+        name = f"bench-{new_run_name()}"
+    return root / name / BENCH_FILE
+
+
 def run_bench(cfg: DictConfig, *, console: bool = True) -> dict[str, Any]:
-    """Run the grid of ``cfg.bench``; write ``bench.out`` (JSON) and the plot; return the document."""
+    """Run the grid of ``cfg.bench``; write the JSON report (:func:`bench_out`) and the plot; return the document."""
     b = cfg.bench
     lays, notes = layouts(list(b.profiles), [int(x) for x in b.tp], [int(x) for x in b.ep], [bool(x) for x in b.sp])
     settings = settings_from_config(cfg)
+    out = bench_out(cfg)
+    if console and b.get("out") is None:
+        print(f"bench.out={out} (bench.out=PATH chooses the report's file)", file=sys.stderr)
     t0 = time.perf_counter()
     rows = run_grid(lays, settings, launcher=str(b.launcher))
-    out = Path(str(b.out))
     plot = Path(str(b.plot)) if b.plot else out.with_suffix(".png")
     doc = {
         "model": str(cfg.model.name),
         "params_dtype": str(cfg.model.get("params_dtype", "fp32")),
-        "bench": OmegaConf.to_container(b, resolve=True),
+        "bench": {**OmegaConf.to_container(b, resolve=True), "out": str(out), "plot": str(plot)},
         "notes": notes,
         "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.node()},
         "wall_seconds": time.perf_counter() - t0,

@@ -1,8 +1,9 @@
-"""``iso-bench``: the rollout-vs-trainer logprob mismatch benchmark (a Hydra app over ``conf/``).
+"""``iso-bench``: the rollout-vs-trainer logprob mismatch benchmark (a Hydra app over ``megatron_iso/conf/``).
 
 Examples::
 
     iso-bench                                          # CPU grid on tiny_dense: iso rows 0, native rows > 0
+                                                       # (report: runs/bench-<UTC time>-<id>/bench.json)
     iso-bench model=tiny_moe bench.ep=[1,2] bench.batch=[1,8]
     iso-bench bench.profiles=[performance] bench.tp=[1,2,4] bench.out=runs/tp_sweep.json
     iso-bench --launcher torchrun bench.tp=[1,2]       # layouts' ranks by torchrun: one per GPU, NCCL
@@ -106,8 +107,8 @@ def _check_values(b: dict[str, Any]) -> None:
         raise _refuse("full_vocab", b.get("full_vocab"), "true or false")
     if b.get("launcher") not in LAUNCHERS:
         raise _refuse("launcher", b.get("launcher"), str(sorted(LAUNCHERS)))
-    if not isinstance(b.get("out"), str) or not b["out"].strip():
-        raise _refuse("out", b.get("out"), "a file path")
+    if b.get("out") is not None and (not isinstance(b["out"], str) or not b["out"].strip()):
+        raise _refuse("out", b["out"], "null or a file path")
     if b.get("plot") is not None and (not isinstance(b["plot"], str) or not b["plot"].strip()):
         raise _refuse("plot", b["plot"], "null or a file path")
 

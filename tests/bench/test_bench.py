@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,29 @@ def test_markdown_table_prints_exact_zero_and_escapes_pipes():
     assert "max \\|dlogp\\|" in text
     assert "| correctness | 1 | 1 | off | 1 | 0 | 3.0 |" in text
     assert "4.768e-07" in text
+
+
+def test_bench_out_defaults_to_a_new_directory_under_runs(tmp_path):
+    from megatron_iso.bench.run import bench_out
+    from megatron_iso.config import load_config
+
+    cfg = load_config(["device=cpu"], config_name="iso_bench")
+    assert cfg.bench.out is None and cfg.out_dir is None
+    first, second = bench_out(cfg, root=tmp_path), bench_out(cfg, root=tmp_path)
+    assert first.name == second.name == "bench.json" and first.parent.parent == tmp_path
+    assert re.fullmatch(r"bench-\d{8}-\d{6}-[0-9a-f]{6}", first.parent.name) and first != second
+    assert bench_out(load_config(["out_dir=runs/x"], config_name="iso_bench")) == Path("runs/x/bench.json")
+    assert bench_out(load_config(["bench.out=a/b.json"], config_name="iso_bench")) == Path("a/b.json")
+
+
+def test_a_bare_iso_bench_writes_its_report_under_runs(tmp_path):
+    grid = ["bench.profiles=[correctness]", "bench.tp=[1]", "bench.sp=[false]", "bench.batch=[1]"]
+    cmd = [sys.executable, "-m", "megatron_iso.cli.bench", "device=cpu", *grid, "bench.new_tokens=2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing else (no None/) in the cwd
+    assert sorted(p.name for p in run.iterdir()) == ["bench.json", "bench.png"]
+    assert f"bench.out=runs/{run.name}/bench.json" in proc.stderr
+    assert json.loads((run / "bench.json").read_text())["bench"]["out"] == f"runs/{run.name}/bench.json"
