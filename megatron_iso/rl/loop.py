@@ -520,24 +520,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``. Without an
     ``out_dir`` (null) the run gets a new directory, named once the world is up and before anything is written."""
     from megatron_iso.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_iso.rl.run_dir import RunLock
+    from megatron_iso.rl.run_dir import locked_start
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     settings = resolve(cfg)
     check_trainable(settings)
     rl: RLSettings = settings.require("rl")
-    # An out_dir given is checked before any world opens; a new one after, once every rank knows its name.
-    resume_from = None if settings.out_dir is None else _plan_start(settings.out_dir, settings, cfg)
+    # An out_dir given is checked before any world opens (a refusal writes nothing); the start is decided under the lock.
+    if settings.out_dir is not None:
+        _plan_start(settings.out_dir, settings, cfg)
     with contextlib.ExitStack() as stack:
         rank = stack.enter_context(config_world(settings))
         if settings.out_dir is None:
             cfg, settings = _new_run_dir(cfg, settings, rank)  # a directory no run has: nothing to resume
         run_dir: Path = settings.out_dir
         trainer = Trainer(cfg, rank, settings)
-        # Taken once the run is built (a run that fails to build writes nothing) and before anything is written.
-        if rank == 0:
-            stack.enter_context(RunLock(run_dir))
+        # Locked once the run is built (a run that fails to build writes nothing), before anything is written;
+        # the start (new or resumed) is decided under the lock, as another run may have written here meanwhile.
+        resume_from = stack.enter_context(locked_start(run_dir, lambda: _plan_start(run_dir, settings, cfg), rank))
         start = 0
         if resume_from is not None:
             meta = load_checkpoint(

@@ -16,10 +16,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,38 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
+
+
+@contextlib.contextmanager
+def locked_start(run_dir: Path, plan: Callable[[], Path | None], rank: int = 0) -> Iterator[Path | None]:
+    """Hold the run lock (rank 0) for the body and yield the start decided under it: ``plan()`` (the
+    checkpoint to resume from, or None for a new run, by :func:`plan_start`'s rules) runs once the lock is
+    held, so a second run that passed an early check while the directory was free or still being set up
+    cannot start over a run that has since written there. Rank 0 decides; the other ranks of the world get
+    its decision, or its refusal (a :class:`RunDirError` on every rank, none left waiting)."""
+    import torch.distributed as dist
+
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    with contextlib.ExitStack() as stack:
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                stack.enter_context(RunLock(run_dir))
+                box[0] = ("start", plan())
+            except Exception as exc:
+                if not multi:
+                    raise
+                box[0] = ("refused" if isinstance(exc, UserError) else "failed", " ".join(str(exc).split()))
+                dist.broadcast_object_list(box, src=0)
+                raise
+        if multi:
+            dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "refused":
+            raise RunDirError(f"rank 0 refused to start: {value}")
+        if kind == "failed":
+            raise RuntimeError(f"rank 0 failed to start the run: {value}")
+        yield value
 
 
 def rewind_metrics(run_dir: Path, resume_step: int) -> int:

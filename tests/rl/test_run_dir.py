@@ -18,6 +18,7 @@ from megatron_iso.rl.run_dir import (
     RunLock,
     default_run_dir,
     identity_diff,
+    locked_start,
     new_run_name,
     plan_start,
     rewind_metrics,
@@ -123,6 +124,91 @@ def test_a_second_process_cannot_take_the_run_lock(tmp_path):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def _lock_is_held(run: Path) -> bool:
+    """Whether some open file holds the run lock (flock: another open file of this process conflicts too)."""
+    import fcntl
+    import os
+
+    fd = os.open(run / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_the_start_is_decided_under_the_run_lock(tmp_path):
+    run = tmp_path / "run"
+    assert plan_start(run, "false", None) is None  # the early check: the directory is free
+    _metrics(run, [0, 1])  # meanwhile another run wrote there, and ended (its lock released)
+    (run / "config.yaml").write_text("the other run's\n")
+    seen = []
+
+    def plan() -> Path | None:
+        seen.append(_lock_is_held(run))
+        return plan_start(run, "false", None)
+
+    with pytest.raises(RunDirError, match="already holds a run"), locked_start(run, plan):
+        pytest.fail("a refused start runs nothing")
+    assert seen == [True]
+    assert (run / "config.yaml").read_text() == "the other run's\n"
+    assert not _lock_is_held(run)  # released with the refusal
+    ckpt = run / "checkpoints" / "step_000001"
+    with locked_start(run, lambda: ckpt) as resume_from:  # resume=auto/true: continue what is there
+        assert resume_from == ckpt and _lock_is_held(run)
+    assert not _lock_is_held(run)
+
+
+def test_a_run_that_wrote_while_this_one_was_built_is_not_overwritten(tmp_path, monkeypatch):
+    """The race: the early check passes on a free out_dir, another run writes there (and ends) while this one
+    builds its model; the start decided under the lock refuses, and config.yaml stays the other run's."""
+    import megatron_iso.rl.loop as loop
+    from megatron_iso.config import load_config
+
+    run = tmp_path / "run"
+
+    class OtherRunMeanwhile(loop.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _metrics(run, [0])
+            (run / "config.yaml").write_text("the other run's\n")
+
+    monkeypatch.setattr(loop, "Trainer", OtherRunMeanwhile)
+    fast = ["rl.steps=1", "rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none"]
+    with pytest.raises(RunDirError, match="already holds a run"):
+        loop.train(load_config([*fast, f"out_dir={run}"]))
+    assert (run / "config.yaml").read_text() == "the other run's\n"
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml", "metrics.jsonl"]
+
+
+def _rank_locked_start(root: str, refuse: bool) -> str:
+    import torch.distributed as dist
+
+    def plan() -> Path | None:
+        assert dist.get_rank() == 0, "only rank 0 plans"
+        if refuse:
+            raise RunDirError("out_dir=x already holds a run")
+        return Path(root) / "checkpoints" / "step_000003"
+
+    try:
+        with locked_start(Path(root), plan, dist.get_rank()) as resume_from:
+            return str(resume_from)
+    except RunDirError as exc:
+        return f"refused: {exc}"
+
+
+def test_every_rank_gets_rank_0s_start_or_refusal(tmp_path):
+    got = run_on_ranks(_rank_locked_start, 2, args=(str(tmp_path), False), timeout=120)
+    assert got == [str(tmp_path / "checkpoints" / "step_000003")] * 2
+    got = run_on_ranks(_rank_locked_start, 2, args=(str(tmp_path), True), timeout=120)
+    assert got == [
+        "refused: out_dir=x already holds a run",
+        "refused: rank 0 refused to start: out_dir=x already holds a run",
+    ]
 
 
 def test_identity_diff_names_nested_keys():
