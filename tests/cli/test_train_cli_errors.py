@@ -119,6 +119,16 @@ def test_bare_runs_in_one_directory_each_get_a_new_run_dir(tmp_path):
     ]
 
 
+def test_a_multirun_writes_only_under_runs(tmp_path):
+    proc = _iso_train("-m", *FAST, "rl.steps=1", "seed=1,2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]  # no multirun/<date>/ of Hydra's in the cwd
+    sweeps = sorted((tmp_path / "runs").glob("multirun-*"))
+    assert len(sweeps) == 1 and [p.name for p in sweeps[0].iterdir()] == ["multirun.yaml"]
+    runs = [d for d in (tmp_path / "runs").iterdir() if d not in sweeps]
+    assert len(runs) == 2 and all((d / "metrics.jsonl").is_file() for d in runs)
+
+
 @pytest.mark.parametrize("mode", ["true", "auto"])
 def test_resume_without_an_out_dir_is_refused(tmp_path, mode):
     proc = _iso_train(*FAST, f"resume={mode}", cwd=tmp_path)
