@@ -4,7 +4,7 @@
   continues the latest checkpoint and refuses when there is none (a mistyped ``out_dir`` must not
   start from scratch); ``resume=auto`` continues when there is a checkpoint and starts otherwise.
 - An exclusive lock (``<run>/.lock``, released by the OS when the process ends) keeps two processes
-  from writing one directory.
+  from writing one directory; the start (new or resumed) is decided while it is held (:func:`locked_start`).
 - A resumed run recomputes the steps after its checkpoint; their old metrics lines move to
   ``metrics.rewound.jsonl`` instead of being deleted, and a torn last line (a crash mid-write) is
   kept there too.
