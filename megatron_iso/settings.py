@@ -6,9 +6,8 @@ device class from ``device: auto|cpu|cuda``, the GDN output form from ``profile.
 dot precision (the GDN op family says which forms exist where), the leaves the layers use. Errors name the field
 and the allowed values.
 
-Layering: this module sits above ``ops`` and ``contract``: it may ask the op families (lazily, as the contract
-builder used to) and fills the contract builder's :class:`~megatron_iso.contract.build.ContractInputs`; the builder
-(``contract/``) and the model config (``models/config.py``) both read what it resolved, neither imports the other.
+Layering: this module sits above ``ops`` and ``contract``: it may ask the op families (lazily) and fills the contract
+builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder and ``models/config.py`` read.
 :func:`contract_for` is the one way from a config to its contract, for every tool and the trainer: it loads every
 registered implementation first, so no caller can build a contract that misses one.
 """
@@ -45,6 +44,7 @@ PARAMS_DTYPES = ("bf16", "fp32")
 RESUME_MODES = ("false", "true", "auto")
 # What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
 NONFINITE_POLICIES = ("stop", "skip")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # rl.lr_decay_style (megatron_iso.rl.optim)
 
 
 class SettingsError(UserError, ValueError):
@@ -90,10 +90,12 @@ def _int(value: Any, field_name: str, minimum: int) -> int:
     return value
 
 
-def _positive(value: Any, field_name: str) -> float:
-    """``value`` as a finite float > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < float(value) < float("inf"):
-        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: finite numbers > 0")
+def _positive(value: Any, field_name: str, zero: bool = False) -> float:
+    """``value`` as a finite float > 0 (>= 0 with ``zero``)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
+    if not (ok and float(value) < float("inf")):
+        bound = ">= 0" if zero else "> 0"
+        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: finite numbers {bound}")
     return float(value)
 
 
@@ -389,17 +391,26 @@ class RLSettings:
     train_micro_batch_seqs: int | None = 0
     gdn_backward_states: str = "keep"
     nonfinite: str = "stop"
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
 
 
 def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
     """``rl`` typed; every key the loop reads must be present (as when the loop read the DictConfig)."""
+    steps, lr, warmup = _int(rl["steps"], "rl.steps", 1), _positive(rl["lr"], "rl.lr"), _get(rl, "lr_warmup_steps", 0)
+    if _int(warmup, "rl.lr_warmup_steps", 0) >= steps:
+        raise SettingsError(f"rl.lr_warmup_steps={warmup} is not allowed; allowed values: 0 .. {steps - 1}")
+    if _positive(_get(rl, "min_lr", 0.0), "rl.min_lr", zero=True) > lr:
+        raise SettingsError(f"rl.min_lr={rl['min_lr']!r} is not allowed; allowed values: 0 .. rl.lr = {lr!r}")
     return RLSettings(
         algo=str(rl["algo"]),
-        steps=_int(rl["steps"], "rl.steps", 1),
+        steps=steps,
         group_size=_int(rl["group_size"], "rl.group_size", 2),
         max_new_tokens=_int(rl["max_new_tokens"], "rl.max_new_tokens", 1),
         temperature=_positive(rl["temperature"], "rl.temperature"),
-        lr=_positive(rl["lr"], "rl.lr"),
+        lr=lr,
         clip_low=float(rl["clip_low"]),
         clip_high=float(rl["clip_high"]),
         aggregation=str(rl["aggregation"]),
@@ -414,6 +425,10 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),
         gdn_backward_states=check_backward_states(_get(rl, "gdn_backward_states", "keep")),
         nonfinite=_choice(_get(rl, "nonfinite", "stop"), "rl.nonfinite", NONFINITE_POLICIES),
+        lr_warmup_steps=warmup,
+        lr_decay_style=_choice(_get(rl, "lr_decay_style", "constant"), "rl.lr_decay_style", LR_DECAY_STYLES),
+        min_lr=float(_get(rl, "min_lr", 0.0)),
+        weight_decay=_positive(_get(rl, "weight_decay", 0.01), "rl.weight_decay", zero=True),
     )
 
 

@@ -37,6 +37,7 @@ from megatron_iso.rl.losses import (
     policy_loss,
 )
 from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
+from megatron_iso.rl.optim import current_lr
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.tasks import Prompt, check_prompts_fit, make_task, rollout_refusal
 from megatron_iso.settings import RLSettings, Settings, check_trainable, config_world, resolve
@@ -137,20 +138,9 @@ class Trainer:
             self.ref_model = build_model(self.tc, initial).eval().requires_grad_(False)
 
     def _build_optimizer(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron_iso.rl.optim import build_optimizer
 
-        self.ddp = DistributedDataParallel(self.tc, DistributedDataParallelConfig(), self.model)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=self.rl.lr,
-                clip_grad=self.rl.grad_clip,
-                bf16=self.tc.bf16,
-                params_dtype=self.tc.params_dtype,
-            ),
-            [self.ddp],
-        )
+        self.ddp, self.optimizer, self.schedule = build_optimizer(self.tc, self.model, self.rl)
 
     def _build_engine(self, rollout_cfg: DictConfig, separate: bool) -> None:
         """Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced."""
@@ -422,6 +412,8 @@ class Trainer:
             trainer_logp, rollout_logp = out["trainer_logp"], out["rollout_logp"]
         else:
             trainer_logp = rollout_logp = torch.zeros(0)
+        metrics["optim/lr"] = current_lr(self.optimizer)
+        self.schedule.step(1)  # once per RL step, trained or not: a resumed run positions it by the step
         train_s = time.perf_counter() - t1
         # Mismatch and reward statistics over every DP rank's tokens.
         gathered = self._gather((trainer_logp, rollout_logp, rewards))
@@ -545,6 +537,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 resume_from, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank
             )
             start = int(meta["step"]) + 1
+            trainer.schedule.step(start)
             trainer.publish_weights()
         identities = trainer.contract.identities.to_dict()
         if rank == 0:

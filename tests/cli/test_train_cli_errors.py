@@ -25,6 +25,13 @@ BAD_SETTINGS = [
     ("rl.lr=-1", r"rl\.lr=-1 is not allowed; allowed values: finite numbers > 0"),
     ("rl.temperature=0", r"rl\.temperature=0 is not allowed"),
     ("rl.checkpoint_every=0", r"rl\.checkpoint_every=0 is not allowed"),
+    (
+        "rl.lr_decay_style=step",
+        r"rl\.lr_decay_style='step' is not allowed; allowed values: \['constant', 'linear', 'cosine'\]",
+    ),
+    ("rl.lr_warmup_steps=20", r"rl\.lr_warmup_steps=20 is not allowed; allowed values: 0 \.\. 19"),
+    ("rl.min_lr=1", r"rl\.min_lr=1 is not allowed; allowed values: 0 \.\. rl\.lr = 0\.02"),
+    ("rl.weight_decay=-1", r"rl\.weight_decay=-1 is not allowed; allowed values: finite numbers >= 0"),
     ("rl.nonfinite=ignore", r"rl\.nonfinite='ignore' is not allowed; allowed values: \['stop', 'skip'\]"),
     ("parallel.tp=0", r"parallel\.tp=0 is not allowed; allowed values: integers >= 1"),
     ("parallel.tp=-4", r"parallel\.tp=-4 is not allowed"),
