@@ -8,8 +8,7 @@ and the allowed values.
 
 Layering: this module sits above ``ops`` and ``contract``: it may ask the op families (lazily) and fills the contract
 builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder and ``models/config.py`` read.
-:func:`contract_for` is the one way from a config to its contract, for every tool and the trainer: it loads every
-registered implementation first, so no caller can build a contract that misses one.
+:func:`contract_for` is every tool's one way from a config to its contract: it loads every registered implementation.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
@@ -528,24 +528,24 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     )
 
 
+def check_runs_here(settings: Settings) -> None:
+    """What any run of the model needs beyond a valid config: one pipeline stage, a CUDA device for ``device=cuda``."""
+    if settings.parallel.pp != 1:
+        raise SettingsError(
+            f"parallel.pp={settings.parallel.pp}: the trainer does not run pipeline parallelism yet; allowed values: [1]"
+        )
+    if settings.device_class == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+
+
 def check_trainable(settings: Settings) -> None:
-    """What a training run needs beyond a valid config, checked before any world or model is built: a
-    visible CUDA device for ``device=cuda``, no pipeline parallelism (not supported yet), and an ``out_dir``
-    to continue when ``resume`` asks to (a run without one gets a new directory: nothing to resume there)."""
+    """Before any world or model is built: an ``out_dir`` when ``resume`` continues one, :func:`check_runs_here`."""
     if settings.out_dir is None and settings.resume != "false":
         raise SettingsError(
             f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
             "runs/<time>-<id>); set out_dir=..."
         )
-    if settings.parallel.pp != 1:
-        raise SettingsError(
-            f"parallel.pp={settings.parallel.pp}: the trainer does not run pipeline parallelism yet; allowed values: [1]"
-        )
-    if settings.device_class == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+    check_runs_here(settings)
 
 
 def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractContextManager[int]:

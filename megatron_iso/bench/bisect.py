@@ -378,16 +378,11 @@ def check_config_runs(cfg: dict[str, Any]) -> None:
     """What a side (or an iso-bench layout) needs beyond a valid config: settings that Megatron can shard
     (``settings.resolve`` checks TP and EP against the model), a contract that builds, one pipeline stage, a
     CUDA device for ``device=cuda``. Errors are UserErrors naming the setting and its allowed values."""
-    from megatron_iso.settings import contract_inputs, resolve
+    from megatron_iso.settings import check_runs_here, contract_inputs, resolve
 
     settings = resolve(cfg)
     contract_inputs(cfg)
-    if settings.parallel.pp != 1:
-        raise BisectInputError(
-            f"parallel.pp={settings.parallel.pp}: the model runs as one pipeline stage here; allowed values: [1]"
-        )
-    if settings.device_class == "cuda" and not torch.cuda.is_available():
-        raise BisectInputError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+    check_runs_here(settings)
 
 
 def side_configs(side_a: Side, side_b: Side) -> list[dict[str, Any]]:

@@ -24,6 +24,15 @@ def _scoring_kwargs(config, temperature: float | torch.Tensor) -> dict:
     return {"temperature": temperature, "group": group, "leaves": config.iso_leaves, "profile": config.iso_profile}
 
 
+def _for_rows(kwargs: dict, index: torch.Tensor | slice, total: int) -> dict:
+    """Scoring kwargs for the rows ``index`` of ``total``: a per-row temperature (``[total, ...]``) narrowed to
+    them, a scalar one kept."""
+    t = kwargs["temperature"]
+    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == total:
+        return kwargs | {"temperature": t[index]}
+    return kwargs
+
+
 def score_sequences(
     model,
     input_ids: torch.Tensor,
@@ -45,10 +54,7 @@ def score_sequences(
     targets = torch.roll(ids, -1)
     kwargs = _scoring_kwargs(model.config, temperature)
     if rows is not None:
-        t = kwargs["temperature"]
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == ids.numel():
-            kwargs["temperature"] = t[rows]
-        targets = targets[rows]
+        kwargs, targets = _for_rows(kwargs, rows, ids.numel()), targets[rows]
     if model.config.iso_profile == Profile.CORRECTNESS:
         logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows)
     else:
@@ -83,9 +89,7 @@ def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, row
         return head.local_output(rows, w)[0]
 
     def for_rows(c: slice) -> dict:
-        t = kwargs["temperature"]
-        per_row = isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == total
-        return kwargs | {"temperature": t[c]} if per_row else kwargs
+        return _for_rows(kwargs, c, total)
 
     def score(logits: torch.Tensor, c: slice) -> torch.Tensor:
         return token_logprobs(logits, targets[c], **for_rows(c))

@@ -42,7 +42,8 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        need_w = ctx.needs_input_grad[1]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for c in _chunks(x.shape[0], ctx.rows):
             with torch.no_grad():
                 logits = ctx.head(x[c], weight)
@@ -50,13 +51,13 @@ class _ChunkedHead(torch.autograd.Function):
                 leaf = logits.detach().requires_grad_(True)
                 (g_logits,) = torch.autograd.grad(ctx.plain_score(leaf, c), leaf, grad[c])
             gx, gw = linear_backward(
-                g_logits, x[c], weight, need_x=grad_x is not None, need_w=ctx.needs_input_grad[1], fp32_weight_grad=True
+                g_logits, x[c], weight, need_x=grad_x is not None, need_w=need_w, fp32_weight_grad=True
             )
             if grad_x is not None:
                 grad_x[c] = gx
-            if gw is not None:
+            if grad_w is not None:
                 grad_w += gw
-        return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
 def _chunks(total: int, rows: int) -> list[slice]:
