@@ -1,0 +1,254 @@
+"""The one reading of the Hydra config: the composed DictConfig, validated once into typed settings.
+
+:func:`resolve` turns the root config (``megatron_iso/conf/``) into :class:`Settings`: typed groups (``model``, ``parallel``,
+``rl``, ``rollout``, the run's ``seed`` / ``out_dir`` / ``resume``) and a resolved :class:`ProfileSettings`: the
+device class from ``device: auto|cpu|cuda``, the GDN output form from ``profile.gdn_form: auto|scan|chunk`` and its
+dot precision (the GDN op family says which forms exist where), the leaves the layers use. Errors name the field
+and the allowed values.
+
+Layering: this package sits above ``ops`` and ``contract``: it may ask the op families (lazily) and fills the contract
+builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder and ``models/config.py`` read.
+:func:`contract_for` is every tool's one way from a config to its contract: it loads every registered implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from megatron_iso.contract.build import ContractInputs, ContractValidationError, plain_config, resolve_device_class
+from megatron_iso.contract.build import build_contract as _build_contract
+from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
+from megatron_iso.contract.loader import load_op_implementations
+from megatron_iso.contract.schema import Contract
+from megatron_iso.settings.fields import (
+    LOGGERS,
+    RESUME_MODES,
+    WANDB_MODES,
+    SettingsError,
+    _group,
+    _positive,
+    check_logger,
+    check_out_dir,
+    resume_mode,
+)
+from megatron_iso.settings.model import (
+    HF_GDN_LAYOUTS,
+    PARAMS_DTYPES,
+    GDNSettings,
+    ModelSettings,
+    MoESettings,
+    ParallelSettings,
+    ProfileSettings,
+    check_gdn_choice_runs_here,
+    resolve_gdn,
+    resolve_gdn_form,
+    resolve_model,
+    resolve_moe,
+    resolve_parallel,
+    resolve_profile,
+)
+from megatron_iso.settings.rl import (
+    LR_DECAY_STYLES,
+    NONFINITE_POLICIES,
+    RLSettings,
+    RolloutSettings,
+    check_backward_states,
+    check_micro_batch_seqs,
+    resolve_rl,
+    resolve_rollout,
+)
+
+__all__ = [
+    "HF_GDN_LAYOUTS",
+    "LOGGERS",
+    "LR_DECAY_STYLES",
+    "NONFINITE_POLICIES",
+    "PARAMS_DTYPES",
+    "RESUME_MODES",
+    "WANDB_MODES",
+    "GDNSettings",
+    "MoESettings",
+    "ModelSettings",
+    "ParallelSettings",
+    "ProfileSettings",
+    "RLSettings",
+    "RolloutSettings",
+    "Settings",
+    "SettingsError",
+    "check_backward_states",
+    "check_gdn_choice_runs_here",
+    "check_gpu_gemm_shapes",
+    "check_logger",
+    "check_micro_batch_seqs",
+    "check_out_dir",
+    "check_runs_here",
+    "check_trainable",
+    "config_world",
+    "contract_for",
+    "contract_inputs",
+    "gemm_block_k",
+    "resolve",
+    "resolve_gdn",
+    "resolve_gdn_form",
+    "resolve_model",
+    "resolve_moe",
+    "resolve_parallel",
+    "resolve_profile",
+    "resolve_rl",
+    "resolve_rollout",
+    "resume_mode",
+]
+
+# --- the whole config --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The composed config, resolved. Groups a caller's config lacks (a bare model/profile/parallel mapping in a
+    test or tool) are None; :meth:`require` names the missing one."""
+
+    profile: ProfileSettings
+    model: ModelSettings
+    parallel: ParallelSettings
+    contract: ContractInputs
+    gdn_backward_states: str  # rl.gdn_backward_states (default "keep"): the model config reads it without rl
+    rl: RLSettings | None = None
+    rollout: RolloutSettings | None = None
+    seed: int | None = None
+    out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
+    resume: str = "false"  # one of RESUME_MODES
+    dist_timeout_s: float | None = None  # collectives' timeout (dist_timeout_s); None: torch's default
+
+    @property
+    def device_class(self) -> str:
+        return self.profile.device_class
+
+    def require(self, name: str) -> Any:
+        value = getattr(self, name)
+        if value is None:
+            raise ContractValidationError(
+                f"config has no '{name}' group; compose the root config (megatron_iso/conf/config.yaml)"
+            )
+        return value
+
+
+def contract_inputs(cfg: DictConfig | Mapping[str, Any]) -> ContractInputs:
+    """What the contract builder reads, from a raw config (checks in the builder's order: groups, device,
+    profile name, the profile against the model, the GDN choice)."""
+    from megatron_iso.contract.build import validate_profile
+
+    c = plain_config(cfg)
+    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
+    device_class = resolve_device_class(c.get("device", "auto"))
+    validate_profile(profile, model)
+    resolved = resolve_profile(profile, device_class)
+    check_gdn_choice_runs_here(resolved)
+    return ContractInputs(device_class, resolved.raw, model, parallel, dict(c.get("contract") or {}))
+
+
+def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
+    """The one reading of ``cfg`` (a composed root config, or a mapping holding at least model, profile and
+    parallel); a :class:`Settings` is returned as it is."""
+    if isinstance(cfg, Settings):
+        return cfg
+    c = plain_config(cfg)
+    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
+    resolved = resolve_profile(profile, c.get("device", "auto"))
+    rl = c.get("rl")
+    rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
+    if isinstance(c.get("logger"), Mapping):
+        check_logger(c["logger"])
+    rollout = c.get("rollout")
+    return Settings(
+        profile=resolved,
+        model=resolve_model(model),
+        parallel=resolve_parallel(parallel, model),
+        contract=ContractInputs(resolved.device_class, resolved.raw, model, parallel, dict(c.get("contract") or {})),
+        gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
+        rl=rl_settings,
+        rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
+        seed=None if c.get("seed") is None else int(c["seed"]),
+        out_dir=check_out_dir(c.get("out_dir")),
+        resume=resume_mode(c.get("resume", False)),
+        dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
+    )
+
+
+def check_runs_here(settings: Settings) -> None:
+    """What any run of the model needs beyond a valid config: one pipeline stage, a CUDA device for ``device=cuda``."""
+    if settings.parallel.pp != 1:
+        raise SettingsError(
+            f"parallel.pp={settings.parallel.pp}: the trainer does not run pipeline parallelism yet; allowed values: [1]"
+        )
+    if settings.device_class == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+
+
+def check_trainable(settings: Settings) -> None:
+    """Before any world or model is built: an ``out_dir`` when ``resume`` continues one, :func:`check_runs_here`."""
+    if settings.out_dir is None and settings.resume != "false":
+        raise SettingsError(
+            f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
+            "runs/<time>-<id>); set out_dir=..."
+        )
+    check_runs_here(settings)
+
+
+def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractContextManager[int]:
+    """``parallel.world.launched_world`` for a config, from its settings: ``parallel.tp/pp/ep``, ``seed`` and
+    ``dist_timeout_s``. The one way a config-driven launch (iso-train, tools/bench_rl_step.py) opens its world."""
+    from megatron_iso.parallel.world import launched_world
+
+    s = resolve(cfg)
+    p = s.parallel
+    return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s)
+
+
+def gemm_block_k() -> Mapping[str, int]:
+    """The GPU leaf-tree GEMMs' K tile per params dtype (the GEMM family's constant)."""
+    from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
+
+    return TRITON_BLOCK_K
+
+
+def contract_for(
+    cfg: DictConfig | Mapping[str, Any] | Settings, impls: Any = None, *, load_implementations: bool = True
+) -> Contract:
+    """The contract of ``cfg``: every registered implementation loaded (``contract.load_op_implementations``:
+    the op families and the parallel layer's collectives and embedding), the config resolved and checked,
+    the contract built. ``impls``: an explicit composition instead of the registry's (tests, iso-gate);
+    ``load_implementations=False`` for a caller that has loaded its own set (iso-gate's candidates)."""
+    if load_implementations and impls is None:
+        load_op_implementations()
+    return _build_contract(_checked_contract_inputs(cfg), impls)
+
+
+def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any] | Settings) -> None:
+    """:func:`megatron_iso.contract.build.check_gpu_gemm_shapes` with the GEMM family's K tiles."""
+    _check_gpu_gemm_shapes(_checked_contract_inputs(cfg), gemm_block_k())
+
+
+def _checked_contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> ContractInputs:
+    """The contract's inputs, checked as :func:`contract_inputs` checks a raw config."""
+    if not isinstance(cfg, Settings):
+        return contract_inputs(cfg)
+    from megatron_iso.contract.build import validate_profile
+
+    validate_profile(cfg.contract.profile, cfg.contract.model)
+    check_gdn_choice_runs_here(cfg.profile)
+    return cfg.contract
+
+
+# Structured-config schemas of the groups whose keys are fixed (validation of the YAML files against them:
+# tests/test_settings.py). Stored under schema/ only: the megatron_iso/conf/ groups' defaults and keys stay as they are.
+_STORE = ConfigStore.instance()
+_STORE.store(group="schema", name="rl", node=RLSettings)
+_STORE.store(group="schema", name="parallel", node=ParallelSettings)

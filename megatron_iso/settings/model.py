@@ -1,0 +1,242 @@
+"""The ``profile``, ``model`` and ``parallel`` groups, typed and checked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_iso.contract.build import SHARDED_BY, ContractValidationError, check_profile_name, resolve_device_class
+from megatron_iso.contract.registry import Profile
+from megatron_iso.settings.fields import SettingsError, _get, _int
+
+HF_GDN_LAYOUTS = ("qkvz", "split")
+PARAMS_DTYPES = ("bf16", "fp32")
+
+
+# --- profile -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """``profile`` resolved for one device class. ``raw``: the group as the contract pins it (form resolved)."""
+
+    name: Profile
+    device_class: str  # "cpu" or "cuda", never "auto"
+    leaves: int  # row-parallel GEMMs' and the vocab LSE's leaves the layers use (1 outside correctness)
+    expert_leaves: int  # routed experts' down projection (1 outside correctness)
+    attention_kv_block: int  # keys reduced in blocks of this many positions (0 in the profile: 64)
+    gdn_chunk: int
+    gdn_form: str  # "scan" or "chunk", never "auto"
+    gdn_dot_precision: str | None
+    raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def bitwise(self) -> bool:
+        return self.name is Profile.CORRECTNESS
+
+
+def resolve_gdn_form(profile: Mapping[str, Any], device_class: str) -> tuple[str, str | None]:
+    """(gdn_form, gdn_dot_precision) of ``profile`` on ``device_class``: "auto" resolved by the GDN family."""
+    from megatron_iso.ops.gdn import gdn_profile_fields
+
+    try:
+        return gdn_profile_fields(profile, device_class)
+    except ValueError as e:
+        raise ContractValidationError(str(e)) from None
+
+
+def check_gdn_choice_runs_here(profile: ProfileSettings) -> None:
+    """Refuse a GDN (form, dot precision) where its kernels do not run, rather than write a contract whose
+    composition computes something else (docs/GDN.md "Output forms"). The contract's check: a model config may
+    still carry such a choice (its op then refuses to run)."""
+    from megatron_iso.ops.gdn import gdn_choice_runs_here
+
+    form, precision, device_class = profile.gdn_form, profile.gdn_dot_precision, profile.device_class
+    if not gdn_choice_runs_here(form, precision, device_class, profile.name.value):
+        raise ContractValidationError(
+            f"profile.gdn_form={form!r}, profile.gdn_dot_precision={precision!r} need device=cuda and profile "
+            f"correctness (the Triton GDN kernels); on device_class={device_class!r} with profile {profile.name.value!r} "
+            "only gdn_form='scan' (or 'auto') with gdn_dot_precision=null exists"
+        )
+
+
+def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
+    """``profile`` and ``device`` resolved (order of checks: device, profile.name, the GDN choice)."""
+    device_class = resolve_device_class(device)
+    name = check_profile_name(profile.get("name"))
+    form, precision = resolve_gdn_form(profile, device_class)
+    chunk = int(_get(profile, "gdn_chunk", 64))
+    if chunk < 1:
+        raise ContractValidationError(f"profile.gdn_chunk={chunk} must be a positive int")
+    bitwise = name is Profile.CORRECTNESS
+    raw = {**profile, "gdn_form": form} if "gdn_form" in profile else dict(profile)
+    return ProfileSettings(
+        name=name,
+        device_class=device_class,
+        leaves=int(_get(profile, "leaves", 8)) if bitwise else 1,
+        expert_leaves=int(_get(profile, "expert_leaves", 1)) if bitwise else 1,
+        attention_kv_block=int(_get(profile, "attention_kv_block", 64)) or 64,
+        gdn_chunk=chunk,
+        gdn_form=form,
+        gdn_dot_precision=precision,
+        raw=raw,
+    )
+
+
+# --- model -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GDNSettings:
+    """A hybrid model's Gated DeltaNet layers (``full_attention_interval`` set)."""
+
+    full_attention_interval: int
+    conv_kernel_dim: int
+    key_head_dim: int
+    value_head_dim: int
+    num_key_heads: int
+    num_value_heads: int
+    hf_layout: str  # model.hf_gdn_layout: "qkvz" (Qwen3-Next) or "split" (Qwen3.5); naming only
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """An MoE model's experts (``num_experts`` set)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int | None
+    shared_expert_gate: bool
+    norm_topk_prob: bool
+    aux_loss_coeff: float
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``model``, typed. ``raw``: the plain group (the contract's semantic identity reads every key)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    zero_centered_norm: bool
+    qk_layernorm: bool
+    attention_output_gate: bool
+    init_std: float
+    rope_theta: float
+    rotary_fraction: float
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    params_dtype: str
+    gdn: GDNSettings | None
+    moe: MoESettings | None
+    raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+
+def resolve_gdn(model: Mapping[str, Any]) -> GDNSettings | None:
+    """The GDN fields of a hybrid model (one with ``full_attention_interval``); None otherwise."""
+    interval = _get(model, "full_attention_interval")
+    if interval is None:
+        return None
+    if int(interval) < 1:
+        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
+    layout = str(_get(model, "hf_gdn_layout", "qkvz"))
+    if layout not in HF_GDN_LAYOUTS:
+        raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
+    return GDNSettings(
+        full_attention_interval=int(interval),
+        conv_kernel_dim=int(model["linear_conv_kernel_dim"]),
+        key_head_dim=int(model["linear_key_head_dim"]),
+        value_head_dim=int(model["linear_value_head_dim"]),
+        num_key_heads=int(model["linear_num_key_heads"]),
+        num_value_heads=int(model["linear_num_value_heads"]),
+        hf_layout=layout,
+    )
+
+
+def resolve_moe(model: Mapping[str, Any]) -> MoESettings | None:
+    experts = _get(model, "num_experts")
+    if experts is None:
+        return None
+    shared = _get(model, "shared_expert_ffn_hidden_size")
+    return MoESettings(
+        num_experts=int(experts),
+        topk=int(model["moe_topk"]),
+        ffn_hidden_size=int(model["moe_ffn_hidden_size"]),
+        shared_expert_ffn_hidden_size=None if shared is None else int(shared),
+        shared_expert_gate=bool(_get(model, "shared_expert_gate", False)),
+        norm_topk_prob=bool(_get(model, "norm_topk_prob", True)),
+        aux_loss_coeff=float(_get(model, "moe_aux_loss_coeff", 0.0)),
+    )
+
+
+def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
+    dtype = str(_get(model, "params_dtype", "fp32"))
+    if dtype not in PARAMS_DTYPES:
+        raise ValueError(f"model.params_dtype={dtype!r} is not allowed; allowed values: {sorted(PARAMS_DTYPES)}")
+    gdn, moe = resolve_gdn(model), resolve_moe(model)
+    return ModelSettings(
+        num_layers=int(model["num_layers"]),
+        hidden_size=int(model["hidden_size"]),
+        ffn_hidden_size=int(model["ffn_hidden_size"]),
+        num_attention_heads=int(model["num_attention_heads"]),
+        num_query_groups=int(model["num_query_groups"]),
+        kv_channels=int(model["kv_channels"]),
+        norm_epsilon=float(model["norm_epsilon"]),
+        zero_centered_norm=bool(_get(model, "zero_centered_norm", False)),
+        qk_layernorm=bool(_get(model, "qk_layernorm", True)),
+        attention_output_gate=bool(_get(model, "attention_output_gate", False)),
+        init_std=float(_get(model, "init_std", 0.02)),
+        rope_theta=float(model["rope_theta"]),
+        rotary_fraction=float(_get(model, "rotary_fraction", 1.0)),
+        vocab_size=int(model["vocab_size"]),
+        max_position_embeddings=int(model["max_position_embeddings"]),
+        tie_word_embeddings=bool(_get(model, "tie_word_embeddings", False)),
+        params_dtype=dtype,
+        gdn=gdn,
+        moe=moe,
+        raw=dict(model),
+    )
+
+
+# --- parallel, rl, rollout ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelSettings:
+    """``parallel`` (megatron_iso/conf/parallel/*.yaml). Also the group's structured-config schema."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sp: bool = False
+    dp: int = 1
+
+
+def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> ParallelSettings:
+    """``parallel`` checked: every degree a positive integer; with ``model``, TP and EP degrees that divide the
+    sizes Megatron shards by them (an error lists the degrees that would)."""
+    out = ParallelSettings(
+        tp=_int(_get(parallel, "tp", 1), "parallel.tp", 1),
+        pp=_int(_get(parallel, "pp", 1), "parallel.pp", 1),
+        ep=_int(_get(parallel, "ep", 1), "parallel.ep", 1),
+        sp=bool(_get(parallel, "sp", False)),
+        dp=_int(_get(parallel, "dp", 1), "parallel.dp", 1),
+    )
+    for axis, keys in SHARDED_BY.items() if model is not None else ():
+        sizes = {k: model[k] for k in keys if isinstance(model.get(k), int) and model[k] > 0}
+        degree = getattr(out, axis)
+        if sizes and any(size % degree for size in sizes.values()):
+            fits = [d for d in range(1, min(sizes.values()) + 1) if all(size % d == 0 for size in sizes.values())]
+            shown = ", ".join(f"model.{k}={v}" for k, v in sizes.items())
+            raise SettingsError(
+                f"parallel.{axis}={degree} does not divide {shown}: Megatron cannot shard this model that way; "
+                f"allowed values: {fits}"
+            )
+    return out

@@ -1,0 +1,118 @@
+"""The ``rl`` and ``rollout`` groups, typed and checked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _positive
+
+# What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
+NONFINITE_POLICIES = ("stop", "skip")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # rl.lr_decay_style (megatron_iso.rl.optim)
+
+
+def check_micro_batch_seqs(value: Any) -> int:
+    """``rl.train_micro_batch_seqs`` checked: sequences per trainer micro-batch, 0 = all in one batch."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"rl.train_micro_batch_seqs={value!r} is not allowed; allowed values: 0 or null (all sequences "
+            "in one batch) or a positive integer (sequences per micro-batch)"
+        )
+    return value
+
+
+def check_backward_states(value: Any) -> str:
+    """``rl.gdn_backward_states`` checked by the GDN family's rule (keep | recompute)."""
+    from megatron_iso.ops.gdn import check_backward_states as check
+
+    return check(str(value), "rl.gdn_backward_states")
+
+
+@dataclass
+class RLSettings:
+    """``rl`` (megatron_iso/conf/rl/*.yaml), typed. Also the group's structured-config schema (defaults: rl/grpo.yaml)."""
+
+    algo: str = "grpo"
+    steps: int = 20
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    lr: float = 0.02
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = "seq_mean_token_mean"
+    kl_coef: float = 0.0
+    tis_cap: float = 0.0
+    dynamic_sampling: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    scale_adv_by_std: bool = True
+    checkpoint_every: int = 10
+    grad_clip: float = 1.0
+    train_micro_batch_seqs: int | None = 0
+    gdn_backward_states: str = "keep"
+    nonfinite: str = "stop"
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+
+
+def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
+    """``rl`` typed; every key the loop reads must be present (as when the loop read the DictConfig)."""
+    steps, lr, warmup = _int(rl["steps"], "rl.steps", 1), _positive(rl["lr"], "rl.lr"), _get(rl, "lr_warmup_steps", 0)
+    if _int(warmup, "rl.lr_warmup_steps", 0) >= steps:
+        raise SettingsError(f"rl.lr_warmup_steps={warmup} is not allowed; allowed values: 0 .. {steps - 1}")
+    if _positive(_get(rl, "min_lr", 0.0), "rl.min_lr", zero=True) > lr:
+        raise SettingsError(f"rl.min_lr={rl['min_lr']!r} is not allowed; allowed values: 0 .. rl.lr = {lr!r}")
+    return RLSettings(
+        algo=str(rl["algo"]),
+        steps=steps,
+        group_size=_int(rl["group_size"], "rl.group_size", 2),
+        max_new_tokens=_int(rl["max_new_tokens"], "rl.max_new_tokens", 1),
+        temperature=_positive(rl["temperature"], "rl.temperature"),
+        lr=lr,
+        clip_low=float(rl["clip_low"]),
+        clip_high=float(rl["clip_high"]),
+        aggregation=str(rl["aggregation"]),
+        kl_coef=float(rl["kl_coef"]),
+        tis_cap=float(rl["tis_cap"]),
+        dynamic_sampling=bool(rl["dynamic_sampling"]),
+        overlong_buffer=int(rl["overlong_buffer"]),
+        overlong_penalty=float(rl["overlong_penalty"]),
+        scale_adv_by_std=bool(rl["scale_adv_by_std"]),
+        checkpoint_every=_int(rl["checkpoint_every"], "rl.checkpoint_every", 1),
+        grad_clip=float(rl["grad_clip"]),
+        train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),
+        gdn_backward_states=check_backward_states(_get(rl, "gdn_backward_states", "keep")),
+        nonfinite=_choice(_get(rl, "nonfinite", "stop"), "rl.nonfinite", NONFINITE_POLICIES),
+        lr_warmup_steps=warmup,
+        lr_decay_style=_choice(_get(rl, "lr_decay_style", "constant"), "rl.lr_decay_style", LR_DECAY_STYLES),
+        min_lr=float(_get(rl, "min_lr", 0.0)),
+        weight_decay=_positive(_get(rl, "weight_decay", 0.01), "rl.weight_decay", zero=True),
+    )
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """``rollout``: the bundled decoder. (``rollout.parallel`` is read by :mod:`megatron_iso.rl.rollout`.)"""
+
+    kv_cache_mb: int
+    paged_kv_reads: bool
+    cuda_graphs: bool
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_mb << 20
+
+
+def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
+    return RolloutSettings(
+        kv_cache_mb=_int(rollout["kv_cache_mb"], "rollout.kv_cache_mb", 1),
+        paged_kv_reads=bool(rollout["paged_kv_reads"]),
+        cuda_graphs=bool(rollout["cuda_graphs"]),
+    )
