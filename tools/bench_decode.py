@@ -207,7 +207,7 @@ def build_runners(args: argparse.Namespace, failures: dict[str, str]) -> dict[st
 
     base = load_config([f"model={args.model}", *args.overrides])
     if torch.cuda.is_available():  # refuse GEMM shapes the GPU kernels cannot walk before building anything
-        from megatron_iso.contract.build import check_gpu_gemm_shapes
+        from megatron_iso.settings import check_gpu_gemm_shapes
 
         check_gpu_gemm_shapes(base)
     hf_weights = random_hf_state_dict(transformer_config(base), seed=args.seed)
