@@ -220,6 +220,10 @@ def apply_cpu_patches() -> bool:
     mrandom.CudaRNGStatesTracker = _cpu_rng_tracker_class()
     mrandom._CUDA_RNG_STATE_TRACKER = None
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores the CPU generator, the tracker's
+    # states and the CUDA generator's; without CUDA there is no third one to read or set.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
     # Megatron allocates buffers with device=torch.cuda.current_device(); on CPU that is "cpu".
     torch.cuda.current_device = lambda: "cpu"

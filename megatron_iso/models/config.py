@@ -6,6 +6,7 @@ they are dataclass fields (not attributes patched on later) so a reader sees the
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,11 +100,19 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
     """Build the Megatron config for ``cfg.model`` under ``cfg.profile`` and ``cfg.parallel`` (a raw config, read
     through :func:`megatron_iso.settings.resolve`, or its :class:`~megatron_iso.settings.Settings`)."""
     s: Settings = resolve(cfg)
+    dtype = DTYPES[s.model.params_dtype]
+    with warnings.catch_warnings():
+        # Megatron warns that Transformer Engine's fused attention needs no core_attn recompute; ours is not TE's.
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine")
+        return _iso_config(s, dtype)
+
+
+def _iso_config(s: Settings, dtype: torch.dtype) -> IsoTransformerConfig:
     model, profile, parallel = s.model, s.profile, s.parallel
-    dtype = DTYPES[model.params_dtype]
     return IsoTransformerConfig(
         **_gdn_fields(model, profile, s.gdn_backward_states),
         **moe_fields(model, parallel),
+        **recompute_fields(s.rl),
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -145,6 +154,20 @@ def transformer_config(cfg: Any) -> IsoTransformerConfig:
         max_sequence_length=model.max_position_embeddings,
         tie_word_embeddings=model.tie_word_embeddings,
     )
+
+
+def recompute_fields(rl: Any) -> dict[str, Any]:
+    """Megatron's activation-recompute fields from ``rl.recompute_*`` (checked by the settings); empty without
+    an ``rl`` group or with recompute off. Not a contract field: recompute reruns the same forward ops on the
+    same inputs in the backward, so logprobs and gradients keep their bits."""
+    if rl is None or rl.recompute_granularity is None:
+        return {}
+    out: dict[str, Any] = {"recompute_granularity": rl.recompute_granularity}
+    if rl.recompute_granularity == "full":
+        out |= {"recompute_method": rl.recompute_method, "recompute_num_layers": rl.recompute_num_layers}
+    else:
+        out["recompute_modules"] = list(rl.recompute_modules or ["core_attn"])
+    return out
 
 
 def moe_fields(model: ModelSettings, parallel: ParallelSettings) -> dict[str, Any]:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -140,7 +141,14 @@ class CachedSelfAttention(SelfAttention):
         cos, sin = batch.memo[rope_key]
         query = apply_rope(query, cos, sin, profile=self.profile)
         key = apply_rope(key, cos, sin, profile=self.profile)
-        out = self.core_attention(query, key, value, batch, gate=gate)
+        if self.checkpoint_core_attention and self.training and torch.is_grad_enabled() and not batch.uses_cache:
+            # rl.recompute_granularity=selective: the backward reruns this attention from q, k, v (Megatron's
+            # checkpoint; the batch rides in the closure, it holds no tensor that needs a gradient).
+            out = tensor_parallel.checkpoint(
+                lambda q, k, v, g: self.core_attention(q, k, v, batch, gate=g), False, query, key, value, gate
+            )
+        else:
+            out = self.core_attention(query, key, value, batch, gate=gate)
         out = out.reshape(out.shape[0], 1, -1)
         return self.linear_proj(out)
 

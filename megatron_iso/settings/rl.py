@@ -11,6 +11,12 @@ from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _po
 # What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
 NONFINITE_POLICIES = ("stop", "skip")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # rl.lr_decay_style (megatron_iso.rl.optim)
+# Activation recompute (Megatron's TransformerConfig fields of the same names; models.config passes them on).
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+# Selective recompute's submodules that the iso layers run under Megatron's checkpoint (CachedSelfAttention's
+# core attention, TransformerLayer's dense MLP); the others need Transformer Engine or layers we do not build.
+RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 
 def check_micro_batch_seqs(value: Any) -> int:
@@ -60,6 +66,56 @@ class RLSettings:
     lr_decay_style: str = "constant"
     min_lr: float = 0.0
     weight_decay: float = 0.01
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """``rl.recompute_*`` checked: Megatron's TransformerConfig fields (all None: no recompute)."""
+
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple[str, ...] | None = None
+
+
+def check_recompute(rl: Mapping[str, Any]) -> Recompute:
+    """``rl.recompute_granularity`` (null | selective | full); with full, ``rl.recompute_method`` (uniform | block)
+    and ``rl.recompute_num_layers`` (>= 1); with selective, ``rl.recompute_modules`` (null: Megatron's default,
+    core_attn). Keys that the chosen granularity does not read must stay null (Megatron refuses them too)."""
+    granularity = _get(rl, "recompute_granularity")
+    method, num_layers, modules = (
+        _get(rl, k) for k in ("recompute_method", "recompute_num_layers", "recompute_modules")
+    )
+    if granularity is None:
+        stray = [k for k, v in (("method", method), ("num_layers", num_layers), ("modules", modules)) if v is not None]
+        if stray:
+            raise SettingsError(f"rl.recompute_{stray[0]} is set but rl.recompute_granularity is null; set both")
+        return Recompute()
+    granularity = _choice(granularity, "rl.recompute_granularity", RECOMPUTE_GRANULARITIES)
+    if granularity == "selective":
+        if method is not None or num_layers is not None:
+            raise SettingsError(
+                "rl.recompute_method / rl.recompute_num_layers apply to rl.recompute_granularity=full only; "
+                "leave them null with selective"
+            )
+        chosen = tuple(_choice(m, "rl.recompute_modules", RECOMPUTE_MODULES) for m in (modules or ("core_attn",)))
+        return Recompute(granularity, modules=chosen)
+    if modules is not None:
+        raise SettingsError("rl.recompute_modules applies to rl.recompute_granularity=selective only; leave it null")
+    if method is None or num_layers is None:
+        raise SettingsError(
+            "rl.recompute_granularity=full needs rl.recompute_method (allowed values: "
+            f"{list(RECOMPUTE_METHODS)}) and rl.recompute_num_layers (integers >= 1)"
+        )
+    return Recompute(
+        granularity,
+        _choice(method, "rl.recompute_method", RECOMPUTE_METHODS),
+        _int(num_layers, "rl.recompute_num_layers", 1),
+    )
 
 
 def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
@@ -69,6 +125,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         raise SettingsError(f"rl.lr_warmup_steps={warmup} is not allowed; allowed values: 0 .. {steps - 1}")
     if _positive(_get(rl, "min_lr", 0.0), "rl.min_lr", zero=True) > lr:
         raise SettingsError(f"rl.min_lr={rl['min_lr']!r} is not allowed; allowed values: 0 .. rl.lr = {lr!r}")
+    recompute = check_recompute(rl)
     return RLSettings(
         algo=str(rl["algo"]),
         steps=steps,
@@ -94,6 +151,10 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         lr_decay_style=_choice(_get(rl, "lr_decay_style", "constant"), "rl.lr_decay_style", LR_DECAY_STYLES),
         min_lr=float(_get(rl, "min_lr", 0.0)),
         weight_decay=_positive(_get(rl, "weight_decay", 0.01), "rl.weight_decay", zero=True),
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
+        recompute_modules=None if recompute.modules is None else list(recompute.modules),
     )
 
 
