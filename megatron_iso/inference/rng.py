@@ -4,7 +4,7 @@ A draw is a pure function of its key ``(seed)`` and counter ``(position, sample,
 no generator state, so a sequence's random numbers do not depend on which batch it ran in, when
 it arrived, or how the scheduler split its steps. Only integer ops are used (a product of two
 32-bit words fits a uint64 exactly), so every machine gives the same words; the uniform is
-``(word >> 8) * 2**-24``, exact in fp32. The engine draws one uniform per row per step on the host:
+``(word >> 8) * 2**-24``, exact in fp32. The engine draws one uniform (or one row key) per row per step on the host:
 numpy's whole-array ops keep that at tens of microseconds (torch's per-op overhead made the same
 ~200 ops about 0.9 ms a step).
 """
@@ -73,6 +73,32 @@ def uniforms(
     shift = np.uint64(32)
     word = _philox([_words(positions), _words(samples), req, req >> shift], seed, seed >> shift)[0]
     return torch.from_numpy((word >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24))
+
+
+def row_keys(
+    seeds: torch.Tensor, request_keys: torch.Tensor, samples: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """A 64-bit Philox key per row, as ``[..., 2]`` int64 holding two 32-bit words: words 0 and 1 of the
+    draw :func:`uniforms` takes word 0 of. The Gumbel sampler keys its per-token draws with it."""
+    seed, req = _words(seeds), _words(request_keys)
+    shift = np.uint64(32)
+    words = _philox([_words(positions), _words(samples), req, req >> shift], seed, seed >> shift)
+    return torch.from_numpy(np.stack(words[:2], axis=-1).astype(np.int64))
+
+
+# Counter word 1 of the per-token draws: a stream of its own, apart from any other use of a row key.
+GUMBEL_STREAM = 0x6D62
+
+
+def token_words(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Word 0 of Philox(counter = (token id, GUMBEL_STREAM, 0, 0), key = the row's key) for every row and token:
+    ``keys [R, 2]`` from :func:`row_keys`, ``token_ids [V]`` global ids -> ``[R, V]`` int64 in [0, 2**32)."""
+    k = _words(keys)
+    ids = _words(token_ids)[None, :]
+    zero = np.zeros_like(ids)
+    stream = np.full_like(ids, GUMBEL_STREAM)
+    word = _philox([ids, stream, zero, zero], k[:, 0:1], k[:, 1:2])[0]
+    return torch.from_numpy(word.astype(np.int64))
 
 
 def as_int64(value: int) -> int:

@@ -1,6 +1,16 @@
-"""Token selection from full-vocab fp32 log-probabilities, batch invariant by construction.
+"""Token selection, batch invariant by construction: a row's token depends on that row's logits and key alone.
 
-Per row: a stable descending sort (ties by ascending token id), probabilities ``iso_exp(logp)``,
+Two rules, chosen per row (so a row's token never depends on what else shares its step):
+
+- **Gumbel-max** (:func:`gumbel_tokens`) for rows without top-k / top-p, and for greedy rows: the token is the
+  argmax over the vocab of ``logit / T + G``, ``G = -log(-log u)`` with one counter-based uniform per (row key,
+  token id); ties go to the lowest id; greedy rows take the argmax of the logits. An exact draw from
+  ``softmax(logits / T)`` with no sort and no prefix sum, one pass over the logits, vocab-parallel (a TP rank
+  scores its own shard; the noise is keyed by the global token id, so every layout draws the same token), and
+  the same bits on the CPU reference and the Triton kernel (``sampler_triton``: float64 from correctly rounded
+  operations only).
+- **Filtered** (:func:`select_tokens`) for rows with top-k or top-p: from full-vocab fp32 log-probabilities,
+  a stable descending sort (ties by ascending token id), probabilities ``iso_exp(logp)``,
 top-k / top-p masks on the sorted order, then inverse-CDF with one counter-based uniform. The
 cumulative sums are a Hillis-Steele scan (log2(V) rounds of shifted elementwise adds): a fixed
 addition pattern per row, the same on every device and for any number of rows.
@@ -9,8 +19,10 @@ addition pattern per row, the same on every device and for any number of rows.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megatron_iso.ops.common.ieee_math import iso_exp
+from megatron_iso.inference.rng import token_words
+from megatron_iso.ops.common.ieee_math import iso_exp, log64
 
 
 def inclusive_scan(x: torch.Tensor) -> torch.Tensor:
@@ -75,3 +87,63 @@ def top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor
     """The ``n`` largest logprobs per row and their token ids (ties to the lower id)."""
     vals, ids = sort_desc(logp)
     return ids[..., :n], vals[..., :n]
+
+
+def gumbel_partials_reference(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    *,
+    id_offset: int,
+    valid_vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gumbel-max scores of a vocab shard in float64 torch ops, the row's best score and lowest id
+    reaching it (``[R, 1]`` each, the Triton kernel's partials with one slice)."""
+    rows, n_local = logits.shape
+    ids = torch.arange(id_offset, id_offset + n_local, dtype=torch.int64)
+    scaled = (logits.float().cpu() / temperature.float().cpu().reshape(rows, 1)).double()
+    u = ((token_words(keys.cpu(), ids) >> 8).double() + 0.5) * 2.0**-24
+    noise = -log64(-log64(u))
+    s = torch.where(greedy.cpu().reshape(rows, 1), scaled, scaled + noise)
+    s = torch.where((ids < valid_vocab) & (s == s), s, torch.full_like(s, float("-inf")))
+    best, at = s.max(dim=-1, keepdim=True)  # first (lowest-id) maximum
+    best_id = torch.where(torch.isinf(best) & (best < 0), id_offset + n_local, at + id_offset)
+    return best.to(logits.device), best_id.to(logits.device)
+
+
+def gumbel_tokens(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    *,
+    valid_vocab: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Sampled token id per row by Gumbel-max (module doc). ``logits [R, V/C]``: this rank's vocab shard of
+    TP group ``group`` (the full vocab without one); ``keys [R, 2]`` int64 from ``rng.row_keys``;
+    ``temperature [R]`` > 0 (greedy rows: any); ``greedy [R]`` bool; ids >= ``valid_vocab`` are never drawn."""
+    size = 1 if group is None else dist.get_world_size(group)
+    n_local = logits.shape[-1]
+    offset = 0 if size == 1 else dist.get_rank(group) * n_local
+    limit = n_local * size if valid_vocab is None else valid_vocab
+    temperature = torch.where(greedy.reshape(temperature.shape), torch.ones_like(temperature), temperature)
+    if logits.is_cuda:
+        from megatron_iso.inference.sampler_triton import gumbel_partials_triton as partials
+    else:
+        partials = gumbel_partials_reference
+    best, best_id = partials(logits, keys, temperature, greedy, id_offset=offset, valid_vocab=limit)
+    if size > 1:
+        best = torch.cat(_all_gather(best, group), dim=-1)
+        best_id = torch.cat(_all_gather(best_id, group), dim=-1)
+    # Slices in ascending id order: the first maximum is the lowest id among equal scores. A row with no
+    # finite score (NaN logits) gets token 0: its recorded logprob is NaN, which the run's checks catch.
+    token = best_id.gather(-1, best.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return torch.where(token < limit, token, torch.zeros_like(token))
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts

@@ -77,6 +77,13 @@ def helper_checks(device: str) -> None:
     s, c = ieee_math.sincos64(a)
     check("sin64", eval64("sin64", a.to(device)), s, a)
     check("cos64", eval64("cos64", a.to(device)), c, a)
+    # log64: positive normal inputs, the whole exponent range and both sides of the sqrt(2) mantissa split.
+    pos = x.abs()[(x.abs() > 2.3e-308) & torch.isfinite(x)]
+    split = torch.tensor([math.sqrt(2.0), math.nextafter(math.sqrt(2.0), 0.0), math.nextafter(math.sqrt(2.0), 3.0)],
+                         dtype=torch.float64)  # fmt: skip
+    lg = torch.cat([pos, split, torch.rand(2000, generator=g, dtype=torch.float64) + 2.0**-60,
+                    torch.exp(torch.rand(1000, generator=g, dtype=torch.float64) * 1400 - 700)])  # fmt: skip
+    check("log64", eval64("log64", lg.to(device)), ieee_math.log64(lg), lg)
 
 
 def iso_checks(device: str) -> None:

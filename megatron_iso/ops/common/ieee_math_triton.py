@@ -167,7 +167,40 @@ def sincos64(angle):
     return sin, cos
 
 
-_EVAL64 = {"exp64": 0, "sigmoid64": 1, "silu64": 2, "sin64": 3, "cos64": 4}
+_SQRT2 = tl.constexpr(_k.SQRT2)
+_LN2 = tl.constexpr(_k.LN2)
+# The atanh series' coefficients 1 / (2n + 1), as the reference computes them (Python doubles).
+_A = [tl.constexpr(1.0 / (2 * n + 1)) for n in range(_k.ATANH_TERMS)]
+_A0, _A1, _A2, _A3, _A4, _A5, _A6, _A7, _A8, _A9, _A10, _A11 = _A
+
+
+@triton.jit
+def log64(x):
+    """``ieee_math.log64`` for positive normal float64 ``x``: exact exponent split from the bits, mantissa
+    moved into [sqrt(2)/2, sqrt(2)), atanh series of degree 23 in s = (m - 1) / (m + 1)."""
+    bits = x.to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1023
+    m = ((bits & 0x000FFFFFFFFFFFFF) | (1023 << 52)).to(tl.float64, bitcast=True)
+    big = m > _SQRT2
+    m = tl.where(big, m * 0.5, m)
+    e = (e + big.to(tl.int64)).to(tl.float64)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    p = s2 * _A11 + _A10
+    p = p * s2 + _A9
+    p = p * s2 + _A8
+    p = p * s2 + _A7
+    p = p * s2 + _A6
+    p = p * s2 + _A5
+    p = p * s2 + _A4
+    p = p * s2 + _A3
+    p = p * s2 + _A2
+    p = p * s2 + _A1
+    p = p * s2 + _A0
+    return e * _LN2 + 2.0 * s * p
+
+
+_EVAL64 = {"exp64": 0, "sigmoid64": 1, "silu64": 2, "sin64": 3, "cos64": 4, "log64": 5}
 
 
 @triton.jit
@@ -183,8 +216,10 @@ def _eval64_kernel(x_ptr, y_ptr, N, FN: tl.constexpr, BLOCK: tl.constexpr):
         y = silu64(x)
     elif FN == 3:
         y, _c = sincos64(x)
-    else:
+    elif FN == 4:
         _s, y = sincos64(x)
+    else:
+        y = log64(x)
     tl.store(y_ptr + offs, y, mask=mask)
 
 
@@ -224,7 +259,7 @@ def iso_eval(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def eval64(name: str, x: torch.Tensor) -> torch.Tensor:
     """One helper applied elementwise to a float64 tensor (``name`` in ``exp64, sigmoid64, silu64, sin64,
-    cos64``): the helpers' own float64 bits, checked against ``ieee_math``/``rope.reference`` by the tests."""
+    cos64, log64``): the helpers' own float64 bits, checked against ``ieee_math``/``rope.reference`` by the tests."""
     if name not in _EVAL64:
         raise ValueError(f"eval64: name={name!r}, allowed {sorted(_EVAL64)}")
     if x.dtype != torch.float64:
