@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megatron_iso.errors import UserError, check_finite
+from megatron_iso.rl.optim import distributed_parts
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -51,7 +52,7 @@ def save_checkpoint(
     _barrier()
     params = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
     save_file(params, str(tmp / f"model_rank{rank}.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / f"optim_rank{rank}.pt")
+    torch.save(_optimizer_state(optimizer), tmp / f"optim_rank{rank}.pt")
     _barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, sort_keys=True, indent=1))
@@ -139,5 +140,51 @@ def load_checkpoint(
         optim_state = torch.load(optim, weights_only=True)
     except Exception as exc:  # a damaged pickle raises one of many types; the file is what matters
         raise CheckpointError(f"cannot read {optim}: {_first_line(exc)}{_fallback(path)}") from None
-    optimizer.load_state_dict(optim_state)
+    _load_optimizer_state(optimizer, optim_state, optim)
     return meta
+
+
+# The key of a distributed optimizer's sharded Adam state in its optim_rank<r>.pt (absent: a replicated one's).
+_PARAM_STATE = "distributed_param_state"
+
+
+def _optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """What ``optim_rank<r>.pt`` holds: the optimizer's ``state_dict()`` (a replicated optimizer's whole state), or
+    for Megatron's distributed optimizer its state_dict (param groups and step, no tensors) plus, per chained
+    part, the DP group's Adam state and main weights gathered to DP rank 0 by Megatron's
+    ``get_parameter_state_dp_zero`` (a collective; None on the other DP ranks)."""
+    parts = distributed_parts(optimizer)
+    if not parts:
+        return optimizer.state_dict()
+    return {"optimizer": optimizer.state_dict(), _PARAM_STATE: [p.get_parameter_state_dp_zero() for p in parts]}
+
+
+def _load_optimizer_state(optimizer: Any, state: dict[str, Any], path: Path) -> None:
+    parts = distributed_parts(optimizer)
+    if bool(parts) != (_PARAM_STATE in state):
+        raise CheckpointError(
+            f"{path} was written with rl.use_distributed_optimizer={not parts}, this run has "
+            f"rl.use_distributed_optimizer={bool(parts)}; resume with the setting the run was written with"
+        )
+    if not parts:
+        optimizer.load_state_dict(state)
+        return
+    saved = state[_PARAM_STATE]
+    if len(saved) != len(parts):
+        raise CheckpointError(f"{path} holds {len(saved)} distributed optimizer parts, this run has {len(parts)}")
+    optimizer.load_state_dict(state["optimizer"])  # param groups, step; Adam's tensors as placeholders
+    # Scattered from DP rank 0 (a collective). No autograd: with fp32 weights the main weights Adam updates are
+    # views of the model's parameters, and Megatron's loader copies into them in place.
+    with torch.no_grad():
+        for part, part_state in zip(parts, saved, strict=True):
+            # torch's Adam (Megatron's choice without Apex or Transformer Engine) keeps a "step" tensor in each
+            # parameter's state, which Megatron's loader expects to hold only param / exp_avg / exp_avg_sq: it is
+            # set aside while the loader runs (its value came from the param groups above). Megatron's
+            # load_state_dict gave every parameter the same step tensor, and torch's Adam increments each
+            # parameter's step in place: shared, it would advance once per parameter. Each gets its own copy.
+            steps = {p: st.pop("step") for p, st in part.optimizer.state.items() if "step" in st}
+            try:
+                part.load_parameter_state_from_dp_zero(part_state)
+            finally:
+                for p, step in steps.items():
+                    part.optimizer.state[p]["step"] = step.clone()

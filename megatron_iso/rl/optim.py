@@ -3,6 +3,15 @@ weight-decay schedule (Megatron-Core's ``OptimizerParamScheduler``), one schedul
 
 The schedule is a pure function of the step count, so a resumed run positions it by advancing it to
 its first step: the learning rate of every step is the uninterrupted run's.
+
+``rl.use_distributed_optimizer``: Megatron's DistributedOptimizer (ZeRO-1): each data-parallel rank holds the
+Adam state and fp32 main weights of its slice of the grad buffer; gradients are reduce-scattered and the
+updated weights all-gathered. The update of every element is the same elementwise Adam arithmetic, so only the
+global grad norm differs from the replicated optimizer: it is summed from per-slice partial norms over the DP
+ranks, another summation order, so with ``rl.grad_clip`` active the clip factor, hence the update, may differ in
+its last bits (with clipping off the weights stay the same bits). The run checkpoint stores its sharded state
+through Megatron's own ``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero``
+(:mod:`megatron_iso.rl.checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ def build_optimizer(tc: Any, model: torch.nn.Module, rl: RLSettings) -> tuple[An
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(), model)
+    distributed = rl.use_distributed_optimizer
+    ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
     config = OptimizerConfig(
         optimizer="adam",
+        use_distributed_optimizer=distributed,
         lr=rl.lr,
         min_lr=rl.min_lr,
         weight_decay=rl.weight_decay,
@@ -52,3 +63,10 @@ def current_lr(optimizer: Any) -> float:
     """The learning rate the next optimizer step applies (the first parameter group's: every group of the
     policy follows the same schedule)."""
     return float(optimizer.param_groups[0]["lr"])
+
+
+def distributed_parts(optimizer: Any) -> list[Any]:
+    """The DistributedOptimizer parts of ``optimizer`` (Megatron chains one per parameter kind); empty when the
+    optimizer is replicated (``rl.use_distributed_optimizer=false``)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [p for p in parts if hasattr(p, "get_parameter_state_dp_zero")]

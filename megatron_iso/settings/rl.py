@@ -70,6 +70,7 @@ class RLSettings:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     recompute_modules: list[str] | None = None
+    use_distributed_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         recompute_method=recompute.method,
         recompute_num_layers=recompute.num_layers,
         recompute_modules=None if recompute.modules is None else list(recompute.modules),
+        use_distributed_optimizer=bool(_get(rl, "use_distributed_optimizer", False)),
     )
 
 
