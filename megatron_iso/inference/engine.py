@@ -7,9 +7,10 @@ cache can reserve their worst case), runs ONE packed forward (``IsoBatch`` case 
 new prompts join, else ``decode``; a decode row is a one-token prefill row, the same kernel), and
 samples one token for every row:
 
-- logits of the producing step -> ``parallel.vocab_scoring.log_softmax`` (full vocab gathered,
-  pure transport) -> :func:`~megatron_iso.inference.sampler.select_tokens` with a Philox uniform
-  keyed by (seed, request id, sample index, position);
+- logits of the producing step -> :func:`~megatron_iso.inference.sampler.gumbel_tokens` (Gumbel-max on
+  this rank's vocab shard, the noise keyed by (seed, request id, sample index, position) and the token id),
+  or, for a row with top-k / top-p, ``parallel.vocab_scoring.log_softmax`` (full vocab gathered) ->
+  :func:`~megatron_iso.inference.sampler.select_tokens` with one Philox uniform under the same key;
 - the recorded logprob is ``parallel.vocab_scoring.token_logprobs`` on those logits and the drawn
   token: the trainer's function, so an iso-profile rollout logprob equals the trainer's recompute
   bit for bit.
@@ -46,8 +47,8 @@ from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_suppor
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
-from megatron_iso.inference.rng import as_int64, request_key, uniforms
-from megatron_iso.inference.sampler import select_tokens, top_logprobs
+from megatron_iso.inference.rng import as_int64, request_key, row_keys, uniforms
+from megatron_iso.inference.sampler import gumbel_tokens, select_tokens, top_logprobs
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack
 from megatron_iso.models.gdn import gdn_layer_indices
@@ -407,15 +408,18 @@ class RolloutEngine:
                 meta.append((s, s.sample))
         params = [s.group.request.params for s, _ in meta]
         dev = logits.device
-        # Every per-row input in ONE host tensor and one non-blocking copy (a blocking copy per
-        # tensor is a host sync each on GPU). float64 holds each value exactly: int64 ids/counts
-        # below 2**53, the fp32 temperature/top_p/uniform after their fp32 rounding.
-        u_host = uniforms(
+        # Per row, the rule (sampler module doc): Gumbel-max unless top-k / top-p filter the row.
+        filtered = [p.temperature != 0 and (p.top_k > 0 or p.top_p < 1) for p in params]
+        counter = (
             torch.tensor([as_int64(p.seed) for p in params]),
             torch.tensor([as_int64(s.group.key) for s, _ in meta]),
             torch.tensor([i for _, i in meta]),
             torch.tensor([len(s.tokens) for s, _ in meta]),  # position of the drawn token
         )
+        keys = row_keys(*counter)
+        # Every per-row input in ONE host tensor and one non-blocking copy (a blocking copy per
+        # tensor is a host sync each on GPU). float64 holds each value exactly: int64 ids/counts
+        # and 32-bit key words below 2**53, the fp32 temperature/top_p/uniform after their fp32 rounding.
         host = torch.stack(
             (
                 torch.tensor(src, dtype=torch.float64),
@@ -425,7 +429,10 @@ class RolloutEngine:
                 ).double(),
                 torch.tensor([p.top_k for p in params], dtype=torch.float64),
                 torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).double(),
-                u_host.double(),
+                uniforms(*counter).double() if any(filtered) else torch.zeros(len(params), dtype=torch.float64),
+                keys[:, 0].double(),
+                keys[:, 1].double(),
+                torch.tensor(filtered, dtype=torch.float64),
             )
         )
         on_dev = host.to(dev, non_blocking=True)
@@ -440,14 +447,22 @@ class RolloutEngine:
             parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
         )
         common = {"group": group, "leaves": mc.iso_leaves, "profile": self.profile}
+        k = max(p.top_logprobs for p in params)
         with torch.no_grad():
-            logp = gather_along(log_softmax(rows, temperature=temp, **common), group, dim=-1)
-            tokens = select_tokens(
-                logp, on_dev[5].float(), greedy=greedy, top_k=on_dev[3].long(), top_p=on_dev[4].float()
-            )
-            # select_tokens draws from this vocab: no range check (it was the step's second host read)
+            tokens = None
+            if not all(filtered):
+                row_keys_dev = on_dev[6:8].t().long()
+                tokens = gumbel_tokens(rows, row_keys_dev, on_dev[2].float(), greedy, group=group)
+            logp = None
+            if any(filtered) or k:
+                logp = gather_along(log_softmax(rows, temperature=temp, **common), group, dim=-1)
+            if any(filtered):
+                drawn = select_tokens(
+                    logp, on_dev[5].float(), greedy=greedy, top_k=on_dev[3].long(), top_p=on_dev[4].float()
+                )
+                tokens = drawn if tokens is None else torch.where(on_dev[8] != 0, drawn, tokens)
+            # Both rules draw from this vocab: no range check (it was the step's second host read)
             recorded = token_logprobs(rows, tokens, temperature=temp, ids_in_range=True, **common)
-            k = max(p.top_logprobs for p in params)
             top = top_logprobs(logp, k) if k else None
         # One device-to-host read for all of it, top logprobs included (were 2 reads per row that
         # asked for them): float64 holds the ids and the fp32 logprobs exactly.

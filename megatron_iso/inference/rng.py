@@ -90,15 +90,29 @@ def row_keys(
 GUMBEL_STREAM = 0x6D62
 
 
+def _mulhilo32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of ``a * b`` for 32-bit words ``a`` (int64 tensor) and ``b``: split at 16
+    bits so every partial product fits int64 exactly."""
+    p_lo, p_hi = a * (b & 0xFFFF), a * (b >> 16)  # each < 2**48
+    t = ((p_hi & 0xFFFF) << 16) + p_lo  # < 2**49
+    return (p_hi >> 16) + (t >> 32), t & MASK32
+
+
 def token_words(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Word 0 of Philox(counter = (token id, GUMBEL_STREAM, 0, 0), key = the row's key) for every row and token:
-    ``keys [R, 2]`` from :func:`row_keys`, ``token_ids [V]`` global ids -> ``[R, V]`` int64 in [0, 2**32)."""
-    k = _words(keys)
-    ids = _words(token_ids)[None, :]
-    zero = np.zeros_like(ids)
-    stream = np.full_like(ids, GUMBEL_STREAM)
-    word = _philox([ids, stream, zero, zero], k[:, 0:1], k[:, 1:2])[0]
-    return torch.from_numpy(word.astype(np.int64))
+    ``keys [R, 2]`` from :func:`row_keys`, ``token_ids [V]`` global ids -> ``[R, V]`` int64 in [0, 2**32).
+    Exact int64 torch arithmetic on the tensors' own device: the Triton kernel's words, bit for bit."""
+    k0, k1 = keys[:, 0:1] & MASK32, keys[:, 1:2] & MASK32
+    c0 = (token_ids.to(keys.device) & MASK32).expand(keys.shape[0], -1)
+    c1 = torch.full_like(c0, GUMBEL_STREAM)
+    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = (k0 + _W0) & MASK32, (k1 + _W1) & MASK32
+        hi0, lo0 = _mulhilo32(c0, _M0)
+        hi1, lo1 = _mulhilo32(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0
 
 
 def as_int64(value: int) -> int:

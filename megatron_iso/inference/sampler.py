@@ -98,18 +98,18 @@ def gumbel_partials_reference(
     id_offset: int,
     valid_vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gumbel-max scores of a vocab shard in float64 torch ops, the row's best score and lowest id
-    reaching it (``[R, 1]`` each, the Triton kernel's partials with one slice)."""
+    """The Gumbel-max scores of a vocab shard in float64 torch ops (CPU tensors), the row's best score and
+    lowest id reaching it (``[R, 1]`` each, the Triton kernel's partials with one slice)."""
     rows, n_local = logits.shape
     ids = torch.arange(id_offset, id_offset + n_local, dtype=torch.int64)
-    scaled = (logits.float().cpu() / temperature.float().cpu().reshape(rows, 1)).double()
-    u = ((token_words(keys.cpu(), ids) >> 8).double() + 0.5) * 2.0**-24
+    scaled = (logits.float() / temperature.float().reshape(rows, 1)).double()
+    u = ((token_words(keys, ids) >> 8).double() + 0.5) * 2.0**-24
     noise = -log64(-log64(u))
-    s = torch.where(greedy.cpu().reshape(rows, 1), scaled, scaled + noise)
+    s = torch.where(greedy.reshape(rows, 1), scaled, scaled + noise)
     s = torch.where((ids < valid_vocab) & (s == s), s, torch.full_like(s, float("-inf")))
     best, at = s.max(dim=-1, keepdim=True)  # first (lowest-id) maximum
     best_id = torch.where(torch.isinf(best) & (best < 0), id_offset + n_local, at + id_offset)
-    return best.to(logits.device), best_id.to(logits.device)
+    return best, best_id
 
 
 def gumbel_tokens(

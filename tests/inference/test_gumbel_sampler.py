@@ -154,3 +154,15 @@ def test_reference_partials_shape():
         torch.randn(3, 10), _keys(3), torch.ones(3), torch.zeros(3, dtype=torch.bool), id_offset=10, valid_vocab=20
     )
     assert s.shape == i.shape == (3, 1) and s.dtype == torch.float64 and int(i.min()) >= 10
+
+
+def test_token_words_are_philox():
+    """The torch int64 Philox of the per-token draws equals the numpy Philox-4x32-10 of ``rng``."""
+    from megatron_iso.inference.rng import GUMBEL_STREAM, philox4x32, token_words
+
+    keys = torch.tensor([[0, 0], [2**32 - 1, 2**32 - 1], [123456789, 987654321]])
+    ids = torch.tensor([0, 1, 2**31, 2**32 - 1, 151935])
+    got = token_words(keys, ids)
+    counter = torch.stack([ids, torch.full_like(ids, GUMBEL_STREAM), torch.zeros_like(ids), torch.zeros_like(ids)], -1)
+    want = torch.stack([philox4x32(counter, k.expand(len(ids), 2))[:, 0] for k in keys])
+    assert torch.equal(got, want)

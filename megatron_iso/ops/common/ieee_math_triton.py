@@ -181,7 +181,7 @@ def log64(x):
     bits = x.to(tl.int64, bitcast=True)
     e = ((bits >> 52) & 0x7FF) - 1023
     m = ((bits & 0x000FFFFFFFFFFFFF) | (1023 << 52)).to(tl.float64, bitcast=True)
-    big = m > _SQRT2
+    big = m > tl.full([], _SQRT2, tl.float64)  # a bare constexpr would be compared as float32
     m = tl.where(big, m * 0.5, m)
     e = (e + big.to(tl.int64)).to(tl.float64)
     s = (m - 1.0) / (m + 1.0)
