@@ -36,9 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_iso.contract.registry import Profile
+from megatron_iso.inference.draw import Drawer
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
+from megatron_iso.ops.logprob import host_checked_temperature
 
 MIN_STAGING = 256  # tokens: the shortest staging length bucket (performance profile)
 
@@ -88,8 +90,12 @@ class _Bucket:
     ids: torch.Tensor  # [1, rows]
     batch: IsoBatch
     view: PagedStepView  # the bucket's device-laid-out KV view
+    keys: torch.Tensor  # [rows, 2] int64: the draw's row keys
+    temp: torch.Tensor  # [rows, 1] fp32, marked host-checked (the engine checks each step's values)
+    greedy: torch.Tensor  # [rows] bool
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
+    drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # the recorded draw: tokens, logprobs [rows]
     live: int = 0  # rows holding a sequence since the last step (the rest are padding already)
 
 
@@ -112,8 +118,11 @@ class DecodeGraphs:
         paged: bool,
         capture: bool,
         buckets: list[int] | None = None,
+        drawer: Drawer | None = None,
     ) -> None:
         self.model, self.kv, self.width, self.paged, self.capture = model, kv, width, paged, capture
+        self.drawer = drawer  # records the step's Gumbel draw after the forward (None: logits only)
+        self._last: tuple[_Bucket, int] | None = None
         self.buckets = sorted(buckets) if buckets else default_buckets(max_rows)
         if self.buckets[0] < 1:
             raise ValueError(f"decode graph buckets must be >= 1, got {self.buckets}")
@@ -128,15 +137,25 @@ class DecodeGraphs:
         self._param_ptrs: list[int] = []
 
     # --- the hook ---------------------------------------------------------------------------
-    def __call__(self, ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, batch: IsoBatch, draw_inputs: tuple[torch.Tensor, ...] | None = None
+    ) -> torch.Tensor:
         """Logits ``[n, V/tp]`` of a step. For a bucketed decode step they are a view of the graph's
-        output buffer, valid until the next decode step (the engine samples from them before that)."""
+        output buffer, valid until the next decode step (the engine samples from them before that).
+        ``draw_inputs``: the rows' (keys, temperatures, greedy flags) for the recorded draw (:meth:`drawn`)."""
         n = int(ids.shape[1])
+        self._last = None
         if batch.case != "decode" or n > self.buckets[-1]:
             return self.model.forward_packed(ids, batch)
         step_view = batch.kv_cache.state(PagedKVCache.kind)
         bucket = self._bucket(self._key(n, step_view.shape[1]))
         self._load(bucket, ids, batch, step_view)
+        if draw_inputs is not None and self.drawer is not None:
+            keys, temp, greedy = draw_inputs
+            bucket.keys[:n].copy_(keys)
+            bucket.temp[:n, 0].copy_(temp)
+            bucket.greedy[:n].copy_(greedy)
+            self._last = (bucket, n)
         self.steps += 1
         if bucket.graph is not None:
             bucket.graph.replay()
@@ -144,6 +163,14 @@ class DecodeGraphs:
         else:
             bucket.logits = self._run(bucket)
         return bucket.logits[:n]
+
+    def drawn(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last step's recorded draw (tokens, logprobs of its ``n`` rows), if it ran from a bucket with
+        draw inputs; valid until the next decode step."""
+        if self._last is None:
+            return None
+        bucket, n = self._last
+        return bucket.drawn[0][:n], bucket.drawn[1][:n]
 
     def warm(self, rows: int, length: int = 1) -> None:
         """Capture the bucket serving ``rows`` sequences of up to ``length`` tokens now rather than at its
@@ -158,7 +185,7 @@ class DecodeGraphs:
     def drop(self) -> None:
         """Forget every captured graph (re-captured on next use)."""
         for b in self._buckets.values():
-            b.graph, b.logits = None, None  # the logits live in the graphs' pool: let it go
+            b.graph, b.logits, b.drawn = None, None, None  # these live in the graphs' pool: let them go
             b.batch.memo.clear()
         self._pool, self._param_ptrs = None, []
 
@@ -185,7 +212,11 @@ class DecodeGraphs:
             )
             batch.cache_seqlens = seqlens  # the view's write-back rows read the same tensor
             batch.kv_plan.device_positions = True  # its host starts (all 0) are placeholders
-            bucket = self._buckets[key] = _Bucket(rows, ids, batch, view, live=rows)
+            keys = torch.zeros((rows, 2), dtype=torch.int64, device=self.device)
+            temp = torch.ones((rows, 1), dtype=torch.float32, device=self.device)
+            host_checked_temperature(temp, torch.ones((rows, 1)))
+            greedy = torch.ones(rows, dtype=torch.bool, device=self.device)
+            bucket = self._buckets[key] = _Bucket(rows, ids, batch, view, keys, temp, greedy, live=rows)
             self._to_padding(bucket, 0)  # every row starts as padding
         if bucket.graph is None and self.capture and self.disabled is None:
             self._to_padding(bucket, 0)  # the warm-up runs must write nowhere but the scratch block
@@ -201,6 +232,9 @@ class DecodeGraphs:
             sb.cache_seqlens[first:end].zero_()
             view.write_idx[first:end].fill_(self.scratch * self.kv.block_size)
             view.block_tables[first:end].fill_(self.scratch)
+            bucket.keys[first:end].zero_()  # padding draws greedily at temperature 1: finite, never read
+            bucket.temp[first:end].fill_(1.0)
+            bucket.greedy[first:end].fill_(True)
         bucket.live = min(bucket.live, first)
 
     def _load(self, bucket: _Bucket, ids: torch.Tensor, batch: IsoBatch, step_view: PagedStepView) -> None:
@@ -226,6 +260,8 @@ class DecodeGraphs:
         bucket.view.discard()  # nothing left over from a warm-up or capture that raised mid-forward
         logits = self.model.forward_packed(bucket.ids, bucket.batch)
         bucket.batch.kv_cache.finish()
+        if self.drawer is not None:
+            bucket.drawn = self.drawer.plain(logits, bucket.keys, bucket.temp, bucket.greedy)
         return logits
 
     def _capture(self, bucket: _Bucket) -> None:

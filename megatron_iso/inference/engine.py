@@ -39,22 +39,18 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core import parallel_state
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
 from megatron_iso.contract.registry import Profile
 from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
+from megatron_iso.inference.draw import Drawer, DrawPlan, plan_draw
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
-from megatron_iso.inference.rng import as_int64, request_key, row_keys, uniforms
-from megatron_iso.inference.sampler import gumbel_tokens, select_tokens, top_logprobs
+from megatron_iso.inference.rng import request_key
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack
 from megatron_iso.models.gdn import gdn_layer_indices
-from megatron_iso.ops.logprob import host_checked_temperature
-from megatron_iso.parallel.tree_collectives import gather_along
-from megatron_iso.parallel.vocab_scoring import log_softmax, token_logprobs
 
 
 @dataclass
@@ -146,6 +142,7 @@ class RolloutEngine:
         self._errors: list[RequestOutput] = []
         self._ids = itertools.count()
         # (input_ids [1, T], IsoBatch) -> logits [T, V/tp]: the module itself, or decode graphs over it.
+        self.drawer = Drawer(mc, self.profile)
         self.forward_fn: Callable[..., torch.Tensor] = model.forward_packed
         self.decode_graphs: DecodeGraphs | None = None
         self.decode_graphs_off: str | None = (
@@ -186,7 +183,13 @@ class RolloutEngine:
             width = min(-(-self.max_model_len // self.kv.block_size), self.kv.num_blocks)
             paged = self.profile == Profile.CORRECTNESS and self.config.paged_kv_reads
             self.decode_graphs = DecodeGraphs(
-                self.model, self.kv, width=width, max_rows=self.config.max_num_seqs, paged=paged, capture=capture
+                self.model,
+                self.kv,
+                width=width,
+                max_rows=self.config.max_num_seqs,
+                paged=paged,
+                capture=capture,
+                drawer=self.drawer,
             )
             self.forward_fn = self.decode_graphs
             self.decode_graphs_off = None
@@ -339,9 +342,14 @@ class RolloutEngine:
             gdn_slots=None if gdn is None else gdn.slots,  # GDN state stays in each sequence's own slot
             device=self.device,
         )
+        # A decode step's draw is planned before its forward, so a decode graph can record it after the logits.
+        plan = self._plan(batch_seqs) if case == "decode" else None
         t0 = time.perf_counter()
         with torch.no_grad():
-            logits = self.forward_fn(ids, batch)
+            if plan is not None and self.decode_graphs is not None and self.forward_fn is self.decode_graphs:
+                logits = self.forward_fn(ids, batch, draw_inputs=plan[1].graph_inputs())
+            else:
+                logits = self.forward_fn(ids, batch)
         state.finish()
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.steps += 1
@@ -350,7 +358,11 @@ class RolloutEngine:
         for s, c in zip(batch_seqs, counts, strict=True):
             s.num_cached += c
         # Each sequence's last row; a decode step has one row per sequence already (no gather copy).
-        self._sample(batch_seqs, logits if case == "decode" else logits[batch.cu_seqlens_q[1:].long() - 1])
+        if plan is None:
+            self._sample(self._plan(batch_seqs), logits[batch.cu_seqlens_q[1:].long() - 1])
+        else:
+            drawn = self.decode_graphs.drawn() if self.decode_graphs is not None else None
+            self._sample(plan, logits, drawn)
         running = []
         for s in batch_seqs:
             if s.sample is None:
@@ -392,8 +404,9 @@ class RolloutEngine:
             c.release(s.seq_id)
 
     # --- sampling ---------------------------------------------------------------------------
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        """One token per sample row; a shared prefill's logits row serves its n samples."""
+    def _plan(self, seqs: list[_Seq]) -> tuple[list[tuple[_Seq, int]], DrawPlan]:
+        """The step's sampling rows, ``(seq, sample index)`` each, and their draw plan; a shared prefill's
+        logits row serves its n samples."""
         src, meta = [], []  # logits row, (seq, sample index) per sampling row
         for j, s in enumerate(seqs):
             if s.sample is None:
@@ -407,63 +420,20 @@ class RolloutEngine:
                 src.append(j)
                 meta.append((s, s.sample))
         params = [s.group.request.params for s, _ in meta]
-        dev = logits.device
-        # Per row, the rule (sampler module doc): Gumbel-max unless top-k / top-p filter the row.
-        filtered = [p.temperature != 0 and (p.top_k > 0 or p.top_p < 1) for p in params]
-        counter = (
-            torch.tensor([as_int64(p.seed) for p in params]),
-            torch.tensor([as_int64(s.group.key) for s, _ in meta]),
-            torch.tensor([i for _, i in meta]),
-            torch.tensor([len(s.tokens) for s, _ in meta]),  # position of the drawn token
-        )
-        keys = row_keys(*counter)
-        # Every per-row input in ONE host tensor and one non-blocking copy (a blocking copy per
-        # tensor is a host sync each on GPU). float64 holds each value exactly: int64 ids/counts
-        # and 32-bit key words below 2**53, the fp32 temperature/top_p/uniform after their fp32 rounding.
-        host = torch.stack(
-            (
-                torch.tensor(src, dtype=torch.float64),
-                torch.tensor([float(p.temperature == 0) for p in params], dtype=torch.float64),
-                torch.tensor(
-                    [p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32
-                ).double(),
-                torch.tensor([p.top_k for p in params], dtype=torch.float64),
-                torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).double(),
-                uniforms(*counter).double() if any(filtered) else torch.zeros(len(params), dtype=torch.float64),
-                keys[:, 0].double(),
-                keys[:, 1].double(),
-                torch.tensor(filtered, dtype=torch.float64),
-            )
-        )
-        on_dev = host.to(dev, non_blocking=True)
-        # A decode step samples every row once, in order: the logits rows are used as they are.
-        rows = logits if src == list(range(logits.shape[0])) else logits.index_select(0, on_dev[0].long())
-        greedy = on_dev[1] != 0
-        # The temperatures are host values (validated, greedy rows at 1.0): checked here, so the
-        # scoring ops do not read them back from the device (2 host syncs per step on GPU).
-        temp = host_checked_temperature(on_dev[2].float().unsqueeze(-1), host[2].float().unsqueeze(-1))
-        mc = self.model.config
-        group = (
-            parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-        )
-        common = {"group": group, "leaves": mc.iso_leaves, "profile": self.profile}
-        k = max(p.top_logprobs for p in params)
+        counters = [(p.seed, s.group.key, i, len(s.tokens)) for (s, i), p in zip(meta, params, strict=True)]
+        return meta, plan_draw(src, params, counters, self.device)
+
+    def _sample(
+        self,
+        planned: tuple[list[tuple[_Seq, int]], DrawPlan],
+        logits: torch.Tensor,
+        drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """One token per sampling row, appended to its sample (``drawn``: a decode graph's draw)."""
+        meta, plan = planned
+        params, k = plan.params, plan.top_k_logprobs
         with torch.no_grad():
-            tokens = None
-            if not all(filtered):
-                row_keys_dev = on_dev[6:8].t().long()
-                tokens = gumbel_tokens(rows, row_keys_dev, on_dev[2].float(), greedy, group=group)
-            logp = None
-            if any(filtered) or k:
-                logp = gather_along(log_softmax(rows, temperature=temp, **common), group, dim=-1)
-            if any(filtered):
-                drawn = select_tokens(
-                    logp, on_dev[5].float(), greedy=greedy, top_k=on_dev[3].long(), top_p=on_dev[4].float()
-                )
-                tokens = drawn if tokens is None else torch.where(on_dev[8] != 0, drawn, tokens)
-            # Both rules draw from this vocab: no range check (it was the step's second host read)
-            recorded = token_logprobs(rows, tokens, temperature=temp, ids_in_range=True, **common)
-            top = top_logprobs(logp, k) if k else None
+            tokens, recorded, top = self.drawer.draw(plan, logits, drawn)
         # One device-to-host read for all of it, top logprobs included (were 2 reads per row that
         # asked for them): float64 holds the ids and the fp32 logprobs exactly.
         parts = [tokens.double().unsqueeze(-1), recorded.double().unsqueeze(-1)]
