@@ -69,7 +69,7 @@ def _gumbel_partial_kernel(
         ids = local.to(tl.int64) + id_offset
         live = (local < end) & (ids < valid_vocab)
         z = tl.load(row_ptr + local, mask=live, other=0.0).to(tl.float32)
-        scaled = (z / temp).to(tl.float64)
+        scaled = tl.math.div_rn(z, temp).to(tl.float64)  # the default division is approximate
         word = philox_word0(ids.to(tl.uint32), k0, k1)
         u = ((word >> 8).to(tl.float64) + 0.5) * _TWO_M24
         noise = neg(log64(neg(log64(u))))
