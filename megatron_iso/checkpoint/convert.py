@@ -17,13 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.checkpoint import iso_format
 from megatron_iso.checkpoint.hf_dir import read_hf_weights, write_hf_dir
+from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
 from megatron_iso.checkpoint.tokenizer import copy_assets
 from megatron_iso.config import load_config_with_model
 from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.hf_config import (
-    QWEN3_5_VL_TEXT_TYPES,
     hf_config_from_model,
-    is_multimodal,
     model_config_from_hf,
     read_hf_config,
     text_model_hf_config,
@@ -35,14 +34,6 @@ from megatron_iso.models.weights import (
     hf_shapes,
     split_fused_experts,
 )
-
-EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-# A multimodal Qwen3.5 checkpoint keeps its text model under this prefix (transformers' PrefixChange).
-VL_TEXT_PREFIX = "model.language_model."
-# Qwen3.5 tensors the causal LM's logits never read (the vision tower, the multi-token-prediction
-# head); transformers' Qwen3_5(Moe)ForCausalLM ignores them on load, and so does import.
-_QWEN3_5_UNUSED = ("model.visual.", "mtp.")
-_QWEN3_5_TYPES = {*QWEN3_5_VL_TEXT_TYPES, *QWEN3_5_VL_TEXT_TYPES.values()}
 
 
 @dataclass
@@ -59,15 +50,8 @@ def _text_model_tensors(
     tensors: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any] | None
 ) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
     """The text model's tensors under their text-model names, and the names dropped as unused."""
-    if hf_config is None or hf_config.get("model_type") not in _QWEN3_5_TYPES:
-        return dict(tensors), ()
-    dropped = tuple(sorted(n for n in tensors if n.startswith(_QWEN3_5_UNUSED)))
-    kept = {n: t for n, t in tensors.items() if not n.startswith(_QWEN3_5_UNUSED)}
-    if is_multimodal(hf_config):
-        kept = {
-            ("model." + n[len(VL_TEXT_PREFIX) :] if n.startswith(VL_TEXT_PREFIX) else n): t for n, t in kept.items()
-        }
-    return kept, dropped
+    names, dropped = text_model_names(tensors, hf_config)
+    return {name: tensors[stored] for name, stored in names.items()}, dropped
 
 
 def checked_hf_weights(
@@ -165,9 +149,13 @@ def load_checkpoint_hf(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, 
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None) -> list[str]:
-    """Write a megatron_iso checkpoint back as an HF directory (config.json, safetensors, tokenizer
-    files); return the weight file names."""
+    """Write a megatron_iso checkpoint (``iso-convert import``'s, or a run's ``checkpoints/step_N``) back as an HF
+    directory (config.json, safetensors, tokenizer files); return the weight file names."""
+    from megatron_iso.checkpoint.run_ckpt import export_run_checkpoint, is_run_checkpoint
+
     ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / iso_format.MANIFEST).is_file() and is_run_checkpoint(ckpt_dir):
+        return export_run_checkpoint(ckpt_dir, out_dir, max_shard_bytes)
     manifest, hf = load_checkpoint_hf(ckpt_dir)
     source = manifest.get("hf") or {}
     if source.get("tied_lm_head_stored"):

@@ -42,6 +42,8 @@ DEVICES = (*DEVICE_CLASSES, "auto")
 NEUTRAL_AXES = ("dp",)
 # Model keys that identify the model rather than describe its arithmetic.
 MODEL_IDENTITY_KEYS = ("name", "family")
+# Model keys that say where the weights start from: neither the model nor its arithmetic (not in the contract).
+MODEL_SOURCE_KEYS = ("init_from",)
 DEFAULT_MAX_BATCH = 64
 # State that depends on the weights; keeping any of it across a weight sync would mix two policies' outputs.
 DEFAULT_INVALIDATION = (
@@ -379,7 +381,11 @@ def build_contract(inputs: ContractInputs, impls: Iterable[OpImpl] | None = None
 
     semantic = Semantic(
         model={k: to_canonical(model[k]) for k in MODEL_IDENTITY_KEYS if k in model},
-        architecture={k: to_canonical(v, f"model.{k}") for k, v in model.items() if k not in MODEL_IDENTITY_KEYS},
+        architecture={
+            k: to_canonical(v, f"model.{k}")
+            for k, v in model.items()
+            if k not in MODEL_IDENTITY_KEYS and k not in MODEL_SOURCE_KEYS
+        },
         op_vocabulary=tuple(sorted({e.op for e in composition})),
         cases=tuple(cases),
     )

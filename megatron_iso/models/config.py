@@ -83,7 +83,10 @@ def _gdn_fields(model: ModelSettings | Any, profile: ProfileSettings, backward_s
     return {
         "experimental_attention_variant": "gated_delta_net",
         "hf_gdn_layout": gdn.hf_layout,
-        "linear_attention_freq": gdn.full_attention_interval,
+        # Megatron's int form (every k-th layer full attention) or its list form (1 = linear attention, per layer).
+        "linear_attention_freq": gdn.full_attention_interval
+        if isinstance(gdn.full_attention_interval, int)
+        else [int(t == "linear_attention") for t in gdn.full_attention_interval],
         "linear_conv_kernel_dim": gdn.conv_kernel_dim,
         "linear_key_head_dim": gdn.key_head_dim,
         "linear_value_head_dim": gdn.value_head_dim,

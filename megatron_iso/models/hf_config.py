@@ -453,9 +453,14 @@ _GDN_KEYS = (
 )
 
 
-def _full_attention_interval(hf: Mapping[str, Any]) -> int:
-    """Our hybrid pattern is 'every k-th layer is full attention' (Megatron's linear_attention_freq);
-    HF's ``layer_types`` (or, when absent, ``full_attention_interval``, default 4) must be one."""
+_HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _full_attention_interval(hf: Mapping[str, Any]) -> int | list[str]:
+    """The hybrid pattern as megatron_iso's ``full_attention_interval``: an int k when every k-th layer is full
+    attention (Megatron's int ``linear_attention_freq``), else HF's ``layer_types`` list itself (any pattern of
+    'linear_attention' / 'full_attention', as transformers accepts). Without ``layer_types``:
+    ``full_attention_interval`` (default 4)."""
     layers = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
     if types is None:
@@ -463,14 +468,23 @@ def _full_attention_interval(hf: Mapping[str, Any]) -> int:
         if k < 1:
             raise UnsupportedHFConfig(f"config.json full_attention_interval={k} is not supported; it must be >= 1")
         return k
-    k = types.index("full_attention") + 1 if "full_attention" in types else layers + 1
-    pattern = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
-    if list(types) != pattern:
+    types = list(types)
+    if len(types) != layers or any(t not in _HYBRID_LAYER_TYPES for t in types):
         raise UnsupportedHFConfig(
-            f"config.json layer_types={list(types)!r} is not supported; supported: every k-th layer "
-            f"'full_attention', the others 'linear_attention' (num_hidden_layers={layers})"
+            f"config.json layer_types={types!r} is not supported; supported: a list of num_hidden_layers={layers} "
+            f"entries, each one of {list(_HYBRID_LAYER_TYPES)}"
         )
-    return k
+    k = types.index("full_attention") + 1 if "full_attention" in types else layers + 1
+    regular = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
+    return k if types == regular else types
+
+
+def hybrid_layer_types(model: Mapping[str, Any]) -> list[str]:
+    """HF's ``layer_types`` of a hybrid model config (``full_attention_interval``: an int k or the list itself)."""
+    pattern, layers = model["full_attention_interval"], int(model["num_layers"])
+    if isinstance(pattern, int):
+        return ["full_attention" if (i + 1) % pattern == 0 else "linear_attention" for i in range(layers)]
+    return [str(t) for t in pattern]
 
 
 def _qwen3_next_to_model(hf: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -510,10 +524,9 @@ def _qwen3_next_to_hf(model: Mapping[str, Any]) -> dict[str, Any]:
     _refuse_model_fields(model, "qwen3_next", required)
     if model.get("full_attention_interval") is None:
         raise UnsupportedHFConfig("model.full_attention_interval=None has no qwen3_next HF form (needs GDN layers)")
-    layers, k = int(model["num_layers"]), int(model["full_attention_interval"])
     hf = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_hf_decoder_fields(model)}
     hf["rope_parameters"]["partial_rotary_factor"] = float(model.get("rotary_fraction", 1.0))
-    hf["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
+    hf["layer_types"] = hybrid_layer_types(model)
     hf |= {key: int(model[key]) for key in _GDN_KEYS}
     if model.get("num_experts") is None:
         return hf | {"num_experts": 0}
@@ -659,10 +672,9 @@ def _qwen3_5_to_hf_common(model: Mapping[str, Any], model_type: str) -> dict[str
     _refuse_model_fields(model, model_type, required)
     if model.get("full_attention_interval") is None:
         raise UnsupportedHFConfig(f"model.full_attention_interval=None has no {model_type} HF form (needs GDN layers)")
-    layers, k = int(model["num_layers"]), int(model["full_attention_interval"])
     hf = {"model_type": model_type, **_hf_decoder_fields(model)}
     hf["rope_parameters"]["partial_rotary_factor"] = float(model.get("rotary_fraction", 1.0))
-    hf["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(layers)]
+    hf["layer_types"] = hybrid_layer_types(model)
     return hf | {key: int(model[key]) for key in _GDN_KEYS}
 
 

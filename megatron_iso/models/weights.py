@@ -26,24 +26,18 @@ import torch
 
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
-
-
-def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    return t.chunk(size, dim=0)[rank]
-
-
-def _cols(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    return t.chunk(size, dim=1)[rank]
+from megatron_iso.models.weight_source import WeightSource, as_source
 
 
 def _qkv_rows(cfg: IsoTransformerConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF q/k/v projections -> Megatron's grouped qkv weight (full, unsharded)."""
-    d, ng, nq = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
-    per = nq // ng
+    """HF q/k/v projections of some query groups (all, or one TP rank's) -> Megatron's grouped qkv rows."""
+    d = cfg.kv_channels
+    per = cfg.num_attention_heads // cfg.num_query_groups
+    ng = k.shape[0] // d  # the groups given
     hidden = q.shape[1]
     if cfg.attention_output_gate:
         # HF Qwen3-Next q_proj: per head [query (d) | gate (d)].
-        qg = q.view(nq, 2, d, hidden)
+        qg = q.view(ng * per, 2, d, hidden)
         qh, gh = qg[:, 0].reshape(ng, per * d, hidden), qg[:, 1].reshape(ng, per * d, hidden)
         parts = [qh, gh]
     else:
@@ -74,17 +68,18 @@ def is_expert_param(name: str) -> bool:
     return EXPERT_PARAM in name
 
 
-def _swiglu_mlp(hf: Mapping[str, torch.Tensor], src: str, dst: str, rank: int, tp: int) -> dict[str, torch.Tensor]:
+def _swiglu_mlp(hf: WeightSource, src: str, dst: str, rank: int, tp: int) -> dict[str, torch.Tensor]:
     """HF gate/up/down projections under ``src`` -> Megatron linear_fc1 (gate rows, then up rows)/fc2."""
-    gate, up = hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]
-    return {
-        dst + "linear_fc1.weight": torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]),
-        dst + "linear_fc2.weight": _cols(hf[src + "down_proj.weight"], rank, tp),
-    }
+    if tp == 1:  # whole tensors (a routed expert): no slicing
+        gate, up, down = (hf.full(src + n) for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    else:
+        gate, up = hf.rows(src + "gate_proj.weight", rank, tp), hf.rows(src + "up_proj.weight", rank, tp)
+        down = hf.cols(src + "down_proj.weight", rank, tp)
+    return {dst + "linear_fc1.weight": torch.cat([gate, up]), dst + "linear_fc2.weight": down}
 
 
 def _moe_mlp(
-    hf: Mapping[str, torch.Tensor],
+    hf: WeightSource,
     cfg: IsoTransformerConfig,
     src: str,
     dst: str,
@@ -94,13 +89,13 @@ def _moe_mlp(
     ep: int,
 ) -> dict[str, torch.Tensor]:
     local = cfg.num_moe_experts // ep
-    out = {dst + "router.weight": hf[src + "gate.weight"]}
+    out = {dst + "router.weight": hf.full(src + "gate.weight")}
     for i in range(local):
         out |= _swiglu_mlp(hf, f"{src}experts.{ep_rank * local + i}.", f"{dst}experts.local_experts.{i}.", 0, 1)
     if cfg.moe_shared_expert_intermediate_size is not None:
         out |= _swiglu_mlp(hf, src + "shared_expert.", dst + "shared_experts.", rank, tp)
         if cfg.moe_shared_expert_gate:
-            out[dst + "shared_experts.gate_weight"] = hf[src + "shared_expert_gate.weight"]
+            out[dst + "shared_experts.gate_weight"] = hf.full(src + "shared_expert_gate.weight")
     return out
 
 
@@ -132,18 +127,24 @@ def _gdn_hf_tensors(cfg: IsoTransformerConfig) -> dict[str, list[str]]:
     return {"in_proj_qkvz.weight": ["q", "k", "v", "z"], "in_proj_ba.weight": ["b", "a"]}  # Qwen3-Next: per key head
 
 
-def _gdn_pieces(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, src: str) -> dict[str, torch.Tensor]:
-    """HF GDN projections under ``src`` -> {piece: [hk, rows, hidden]}."""
+def _gdn_rank_pieces(
+    hf: WeightSource, cfg: IsoTransformerConfig, src: str, rank: int, tp: int
+) -> dict[str, torch.Tensor]:
+    """This TP rank's key heads of the HF GDN projections under ``src``: {piece: [hk / tp, rows, hidden]}. Both
+    layouts keep a piece's key heads in order, so a rank's heads are one block of rows (per piece, when flat)."""
     hk = cfg.linear_num_key_heads
     rows = dict(zip(_GDN_PIECES, _gdn_piece_rows(cfg), strict=True))
     out = {}
     for name, pieces in _gdn_hf_tensors(cfg).items():
-        w = hf[src + name]
         if cfg.hf_gdn_layout == "split":
-            parts = w.split([hk * rows[p] for p in pieces])
-            out |= {p: t.view(hk, rows[p], -1) for p, t in zip(pieces, parts, strict=True)}
+            offset = 0
+            for p in pieces:
+                block = hf.rows(src + name, rank, tp, start=offset, length=hk * rows[p])
+                out[p] = block.view(hk // tp, rows[p], -1)
+                offset += hk * rows[p]
         else:
-            parts = w.view(hk, -1, w.shape[1]).split([rows[p] for p in pieces], dim=1)
+            w = hf.rows(src + name, rank, tp)
+            parts = w.view(hk // tp, -1, w.shape[1]).split([rows[p] for p in pieces], dim=1)
             out |= dict(zip(pieces, parts, strict=True))
     return out
 
@@ -162,21 +163,23 @@ def _gdn_from_pieces(
     return out
 
 
-def _gdn_shard(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, src: str, dst: str, rank: int, tp: int):
+def _gdn_shard(hf: WeightSource, cfg: IsoTransformerConfig, src: str, dst: str, rank: int, tp: int):
     hk, hv, dk, dv, _ = _gdn_dims(cfg)
     if hk % tp:
         raise ValueError(f"parallel.tp={tp} must divide model.linear_num_key_heads={hk}")
-    heads = slice(rank * hk // tp, (rank + 1) * hk // tp)
-    pieces = _gdn_pieces(hf, cfg, src)
+    pieces = _gdn_rank_pieces(hf, cfg, src, rank, tp)
     hidden = pieces["q"].shape[-1]
-    conv_q, conv_k, conv_v = hf[src + "conv1d.weight"].split([hk * dk, hk * dk, hv * dv])
+    conv, offset = [], 0
+    for length in (hk * dk, hk * dk, hv * dv):  # the [q | k | v] channels, each split over the ranks
+        conv.append(hf.rows(src + "conv1d.weight", rank, tp, start=offset, length=length))
+        offset += length
     return {
-        dst + "in_proj.weight": torch.cat([pieces[p][heads].reshape(-1, hidden) for p in _GDN_PIECES]),
-        dst + "conv1d.weight": torch.cat([_rows(c, rank, tp) for c in (conv_q, conv_k, conv_v)]),
-        dst + "A_log": _rows(hf[src + "A_log"], rank, tp),
-        dst + "dt_bias": _rows(hf[src + "dt_bias"], rank, tp),
-        dst + "out_norm.weight": hf[src + "norm.weight"],
-        dst + "out_proj.weight": _cols(hf[src + "out_proj.weight"], rank, tp),
+        dst + "in_proj.weight": torch.cat([pieces[p].reshape(-1, hidden) for p in _GDN_PIECES]),
+        dst + "conv1d.weight": torch.cat(conv),
+        dst + "A_log": hf.rows(src + "A_log", rank, tp),
+        dst + "dt_bias": hf.rows(src + "dt_bias", rank, tp),
+        dst + "out_norm.weight": hf.full(src + "norm.weight"),
+        dst + "out_proj.weight": hf.cols(src + "out_proj.weight", rank, tp),
     }
 
 
@@ -216,15 +219,20 @@ def _gdn_shapes(cfg: IsoTransformerConfig, prefix: str) -> dict[str, tuple[int, 
 
 
 def megatron_shard(
-    hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
+    hf: Mapping[str, torch.Tensor] | WeightSource,
+    cfg: IsoTransformerConfig,
+    rank: int,
+    tp: int,
+    ep_rank: int = 0,
+    ep: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """This (TP, EP) rank's Megatron parameters (GPTModel names) from a full HF-named state dict."""
+    """This (TP, EP) rank's Megatron parameters (GPTModel names) from HF-named weights: a full state dict, or a
+    :class:`~megatron_iso.models.weight_source.WeightSource` asked only for this rank's rows, columns and experts."""
     _check_layout(cfg, tp, ep)
     if not (0 <= rank < tp and 0 <= ep_rank < ep):
         raise ValueError(f"rank {rank} / ep_rank {ep_rank} outside the layout tp={tp}, ep={ep}")
-    out: dict[str, torch.Tensor] = {
-        "embedding.word_embeddings.weight": _rows(hf["model.embed_tokens.weight"], rank, tp)
-    }
+    hf = as_source(hf)
+    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf.rows("model.embed_tokens.weight", rank, tp)}
     gdn = set(gdn_layer_indices(cfg))
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -232,21 +240,21 @@ def megatron_shard(
         if i in gdn:
             out |= _gdn_shard(hf, cfg, src + "linear_attn.", dst + "self_attention.", rank, tp)
         else:
-            qkv = _qkv_rows(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"])
-            out[dst + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, tp)
-            out[dst + "self_attention.linear_proj.weight"] = _cols(hf[attn + "o_proj.weight"], rank, tp)
+            q, k, v = (hf.rows(attn + f"{n}_proj.weight", rank, tp) for n in "qkv")
+            out[dst + "self_attention.linear_qkv.weight"] = _qkv_rows(cfg, q, k, v)
+            out[dst + "self_attention.linear_proj.weight"] = hf.cols(attn + "o_proj.weight", rank, tp)
         if cfg.qk_layernorm and i not in gdn:
-            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
-            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+            out[dst + "self_attention.q_layernorm.weight"] = hf.full(attn + "q_norm.weight")
+            out[dst + "self_attention.k_layernorm.weight"] = hf.full(attn + "k_norm.weight")
+        out[dst + "input_layernorm.weight"] = hf.full(src + "input_layernorm.weight")
+        out[dst + "pre_mlp_layernorm.weight"] = hf.full(src + "post_attention_layernorm.weight")
         if cfg.num_moe_experts:
             out |= _moe_mlp(hf, cfg, src + "mlp.", dst + "mlp.", rank, tp, ep_rank, ep)
         else:
             out |= _swiglu_mlp(hf, src + "mlp.", dst + "mlp.", rank, tp)
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    out["decoder.final_layernorm.weight"] = hf.full("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = _rows(hf["lm_head.weight"], rank, tp)
+        out["output_layer.weight"] = hf.rows("lm_head.weight", rank, tp)
     return out
 
 
@@ -416,17 +424,22 @@ def random_hf_state_dict(cfg: IsoTransformerConfig, seed: int = 0, std: float = 
     return out
 
 
-def check_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> None:
-    """Every expected tensor present with the expected shape; errors name the tensor."""
+def check_hf_state_dict(hf: Mapping[str, torch.Tensor] | WeightSource, cfg: IsoTransformerConfig) -> None:
+    """Every expected tensor present with the expected shape (a source's shapes: nothing is read); errors name
+    the tensor."""
+    hf = as_source(hf)
     for name, shape in hf_shapes(cfg).items():
         if name not in hf:
             raise KeyError(f"checkpoint is missing tensor '{name}' (expected shape {list(shape)})")
-        if tuple(hf[name].shape) != shape:
-            raise ValueError(f"tensor '{name}' has shape {list(hf[name].shape)}, expected {list(shape)}")
+        if hf.shape(name) != shape:
+            raise ValueError(f"tensor '{name}' has shape {list(hf.shape(name))}, expected {list(shape)}")
 
 
-def load_hf_state_dict(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], cfg: IsoTransformerConfig) -> None:
-    """Copy full HF-named weights into this rank's model (its TP rank from Megatron's parallel_state)."""
+def load_hf_state_dict(
+    model: torch.nn.Module, hf: Mapping[str, torch.Tensor] | WeightSource, cfg: IsoTransformerConfig
+) -> None:
+    """Copy HF-named weights (full, or a source read for this rank's shard only) into this rank's model (its
+    TP / EP rank from Megatron's parallel_state)."""
     from megatron.core import parallel_state
 
     check_hf_state_dict(hf, cfg)

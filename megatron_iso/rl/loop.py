@@ -126,16 +126,15 @@ class Trainer:
         return rollout_cfg, separate
 
     def _build_model(self) -> None:
-        """The policy from seeded random HF weights; a frozen copy of it for the KL term (rl.kl_coef > 0 only)."""
-        from megatron_iso.models.gpt import build_model
-        from megatron_iso.models.weights import random_hf_state_dict
+        """The policy from ``model.init_from`` or seeded random HF weights; a frozen copy of it for the KL term."""
+        from megatron_iso.checkpoint.init_from import build_initial_model
 
-        initial = random_hf_state_dict(self.tc, seed=self.settings.require("seed"))
-        self.model = build_model(self.tc, initial)
+        initial = (self.tc, self.settings.model.init_from, self.settings.require("seed"))
+        self.model = build_initial_model(*initial)
         # KL to the initial policy: a frozen copy scored with the same function (rl.kl_coef > 0 only).
         self.ref_model = None
         if self.rl.kl_coef > 0:
-            self.ref_model = build_model(self.tc, initial).eval().requires_grad_(False)
+            self.ref_model = build_initial_model(*initial).eval().requires_grad_(False)
 
     def _build_optimizer(self) -> None:
         from megatron_iso.rl.optim import build_optimizer
@@ -511,11 +510,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Run ``cfg.rl.steps`` RL steps in ``cfg.out_dir``: a new run (``resume=false``), the continuation of its
     latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``. Without an
     ``out_dir`` (null) the run gets a new directory, named once the world is up and before anything is written."""
+    from megatron_iso.checkpoint.init_from import apply_init_from
+    from megatron_iso.checkpoint.run_ckpt import save_hf
     from megatron_iso.rl.checkpoint import load_checkpoint, save_checkpoint
     from megatron_iso.rl.run_dir import locked_start
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    cfg = apply_init_from(cfg)  # model.init_from: the checkpoint's model group (and tokenizer)
     settings = resolve(cfg)
     check_trainable(settings)
     rl: RLSettings = settings.require("rl")
@@ -573,6 +575,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     )
                 if (step + 1) % every == 0 or step + 1 == steps:
                     save_checkpoint(run_dir, step, trainer.model, trainer.optimizer, meta, rank=rank)
+                if rl.save_hf_every and ((step + 1) % rl.save_hf_every == 0 or step + 1 == steps):
+                    save_hf(run_dir, step, trainer.model, meta["identity"]["model"], trainer.tc, rank=rank)
         finally:
             log.close()
         dashboard = None

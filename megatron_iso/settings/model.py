@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,11 +87,16 @@ def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
 # --- model -------------------------------------------------------------------------------------------------------
 
 
+# A hybrid model's per-layer token mixers (model.full_attention_interval as a list; HF's layer_types).
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
 @dataclass(frozen=True)
 class GDNSettings:
-    """A hybrid model's Gated DeltaNet layers (``full_attention_interval`` set)."""
+    """A hybrid model's Gated DeltaNet layers (``full_attention_interval`` set). ``full_attention_interval``: every
+    k-th layer is full attention (an int k), or each layer's type (a tuple of :data:`LAYER_TYPES`, any pattern)."""
 
-    full_attention_interval: int
+    full_attention_interval: int | tuple[str, ...]
     conv_kernel_dim: int
     key_head_dim: int
     value_head_dim: int
@@ -136,7 +141,23 @@ class ModelSettings:
     params_dtype: str
     gdn: GDNSettings | None
     moe: MoESettings | None
+    init_from: str | None = None  # checkpoint the weights start from (checkpoint.init_from); None: seeded random
     raw: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+
+def _layer_pattern(interval: Any, num_layers: Any) -> int | tuple[str, ...]:
+    """``model.full_attention_interval``: an int k >= 1, or a list of one of :data:`LAYER_TYPES` per layer."""
+    if isinstance(interval, Sequence) and not isinstance(interval, str):
+        types = tuple(str(t) for t in interval)
+        if any(t not in LAYER_TYPES for t in types) or len(types) != int(num_layers):
+            raise SettingsError(
+                f"model.full_attention_interval={list(types)!r} is not allowed; allowed values: an integer >= 1 "
+                f"(every k-th layer full attention) or a list of {int(num_layers)} (model.num_layers) of {list(LAYER_TYPES)}"
+            )
+        return types
+    if int(interval) < 1:
+        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
+    return int(interval)
 
 
 def resolve_gdn(model: Mapping[str, Any]) -> GDNSettings | None:
@@ -144,13 +165,12 @@ def resolve_gdn(model: Mapping[str, Any]) -> GDNSettings | None:
     interval = _get(model, "full_attention_interval")
     if interval is None:
         return None
-    if int(interval) < 1:
-        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
+    pattern = _layer_pattern(interval, model["num_layers"])
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
         raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
     return GDNSettings(
-        full_attention_interval=int(interval),
+        full_attention_interval=pattern,
         conv_kernel_dim=int(model["linear_conv_kernel_dim"]),
         key_head_dim=int(model["linear_key_head_dim"]),
         value_head_dim=int(model["linear_value_head_dim"]),
@@ -174,6 +194,18 @@ def resolve_moe(model: Mapping[str, Any]) -> MoESettings | None:
         norm_topk_prob=bool(_get(model, "norm_topk_prob", True)),
         aux_loss_coeff=float(_get(model, "moe_aux_loss_coeff", 0.0)),
     )
+
+
+def check_init_from(value: Any) -> str | None:
+    """``model.init_from``: null, or the path of a checkpoint directory (what it holds: ``checkpoint.init_from``)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise SettingsError(
+            f"model.init_from={value!r} is not allowed; allowed values: null or the path of an HF model directory, "
+            "a megatron_iso checkpoint or a run checkpoint"
+        )
+    return value
 
 
 def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
@@ -201,6 +233,7 @@ def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
         params_dtype=dtype,
         gdn=gdn,
         moe=moe,
+        init_from=check_init_from(_get(model, "init_from")),
         raw=dict(model),
     )
 
@@ -217,6 +250,7 @@ class ParallelSettings:
     ep: int = 1
     sp: bool = False
     dp: int = 1
+    cp: int = 1  # context parallelism: not supported, refused unless 1 (resolve_parallel)
 
 
 def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> ParallelSettings:
@@ -228,7 +262,13 @@ def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | Non
         ep=_int(_get(parallel, "ep", 1), "parallel.ep", 1),
         sp=bool(_get(parallel, "sp", False)),
         dp=_int(_get(parallel, "dp", 1), "parallel.dp", 1),
+        cp=_int(_get(parallel, "cp", 1), "parallel.cp", 1),
     )
+    if out.cp != 1:
+        raise SettingsError(
+            f"parallel.cp={out.cp}: context parallelism (attention split over ranks by sequence) is not supported: "
+            "the iso attention reduces each query's keys in one fixed order on one rank; allowed values: [1]"
+        )
     for axis, keys in SHARDED_BY.items() if model is not None else ():
         sizes = {k: model[k] for k in keys if isinstance(model.get(k), int) and model[k] > 0}
         degree = getattr(out, axis)

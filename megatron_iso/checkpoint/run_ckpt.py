@@ -1,0 +1,237 @@
+"""A training run's own checkpoints (``<run>/checkpoints/step_N``, written by ``rl.checkpoint``) read as model
+weights: exported as an HF directory (``iso-convert export``, ``rl.save_hf_every``), or loaded rank by rank as the
+start of another run (``model.init_from``).
+
+Such a checkpoint holds one ``model_rank<r>.safetensors`` per global rank (that rank's Megatron parameters) and a
+``meta.json`` with the layout (``tp``, ``world_size``) and the run's model group (``identity.model``). Which TP / EP
+position a global rank held follows Megatron's rank order (``tp-cp-ep-dp-pp``, expert TP 1); the EP degree is
+read from how many experts a rank file holds. Data-parallel replicas hold copies: one rank per position is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json, write_json
+from megatron_iso.checkpoint.hf_dir import write_hf_dir
+from megatron_iso.checkpoint.tokenizer import copy_assets
+from megatron_iso.config import load_config_with_model
+from megatron_iso.models.config import IsoTransformerConfig, transformer_config
+from megatron_iso.models.hf_config import hf_config_from_model, read_hf_config
+from megatron_iso.models.weights import EXPERT_PARAM, fuse_experts, hf_from_megatron_shards
+
+META = "meta.json"
+RANK_FILE = "model_rank{}.safetensors"
+# HF config.json fields about tokens, not the model's arithmetic: carried over from the directory a run started from.
+_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "tokenizer_class")
+_LOCAL_EXPERT = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def is_run_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / META).is_file() and (path / RANK_FILE.format(0)).is_file()
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """A run checkpoint's layout: TP and EP degrees, world size, and the global rank whose file is read for each TP
+    rank's (non-expert) parameters and each EP rank's experts (the lowest of its data-parallel copies)."""
+
+    tp: int
+    ep: int
+    world_size: int
+    tp_owner: dict[int, int]
+    ep_owner: dict[int, int]
+
+    def writers(self) -> set[int]:
+        return set(self.tp_owner.values()) | set(self.ep_owner.values())
+
+
+def rank_layout(world_size: int, tp: int, ep: int) -> RunLayout:
+    """Which global rank holds each TP rank and EP rank, in Megatron's default rank order."""
+    from megatron.core.parallel_state import RankGenerator
+
+    order = "tp-cp-ep-dp-pp"
+    if world_size % tp or world_size % ep:
+        raise ValueError(f"world size {world_size} does not split into tp={tp} and ep={ep}")
+    tp_groups = RankGenerator(tp=tp, ep=1, dp=world_size // tp, pp=1, cp=1, order=order).get_ranks("tp")
+    ep_groups = RankGenerator(tp=1, ep=ep, dp=world_size // ep, pp=1, cp=1, order=order).get_ranks("ep")
+    tp_owner: dict[int, int] = {}
+    ep_owner: dict[int, int] = {}
+    for groups, owner in ((tp_groups, tp_owner), (ep_groups, ep_owner)):
+        for group in groups:
+            for position, r in enumerate(group):
+                owner[position] = min(owner.get(position, r), r)
+    return RunLayout(tp, ep, world_size, tp_owner, ep_owner)
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / META
+    meta = read_json(path)
+    model = (meta.get("identity") or {}).get("model") if isinstance(meta, dict) else None
+    if (
+        not isinstance(model, dict)
+        or not isinstance(meta.get("tp"), int)
+        or not isinstance(meta.get("world_size"), int)
+    ):
+        raise CheckpointFileError(f"{path}: not a run checkpoint's meta.json (needs tp, world_size, identity.model)")
+    return meta
+
+
+def run_layout(ckpt_dir: str | Path, meta: Mapping[str, Any]) -> RunLayout:
+    tp, world = int(meta["tp"]), int(meta["world_size"])
+    model = meta["identity"]["model"]
+    ep = 1
+    if model.get("num_experts"):
+        with open_safetensors(Path(ckpt_dir) / RANK_FILE.format(0)) as f:
+            names = list(f.keys())
+        local = {m.group(1) for k in names if (m := _LOCAL_EXPERT.match(k)) and k.startswith("decoder.layers.0.")}
+        ep = int(model["num_experts"]) // max(1, len(local))
+    return rank_layout(world, tp, ep)
+
+
+def run_model_config(model: Mapping[str, Any], tp: int, ep: int) -> IsoTransformerConfig:
+    return transformer_config(load_config_with_model(model, [f"parallel.tp={tp}", f"parallel.ep={ep}"]))
+
+
+def read_rank_file(ckpt_dir: str | Path, rank: int, experts: bool | None = None) -> dict[str, torch.Tensor]:
+    """A rank file's tensors: all, or only its experts (``experts=True``) or only the others (``False``)."""
+    path = Path(ckpt_dir) / RANK_FILE.format(rank)
+    if not path.is_file():
+        raise CheckpointFileError(f"{path}: no such file (the checkpoint's meta.json names a world it lacks)")
+    with open_safetensors(path) as f:
+        names = list(f.keys())
+        return {n: f.get_tensor(n) for n in names if experts is None or (EXPERT_PARAM in n) == experts}
+
+
+def position_shard(ckpt_dir: str | Path, layout: RunLayout, tp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
+    """The Megatron parameters of position (tp_rank, ep_rank): its TP rank's non-expert ones, its EP rank's experts."""
+    shard = read_rank_file(ckpt_dir, layout.tp_owner[tp_rank], experts=False if layout.ep > 1 else None)
+    if layout.ep > 1:
+        shard |= read_rank_file(ckpt_dir, layout.ep_owner[ep_rank], experts=True)
+    return shard
+
+
+def _source_dir(model: Mapping[str, Any]) -> Path | None:
+    """The directory a run's weights started from (``model.init_from``), followed through run checkpoints back to
+    the HF directory or import that holds the tokenizer and config.json; None when there is none any more."""
+    seen: set[Path] = set()
+    path = model.get("init_from")
+    while path and Path(path).is_dir() and Path(path) not in seen:
+        path = Path(path)
+        seen.add(path)
+        if not is_run_checkpoint(path):
+            return path
+        path = (read_meta(path)["identity"]["model"] or {}).get("init_from")
+    return None
+
+
+def _hf_config(model: Mapping[str, Any], source: Path | None) -> dict[str, Any]:
+    """config.json for the run's model, with the token ids of the directory it started from (a multimodal
+    wrapper's may sit on its text_config)."""
+    config = hf_config_from_model(model)
+    if source is not None and (source / "config.json").is_file():
+        original = read_hf_config(source)
+        text = original.get("text_config") or {}
+        for key in _TOKEN_FIELDS:
+            value = original.get(key, text.get(key))
+            if value is not None:
+                config[key] = value
+    return config
+
+
+def _stored_fused(source: Path | None) -> bool:
+    """Whether the HF directory a run started from stored its experts fused (export then writes them so too)."""
+    if source is None or not (source / "config.json").is_file():
+        return False
+    from megatron_iso.checkpoint.lazy import LazyHFSource
+
+    try:
+        with LazyHFSource(source, read_hf_config(source)) as src:
+            return src.fused_experts
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def export_run_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None) -> list[str]:
+    """Write a run checkpoint's weights as an HF directory (config.json, safetensors, and the tokenizer and
+    generation files of the directory the run started from, when there is one); return the weight file names."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    model = meta["identity"]["model"]
+    layout = run_layout(ckpt_dir, meta)
+    tc = run_model_config(model, layout.tp, layout.ep)
+    # hf_from_megatron_shards reads EP rank 0's TP ranks and each EP rank's TP rank 0: only those slots are filled.
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.tp * layout.ep)]
+    for t in range(layout.tp):
+        shards[t] = read_rank_file(ckpt_dir, layout.tp_owner[t], experts=False if layout.ep > 1 else None)
+    for e in range(layout.ep if layout.ep > 1 else 0):
+        shards[e * layout.tp] |= read_rank_file(ckpt_dir, layout.ep_owner[e], experts=True)
+    hf = hf_from_megatron_shards(shards, tc, layout.ep)
+    source = _source_dir(model)
+    if tc.num_moe_experts and _stored_fused(source):
+        hf = fuse_experts(hf, tc)
+    files = write_hf_dir(out_dir, hf, _hf_config(model, source), max_shard_bytes)
+    if source is not None:
+        copy_assets(source, out_dir)
+    return files
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_hf(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    model_group: Mapping[str, Any],
+    tc: IsoTransformerConfig,
+    *,
+    rank: int,
+) -> Path:
+    """``rl.save_hf_every``: the policy's weights as ``<run>/hf/step_<N>/`` (an HF directory transformers loads).
+    Every rank that holds a TP / EP position first (no data-parallel copy) writes its parameters, then rank 0 assembles the directory with
+    :func:`export_run_checkpoint` in a temporary sibling and renames it into place. All ranks call this."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, ep = tc.tensor_model_parallel_size, tc.expert_model_parallel_size
+    final = run_dir / "hf" / f"step_{step:06d}"
+    staging = final.with_name(f".{final.name}.ranks")
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    if rank in rank_layout(world, tp, ep).writers():
+        params = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+        from safetensors.torch import save_file
+
+        save_file(params, str(staging / RANK_FILE.format(rank)))
+    _barrier()
+    if rank == 0:
+        write_json(
+            staging / META, {"step": step, "tp": tp, "world_size": world, "identity": {"model": dict(model_group)}}
+        )
+        tmp = final.with_name(f".{final.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            export_run_checkpoint(staging, tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    return final
+
+
+__all__ = ["export_run_checkpoint", "is_run_checkpoint", "read_meta", "run_layout", "save_hf"]
