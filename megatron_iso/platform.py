@@ -234,14 +234,17 @@ def apply_cpu_patches() -> bool:
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(_sp_capable_torch_norm)
 
-    # The optimizer, grad clipping, grad buffers and the local l2-norm helper create scalars with device='cuda'.
+    # The optimizer, grad clipping, grad buffers, the local l2-norm helper and the pipeline schedule (its token
+    # count) create scalars with device='cuda'; the schedule's p2p exchange synchronises CUDA after each send.
     import megatron.core.distributed.param_and_grad_buffer as grad_buffer
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.utils as mutils
 
-    for module in (optimizer, clip_grads, grad_buffer, mutils):
+    for module in (optimizer, clip_grads, grad_buffer, mutils, schedules):
         module.torch = _CpuDeviceTorch()
+    torch.cuda.synchronize = lambda device=None: None  # on the CPU every op is done when it returns
 
     # Megatron's clip asserts grads are 'torch.cuda.FloatTensor'; same scaling, any device.
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm

@@ -39,7 +39,9 @@ from megatron_iso.errors import UserError
 
 DEVICES = (*DEVICE_CLASSES, "auto")
 # Axes whose value never enters a row's arithmetic: replicas see disjoint rows.
-NEUTRAL_AXES = ("dp",)
+# Axes that change where a computation runs, not what it computes: DP replicas score disjoint rows; pipeline
+# stages run disjoint layers of one forward in its order, handing the hidden states on unchanged.
+NEUTRAL_AXES = ("dp", "pp")
 # Model keys that identify the model rather than describe its arithmetic.
 MODEL_IDENTITY_KEYS = ("name", "family")
 # Model keys that say where the weights start from: neither the model nor its arithmetic (not in the contract).

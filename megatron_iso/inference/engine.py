@@ -112,6 +112,11 @@ class RolloutEngine:
         self.model = model  # the trainer's object: weights are shared, never copied
         self.config = config or EngineConfig()
         mc = model.config
+        if mc.pipeline_model_parallel_size > 1:  # a stage holds some layers: its KV cache would miss the others'
+            raise ValueError(
+                f"RolloutEngine runs a whole model; this one is a pipeline stage (pipeline_model_parallel_size="
+                f"{mc.pipeline_model_parallel_size}); a pipelined trainer's rollout runs PP 1 (rl.rollout.LayoutRollout)"
+            )
         self.profile = mc.iso_profile
         self.vocab_size = int(mc.vocab_size)
         limit = int(mc.max_sequence_length) or 1 << 62

@@ -14,6 +14,7 @@ from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.specs import dense_block_spec, hybrid_block_spec, moe_block_spec
+from megatron_iso.models.stages import current_stage, load_stage_weights, stage_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
 from megatron_iso.parallel.embedding import IsoVocabParallelEmbedding
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
@@ -120,18 +121,22 @@ def block_spec(config: IsoTransformerConfig):
     token mixers where the config has a linear-attention pattern (hybrid, Qwen3-Next)."""
     gdn = gdn_layer_indices(config)
     if gdn:
-        return hybrid_block_spec(config.iso_profile, config.num_layers, gdn, moe=bool(config.num_moe_experts))
-    build = moe_block_spec if config.num_moe_experts else dense_block_spec
-    return build(config.iso_profile, config.num_layers)
+        spec = hybrid_block_spec(config.iso_profile, config.num_layers, gdn, moe=bool(config.num_moe_experts))
+    else:
+        spec = (moe_block_spec if config.num_moe_experts else dense_block_spec)(config.iso_profile, config.num_layers)
+    return stage_block_spec(spec, current_stage(config))  # a pipeline stage builds its own layers only
 
 
 def build_model(config: IsoTransformerConfig, hf_weights: Mapping[str, torch.Tensor] | None = None) -> IsoGPTModel:
     """Build this rank's model (after Megatron's parallel_state is initialised); load full HF-named
     weights into it when given, sharded for this rank's TP position."""
-    model = IsoGPTModel(config)
+    stage = current_stage(config)
+    model = IsoGPTModel(config, pre_process=stage.first, post_process=stage.last)
     if torch.cuda.is_available():
         # Megatron initialises on the CPU (use_cpu_initialization); the model runs where CUDA is.
         model.cuda(torch.cuda.current_device())
-    if hf_weights is not None:
+    if hf_weights is not None and config.pipeline_model_parallel_size > 1:
+        load_stage_weights(model, hf_weights, config, stage)
+    elif hf_weights is not None:
         load_hf_state_dict(model, hf_weights, config)
     return model

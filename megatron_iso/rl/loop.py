@@ -242,6 +242,8 @@ class Trainer:
         """
         from megatron.core.distributed import finalize_model_grads
 
+        from megatron_iso.rl.pipeline import pipeline_passes
+
         bounds = self._micro_batch_bounds(len(samples))
         passes = len(bounds) if micro_batches is None else micro_batches
         if passes < len(bounds):
@@ -256,8 +258,9 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._scale_moe_aux_loss(1.0 / len(bounds) if bounds else 0.0)
-        parts = []
-        for j in range(passes):
+        pipelined = self.tc.pipeline_model_parallel_size > 1  # Megatron's schedule over the stages (rl.pipeline)
+        parts = pipeline_passes(self, samples, advantages, normaliser, bounds, passes, filler) if pipelined else []
+        for j in range(0 if pipelined else passes):
             # As Megatron's schedules do: DP grad sync held back until the last micro-batch (it only
             # matters with overlap_grad_reduce; finalize_model_grads below does the sync).
             with self.ddp.no_sync() if j + 1 < passes else contextlib.nullcontext():

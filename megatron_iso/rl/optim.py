@@ -12,13 +12,18 @@ ranks, another summation order, so with ``rl.grad_clip`` active the clip factor,
 its last bits (with clipping off the weights stay the same bits). The run checkpoint stores its sharded state
 through Megatron's own ``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero``
 (:mod:`megatron_iso.rl.checkpoint`).
+
+With ``parallel.pp`` > 1 the grad norm (reported, and the clip factor of ``rl.grad_clip``) is the unpipelined
+one bit for bit (:func:`join_stage_grad_norms`), so a pipelined run's updates are those of ``parallel.pp=1``.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_iso.settings import RLSettings
 
@@ -42,6 +47,8 @@ def build_optimizer(tc: Any, model: torch.nn.Module, rl: RLSettings) -> tuple[An
         params_dtype=tc.params_dtype,
     )
     optimizer = get_megatron_optimizer(config, [ddp])
+    if tc.pipeline_model_parallel_size > 1 and not distributed:
+        join_stage_grad_norms(optimizer)
     schedule = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -70,3 +77,68 @@ def distributed_parts(optimizer: Any) -> list[Any]:
     optimizer is replicated (``rl.use_distributed_optimizer=false``)."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return [p for p in parts if hasattr(p, "get_parameter_state_dp_zero")]
+
+
+def _stage_grad_norms(parts: list[Any]) -> list[list[torch.Tensor]]:
+    """Per parameter group (the parts' groups in order), this stage's per-tensor grad norms: the gradients Megatron's
+    ``get_main_grads_for_grad_norm`` counts (present, not shared, not a TP duplicate), in the group's order."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    out = []
+    for part in parts:
+        tp_group = getattr(part, "tp_group", None)
+        for group in part.optimizer.param_groups:
+            out.append(
+                [
+                    torch.norm(p.grad)
+                    for p in group["params"]
+                    if p.grad is not None
+                    and param_is_not_shared(p)
+                    and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, tp_group)
+                ]
+            )
+    return out
+
+
+def _joined_grad_norm(parts: list[Any]) -> float:
+    """The grad norm of the whole (unpipelined) model as Megatron computes it without Apex or Transformer Engine
+    (``local_multi_tensor_l2_norm``: a norm of the per-tensor norms in parameter-group order, squared, summed over
+    the TP group, square root). Every group's parameters are the stages' in stage order, so the per-tensor norms
+    are gathered from the pipeline stages and put in the unpipelined model's order: the same vector, the same
+    bits. (Megatron's own norm sums each stage's partial square over the pipeline instead.)"""
+    from megatron.core import parallel_state
+
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    stages: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, [[n.cpu() for n in g] for g in _stage_grad_norms(parts)], group=pp_group)
+    joined = [n for g in range(len(stages[0])) for stage in stages for n in stage[g]]
+    total = torch.tensor([float(torch.norm(torch.tensor([joined])))], dtype=torch.float) ** 2
+    dist.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    return total.item() ** 0.5
+
+
+def join_stage_grad_norms(optimizer: Any) -> None:
+    """Make ``optimizer`` (a pipeline stage's) compute the unpipelined grad norm (:func:`_joined_grad_norm`) for
+    the norm it reports and the clip it applies: Megatron's ``get_grad_norm`` and ``clip_grad_norm`` of every
+    part, and the chain's ``get_grad_norm``, replaced on this instance only."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+    def grad_norm(self: Any) -> float:
+        return _joined_grad_norm(parts)
+
+    def clip_grad_norm(self: Any, clip_grad: float) -> float:
+        norm = _joined_grad_norm(parts)
+        params = self.get_parameters()
+        if params:
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params, clip_grad, norm, self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            )
+        return norm
+
+    for target in {id(o): o for o in [optimizer, *parts]}.values():
+        target.get_grad_norm = types.MethodType(grad_norm, target)
+    for part in parts:
+        part.clip_grad_norm = types.MethodType(clip_grad_norm, part)

@@ -1,7 +1,8 @@
 """The rollout side of the RL loop when its layout differs from the trainer's.
 
 ``rollout.parallel.tp`` equal to the trainer's ``parallel.tp`` (the default): the decoder runs the
-trainer's own modules (colocated, nothing here is used). Otherwise a :class:`LayoutRollout` builds
+trainer's own modules (colocated, nothing here is used). Otherwise, or with a pipelined trainer
+(``parallel.pp`` > 1: the rollout is never pipelined, the stages' weights are joined), a :class:`LayoutRollout` builds
 its own Megatron layout on the same ranks (:class:`~megatron_iso.parallel.layouts.ParallelLayout`)
 and its own model in it. After every optimizer step :meth:`LayoutRollout.sync` all-gathers the
 trainer's TP shards into full HF-named weights and loads them (only data moves; the engine's caches
@@ -22,7 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.inference.engine import EngineConfig, RolloutEngine
 from megatron_iso.inference.params import Request, RequestOutput
+from megatron_iso.models.stages import Stage, current_stage, to_global_names
 from megatron_iso.parallel.layouts import ParallelLayout
+from megatron_iso.rl.pipeline import join_stage_shards
 
 ROLLOUT_PARALLEL_KEYS = ("tp",)
 
@@ -46,21 +49,21 @@ def rollout_parallel(cfg: DictConfig, world_size: int) -> dict[str, Any]:
             f"rollout.parallel.tp={tp} must divide model.num_query_groups={groups}; allowed values: "
             f"{[d for d in allowed if groups % d == 0]}"
         )
-    # Megatron has no sequence parallelism without TP; the DP size is what the world leaves.
-    return trainer | {"tp": tp, "sp": bool(trainer.get("sp", False)) and tp > 1, "dp": world_size // tp}
+    # Megatron has no sequence parallelism without TP; the DP size is what the world leaves; the rollout is never
+    # pipelined (a trainer's pipeline stages send it their weights).
+    return trainer | {"tp": tp, "pp": 1, "sp": bool(trainer.get("sp", False)) and tp > 1, "dp": world_size // tp}
 
 
 def separate_layout_needed(cfg: DictConfig, rollout: Mapping[str, Any]) -> bool:
     """True when the rollout layout differs from the trainer's; checks the trainer side supports it."""
     p = cfg.parallel
-    if int(rollout["tp"]) == int(p.tp):
-        return False
     pp, ep = int(p.get("pp", 1)), int(p.get("ep", 1))
-    if pp != 1 or ep != 1:
+    if int(rollout["tp"]) == int(p.tp) and pp == 1:
+        return False
+    if ep != 1:
         raise ValueError(
-            f"rollout.parallel.tp={rollout['tp']} differs from parallel.tp={int(p.tp)}: the weight sync gathers "
-            f"the trainer's TP shards only and needs parallel.pp=1 and parallel.ep=1 (got pp={pp}, ep={ep}); "
-            "or leave rollout.parallel.tp at parallel.tp"
+            f"a rollout layout of its own (rollout.parallel.tp={rollout['tp']}, parallel.tp={int(p.tp)}, "
+            f"parallel.pp={pp}) syncs the trainer's TP and pipeline shards only and needs parallel.ep=1 (got {ep})"
         )
     return True
 
@@ -70,21 +73,24 @@ def with_parallel(cfg: DictConfig, parallel: Mapping[str, Any]) -> DictConfig:
     return OmegaConf.merge(cfg, {"parallel": dict(parallel)})
 
 
-def gather_hf_weights(model: torch.nn.Module, group: Any) -> dict[str, torch.Tensor]:
+def gather_hf_weights(model: torch.nn.Module, group: Any, stage: Stage | None = None) -> dict[str, torch.Tensor]:
     """Full HF-named weights of a TP-sharded model: every parameter all-gathered over ``group`` (rank
-    order), then reassembled by :func:`~megatron_iso.models.weights.hf_from_megatron_shards`."""
+    order), then reassembled by :func:`~megatron_iso.models.weights.hf_from_megatron_shards`. A pipeline
+    stage's (``stage`` given) are first named as in the whole model, and the stages' shards joined."""
     from megatron_iso.models.weights import hf_from_megatron_shards
 
     size = dist.get_world_size(group) if group is not None else 1
     params = {name: p.detach() for name, p in model.named_parameters()}
-    if size == 1:
-        return hf_from_megatron_shards([params], model.config)
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
-    for name, p in params.items():
+    if stage is not None:
+        params = to_global_names(params, stage)
+    shards: list[dict[str, torch.Tensor]] = [params] if size == 1 else [{} for _ in range(size)]
+    for name, p in params.items() if size > 1 else ():
         parts = [torch.empty_like(p) for _ in range(size)]
         dist.all_gather(parts, p.contiguous(), group=group)
         for shard, part in zip(shards, parts, strict=True):
             shard[name] = part
+    if stage is not None:
+        shards = join_stage_shards(shards, stage.group)
     return hf_from_megatron_shards(shards, model.config)
 
 
@@ -98,6 +104,10 @@ class LayoutRollout:
 
         self.trainer_model = trainer_model
         self.trainer_tp_group = parallel_state.get_tensor_model_parallel_group()
+        # The trainer's pipeline stage, read while its layout is active (None: not pipelined).
+        self.trainer_stage = (
+            current_stage(trainer_model.config) if trainer_model.config.pipeline_model_parallel_size > 1 else None
+        )
         p = rollout_cfg.parallel
         self.layout = ParallelLayout.create(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)))
         with self.layout.active():
@@ -110,7 +120,7 @@ class LayoutRollout:
                 self.engine = RolloutEngine.from_hf_weights(self.config, self._trainer_weights(), engine_config)
 
     def _trainer_weights(self) -> dict[str, torch.Tensor]:
-        return gather_hf_weights(self.trainer_model, self.trainer_tp_group)
+        return gather_hf_weights(self.trainer_model, self.trainer_tp_group, self.trainer_stage)
 
     def sync(self) -> None:
         """Copy the trainer's current weights into the rollout model (a collective over the trainer's TP

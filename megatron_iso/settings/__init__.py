@@ -89,6 +89,7 @@ __all__ = [
     "check_logger",
     "check_micro_batch_seqs",
     "check_out_dir",
+    "check_pipeline",
     "check_runs_here",
     "check_trainable",
     "config_world",
@@ -182,14 +183,40 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     )
 
 
-def check_runs_here(settings: Settings) -> None:
-    """What any run of the model needs beyond a valid config: one pipeline stage, a CUDA device for ``device=cuda``."""
-    if settings.parallel.pp != 1:
+def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
+    """What a run of the model needs beyond a valid config: a CUDA device for ``device=cuda``; one pipeline stage,
+    unless ``pipeline`` (the RL trainer, :func:`check_pipeline`)."""
+    if pipeline:
+        check_pipeline(settings)
+    elif settings.parallel.pp != 1:
         raise SettingsError(
-            f"parallel.pp={settings.parallel.pp}: the trainer does not run pipeline parallelism yet; allowed values: [1]"
+            f"parallel.pp={settings.parallel.pp}: only the RL trainer (iso-train) runs pipeline parallelism; "
+            "allowed values here: [1]"
         )
     if settings.device_class == "cuda" and not torch.cuda.is_available():
         raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+
+
+def check_pipeline(settings: Settings) -> None:
+    """``parallel.pp`` > 1 (the trainer's pipeline, megatron_iso.rl.pipeline): layers split evenly over the stages,
+    untied embeddings (a tied LM head would live on two stages), no expert parallelism, no MoE load-balancing loss
+    and no KL term (its frozen reference model is not pipelined)."""
+    pp, model = settings.parallel.pp, settings.model
+    if pp == 1:
+        return
+    why = []
+    if model.num_layers % pp:
+        why.append(f"model.num_layers={model.num_layers} split evenly into {pp} stages")
+    if model.tie_word_embeddings:
+        why.append("model.tie_word_embeddings=false")
+    if settings.parallel.ep != 1:
+        why.append(f"parallel.ep=1 (got {settings.parallel.ep})")
+    if model.moe is not None and model.moe.aux_loss_coeff > 0:  # Megatron's schedule sets its scale per pass
+        why.append(f"model.moe_aux_loss_coeff=0 (got {model.moe.aux_loss_coeff})")
+    if settings.rl is not None and settings.rl.kl_coef > 0:
+        why.append(f"rl.kl_coef=0 (got {settings.rl.kl_coef})")
+    if why:
+        raise SettingsError(f"parallel.pp={pp} needs " + "; ".join(why) + "; or set parallel.pp=1")
 
 
 def check_trainable(settings: Settings) -> None:
@@ -199,7 +226,7 @@ def check_trainable(settings: Settings) -> None:
             f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
             "runs/<time>-<id>); set out_dir=..."
         )
-    check_runs_here(settings)
+    check_runs_here(settings, pipeline=True)
 
 
 def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractContextManager[int]:

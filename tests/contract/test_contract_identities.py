@@ -24,7 +24,7 @@ def changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
 
 @pytest.mark.parametrize(
     "override",
-    ["parallel.tp=2", "parallel.ep=4", "parallel.sp=true", "parallel.dp=16"],
+    ["parallel.tp=2", "parallel.ep=4", "parallel.sp=true", "parallel.dp=16", "parallel.pp=2"],
 )
 def test_neutral_layout_changes_only_deployment(cfg_for, override):
     assert changed(ids(cfg_for()), ids(cfg_for(override))) == {"deployment"}
@@ -40,7 +40,6 @@ def test_neutral_layout_changes_only_deployment(cfg_for, override):
         "+profile.new_knob=3",  # unknown profile keys are keyed, conservatively
         "device=cuda",
         "profile=performance",
-        "parallel.pp=2",  # no pp invariance is claimed, so pp is pinned
     ],
 )
 def test_policy_changes_move_numerical_policy_not_semantic(cfg_for, override):

@@ -1,0 +1,138 @@
+"""The trainer's forward and backward over pipeline stages (``parallel.pp`` > 1), through Megatron-Core's schedule.
+
+Every stage packs the same micro-batches (the samples are on every rank of a pipeline). Megatron's
+``get_forward_backward_func`` (1F1B, non-interleaved) runs them: the first stage embeds the tokens, every stage
+runs its own layers on the hidden states the stage before it sent, the last stage applies the final norm, the
+invariant LM head and ``token_logprobs`` on the response rows (``models.scoring.score_sequences``) and the
+policy loss; the backward goes the other way. The layers and their order are the unpipelined model's, each
+stage's forward and backward are its part of the same autograd graph, and the hidden states and their
+gradients cross stages as they are: the logprobs, the loss and every parameter's gradient are those of
+``parallel.pp=1`` bit for bit (the logprobs and gradients do not depend on where the model is cut).
+
+Megatron divides each micro-batch's loss by the micro-batch count unless ``calculate_per_token_loss`` is set;
+the loop's loss is already divided by the whole step's normaliser (``rl.losses.loss_normaliser``), so the
+schedule runs with that flag on and receives a token count of 1 (the loss passes through unchanged). The last
+stage's logprobs and statistics are broadcast to the other stages, so every rank reports the same step.
+
+Megatron's own grad norm would sum each stage's partial norm over the pipeline (another summation order than
+one norm over all parameters: a clip factor, hence every later step, off in the last bits); the trainer's
+optimizer joins the stages' per-tensor norms in the unpipelined order instead (``rl.optim.join_stage_grad_norms``),
+so the grad norm, the clipped update and every later step are PP 1's too. On the CPU the comparison holds at an
+equal thread count per rank (the fp32 GEMMs of the backward sum in a thread-dependent order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_iso.rl.losses import policy_loss
+
+
+def join_stage_shards(shards: list[dict[str, torch.Tensor]], group: Any) -> list[dict[str, torch.Tensor]]:
+    """Every pipeline stage's TP shards (whole-model names) joined: ``shards[t]`` of each stage merged, for every
+    TP rank ``t``; a collective over the pipeline ``group`` (the rollout model is not pipelined and loads all)."""
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, [{n: t.cpu() for n, t in s.items()} for s in shards], group=group)
+    device = next(iter(shards[0].values())).device
+    return [{n: t.to(device) for stage in stages for n, t in stage[i].items()} for i in range(len(shards))]
+
+
+def _micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Tensor, weight: float) -> dict[str, Any]:
+    """One micro-batch packed as ``Trainer._accumulate_grads`` packs it (case ``trainer_forward``)."""
+    from megatron_iso.models.batch import pack
+
+    seqs = [s.prompt.ids + s.tokens for s in samples]
+    tp = trainer.tc.tensor_model_parallel_size
+    ids, batch = pack(seqs, pad_to_multiple=tp if trainer.tc.sequence_parallel else 1, device=trainer.device)
+    rows = ids.shape[1]
+    mask = torch.zeros(rows, dtype=torch.bool)
+    seq_index = torch.zeros(rows, dtype=torch.long)
+    rollout = torch.zeros(rows, dtype=torch.float32)
+    starts = batch.cu_seqlens_q.tolist()
+    for i, s in enumerate(samples):
+        seq_index[starts[i] : starts[i + 1]] = i
+        # Row t scores token t+1: the response tokens are scored by rows P-1 .. P+R-2.
+        r = torch.arange(starts[i] + len(s.prompt.ids) - 1, starts[i] + len(s.prompt.ids) - 1 + len(s.tokens))
+        mask[r] = True
+        rollout[r] = torch.tensor(s.rollout_logp, dtype=torch.float32)
+    return {"ids": ids, "batch": batch, "mask": mask, "seq_index": seq_index, "rollout": rollout,
+            "advantages": advantages, "weight": weight}  # fmt: skip
+
+
+def pipeline_passes(
+    trainer: Any,
+    samples: Sequence[Any],
+    advantages: torch.Tensor,
+    normaliser: float,
+    bounds: Sequence[tuple[int, int]],
+    passes: int,
+    filler: Any,
+) -> list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]]:
+    """``passes`` micro-batches (``bounds`` of ``samples``, then ``filler`` passes with loss x 0) forward and
+    backward through the pipeline; gradients accumulate in the stage's grad buffers. Returns, on every stage,
+    each real micro-batch's response tokens' (trainer logprobs, rollout logprobs, None, entropies) as
+    ``Trainer._accumulate_grads`` does (no reference model: rl.kl_coef > 0 is refused with a pipeline)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_iso.models.scoring import score_sequences
+
+    micro = [
+        _micro_batch(trainer, samples[a:b], advantages[a:b], 1.0) if j < len(bounds)
+        else _micro_batch(trainer, [filler], torch.zeros(1), 0.0)
+        for j, (a, b) in enumerate([*bounds, *[(0, 0)] * (passes - len(bounds))])
+    ]  # fmt: skip
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    with_entropy = bool(getattr(trainer.rl, "log_entropy", False))
+    parts: list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]] = []
+
+    def forward_step(data: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
+        mb = next(data)
+        if not last:  # the hidden states [s, 1, h] for the next stage
+            return model(mb["ids"], position_ids=None, attention_mask=None, packed_seq_params=mb["batch"]), None
+        how = {"temperature": trainer.rl.temperature, "rows": mb["mask"].nonzero()[:, 0].to(trainer.device)}
+        logp, ent = score_sequences(model.module, mb["ids"], mb["batch"], with_entropy=with_entropy, **how)
+        mask = mb["mask"]
+        ent = torch.zeros(0) if ent is None else ent.detach().float().cpu()[mask]
+
+        def loss_func(scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            logp = scored.float().cpu()
+            old = logp.detach()  # one update per rollout: the behaviour policy is the current one
+            loss, _ = policy_loss(
+                logp, old, mb["advantages"], mask, mb["seq_index"], trainer.loss_cfg,
+                rollout_logp=mb["rollout"], normaliser=normaliser,
+            )  # fmt: skip
+            if mb["weight"] == 1.0:
+                parts.append((old[mask], mb["rollout"][mask], None, ent))
+            return (loss * mb["weight"] if mb["weight"] != 1.0 else loss), torch.ones((), dtype=torch.int), {}
+
+        return logp, loss_func
+
+    config = trainer.tc
+    saved = (config.calculate_per_token_loss, config.variable_seq_lengths)
+    # Per-token: the schedule leaves each micro-batch's loss as the loop normalised it. Variable lengths: the
+    # packed micro-batches differ in rows, so the stages exchange each hidden state's shape first.
+    config.calculate_per_token_loss, config.variable_seq_lengths = True, True
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[trainer.ddp],
+            num_microbatches=len(micro),
+            seq_length=max(mb["ids"].shape[1] for mb in micro),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+    finally:
+        config.calculate_per_token_loss, config.variable_seq_lengths = saved
+    box = [parts if last else None]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]

@@ -1,0 +1,105 @@
+"""Pipeline parallelism for the trainer (rl.pipeline, Megatron-Core's 1F1B schedule on 2 gloo ranks).
+
+A PP 2 trainer runs the same layers in the same order as PP 1, split over two ranks that hand each other the
+hidden states and their gradients through Megatron's p2p communication (batch_isend_irecv works on gloo); its
+rollout runs in a layout of its own (PP 1, rollout DP 2) and receives the stages' weights after every step.
+Every step's trainer and rollout logprobs, rewards, mismatch, loss and grad norm (the stages' per-tensor norms
+joined in the unpipelined order: rl.optim) equal PP 1's bit for bit, and so do the weights. PP 1 runs with the
+threads of one PP 2 rank: the CPU's GEMMs sum in an order that depends on the thread count.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_iso.rl.loop import TIMING_PREFIXES
+from megatron_iso.settings import SettingsError
+from megatron_iso.testing.bits import bits
+from megatron_iso.testing.harness import run_on_ranks
+
+FAST = ["rl.group_size=4", "rl.max_new_tokens=3", "task.prompts_per_step=2", "logger=none", "rl.steps=3"]
+
+
+def _run(root: str, overrides: list[str]) -> list[dict]:
+    from megatron_iso.config import load_config
+    from megatron_iso.parallel.launch import cpu_threads_per_rank
+    from megatron_iso.rl import loop
+
+    # The CPU's fp32 GEMMs (the backward's) sum in an order that depends on the thread count: PP 1 on one rank
+    # runs with the threads of one of PP 2's ranks.
+    torch.set_num_threads(cpu_threads_per_rank(2))
+    steps = []
+    train_on = loop.Trainer.train_on
+
+    def recorded(self, *args, **kwargs):
+        out = train_on(self, *args, **kwargs)
+        steps.append({k: out[k].clone() for k in ("trainer_logp", "rollout_logp")})
+        return out
+
+    loop.Trainer.train_on = recorded
+    loop.train(load_config([*FAST, f"out_dir={root}", *overrides]))
+    return steps
+
+
+def _rows(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def _weights(run: Path, stages: int, layers: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from megatron_iso.models.stages import Stage, to_global_names
+
+    last = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    per = layers // stages
+    out = {}
+    for r in range(stages):
+        stage = Stage(r * per, per, r == 0, r == stages - 1)
+        out |= to_global_names(load_file(str(last / f"model_rank{r}.safetensors")), stage)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("model", "layers"),
+    [(["model=tiny_dense", "rl.train_micro_batch_seqs=3"], 2), (["model=tiny_hybrid", "profile.gdn_chunk=4"], 4)],
+    ids=["dense_micro_batches", "hybrid"],
+)
+def test_pp2_trainer_equals_pp1_bit_for_bit(tmp_path, model, layers):
+    one = run_on_ranks(_run, 1, args=(str(tmp_path / "pp1"), model), timeout=600)[0]
+    two = run_on_ranks(_run, 2, pp=2, args=(str(tmp_path / "pp2"), [*model, "parallel.pp=2"]), timeout=600)
+    assert len(one) == 3
+    for stage in two:  # both stages report the last stage's logprobs
+        for step, (a, b) in enumerate(zip(one, stage, strict=True)):
+            for key in ("trainer_logp", "rollout_logp"):
+                assert torch.equal(bits(a[key]), bits(b[key])), (step, key)
+    rows1, rows2 = _rows(tmp_path / "pp1"), _rows(tmp_path / "pp2")
+    assert rows1[0]["grad_norm"] > 1.0  # rl.grad_clip=1 clips: the clip factor is the same bits too
+    for a, b in zip(rows1, rows2, strict=True):
+        assert a["mismatch/abs_diff_max"] == b["mismatch/abs_diff_max"] == 0.0
+        assert a == b  # loss, grad norm, rewards, mismatch, learning rate: the same numbers
+    w1, w2 = _weights(tmp_path / "pp1", 1, layers), _weights(tmp_path / "pp2", 2, layers)
+    assert w1.keys() == w2.keys()
+    for n, w in w1.items():
+        assert torch.equal(bits(w2[n]), bits(w)), n
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["parallel.pp=2", "model=tiny_dense", "model.num_layers=3"], "split evenly"),
+        (["parallel.pp=2", "model=tiny_dense", "model.tie_word_embeddings=true"], "tie_word_embeddings"),
+        (["parallel.pp=2", "model=tiny_dense", "rl.kl_coef=0.1"], "rl.kl_coef=0"),
+        (["parallel.cp=2"], "parallel.cp=2: context parallelism"),
+    ],
+)
+def test_unsupported_pipeline_settings_are_refused_by_name(overrides, named):
+    from megatron_iso.config import load_config
+    from megatron_iso.settings import check_trainable, resolve
+
+    with pytest.raises(SettingsError, match=named):
+        check_trainable(resolve(load_config(overrides)))
