@@ -174,3 +174,26 @@ def test_irregular_qwen3_next_layer_types_import_and_match_transformers(tmp_path
         conftest.FAMILIES.update(saved)
     result = compare_with_transformers(hf, length=20)
     assert result["finite"] and result["max_rel_diff"] < REL_TOL, result
+
+
+@pytest.mark.parametrize(("fixture", "ep"), [("hf_next", 2), ("hf_qwen3_5_moe_vl", 2), ("hf_tied", 1)])
+def test_sliced_reads_give_the_shards_of_the_full_read(request, fixture, ep):
+    """Each (TP, EP) rank's shard read by safetensors slices equals the one cut from the whole model: GDN's
+    per-head projections and conv channels, a multimodal prefix, experts per EP rank, a stored tied head."""
+    from megatron_iso.checkpoint import checked_hf_weights, hf_dir_config, read_hf_weights
+    from megatron_iso.checkpoint.lazy import LazyHFSource
+    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.hf_config import read_hf_config
+    from megatron_iso.models.weights import megatron_shard
+
+    hf_dir = request.getfixturevalue(fixture)
+    tc = transformer_config(hf_dir_config(hf_dir, ["parallel.tp=2", f"parallel.ep={ep}"]))
+    config = read_hf_config(hf_dir)
+    full = checked_hf_weights(read_hf_weights(hf_dir), tc, config).tensors
+    with LazyHFSource(hf_dir, config, tied=tc.tie_word_embeddings) as lazy:
+        for t in range(2):
+            lazy.check_tied_head(t, 2)
+            for e in range(ep):
+                want, got = megatron_shard(full, tc, t, 2, e, ep), megatron_shard(lazy, tc, t, 2, e, ep)
+                assert want.keys() == got.keys()
+                assert all(torch.equal(want[k], got[k]) for k in want), (t, e)
