@@ -94,6 +94,7 @@ def test_pp2_trainer_equals_pp1_bit_for_bit(tmp_path, model, layers):
         (["parallel.pp=2", "model=tiny_dense", "model.num_layers=3"], "split evenly"),
         (["parallel.pp=2", "model=tiny_dense", "model.tie_word_embeddings=true"], "tie_word_embeddings"),
         (["parallel.pp=2", "model=tiny_dense", "rl.kl_coef=0.1"], "rl.kl_coef=0"),
+        (["parallel.pp=2", "model=tiny_dense", "rl.save_hf_every=1"], "rl.save_hf_every=0"),
         (["parallel.cp=2"], "parallel.cp=2: context parallelism"),
     ],
 )
