@@ -40,7 +40,8 @@ setup(
     extras_require={
         "gpu": ["triton>=3.2", "fla-core>=0.4"],
         "te": ["transformer-engine[pytorch]"],
-        "hf": ["transformers>=5.0", "tokenizers>=0.21"],
+        # datasets (with pyarrow): the prompt files of task=dataset (jsonl or parquet).
+        "hf": ["transformers>=5.0", "tokenizers>=0.21", "datasets>=3.0", "pyarrow>=15"],
         "dev": [
             "pytest>=8",
             "pytest-xdist>=3.5",

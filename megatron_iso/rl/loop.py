@@ -28,6 +28,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megatron_iso.errors import NonFiniteError, UserError
+from megatron_iso.rl.data import build_tasks
 from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
@@ -36,10 +37,12 @@ from megatron_iso.rl.losses import (
     overlong_penalty,
     policy_loss,
 )
-from megatron_iso.rl.metrics import MetricsLog, mismatch_metrics, peak_memory_bytes, write_dashboard
+from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics, write_dashboard
 from megatron_iso.rl.optim import current_lr
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
-from megatron_iso.rl.tasks import Prompt, check_prompts_fit, make_task, rollout_refusal
+from megatron_iso.rl.sampling import generate_shares, train_params
+from megatron_iso.rl.tasks import Prompt
+from megatron_iso.rl.validation import due, validate
 from megatron_iso.settings import RLSettings, Settings, check_trainable, config_world, resolve
 
 
@@ -54,6 +57,7 @@ class Sample:
     tokens: list[int]
     rollout_logp: list[float]
     reward: float = 0.0
+    finish_reason: str | None = None  # "length": truncated at rl.max_response_length
 
 
 def _loss_config(rl: RLSettings) -> PolicyLossConfig:
@@ -155,40 +159,27 @@ class Trainer:
         self.engine = self.layout_rollout.engine if separate else RolloutEngine(self.model, engine_cfg)
 
     def _build_task(self) -> None:
-        self.task = make_task(self.cfg.task, self.tc.vocab_size, self.settings.require("seed"))
-        check_prompts_fit(self.task, rollout_refusal(self.engine, self.rl.max_new_tokens, self.rl.group_size))
+        self.tasks = build_tasks(self.cfg, self.settings, self.tc.vocab_size, self.engine, self.rank)
+        self.task = self.tasks.train
         self.device = next(self.model.parameters()).device
 
     # --- one RL step ------------------------------------------------------------------------
     def rollout(self, step: int) -> list[Sample]:
-        from megatron_iso.inference.params import Request, SamplingParams
+        from megatron_iso.inference.params import Request
 
         every = self.task.prompts(step)
         prompts = every[self.dp_rank :: self.dp_size]
-        params = SamplingParams(
-            temperature=self.rl.temperature,
-            max_new_tokens=self.rl.max_new_tokens,
-            n=self.rl.group_size,
-            seed=self.settings.require("seed"),
-        )
+        params = train_params(self.rl, self.tasks.stop_ids, self.settings.require("seed"))
 
         # The request id keys the sampler's random stream: it names the trainer DP rank and the
         # prompt's place in that rank's share, whichever rollout rank generates it.
         def requests(d: int) -> list[Request]:
             return [Request(f"{step}:{d}:{i}", p.ids, params) for i, p in enumerate(every[d :: self.dp_size])]
 
-        mine = requests(self.dp_rank)
-        if self.layout_rollout is None:
-            outs = self.engine.generate(mine)
-        else:
-            done = self.layout_rollout.generate([r for d in range(self.dp_size) for r in requests(d)])
-            outs = [done[r.request_id] for r in mine]
         samples = []
-        for g, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-            if out.error:
-                raise RuntimeError(f"rollout request {out.request_id} failed: {out.error}")
+        for g, (prompt, out) in enumerate(zip(prompts, generate_shares(self, requests), strict=True)):
             for s in out.samples:
-                samples.append(Sample(group=g, prompt=prompt, tokens=list(s.tokens), rollout_logp=list(s.logprobs)))
+                samples.append(Sample(g, prompt, list(s.tokens), list(s.logprobs), finish_reason=s.finish_reason))
         return samples
 
     def score_rewards(self, samples: list[Sample]) -> torch.Tensor:
@@ -196,7 +187,7 @@ class Trainer:
         if self.rl.overlong_buffer > 0:
             lengths = torch.tensor([len(s.tokens) for s in samples])
             rewards = rewards + overlong_penalty(
-                lengths, self.rl.max_new_tokens, self.rl.overlong_buffer, self.rl.overlong_penalty
+                lengths, self.rl.max_response_length, self.rl.overlong_buffer, self.rl.overlong_penalty
             )
         for s, r in zip(samples, rewards.tolist(), strict=True):
             s.reward = r
@@ -274,7 +265,7 @@ class Trainer:
         def joined(i: int) -> torch.Tensor:  # a filler-only rank has no parts: no tokens
             return torch.cat([p[i] for p in parts]) if parts else torch.zeros(0, dtype=torch.float32)
 
-        trainer_logp, rollout_logp = joined(0), joined(1)
+        trainer_logp, rollout_logp, entropy = joined(0), joined(1), joined(3)
         ref_logp = joined(2) if self.ref_model is not None else None
         # Reported once over the whole step's tokens (the same bits for every micro-batch size), not
         # summed from micro-batches. One update per rollout: the scored policy is the behaviour
@@ -310,6 +301,7 @@ class Trainer:
             "nonfinite/skipped": float(skipped),
             "trainer_logp": trainer_logp,
             "rollout_logp": rollout_logp,
+            "entropy": entropy,
             **stats,
         }
 
@@ -329,9 +321,10 @@ class Trainer:
 
     def _accumulate_grads(
         self, samples: list[Sample], advantages: torch.Tensor, normaliser: float, weight: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``, times
-        ``weight``); returns its response tokens' trainer, rollout and reference logprobs, in sample order."""
+        ``weight``); returns its response tokens' trainer, rollout and reference logprobs and entropies (empty
+        without ``rl.log_entropy``), in sample order."""
         from megatron_iso.models.batch import pack
         from megatron_iso.models.scoring import score_sequences
 
@@ -351,8 +344,9 @@ class Trainer:
             mask[r] = True
             response_rows.append(r)
         # Only the response rows enter the loss: the prompt's rows are not scored (their LM head is skipped).
-        how = {"temperature": self.rl.temperature, "with_entropy": False, "rows": mask.nonzero()[:, 0].to(self.device)}
-        logp = score_sequences(self.ddp.module, ids, batch, **how)[0].float().cpu()
+        how = {"temperature": self.rl.temperature, "rows": mask.nonzero()[:, 0].to(self.device)}
+        logp, ent = score_sequences(self.ddp.module, ids, batch, with_entropy=self.rl.log_entropy, **how)
+        logp, ent = logp.float().cpu(), torch.zeros(0) if ent is None else ent.detach().float().cpu()[mask]
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
         rollout = torch.zeros(rows, dtype=torch.float32)
         for s, r in zip(samples, response_rows, strict=True):
@@ -360,13 +354,13 @@ class Trainer:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = score_sequences(self.ref_model, ids, batch, **how)[0].float().cpu()
+                ref = score_sequences(self.ref_model, ids, batch, with_entropy=False, **how)[0].float().cpu()
         loss, _ = policy_loss(
             logp, old, advantages, mask, seq_index, self.loss_cfg,
             rollout_logp=rollout, ref_logp=ref, normaliser=normaliser,
         )  # fmt: skip
         (loss * weight if weight != 1.0 else loss).backward()
-        return old[mask], rollout[mask], None if ref is None else ref[mask]
+        return old[mask], rollout[mask], None if ref is None else ref[mask], ent
 
     def _scale_moe_aux_loss(self, scale: float) -> None:
         # Megatron's schedules scale the MoE load-balancing loss's gradient by 1/micro-batches: each
@@ -411,18 +405,19 @@ class Trainer:
                 adv = group_advantages(rewards_kept, group_size, scale_by_std=self.rl.scale_adv_by_std)
             out = self.train_on(kept, adv, micro_batches=passes, filler=samples[0])
             metrics |= {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-            trainer_logp, rollout_logp = out["trainer_logp"], out["rollout_logp"]
+            trainer_logp, rollout_logp, entropy = out["trainer_logp"], out["rollout_logp"], out["entropy"]
         else:
-            trainer_logp = rollout_logp = torch.zeros(0)
+            trainer_logp = rollout_logp = entropy = torch.zeros(0)
         metrics["optim/lr"] = current_lr(self.optimizer)
         self.schedule.step(1)  # once per RL step, trained or not: a resumed run positions it by the step
         train_s = time.perf_counter() - t1
-        # Mismatch and reward statistics over every DP rank's tokens.
-        gathered = self._gather((trainer_logp, rollout_logp, rewards))
-        trainer_all = torch.cat([g[0] for g in gathered])
-        rollout_all = torch.cat([g[1] for g in gathered])
-        rewards_all = torch.cat([g[2] for g in gathered])
-        metrics |= mismatch_metrics(rollout_all, trainer_all, self.loss_cfg.clip_low, self.loss_cfg.clip_high)
+        # Mismatch, reward, response and entropy statistics over every DP rank's tokens and samples.
+        local = {"trainer_logp": trainer_logp, "rollout_logp": rollout_logp, "entropy": entropy, "rewards": rewards,
+                 "trained_lengths": torch.tensor([len(s.tokens) for s in kept], dtype=torch.long),
+                 "lengths": torch.tensor([len(s.tokens) for s in samples]),
+                 "truncated": torch.tensor([s.finish_reason == "length" for s in samples])}  # fmt: skip
+        metrics |= step_metrics(self._gather(local), self.loss_cfg.clip_low, self.loss_cfg.clip_high)
+        metrics |= self.tasks.step_metrics(step)
         gen_tokens = sum(len(s.tokens) for s in samples) * self.dp_size
         step_s = time.perf_counter() - t0
         peak = peak_memory_bytes(self.device)
@@ -431,8 +426,6 @@ class Trainer:
             dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
             peak = int(peak_t.item())
         metrics |= {
-            "reward/mean": float(rewards_all.mean()),
-            "reward/std": float(rewards_all.std(unbiased=False)),
             "samples/kept_frac": len(kept) / max(1, len(samples)),
             "timing/gen_s": gen_s,
             "timing/train_s": train_s,
@@ -456,6 +449,7 @@ def _checkpoint_identity(trainer: Trainer) -> dict[str, Any]:
         "numerical_policy": trainer.policy_digest,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "tp": trainer.tc.tensor_model_parallel_size,
+        **trainer.tasks.identity(),  # the data a dataset task visits, and in which order
     }
 
 
@@ -560,6 +554,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             {**OmegaConf.to_container(cfg, resolve=True), "contract": identities},
             resume_step=None if resume_from is None else start,
             enabled=rank == 0,
+            summary=trainer.tasks.summary(),
         )
         steps = rl.steps
         every = rl.checkpoint_every
@@ -568,7 +563,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         bar = _progress(range(start, steps), rank == 0)
         try:
             for step in bar:
-                metrics = trainer.step(step)
+                metrics = {**(validate(trainer, step) if due(rl, step) else {}), **trainer.step(step)}
                 log.log(step, metrics)
                 history.append(metrics)
                 if rank == 0 and hasattr(bar, "set_postfix"):
@@ -580,6 +575,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     save_checkpoint(run_dir, step, trainer.model, trainer.optimizer, meta, rank=rank)
                 if rl.save_hf_every and ((step + 1) % rl.save_hf_every == 0 or step + 1 == steps):
                     save_hf(run_dir, step, trainer.model, meta["identity"]["model"], trainer.tc, rank=rank)
+            final = validate(trainer, steps) if due(rl, steps, last=True) else {}  # the trained policy's
+            if final:
+                log.log(steps, final)
         finally:
             log.close()
         dashboard = None
@@ -588,7 +586,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 f"{run_dir.name}: profile {settings.profile.name.value}, policy {identities['numerical_policy'][:12]}"
             )
             dashboard = write_dashboard(run_dir / "metrics.jsonl", run_dir / "dashboard.png", title=title)
-        return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard)}
+        return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard),
+                "validation": final}  # fmt: skip
 
 
 def _progress(steps: range, show: bool):

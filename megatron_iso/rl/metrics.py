@@ -92,16 +92,88 @@ def mismatch_metrics(
     }
 
 
+def alias_metrics(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """The rollout-vs-trainer gap under the names other frameworks log it (both logprobs fp32 ``[N]``, the tokens
+    of samples of ``lengths`` tokens, in order):
+
+    - ``training/rollout_probs_diff_max`` / ``_mean`` (verl): max / mean over tokens of ``|p_trainer - p_rollout|``,
+      probabilities, not logprobs;
+    - ``train/token_mult_prob_error`` (NeMo-RL): the token mean of ``exp(|logp_trainer - logp_rollout|)``, 1 when
+      they agree;
+    - ``train/train_rollout_logprob_abs_diff`` (slime): ``|logp_trainer - logp_rollout|`` averaged over each
+      sample's tokens, then over samples.
+    """
+    if rollout_logp.numel() == 0:
+        return {}
+    gap = (trainer_logp.double() - rollout_logp.double()).abs()
+    probs = (trainer_logp.double().exp() - rollout_logp.double().exp()).abs()
+    per_sample = torch.segment_reduce(gap, "mean", lengths=lengths.long()) if lengths.numel() else gap
+    return {
+        "training/rollout_probs_diff_max": float(probs.max()),
+        "training/rollout_probs_diff_mean": float(probs.mean()),
+        "train/token_mult_prob_error": float(gap.exp().mean()),
+        "train/train_rollout_logprob_abs_diff": float(per_sample.mean()),
+    }
+
+
+def step_metrics(parts: list[dict[str, torch.Tensor]], clip_low: float, clip_high: float) -> dict[str, float]:
+    """A step's rollout statistics over every DP rank's ``parts`` (each: ``trainer_logp`` / ``rollout_logp`` of the
+    trained tokens, ``trained_lengths`` of their samples, ``entropy`` per trained token, and per sample
+    ``rewards``, ``lengths``, ``truncated``):
+
+    mismatch (:func:`mismatch_metrics`) and its aliases (:func:`alias_metrics`); ``reward/mean``, ``reward/std``;
+    ``response/length_mean``, ``response/length_max`` (tokens, stop token included), ``response/truncated_frac``
+    (samples that ended at the length limit, not at a stop token); ``policy/entropy``: the token mean of the
+    sampling distribution's entropy (temperature-scaled full vocab, before top-k / top-p) over the trained
+    tokens, from the trainer's forward (``rl.log_entropy``). verl's names for the same: ``response_length/*``,
+    ``actor/entropy``.
+    """
+
+    def cat(key: str) -> torch.Tensor:
+        return torch.cat([p[key] for p in parts])
+
+    trainer_logp, rollout_logp, rewards = cat("trainer_logp"), cat("rollout_logp"), cat("rewards")
+    lengths, truncated, entropy = cat("lengths").double(), cat("truncated").double(), cat("entropy")
+    out = mismatch_metrics(rollout_logp, trainer_logp, clip_low, clip_high)
+    out |= alias_metrics(rollout_logp, trainer_logp, cat("trained_lengths"))
+    out |= {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(truncated.mean()),
+    }
+    out |= {"response_length/mean": out["response/length_mean"], "response_length/max": out["response/length_max"],
+            "response_length/clip_ratio": out["response/truncated_frac"]}  # fmt: skip
+    if entropy.numel():
+        out["policy/entropy"] = out["actor/entropy"] = float(entropy.double().mean())
+    return out
+
+
+def contract_summary(identities: dict[str, str]) -> dict[str, str]:
+    """The contract's three identities (semantic, numerical_policy, deployment) as run-summary keys."""
+    return {f"contract/{k}": v for k, v in sorted(identities.items())}
+
+
 class MetricsLog:
     """``metrics.jsonl`` (one JSON object per step) plus an optional W&B run.
 
     On resume the log is rewound to the checkpointed step first (``run_dir.rewind_metrics``: the
     recomputed steps' old lines are kept aside), so a resumed run's file equals the uninterrupted
-    run's. A new run never overwrites an existing log.
+    run's. A new run never overwrites an existing log. The W&B run's config holds ``config`` (the run's, with
+    the contract's identities under ``contract``), and its summary the identities as ``contract/<name>`` plus
+    ``summary`` (what the run's data reported at start), so runs can be filtered by contract.
     """
 
     def __init__(
-        self, run_dir: Path, logger_cfg: Any, config: dict[str, Any], *, resume_step: int | None, enabled: bool
+        self,
+        run_dir: Path,
+        logger_cfg: Any,
+        config: dict[str, Any],
+        *,
+        resume_step: int | None,
+        enabled: bool,
+        summary: dict[str, Any] | None = None,
     ) -> None:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
@@ -115,6 +187,9 @@ class MetricsLog:
         name, mode = check_logger(logger_cfg)
         if name == "wandb":
             self.wandb = _wandb_run(run_dir, logger_cfg, config, mode)
+            run_summary = getattr(self.wandb, "summary", None)  # absent on a disabled run's stand-in
+            if run_summary is not None:
+                run_summary.update({**contract_summary(config.get("contract") or {}), **(summary or {})})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -30,8 +30,8 @@ class TaskError(UserError, ValueError):
     """A task setting, or the data it names, that the run cannot use; the message names the ``task.<field>``."""
 
 
-def resolve_task_path(value: str, field_name: str, *, directory: bool = False) -> Path:
-    """``task.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
+def resolve_task_path(value: str, field_name: str, *, directory: bool = False, group: str = "task") -> Path:
+    """``<group>.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
     the working directory, else in the config directory (where the shipped example data lives)."""
     from megatron_iso.config import conf_dir
 
@@ -41,7 +41,7 @@ def resolve_task_path(value: str, field_name: str, *, directory: bool = False) -
         if candidate.is_dir() if directory else candidate.is_file():
             return candidate
     kind = "directory" if directory else "file"
-    raise TaskError(f"task.{field_name}={value!r}: no such {kind} ({' nor '.join(str(t) for t in tried)})")
+    raise TaskError(f"{group}.{field_name}={value!r}: no such {kind} ({' nor '.join(str(t) for t in tried)})")
 
 
 # --- tokenizers ---------------------------------------------------------------------------
@@ -66,12 +66,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's own tokenizer, from local files only (nothing fetched at run time)."""
+    """A checkpoint's own tokenizer, from local files only (nothing fetched at run time), with its chat template and
+    its stop tokens (EOS, and ``eos_token_id`` of a ``generation_config.json`` beside it)."""
 
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
         where = resolve_task_path(path, "tokenizer", directory=True)
+        self.path = where
         try:
             self._tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -86,9 +88,39 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def chat_ids(self, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+        """``messages`` through the chat template with the assistant's generation prompt appended, as token ids (the
+        template writes its own special tokens, so none are added on encoding)."""
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return self.encode(text)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """EOS of the tokenizer and of ``generation_config.json`` (an id or a list: Qwen3 stops at <|im_end|> and
+        <|endoftext|>), sorted."""
+        ids = set() if self._tok.eos_token_id is None else {int(self._tok.eos_token_id)}
+        if (self.path / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(str(self.path), local_files_only=True).eos_token_id
+            ids |= set() if eos is None else {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
+        return tuple(sorted(ids))
+
 
 def make_tokenizer(spec: str) -> Tokenizer:
     return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+
+
+def stop_token_ids(setting: Sequence[int] | None, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The rollout's stop tokens: ``rl.stop_token_ids`` when set (``[]``: none), else the tokenizer's (none for
+    bytes)."""
+    if setting is not None:
+        return tuple(int(t) for t in setting)
+    stop = getattr(tokenizer, "stop_ids", None)
+    return stop() if stop is not None else ()
 
 
 # --- prompts and rewards ------------------------------------------------------------------
@@ -238,23 +270,53 @@ class JsonlTask(Task):
         return [Prompt(ids=self._ids(i), meta=self.rows[i]) for i in picks]
 
 
-TASKS = ("residue", "jsonl")
+TASKS = ("residue", "jsonl", "dataset")
 
 
-def make_task(cfg: Any, vocab_size: int, seed: int) -> Task:
-    """Build ``cfg`` (the Hydra ``task`` group) for a model with ``vocab_size`` tokens."""
+def make_task(cfg: Any, vocab_size: int, seed: int, tokenizer: Tokenizer | None = None) -> Task:
+    """Build ``cfg`` (the Hydra ``task`` group; ``residue`` or ``jsonl``: :func:`build_tasks` builds ``dataset``)
+    for a model with ``vocab_size`` tokens."""
     kind = str(cfg.name)
     if kind not in TASKS:
         raise TaskError(f"task.name={kind!r} is not allowed; allowed values: {list(TASKS)}")
-    tokenizer = make_tokenizer(str(cfg.get("tokenizer", "bytes")))
-    if getattr(tokenizer, "vocab_size", vocab_size) > vocab_size:
-        raise TaskError(f"task.tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+    if kind == "dataset":
+        raise TaskError("task.name='dataset' reads the data group: build it with build_tasks")
+    tokenizer = tokenizer or checked_tokenizer(str(cfg.get("tokenizer") or "bytes"), vocab_size)
     reward = resolve_reward(str(cfg.reward))
     n = int(cfg.prompts_per_step)
     if kind == "residue":
         return ResidueTask(reward, tokenizer, n, seed, vocab_size=vocab_size, prompt_len=int(cfg.prompt_len),
                            modulus=int(cfg.modulus), conditional=bool(cfg.get("conditional", False)))  # fmt: skip
     return JsonlTask(reward, tokenizer, n, seed, path=str(cfg.path), template=str(cfg.template))
+
+
+def checked_tokenizer(spec: str, vocab_size: int) -> Tokenizer:
+    tokenizer = make_tokenizer(spec)
+    if getattr(tokenizer, "vocab_size", vocab_size) > vocab_size:
+        raise TaskError(f"task.tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+    return tokenizer
+
+
+@dataclass
+class Tasks:
+    """A run's prompts: the training task, the validation set (``rl.val_every`` > 0) and the stop tokens."""
+
+    train: Task
+    val: Any = None  # megatron_iso.rl.data.DatasetTask over data.val_files
+    stop_ids: tuple[int, ...] = ()
+
+    def identity(self) -> dict[str, str]:
+        """What a checkpoint records of the training data, for a resume to match (dataset tasks only)."""
+        return self.train.identity() if hasattr(self.train, "identity") else {}
+
+    def summary(self) -> dict[str, Any]:
+        """Rows, prompts dropped by length, chat template: the run summary's data keys."""
+        return {k: v for t in (self.train, self.val) if hasattr(t, "summary") for k, v in t.summary().items()}
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """``data/epoch``: epochs of the training rows consumed before ``step`` (dataset tasks)."""
+        progress = getattr(self.train, "epoch_progress", None)
+        return {} if progress is None else {"data/epoch": progress(step)}
 
 
 # --- prompt lengths against the rollout's limits -------------------------------------------------------------------
@@ -293,7 +355,7 @@ def rollout_refusal(engine: Any, max_new_tokens: int, group_size: int) -> Callab
                 return f"rl.group_size={group_size} samples need {need} {cache.kind} slots, the rollout holds {have}"
             return (
                 f"its rl.group_size={group_size} samples of up to {total} tokens need {need} KV-cache blocks, the "
-                f"rollout holds {have}; raise rollout.kv_cache_mb, or lower rl.max_new_tokens or rl.group_size"
+                f"rollout holds {have}; raise rollout.kv_cache_mb, or lower rl.max_response_length or rl.group_size"
             )
         return None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.schema import Contract
+from megatron_iso.settings.data import DataSettings, resolve_data
 from megatron_iso.settings.fields import (
     LOGGERS,
     RESUME_MODES,
@@ -74,6 +75,7 @@ __all__ = [
     "PARAMS_DTYPES",
     "RESUME_MODES",
     "WANDB_MODES",
+    "DataSettings",
     "GDNSettings",
     "MoESettings",
     "ModelSettings",
@@ -97,6 +99,7 @@ __all__ = [
     "contract_inputs",
     "gemm_block_k",
     "resolve",
+    "resolve_data",
     "resolve_gdn",
     "resolve_gdn_form",
     "resolve_model",
@@ -123,6 +126,7 @@ class Settings:
     gdn_backward_states: str  # rl.gdn_backward_states (default "keep"): the model config reads it without rl
     rl: RLSettings | None = None
     rollout: RolloutSettings | None = None
+    data: DataSettings = field(default_factory=DataSettings)  # prompt files (task=dataset)
     seed: int | None = None
     out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
     resume: str = "false"  # one of RESUME_MODES
@@ -176,6 +180,7 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
         gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
         rl=rl_settings,
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
+        data=resolve_data(c.get("data") if isinstance(c.get("data"), Mapping) else None),
         seed=None if c.get("seed") is None else int(c["seed"]),
         out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_iso.settings.data import check_generation
 from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _positive
 
 # What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
@@ -45,8 +46,20 @@ class RLSettings:
     algo: str = "grpo"
     steps: int = 20
     group_size: int = 8
-    max_new_tokens: int = 8
+    # Sampling and stopping (megatron_iso.settings.data.check_generation): max_new_tokens is the deprecated name of
+    # max_response_length (resolved, both hold the response limit).
+    max_new_tokens: int | None = None
+    max_response_length: int = 8
+    max_prompt_length: int | None = None
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] | None = None
+    val_every: int = 0
+    val_before_train: bool = True
+    val_temperature: float = 0.0
+    val_n: int = 1
+    log_entropy: bool = True
     lr: float = 0.02
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -132,7 +145,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         algo=str(rl["algo"]),
         steps=steps,
         group_size=_int(rl["group_size"], "rl.group_size", 2),
-        max_new_tokens=_int(rl["max_new_tokens"], "rl.max_new_tokens", 1),
+        **check_generation(rl),
         temperature=_positive(rl["temperature"], "rl.temperature"),
         lr=lr,
         clip_low=float(rl["clip_low"]),

@@ -52,7 +52,7 @@ BAD_SETTINGS = [
     ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),
     ("out_dir=", r"out_dir='' is not allowed; allowed values: a directory path, or null"),
     ("rollout.kv_cache_mb=0", r"rollout\.kv_cache_mb=0 is not allowed; allowed values: integers >= 1"),
-    ("task.name=chess", r"task\.name='chess' is not allowed; allowed values: \['residue', 'jsonl'\]"),
+    ("task.name=chess", r"task\.name='chess' is not allowed; allowed values: \['residue', 'jsonl', 'dataset'\]"),
     (
         "task=jsonl_math task.path=nope.jsonl",
         r"task\.path='nope\.jsonl': no such file \(.*/nope\.jsonl nor .*/nope\.jsonl\)",
