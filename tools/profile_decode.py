@@ -29,7 +29,8 @@ _PARTS = (
     ("  KV staging: finish()", "inference/kv_blocks.py", "finish"),
     ("step views (block tables)", "inference/kv_blocks.py", "step_view"),
     ("pack (IsoBatch)", "models/batch.py", "pack"),
-    ("sampler (_sample)", "inference/engine.py", "_sample"),
+    ("draw (_draw)", "inference/engine.py", "_draw"),
+    ("record (_record)", "inference/engine.py", "_record"),
     ("admission (_admit)", "inference/engine.py", "_admit"),
     ("fork (_fork)", "inference/engine.py", "_fork"),
 )
@@ -146,7 +147,7 @@ _OP_PARTS = (
     ("KV staging (PagedStepView)", "inference/kv_blocks.py", ("layer", "finish", "_stage", "__init__")),
     ("attention kv-cache op", "/ops/attention/", ("attention_with_kv_cache",)),
     ("model forward (rest)", "models/gpt.py", ("forward_packed",)),
-    ("sampler (_sample)", "inference/engine.py", ("_sample",)),
+    ("draw (_draw)", "inference/engine.py", ("_draw",)),
     ("pack (IsoBatch)", "models/batch.py", ("pack",)),
 )
 

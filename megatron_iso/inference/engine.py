@@ -64,7 +64,10 @@ class EngineConfig:
     cuda_graphs: replay decode steps from CUDA graphs where :func:`~megatron_iso.inference.cuda_graphs.
     decode_graph_support` allows (:attr:`RolloutEngine.decode_graphs_off` says why not); the correctness
     profile gives the eager bits, the performance profile's last bits may move with the padding.
-    Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample)."""
+    Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample).
+    lookahead: while no request waits for admission, launch decode step n + 1 before reading step n's tokens
+    (the next step's input ids come from the device): the host's bookkeeping of step n overlaps the GPU's step
+    n + 1. A sample that stops on a stop token gets one extra row computed and dropped; outputs are unchanged."""
 
     kv_cache_bytes: int = 64 << 20
     block_size: int = 16
@@ -75,6 +78,7 @@ class EngineConfig:
     progress: bool = False
     paged_kv_reads: bool = True
     cuda_graphs: bool = True
+    lookahead: bool = True
 
 
 @dataclass
@@ -105,6 +109,19 @@ class _Seq:
     num_cached: int
     out: SampleOutput | None = None
     rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Drawn:
+    """A step's draw, launched and not yet recorded: its rows ``(seq, sample index, token index)``, the
+    device tokens (the next lookahead step's input ids) and the values to read back."""
+
+    rows: list[tuple[_Seq, int, int]]
+    params: list[SamplingParams]
+    top_k: int
+    tokens: torch.Tensor
+    readback: torch.Tensor  # [R, 2 + 2k] float64: token, recorded logprob, top ids, top logprobs
+    ready: torch.cuda.Event | None = None  # the pinned copy of ``readback`` is complete
 
 
 class RolloutEngine:
@@ -144,6 +161,7 @@ class RolloutEngine:
         self.stats = EngineStats()
         self._waiting: deque[_Group] = deque()
         self._running: list[_Seq] = []
+        self._inflight: _Drawn | None = None  # a lookahead decode step launched and not read yet
         self._errors: list[RequestOutput] = []
         self._ids = itertools.count()
         # (input_ids [1, T], IsoBatch) -> logits [T, V/tp]: the module itself, or decode graphs over it.
@@ -256,7 +274,7 @@ class RolloutEngine:
         self._waiting.append(_Group(request, key, out, total, shared))
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._errors)
+        return bool(self._waiting or self._running or self._errors or self._inflight)
 
     def generate(self, requests: Iterable[Request], *, progress: bool | None = None) -> list[RequestOutput]:
         """Run requests to completion; results in input order."""
@@ -315,8 +333,14 @@ class RolloutEngine:
         return s
 
     def step(self) -> list[RequestOutput]:
-        """Admit, run one packed forward, sample one token per sequence; the requests that finished."""
+        """Admit, run one packed forward, sample one token per sequence; the requests that finished.
+        With lookahead, a decode step may be launched before the previous one's tokens are recorded."""
         finished, self._errors = self._errors, []
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, self._launch_ahead(self._inflight)
+            finished += self._record(previous)  # overlaps the GPU's work on the step just launched
+            if self._inflight is not None or not self.has_unfinished():
+                return finished
         new = self._admit()
         batch_seqs = self._running + new
         if not batch_seqs:
@@ -325,6 +349,18 @@ class RolloutEngine:
                     f"request {self._waiting[0].request.request_id!r} cannot be admitted into an idle engine"
                 )
             return finished
+        drawn = self._launch(batch_seqs, "prefill" if new else "decode", len(self._running))
+        if not new and self.config.lookahead:
+            self._inflight = drawn
+            return finished
+        return finished + self._record(drawn)
+
+    def _launch(
+        self, batch_seqs: list[_Seq], case: str, n_running: int, ids_from: torch.Tensor | None = None
+    ) -> _Drawn:
+        """One packed forward and its draw, without reading anything back. The first ``n_running`` sequences
+        decode, the rest are new. ``ids_from``: the decode step's input ids, on the device (a lookahead step:
+        the host holds placeholders for them)."""
         starts = [s.num_cached for s in batch_seqs]
         chunks = [s.tokens[s.num_cached :] for s in batch_seqs]
         counts = [len(c) for c in chunks]
@@ -335,10 +371,9 @@ class RolloutEngine:
             {c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches},
             paged=self.config.paged_kv_reads,
         )
-        case = "prefill" if new else "decode"
         gdn = state.views.get(GDNSlotCache.kind)
         ids, batch = pack(
-            chunks,
+            [[0]] * len(chunks) if ids_from is not None else chunks,
             start_positions=starts,
             case=case,
             kv_cache=state,
@@ -347,41 +382,75 @@ class RolloutEngine:
             gdn_slots=None if gdn is None else gdn.slots,  # GDN state stays in each sequence's own slot
             device=self.device,
         )
+        if ids_from is not None:
+            ids = ids_from.reshape(ids.shape)
         # A decode step's draw is planned before its forward, so a decode graph can record it after the logits.
-        plan = self._plan(batch_seqs) if case == "decode" else None
+        planned = self._plan(batch_seqs)
         t0 = time.perf_counter()
         with torch.no_grad():
-            if plan is not None and self.decode_graphs is not None and self.forward_fn is self.decode_graphs:
-                logits = self.forward_fn(ids, batch, draw_inputs=plan[1].graph_inputs())
+            if case == "decode" and self.decode_graphs is not None and self.forward_fn is self.decode_graphs:
+                logits = self.forward_fn(ids, batch, draw_inputs=planned[1].graph_inputs())
             else:
                 logits = self.forward_fn(ids, batch)
         state.finish()
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.steps += 1
-        self.stats.prefill_tokens += sum(counts[len(self._running) :])
-        self.stats.decode_tokens += sum(counts[: len(self._running)])
+        self.stats.prefill_tokens += sum(counts[n_running:])
+        self.stats.decode_tokens += sum(counts[:n_running])
         for s, c in zip(batch_seqs, counts, strict=True):
             s.num_cached += c
-        # Each sequence's last row; a decode step has one row per sequence already (no gather copy).
-        if plan is None:
-            self._sample(self._plan(batch_seqs), logits[batch.cu_seqlens_q[1:].long() - 1])
-        else:
+        if case == "decode":  # one row per sequence already (no gather copy)
             drawn = self.decode_graphs.drawn() if self.decode_graphs is not None else None
-            self._sample(plan, logits, drawn)
+            return self._draw(planned, logits, drawn)
+        return self._draw(planned, logits[batch.cu_seqlens_q[1:].long() - 1])
+
+    def _launch_ahead(self, previous: _Drawn) -> _Drawn | None:
+        """The next decode step, launched before ``previous`` is recorded, when nothing waits for admission: its
+        rows are the running samples with room for another token, its input ids ``previous``'s device tokens."""
+        if self._waiting or any(s.sample is None for s in self._running):
+            return None
+        index = {id(s): r for r, (s, _, _) in enumerate(previous.rows)}
+        seqs = [s for s in self._running if s.out.finish_reason is None and self._has_room(s) and id(s) in index]
+        if not seqs:
+            return None
+        rows = [index[id(s)] for s in seqs]
+        if rows == list(range(len(rows))):
+            ids = previous.tokens[: len(rows)]
+        else:
+            ids = previous.tokens.index_select(0, torch.tensor(rows).to(self.device, non_blocking=True))
+        return self._launch(seqs, "decode", len(seqs), ids_from=ids)
+
+    def _has_room(self, s: _Seq) -> bool:
+        """Whether sample ``s`` may take another token (counting the ones drawn and not recorded yet)."""
+        drawn, p = len(s.tokens) - len(s.group.request.prompt), s.group.request.params
+        return drawn < p.max_new_tokens and len(s.tokens) < self.max_model_len
+
+    def _record(self, drawn: _Drawn) -> list[RequestOutput]:
+        """Read a launched step's draw back and record it: tokens and logprobs into the outputs, finish
+        reasons, forks of shared prefills, finished samples released; the requests that finished."""
+        recorded = self._read_into_outputs(drawn)
+        stepped = list({id(s): s for s, _, _ in drawn.rows}.values())
         running = []
-        for s in batch_seqs:
+        for s in stepped:
             if s.sample is None:
                 running += self._fork(s)
             elif s.out.finish_reason is None:
                 running.append(s)
-            else:
+            elif s.seq_id in self.kv.lengths:
                 self._release(s)
-        self._running = running
-        live = {id(s.group) for s in running}
-        for g in {id(s.group): s.group for s in batch_seqs}.values():
-            if id(g) not in live:
+        # Running samples not in this step (a lookahead step launched after it holds them) keep their place.
+        in_step = {id(s) for s in stepped}
+        self._running = [s for s in self._running if id(s) not in in_step and s.out.finish_reason is None] + running
+        finished = []
+        live = {id(s.group) for s in self._running}
+        for g in recorded:  # a request is reported once: by the step that recorded its last token
+            if id(g) not in live and (self._inflight is None or not self._holds(self._inflight, g)):
                 finished.append(g.output)
         return finished
+
+    @staticmethod
+    def _holds(drawn: _Drawn, group: _Group) -> bool:
+        return any(s.group is group and s.out.finish_reason is None for s, _, _ in drawn.rows)
 
     def _fork(self, leader: _Seq) -> list[_Seq]:
         """The shared prompt prefill's n samples, each continuing from its blocks."""
@@ -428,15 +497,16 @@ class RolloutEngine:
         counters = [(p.seed, s.group.key, i, len(s.tokens)) for (s, i), p in zip(meta, params, strict=True)]
         return meta, plan_draw(src, params, counters, self.device)
 
-    def _sample(
+    def _draw(
         self,
         planned: tuple[list[tuple[_Seq, int]], DrawPlan],
         logits: torch.Tensor,
         drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        """One token per sampling row, appended to its sample (``drawn``: a decode graph's draw)."""
+    ) -> _Drawn:
+        """One token per sampling row, drawn on the device (``drawn``: a decode graph's draw) and queued for
+        reading back; a sample's token gets its place in ``tokens`` now (a placeholder until recorded)."""
         meta, plan = planned
-        params, k = plan.params, plan.top_k_logprobs
+        k = plan.top_k_logprobs
         with torch.no_grad():
             tokens, recorded, top = self.drawer.draw(plan, logits, drawn)
         # One device-to-host read for all of it, top logprobs included (were 2 reads per row that
@@ -444,11 +514,34 @@ class RolloutEngine:
         parts = [tokens.double().unsqueeze(-1), recorded.double().unsqueeze(-1)]
         if top is not None:
             parts += [top[0].double(), top[1].double()]
-        rows_l = torch.cat(parts, dim=-1).tolist()
-        tokens_l = [int(row[0]) for row in rows_l]
-        for r, ((s, i), p) in enumerate(zip(meta, params, strict=True)):
+        readback, ready = torch.cat(parts, dim=-1), None
+        if readback.is_cuda:  # copied as soon as the draw is done, read when recorded
+            host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
+            readback, ready = host.copy_(readback, non_blocking=True), torch.cuda.Event()
+            ready.record()
+        rows = []
+        for s, i in meta:
+            if s.sample is None:
+                rows.append((s, i, -1))
+            else:
+                rows.append((s, i, len(s.tokens)))
+                s.tokens.append(-1)
+        return _Drawn(rows, plan.params, k, tokens, readback, ready)
+
+    def _read_into_outputs(self, drawn: _Drawn) -> list[_Group]:
+        """Record the step's tokens; the requests that got one (rows past a sample's stop token are dropped)."""
+        groups: dict[int, _Group] = {}
+        if drawn.ready is not None:
+            drawn.ready.synchronize()
+        rows_l = drawn.readback.tolist()
+        k = drawn.top_k
+        for r, ((s, i, at), p) in enumerate(zip(drawn.rows, drawn.params, strict=True)):
             out = s.group.output.samples[i]
-            out.tokens.append(tokens_l[r])
+            if out.finish_reason is not None:  # a lookahead row past the sample's stop token: dropped
+                continue
+            token = int(rows_l[r][0])
+            groups[id(s.group)] = s.group
+            out.tokens.append(token)
             out.logprobs.append(rows_l[r][1])
             if p.top_logprobs:
                 ids = [int(t) for t in rows_l[r][2 : 2 + p.top_logprobs]]
@@ -457,9 +550,12 @@ class RolloutEngine:
             self.stats.generated_tokens += 1
             out.finish_reason = _finish_reason(p, out, len(s.group.request.prompt), self.max_model_len)
             if s.sample is None:
-                s.rows.append(tokens_l[r])
+                s.rows.append(token)
             else:
-                s.tokens.append(tokens_l[r])
+                s.tokens[at] = token
+                if out.finish_reason is not None:
+                    del s.tokens[at + 1 :]  # placeholders of lookahead rows that will be dropped
+        return list(groups.values())
 
 
 def _finish_reason(p: SamplingParams, out: SampleOutput, prompt_len: int, max_model_len: int) -> str | None:
