@@ -65,7 +65,42 @@ class Cell:
     warmup_s: float | None = None
     peak_gb: float | None = None
     graphs: str = ""  # the decoder's CUDA graphs: replays/captures of the timed run, or why they were off
+    roofline_tokens_per_s: float | None = None  # decode tok/s if every step only read its bytes at copy bandwidth
+    roofline_fraction: float | None = None  # decode_tokens_per_s / roofline_tokens_per_s
     note: str = ""
+
+
+def step_bytes(model: torch.nn.Module, batch: int, context: float) -> float:
+    """Bytes a decode step must read at least: every weight once (the input embedding only when it is not
+    also the LM head: a step reads a handful of its rows) and the KV cache of ``batch`` sequences of
+    ``context`` tokens (attention layers only; Gated DeltaNet state is not counted)."""
+    from megatron_iso.models.gdn import gdn_layer_indices
+
+    mc = model.config
+    emb = model.embedding.word_embeddings.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        weights -= emb.numel() * emb.element_size()
+    attn_layers = mc.num_layers - len(gdn_layer_indices(mc))
+    kv_token = attn_layers * 2 * mc.num_query_groups * mc.kv_channels * emb.element_size()
+    return weights + batch * context * kv_token
+
+
+def copy_bandwidth() -> float | None:
+    """Device copy bandwidth in bytes/s (read + write of a 2 GiB copy, best of 5); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del x, y
+    return 2 * (1 << 31) / best
 
 
 def _sync() -> None:
@@ -108,7 +143,7 @@ class EngineRunner:
         engine = RolloutEngine(self.model, config)
         if self.instrument:
             engine.forward_fn = ranged("engine: forward", engine.forward_fn)
-            engine._sample = ranged("engine: sample", engine._sample)  # no public hook; profiling only
+            engine._draw = ranged("engine: draw", engine._draw)  # no public hook; profiling only
         return engine
 
     def run(self, prompts: list[list[int]], new_tokens: int, max_seconds: float, on_prefilled=None) -> Run:
@@ -267,6 +302,13 @@ def run_cell(name: str, runner, batch: int, args: argparse.Namespace) -> Cell:
         cell.decode_tokens_per_s = (run.generated - batch) / (run.wall_s - run.ttft_s)
     if run.partial:
         cell.note = f"partial: stopped at --max-seconds {args.max_seconds:g}"
+    model = getattr(runner, "model", None)
+    if args.copy_bw and model is not None and cell.decode_tokens_per_s is not None:
+        # Mean context over the decode steps: the prompt plus half the generated tokens.
+        decoded = cell.generated / batch
+        need = step_bytes(model, batch, args.prompt_len + decoded / 2)
+        cell.roofline_tokens_per_s = batch * args.copy_bw / need
+        cell.roofline_fraction = cell.decode_tokens_per_s / cell.roofline_tokens_per_s
     return cell
 
 
@@ -322,15 +364,16 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 TABLE_HEADER = (
-    "\n| engine | batch | prompt | new | wall s | tok/s | decode tok/s | TTFT s | warm-up s | peak GB | note |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "\n| engine | batch | prompt | new | wall s | tok/s | decode tok/s | roofline tok/s | of roofline | TTFT s "
+    "| warm-up s | peak GB | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def print_row(c: Cell) -> None:
     print(
         f"| {c.engine} | {c.batch} | {c.prompt_len} | {c.new_tokens} | {_fmt(c.wall_s, '.3f')} | "
-        f"{_fmt(c.tokens_per_s, '.1f')} | {_fmt(c.decode_tokens_per_s, '.1f')} | {_fmt(c.ttft_s, '.3f')} | "
+        f"{_fmt(c.tokens_per_s, '.1f')} | {_fmt(c.decode_tokens_per_s, '.1f')} | "
+        f"{_fmt(c.roofline_tokens_per_s, '.0f')} | {_fmt(c.roofline_fraction, '.1%')} | {_fmt(c.ttft_s, '.3f')} | "
         f"{_fmt(c.warmup_s, '.2f')} | {_fmt(c.peak_gb, '.2f')} | {'; '.join(x for x in (c.graphs, c.note) if x)} |",
         flush=True,
     )
@@ -436,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     profiles: list[dict] = []
     failures: dict[str, str] = {}
 
+    args.copy_bw = copy_bandwidth()
     meta = {"device": device, "torch": torch.__version__, "transformers": _version("transformers"), "commit": _commit()}
+    meta["copy_bandwidth_gbs"] = None if args.copy_bw is None else args.copy_bw / 1e9
 
     def save() -> None:
         report = {"model": args.model, **meta, "args": vars(args) | {"out": str(args.out)}}
@@ -476,8 +521,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with launched_world(seed=args.seed):
         runners = build_runners(args, failures)
+        bw = "" if args.copy_bw is None else f"; copy bandwidth {args.copy_bw / 1e9:.0f} GB/s (the roofline's)"
         print(f"\n{args.model} on {device}: prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-              f"temperature {args.temperature:g}; build {time.perf_counter() - start:.1f} s")  # fmt: skip
+              f"temperature {args.temperature:g}; build {time.perf_counter() - start:.1f} s{bw}")  # fmt: skip
         for batch in args.batch:
             print(TABLE_HEADER, flush=True)
             for name, runner in runners.items():
