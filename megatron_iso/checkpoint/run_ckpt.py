@@ -88,6 +88,8 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
 
 
 def run_layout(ckpt_dir: str | Path, meta: Mapping[str, Any]) -> RunLayout:
+    if int(meta.get("pp", 1)) != 1:  # its rank files hold pipeline stages under stage names (models.stages)
+        raise CheckpointFileError(f"{ckpt_dir}: written with parallel.pp={meta['pp']}; reading stages is not built yet")
     tp, world = int(meta["tp"]), int(meta["world_size"])
     model = meta["identity"]["model"]
     ep = 1

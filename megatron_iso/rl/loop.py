@@ -449,6 +449,7 @@ def _checkpoint_identity(trainer: Trainer) -> dict[str, Any]:
         "numerical_policy": trainer.policy_digest,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "tp": trainer.tc.tensor_model_parallel_size,
+        **({"pp": trainer.tc.pipeline_model_parallel_size} if trainer.tc.pipeline_model_parallel_size > 1 else {}),
         **trainer.tasks.identity(),  # the data a dataset task visits, and in which order
     }
 

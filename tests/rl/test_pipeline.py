@@ -82,6 +82,12 @@ def test_pp2_trainer_equals_pp1_bit_for_bit(tmp_path, model, layers):
     for a, b in zip(rows1, rows2, strict=True):
         assert a["mismatch/abs_diff_max"] == b["mismatch/abs_diff_max"] == 0.0
         assert a == b  # loss, grad norm, rewards, mismatch, learning rate: the same numbers
+    # The checkpoint says it holds stages; readers of PP 1 rank files (the HF export) refuse it by name.
+    from megatron_iso.checkpoint.run_ckpt import CheckpointFileError, read_meta, run_layout
+
+    last = tmp_path / "pp2" / "checkpoints" / "step_000002"
+    with pytest.raises(CheckpointFileError, match="parallel.pp=2"):
+        run_layout(last, read_meta(last))
     w1, w2 = _weights(tmp_path / "pp1", 1, layers), _weights(tmp_path / "pp2", 2, layers)
     assert w1.keys() == w2.keys()
     for n, w in w1.items():
