@@ -203,6 +203,10 @@ def load_initial_weights(model: torch.nn.Module, tc: IsoTransformerConfig, init_
     from megatron.core import parallel_state as ps
 
     source = locate(init_from)
+    if source.kind != "hf" and tc.pipeline_model_parallel_size > 1:  # their rank files are PP 1 ranks
+        raise InitFromError(
+            f"{FIELD}={source.path}: parallel.pp > 1 starts from an HF directory only, not a {source.kind} one"
+        )
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     if source.kind == "hf":

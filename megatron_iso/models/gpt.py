@@ -14,7 +14,7 @@ from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.specs import dense_block_spec, hybrid_block_spec, moe_block_spec
-from megatron_iso.models.stages import current_stage, load_stage_weights, stage_block_spec
+from megatron_iso.models.stages import current_stage, stage_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
 from megatron_iso.parallel.embedding import IsoVocabParallelEmbedding
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
@@ -135,8 +135,6 @@ def build_model(config: IsoTransformerConfig, hf_weights: Mapping[str, torch.Ten
     if torch.cuda.is_available():
         # Megatron initialises on the CPU (use_cpu_initialization); the model runs where CUDA is.
         model.cuda(torch.cuda.current_device())
-    if hf_weights is not None and config.pipeline_model_parallel_size > 1:
-        load_stage_weights(model, hf_weights, config, stage)
-    elif hf_weights is not None:
+    if hf_weights is not None:
         load_hf_state_dict(model, hf_weights, config)
     return model

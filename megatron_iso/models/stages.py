@@ -84,24 +84,3 @@ def from_global_names(params: Mapping[str, torch.Tensor], stage: Stage) -> dict[
 def to_global_names(params: Mapping[str, torch.Tensor], stage: Stage) -> dict[str, torch.Tensor]:
     """A stage's parameters under whole-model Megatron names (layers renumbered from ``stage.offset``)."""
     return {_shift(n, stage.offset): t for n, t in params.items()}
-
-
-def load_stage_weights(model: torch.nn.Module, hf: Any, config: Any, stage: Stage) -> None:
-    """HF-named weights into a pipeline stage's model: this rank's TP / EP shard of the whole model
-    (:func:`~megatron_iso.models.weights.megatron_shard`), the stage's tensors of it under the stage's names."""
-    from megatron.core import parallel_state
-
-    from megatron_iso.models.weights import check_hf_state_dict, megatron_shard
-
-    check_hf_state_dict(hf, config)
-    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    ep_rank, ep = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
-    shard = from_global_names(megatron_shard(hf, config, tp_rank, tp, ep_rank, ep), stage)
-    params = dict(model.named_parameters())
-    if set(shard) != set(params):
-        raise KeyError(f"stage weights and model parameters differ: {sorted(set(shard) ^ set(params))[:5]}")
-    with torch.no_grad():
-        for name, tensor in shard.items():
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"'{name}': shard shape {list(tensor.shape)} != model {list(params[name].shape)}")
-            params[name].copy_(tensor)

@@ -26,6 +26,7 @@ import torch
 
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
+from megatron_iso.models.stages import current_stage, from_global_names
 from megatron_iso.models.weight_source import WeightSource, as_source
 
 
@@ -446,6 +447,8 @@ def load_hf_state_dict(
     rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     ep_rank, ep = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
     shard = megatron_shard(hf, cfg, rank, tp, ep_rank, ep)
+    if cfg.pipeline_model_parallel_size > 1:  # a pipeline stage: its tensors of the whole model, under stage names
+        shard = from_global_names(shard, current_stage(cfg))
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(shard))
     if missing:

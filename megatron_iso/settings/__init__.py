@@ -205,7 +205,7 @@ def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
 def check_pipeline(settings: Settings) -> None:
     """``parallel.pp`` > 1 (the trainer's pipeline, megatron_iso.rl.pipeline): layers split evenly over the stages,
     untied embeddings (a tied LM head would live on two stages), no expert parallelism, no MoE load-balancing loss,
-    no KL term (its frozen reference model is not pipelined), no ``model.init_from`` and no ``rl.save_hf_every``."""
+    no KL term (its frozen reference model is not pipelined) and no ``rl.save_hf_every``."""
     pp, model = settings.parallel.pp, settings.model
     if pp == 1:
         return
@@ -220,12 +220,9 @@ def check_pipeline(settings: Settings) -> None:
         why.append(f"model.moe_aux_loss_coeff=0 (got {model.moe.aux_loss_coeff})")
     if settings.rl is not None and settings.rl.kl_coef > 0:
         why.append(f"rl.kl_coef=0 (got {settings.rl.kl_coef})")
-    # Their loaders and the HF assembly name the whole model's layers on one rank (stage names: models.stages).
-    if getattr(model, "init_from", None):
-        why.append(f"model.init_from=null (got {model.init_from!r}: stage-wise loading is not built yet)")
+    # The HF assembly names the whole model's layers on one rank (stage names: models.stages).
     if settings.rl is not None and getattr(settings.rl, "save_hf_every", 0):
         why.append(f"rl.save_hf_every=0 (got {settings.rl.save_hf_every}: the HF export assembles PP 1 ranks only)")
-
     if why:
         raise SettingsError(f"parallel.pp={pp} needs " + "; ".join(why) + "; or set parallel.pp=1")
 

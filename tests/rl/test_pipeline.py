@@ -94,6 +94,18 @@ def test_pp2_trainer_equals_pp1_bit_for_bit(tmp_path, model, layers):
         assert torch.equal(bits(w2[n]), bits(w)), n
 
 
+def test_pp2_starts_from_an_hf_checkpoint_as_pp1_does(tmp_path):
+    """``model.init_from`` an HF directory: each stage loads its layers of it (models.weights under stage names)."""
+    from tests.checkpoint.conftest import make_hf_model
+
+    start = [f"model.init_from={make_hf_model(tmp_path / 'hf', tokenizer=True, seed=3)}", "rl.steps=2"]
+    one = run_on_ranks(_run, 1, args=(str(tmp_path / "pp1"), start), timeout=600)[0]
+    two = run_on_ranks(_run, 2, pp=2, args=(str(tmp_path / "pp2"), [*start, "parallel.pp=2"]), timeout=600)
+    for a, b in zip(one, two[0], strict=True):
+        assert torch.equal(bits(a["trainer_logp"]), bits(b["trainer_logp"]))
+    assert _rows(tmp_path / "pp1") == _rows(tmp_path / "pp2")
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
