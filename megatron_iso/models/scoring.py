@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
 from megatron_iso.contract.registry import Profile
-from megatron_iso.parallel.head_scoring import chunk_rows, head_token_logprobs, scored_chunks
+from megatron_iso.parallel.head_scoring import head_token_logprobs
 from megatron_iso.parallel.vocab_scoring import entropy, token_logprobs, token_logprobs_and_entropy
 
 
@@ -97,11 +97,6 @@ def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, row
     def plain(logits: torch.Tensor, c: slice) -> torch.Tensor:
         return token_logprobs(logits, targets[c], **(for_rows(c) | {"profile": Profile.PERFORMANCE}))
 
-    logp = head_token_logprobs(x, weight, logits_of, score, plain)
-    ent = None
-    if with_entropy:  # a statistic (no gradient): its own pass over the chunks
-        with torch.no_grad():
-            ent = scored_chunks(
-                x, weight, logits_of, lambda lg, c: entropy(lg, **for_rows(c)), chunk_rows(weight.shape[0])
-            )
-    return logp, ent
+    # The entropy is a statistic (no gradient) of the same chunk logits: no second LM-head pass.
+    stat = (lambda lg, c: entropy(lg, **for_rows(c))) if with_entropy else None
+    return head_token_logprobs(x, weight, logits_of, score, plain, stat)

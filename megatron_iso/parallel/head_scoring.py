@@ -32,14 +32,18 @@ def chunk_rows(vocab_local: int) -> int:
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, head, score, plain_score, rows):  # type: ignore[override]
+    def forward(ctx, x, weight, head, score, plain_score, rows, statistic):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.head, ctx.plain_score, ctx.rows = head, plain_score, rows
         with torch.no_grad():
-            return scored_chunks(x, weight, head, score, rows)
+            logp, stat = scored_chunks(x, weight, head, score, rows, statistic)
+        if stat is None:
+            stat = x.new_zeros(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(stat)
+        return logp, stat
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, _grad_stat):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1]
@@ -57,23 +61,42 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_x[c] = gx
             if grad_w is not None:
                 grad_w += gw
-        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def _chunks(total: int, rows: int) -> list[slice]:
     return [slice(a, min(a + rows, total)) for a in range(0, total, rows)]
 
 
-def scored_chunks(x: torch.Tensor, weight: torch.Tensor, head: Head, score: Score, rows: int) -> torch.Tensor:
-    """``score(head(x, weight))`` chunk by chunk (no autograd graph kept), concatenated over rows."""
-    parts = [score(head(x[c], weight), c) for c in _chunks(x.shape[0], rows)]
-    return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.float32)
+def scored_chunks(
+    x: torch.Tensor, weight: torch.Tensor, head: Head, score: Score, rows: int, statistic: Score | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``score(head(x, weight))`` chunk by chunk (no autograd graph kept), concatenated over rows; and
+    ``statistic`` of the same chunk logits (None without one)."""
+    parts, stats = [], []
+    for c in _chunks(x.shape[0], rows):
+        logits = head(x[c], weight)
+        parts.append(score(logits, c))
+        if statistic is not None:
+            stats.append(statistic(logits, c))
+    empty = x.new_zeros(0, dtype=torch.float32)
+    logp = torch.cat(parts) if parts else empty
+    if statistic is None:
+        return logp, None
+    return logp, torch.cat(stats) if stats else empty
 
 
 def head_token_logprobs(
-    x: torch.Tensor, weight: torch.Tensor, head: Head, score: Score, plain_score: Score
-) -> torch.Tensor:
-    """fp32 ``[T]``: ``score(head(x, weight))`` computed chunk by chunk over the rows of ``x [T, H]``.
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    head: Head,
+    score: Score,
+    plain_score: Score,
+    statistic: Score | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``[T]``: ``score(head(x, weight))`` computed chunk by chunk over the rows of ``x [T, H]``; and
+    ``statistic`` (e.g. the entropy) of each chunk's same logits, without gradient (None without one): one
+    LM-head GEMM per chunk serves both.
 
     ``head`` is the LM head's own forward for some rows (invariant, rounded as the layer rounds);
     ``score(logits, rows)`` scores those rows (the invariant scoring function); ``plain_score`` is the
@@ -82,6 +105,7 @@ def head_token_logprobs(
     """
     rows = chunk_rows(weight.shape[0])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _ChunkedHead.apply(x, weight, head, score, plain_score, rows)
+        logp, stat = _ChunkedHead.apply(x, weight, head, score, plain_score, rows, statistic)
+        return logp, None if statistic is None else stat
     with torch.no_grad():
-        return scored_chunks(x, weight, head, score, rows)
+        return scored_chunks(x, weight, head, score, rows, statistic)
