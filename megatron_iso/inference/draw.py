@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core import parallel_state
 
 from megatron_iso.inference.params import SamplingParams
-from megatron_iso.inference.rng import as_int64, row_keys, uniforms
+from megatron_iso.inference.rng import row_words, word_uniform
 from megatron_iso.inference.sampler import gumbel_tokens, select_tokens, top_logprobs
 from megatron_iso.ops.logprob import host_checked_temperature
 from megatron_iso.parallel.tree_collectives import gather_along
@@ -58,25 +59,22 @@ class DrawPlan:
 def plan_draw(
     src: list[int], params: list[SamplingParams], counters: list[tuple[int, int, int, int]], device: torch.device
 ) -> DrawPlan:
-    """``counters[r]`` = (seed, request key, sample index, position of the drawn token) of row ``r``."""
+    """``counters[r]`` = (seed, request key, sample index, position of the drawn token) of row ``r``, each in
+    [0, 2**64)."""
     # Per row, the rule (sampler module doc): Gumbel-max unless top-k / top-p filter the row.
     filtered = [p.temperature != 0 and (p.top_k > 0 or p.top_p < 1) for p in params]
-    counter = tuple(torch.tensor([as_int64(c[i]) for c in counters], dtype=torch.int64) for i in range(4))
-    keys = row_keys(*counter)
-    n = len(params)
-    host = torch.stack(
-        (
-            torch.tensor(src, dtype=torch.float64),
-            torch.tensor([float(p.temperature == 0) for p in params], dtype=torch.float64),
-            torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32).double(),
-            torch.tensor([p.top_k for p in params], dtype=torch.float64),
-            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).double(),
-            uniforms(*counter).double() if any(filtered) else torch.zeros(n, dtype=torch.float64),
-            keys[:, 0].double(),
-            keys[:, 1].double(),
-            torch.tensor(filtered, dtype=torch.float64),
-        )
-    )
+    # numpy throughout: a host step builds this for every row, and a torch op per list costs more than the rows.
+    words = row_words(*(np.array([c[i] for c in counters], dtype=np.uint64) for i in range(4)))
+    table = np.empty((FILTERED + 1, len(params)), dtype=np.float64)
+    table[SRC] = src
+    table[GREEDY] = [p.temperature == 0 for p in params]
+    table[TEMP] = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=np.float32)
+    table[TOP_K] = [p.top_k for p in params]
+    table[TOP_P] = np.array([p.top_p for p in params], dtype=np.float32)
+    table[UNIFORM] = word_uniform(words[0]) if any(filtered) else 0.0
+    table[KEY0], table[KEY1] = words[0], words[1]
+    table[FILTERED] = filtered
+    host = torch.from_numpy(table)
     # One non-blocking copy: a blocking copy per tensor would be a host sync each on GPU.
     return DrawPlan(src, params, filtered, host, host.to(device, non_blocking=True))
 

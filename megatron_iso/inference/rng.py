@@ -61,6 +61,13 @@ def request_key(request_id: int | str) -> int:
     return request_id
 
 
+def row_words(seeds: np.ndarray, request_keys: np.ndarray, samples: np.ndarray, positions: np.ndarray) -> list:
+    """The four Philox words of each row's draw from uint64 arrays (what :func:`uniforms` and :func:`row_keys`
+    compute from tensors): word 0 gives the row's uniform, words 0 and 1 its Gumbel key."""
+    shift = np.uint64(32)
+    return _philox([positions, samples, request_keys, request_keys >> shift], seeds, seeds >> shift)
+
+
 def uniforms(
     seeds: torch.Tensor, request_keys: torch.Tensor, samples: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
@@ -69,10 +76,13 @@ def uniforms(
     All inputs are int64 tensors of one shape (seeds and request keys may use all 64 bits, stored
     as two's complement); the result has that shape, on the host.
     """
-    seed, req = _words(seeds), _words(request_keys)
-    shift = np.uint64(32)
-    word = _philox([_words(positions), _words(samples), req, req >> shift], seed, seed >> shift)[0]
-    return torch.from_numpy((word >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24))
+    word = row_words(_words(seeds), _words(request_keys), _words(samples), _words(positions))[0]
+    return torch.from_numpy(word_uniform(word))
+
+
+def word_uniform(word: np.ndarray) -> np.ndarray:
+    """The fp32 uniform ``(word >> 8) * 2**-24`` of Philox words (exact in fp32)."""
+    return (word >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def row_keys(
@@ -80,9 +90,7 @@ def row_keys(
 ) -> torch.Tensor:
     """A 64-bit Philox key per row, as ``[..., 2]`` int64 holding two 32-bit words: words 0 and 1 of the
     draw :func:`uniforms` takes word 0 of. The Gumbel sampler keys its per-token draws with it."""
-    seed, req = _words(seeds), _words(request_keys)
-    shift = np.uint64(32)
-    words = _philox([_words(positions), _words(samples), req, req >> shift], seed, seed >> shift)
+    words = row_words(_words(seeds), _words(request_keys), _words(samples), _words(positions))
     return torch.from_numpy(np.stack(words[:2], axis=-1).astype(np.int64))
 
 
