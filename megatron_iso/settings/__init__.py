@@ -196,7 +196,7 @@ def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
     elif settings.parallel.pp != 1:
         raise SettingsError(
             f"parallel.pp={settings.parallel.pp}: only the RL trainer (iso-train) runs pipeline parallelism; "
-            "allowed values here: [1]"
+            "allowed values: [1]"
         )
     if settings.device_class == "cuda" and not torch.cuda.is_available():
         raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")

@@ -41,7 +41,9 @@ BAD_SETTINGS = [
         r"parallel\.tp=2 needs 2 processes, and this is a single process \(not started by torchrun\); launch it with "
         r"torchrun, e\.g\. `torchrun --nproc-per-node 2 -m megatron_iso\.cli\.train parallel\.tp=2 \.\.\.`",
     ),
-    ("parallel.pp=2", r"parallel\.pp=2: the trainer does not run pipeline parallelism yet; allowed values: \[1\]"),
+    ("parallel.pp=2", r"parallel\.pp=2 needs 2 processes, and this is a single process \(not started by torchrun\)"),
+    ("parallel.pp=2 model.tie_word_embeddings=true", r"parallel\.pp=2 needs model\.tie_word_embeddings=false"),
+    ("parallel.cp=2", r"parallel\.cp=2: context parallelism .* allowed values: \[1\]"),
     ("resume=maybe", r"resume='maybe' is not allowed; allowed values: \['false', 'true', 'auto'\]"),
     ("resume=true", r"resume=true but out_dir=.* does not exist"),
     ("device=tpu", r"device='tpu' is not allowed; allowed values"),
