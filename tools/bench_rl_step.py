@@ -112,14 +112,17 @@ def train_model_flops(model, n_seq: int, seq_len: int) -> float:
 
 
 def _config(profile: str, args: argparse.Namespace, out_dir: str):
+    from megatron_iso.checkpoint.init_from import apply_init_from
     from megatron_iso.config import load_config
 
-    return load_config(
+    # model.init_from=DIR (an HF directory or a megatron_iso checkpoint) replaces the model group's shapes and
+    # random weights with the checkpoint's, as in iso-train.
+    cfg = load_config(
         [
             f"model={args.model}",
             f"profile={profile}",
             f"rl.group_size={args.group}",
-            f"rl.max_new_tokens={args.new_tokens}",
+            f"rl.max_response_length={args.new_tokens}",
             f"task.prompts_per_step={args.prompts}",
             f"task.prompt_len={args.prompt_len}",
             f"rollout.kv_cache_mb={args.kv_cache_mb}",
@@ -128,6 +131,7 @@ def _config(profile: str, args: argparse.Namespace, out_dir: str):
             *args.overrides,
         ]
     )
+    return apply_init_from(cfg, args.overrides)
 
 
 def _layout() -> dict[str, int]:
