@@ -35,6 +35,7 @@ from megatron_iso.rl.tasks import (
     Tasks,
     Tokenizer,
     check_prompts_fit,
+    check_template,
     checked_tokenizer,
     make_task,
     resolve_reward,
@@ -77,17 +78,6 @@ def _lookup(row: dict[str, Any], key: str) -> Any:
 
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
-
-
-def check_template(template: str) -> str:
-    """``task.template`` must hold the field ``{prompt}`` and no other."""
-    try:
-        uses_prompt = template.format(prompt="a") != template.format(prompt="b")
-    except (KeyError, IndexError, ValueError):
-        uses_prompt = False
-    if not uses_prompt:
-        raise TaskError(f"task.template={template!r} must hold the field {{prompt}} and no other field")
-    return template
 
 
 class PromptEncoder:

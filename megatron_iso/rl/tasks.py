@@ -30,6 +30,17 @@ class TaskError(UserError, ValueError):
     """A task setting, or the data it names, that the run cannot use; the message names the ``task.<field>``."""
 
 
+def check_template(template: str) -> str:
+    """``task.template`` must hold the field ``{prompt}`` and no other."""
+    try:
+        uses_prompt = template.format(prompt="a") != template.format(prompt="b")
+    except (KeyError, IndexError, ValueError):
+        uses_prompt = False
+    if not uses_prompt:
+        raise TaskError(f"task.template={template!r} must hold the field {{prompt}} and no other field")
+    return template
+
+
 def resolve_task_path(value: str, field_name: str, *, directory: bool = False, group: str = "task") -> Path:
     """``<group>.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
     the working directory, else in the config directory (where the shipped example data lives)."""
@@ -248,13 +259,7 @@ class JsonlTask(Task):
             self.lines.append(n)
         if not self.rows:
             raise TaskError(f"task.path={path!r}: {self.file} holds no rows")
-        try:
-            uses_prompt = template.format(prompt="a") != template.format(prompt="b")
-        except (KeyError, IndexError, ValueError):
-            uses_prompt = False
-        if not uses_prompt:
-            raise TaskError(f"task.template={template!r} must hold the field {{prompt}} and no other field")
-        self.template = template
+        self.template = check_template(template)
 
     def _ids(self, i: int) -> list[int]:
         return self.tokenizer.encode(self.template.format(prompt=self.rows[i]["prompt"]))
