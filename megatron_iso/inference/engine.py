@@ -441,16 +441,10 @@ class RolloutEngine:
         # Running samples not in this step (a lookahead step launched after it holds them) keep their place.
         in_step = {id(s) for s in stepped}
         self._running = [s for s in self._running if id(s) not in in_step and s.out.finish_reason is None] + running
-        finished = []
         live = {id(s.group) for s in self._running}
-        for g in recorded:  # a request is reported once: by the step that recorded its last token
-            if id(g) not in live and (self._inflight is None or not self._holds(self._inflight, g)):
-                finished.append(g.output)
-        return finished
-
-    @staticmethod
-    def _holds(drawn: _Drawn, group: _Group) -> bool:
-        return any(s.group is group and s.out.finish_reason is None for s, _, _ in drawn.rows)
+        # A request is reported once: by the step that recorded its last token. (A lookahead step's unfinished
+        # rows belong to running samples, so their requests are live.)
+        return [g.output for g in recorded if id(g) not in live]
 
     def _fork(self, leader: _Seq) -> list[_Seq]:
         """The shared prompt prefill's n samples, each continuing from its blocks."""
