@@ -38,7 +38,7 @@ def test_bench_decode_tiny(tmp_path, capsys):
     assert set(profiles) == {"iso", "native", "hf"}
     assert profiles["iso"]["decode_tokens"] == 3 * 2  # 3 new tokens, the first from the prefill step
     parts = {p["name"] for p in profiles["iso"]["parts"]}
-    assert {"engine: forward", "engine: sample", "module: decoder.layers.*.mlp"} <= parts, parts
+    assert {"engine: forward", "engine: draw", "module: decoder.layers.*.mlp"} <= parts, parts
     assert profiles["hf"]["top_cpu_ops"], profiles["hf"]
     printed = capsys.readouterr().out
     assert "| iso/native |" in printed.replace("| batch ", "") and "| hf | 3 | 5 | 4 |" in printed
