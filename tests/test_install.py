@@ -27,7 +27,7 @@ TINY = [
     "model=tiny_dense",
     "rl.steps=1",
     "rl.group_size=2",
-    "rl.max_new_tokens=2",
+    "rl.max_response_length=2",
     "task.prompts_per_step=2",
     "logger=none",
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-FAST = ["rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none", "rl.steps=3"]
+FAST = ["rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none", "rl.steps=3"]
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="freezes the first run with SIGSTOP")

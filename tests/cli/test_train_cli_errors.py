@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none"]
+FAST = ["rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none"]
 
 BAD_SETTINGS = [
     ("rl.steps=abc", r"rl\.steps='abc' is not allowed; allowed values: integers >= 1"),
@@ -66,7 +66,7 @@ BAD_SETTINGS = [
         r"model\.max_position_embeddings",
     ),
     (
-        "task.prompt_len=200 rl.max_new_tokens=300 rl.group_size=8 rollout.kv_cache_mb=1",
+        "task.prompt_len=200 rl.max_response_length=300 rl.group_size=8 rollout.kv_cache_mb=1",
         r"task\.prompt_len=200: every prompt has 200 tokens: its rl\.group_size=8 samples of up to 500 tokens need "
         r"173 KV-cache blocks, the rollout holds 64; raise rollout\.kv_cache_mb",
     ),

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["rl.steps=1", "rl.group_size=2", "rl.max_new_tokens=3", "task.prompts_per_step=2", "logger=none"]
+FAST = ["rl.steps=1", "rl.group_size=2", "rl.max_response_length=3", "task.prompts_per_step=2", "logger=none"]
 
 _TOOL_SIDE = """
 import json, sys

@@ -22,7 +22,7 @@ from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 GROUP = 4
-FAST = [f"rl.group_size={GROUP}", "rl.max_new_tokens=5", "task.prompts_per_step=6", "model=tiny_dense"]
+FAST = [f"rl.group_size={GROUP}", "rl.max_response_length=5", "task.prompts_per_step=6", "model=tiny_dense"]
 
 
 def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:

@@ -10,7 +10,7 @@ from megatron_iso.config import load_config
 from megatron_iso.rl.loop import train
 
 # GDN chunk 4: prompts and the 4 generated tokens cross chunk boundaries; step 1 runs on updated weights.
-TINY = ["model=tiny_hybrid", "profile.gdn_chunk=4", "rl.group_size=2", "rl.max_new_tokens=4"]
+TINY = ["model=tiny_hybrid", "profile.gdn_chunk=4", "rl.group_size=2", "rl.max_response_length=4"]
 
 
 def test_hybrid_grpo_run_has_zero_mismatch(tmp_path):

@@ -23,7 +23,7 @@ from megatron_iso.testing.harness import run_on_ranks
 
 GROUP = 4
 # 3 prompts x 4 samples = 12 sequences: micro-batches of 5 leave a short last one.
-FAST = [f"rl.group_size={GROUP}", "rl.max_new_tokens=5", "task.prompts_per_step=3"]
+FAST = [f"rl.group_size={GROUP}", "rl.max_response_length=5", "task.prompts_per_step=3"]
 SAMPLES = 12
 # fp32 ulps of a tensor's largest |grad| that reassociating its token sum may move an element by
 # (measured on tiny_dense: at most 4.9).

@@ -65,7 +65,7 @@ def test_default_schedule_keeps_the_rate_and_applies_the_no_decay_groups():
 
 def test_iso_train_logs_each_steps_learning_rate(tmp_path):
     run = tmp_path / "run"
-    args = ["rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none", f"out_dir={run}"]
+    args = ["rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none", f"out_dir={run}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.run([sys.executable, "-m", "megatron_iso.cli.train", *args, *COSINE],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip

@@ -21,7 +21,7 @@ from megatron_iso.settings import SettingsError
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
-FAST = ["rl.group_size=4", "rl.max_new_tokens=3", "task.prompts_per_step=2", "logger=none", "rl.steps=3"]
+FAST = ["rl.group_size=4", "rl.max_response_length=3", "task.prompts_per_step=2", "logger=none", "rl.steps=3"]
 
 
 def _run(root: str, overrides: list[str]) -> list[dict]:

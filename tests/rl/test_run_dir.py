@@ -178,7 +178,7 @@ def test_a_run_that_wrote_while_this_one_was_built_is_not_overwritten(tmp_path, 
             (run / "config.yaml").write_text("the other run's\n")
 
     monkeypatch.setattr(loop, "Trainer", OtherRunMeanwhile)
-    fast = ["rl.steps=1", "rl.group_size=2", "rl.max_new_tokens=2", "task.prompts_per_step=2", "logger=none"]
+    fast = ["rl.steps=1", "rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none"]
     with pytest.raises(RunDirError, match="already holds a run"):
         loop.train(load_config([*fast, f"out_dir={run}"]))
     assert (run / "config.yaml").read_text() == "the other run's\n"
