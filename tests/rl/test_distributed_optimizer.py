@@ -19,7 +19,13 @@ from megatron_iso.rl.loop import TIMING_PREFIXES
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
-FAST = ["rl.group_size=4", "rl.max_response_length=3", "task.prompts_per_step=2", "logger=none", "rl.checkpoint_every=2"]
+FAST = [
+    "rl.group_size=4",
+    "rl.max_response_length=3",
+    "task.prompts_per_step=2",
+    "logger=none",
+    "rl.checkpoint_every=2",
+]
 DIST = "rl.use_distributed_optimizer=true"
 
 
