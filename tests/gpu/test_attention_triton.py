@@ -217,3 +217,42 @@ def test_paged_dispatch_on_cuda(at):
     q = torch.zeros(1, HQ, D, device="cuda")
     assert attention.paged_kv_reads(q, "correctness") and not attention.paged_kv_reads(q, "performance")
     assert not attention.paged_kv_reads(q.cpu(), "correctness")
+
+
+# Tile configs the kernel must give the same bits under: the shipped ones and others that change the
+# MMA instruction (mma for 16/32 rows, wgmma from 64), the warps per tile and the pipeline depth.
+_TILES = [(128, 8, 3), (64, 4, 3), (32, 4, 3), (16, 4, 3), (16, 2, 3)]
+
+
+def _max_stages(dtype: torch.dtype, d: int) -> int:
+    """Pipeline depth whose k/v buffers fit in an H200's 227 KB of shared memory per block."""
+    kv_bytes = 2 * 64 * d * (4 if dtype == torch.float32 else 2)  # one stage: a 64-key k and v block
+    return max(1, min(3, (160 * 1024) // kv_bytes))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "d"), [(1, 128), (2, 128), (4, 128), (8, 64), (4, 256)])
+def test_tile_config_moves_no_bit(at, dtype, group, d):
+    """The whole forward (every row of a pack) and a decode step are the same bits under every tile
+    config: the kernel's row sum is a fixed tree and its dots accumulate per element in the tensor
+    core's K steps, so decode may run 16-row tiles while training runs 64-row ones."""
+    hkv = 2
+    lens = [1, 37, 64, 200]
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    q, k, v, _ = _qkvg(cu[-1], dtype, 7 + group + d, hq=hkv * group, hkv=hkv, d=d)
+    tiles = [
+        at.AttentionTileConfig(m, w, min(s, _max_stages(dtype, d)))
+        for m, w, s in _TILES
+        if m * d * dtype.itemsize <= 32768
+    ]
+    shipped = at.attention_varlen(q, k, v, torch.tensor(cu))
+    for tile in tiles:
+        assert _same(at.attention_varlen(q, k, v, torch.tensor(cu), config=tile), shipped), tile
+    last = [b - 1 for b in cu[1:]]
+    dec_q = q[last].contiguous()
+    for tile in [None, *tiles]:
+        call, out = at.prepare(
+            dec_q, k, v, None, list(range(len(lens) + 1)), [n - 1 for n in lens], cu[:-1], d**-0.5, 64, tile
+        )
+        call()
+        assert _same(out, shipped[last]), tile

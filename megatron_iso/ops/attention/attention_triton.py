@@ -15,14 +15,21 @@ Per query position ``p`` the arithmetic is fixed (the GPU numerical policy, its 
   ``scale * log2(e)``; masked keys (``j > p``, ``j >= kv_len``) get ``-inf`` and probability exactly +0;
   keys at or past ``kv_len`` are loaded as 0, so stale or garbage cache contents never reach a product;
 - a block in which a row sees no key leaves that row's state untouched (a select, not ``acc * 1 + 0``);
+- the block's row sum of P by one fixed pairwise tree over its ``kv_block`` columns
+  (:func:`_fixed_tree_rowsum`), never ``tl.sum``, whose order follows the register layout;
 - ``P.V`` with P rounded to the input dtype for bf16/fp16 (fp32 stays fp32), accumulated in fp32;
 - output ``div_rn(acc, l)``, times ``sigmoid(gate)`` if gated, rounded once to the input dtype.
 
 A program owns BLOCK_M rows of one sequence and one kv head; rows are (token, query head of the kv
-group) pairs, so GQA groups share each loaded key block. The tile config is a constant of the
-implementation (it does not depend on the number of sequences or tokens in the launch), so a row's
-instruction sequence never depends on what else is in the batch; which rows share a tile is a
-schedule choice. Decode is the prefill kernel with one token per sequence.
+group) pairs, so GQA groups share each loaded key block. Every step of a row's arithmetic is set by
+the row alone: the max (exact), exp2 (elementwise), the row-sum tree, and the two dots, whose
+elements accumulate over K in the tensor core's steps of 16 whether the tile runs mma (16- and
+32-row tiles) or wgmma (64 rows and more) on sm_90. So the tile config (rows, warps, stages) is a
+schedule choice, like which rows share a tile: training and prefill run 64-row tiles, a decode step
+(one new token per sequence) 16-row tiles (:data:`DECODE_CONFIGS`), which read the KV cache at
+several times the bandwidth of a 128-row tile holding 2-8 live rows. tests/gpu/test_attention_triton.py
+holds every config to the same bits; the configs stay in the contract's constants (both sides run
+them) because that equality is the hardware's, measured, not a property of the code alone.
 
 Signed zeros: in the diagonal block a training forward multiplies masked (p = +0) probabilities with
 the real values of later tokens, a decode step with 0 (keys past ``kv_len``); the products are +-0 and
@@ -53,7 +60,7 @@ from megatron_iso.ops.attention.reference import (
 
 IMPL_ID = "attention.triton"
 KVCACHE_IMPL_ID = "attention_kvcache.triton"
-VERSION = "1"
+VERSION = "2"  # 2: the block row sum is a fixed tree (the tile config became a schedule choice)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 
@@ -67,11 +74,18 @@ class AttentionTileConfig:
     num_stages: int
 
 
-# Per input dtype and head width only: never chosen from the batch.
+# Per input dtype and head width, and whether the launch is a decode step (one new token per sequence):
+# never chosen from the batch size. The tile config moves no bit (module docstring), so decode takes
+# 16-row tiles (a GQA group's 2-8 live rows, not 128 of which 2 are live) and many more programs.
 CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
-    torch.bfloat16: AttentionTileConfig(block_m=128, num_warps=8, num_stages=3),
-    torch.float16: AttentionTileConfig(block_m=128, num_warps=8, num_stages=3),
+    torch.bfloat16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=3),
+    torch.float16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=3),
     torch.float32: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2),
+}
+DECODE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
+    torch.bfloat16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=3),
+    torch.float16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=3),
+    torch.float32: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2),
 }
 # Heads wider than 128 (Qwen3.5 / Qwen3-Next attention: 256). The tiles above need 256 KB of shared
 # memory at head dim 256 (an H200 has 227 KB per block), so fewer rows and stages.
@@ -82,7 +96,45 @@ WIDE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.float16: AttentionTileConfig(block_m=64, num_warps=8, num_stages=2),
     torch.float32: AttentionTileConfig(block_m=32, num_warps=4, num_stages=1),
 }
+WIDE_DECODE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
+    torch.bfloat16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2),
+    torch.float16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2),
+    torch.float32: AttentionTileConfig(block_m=16, num_warps=4, num_stages=1),
+}
 INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
+MAX_KV_BLOCK = 512  # the deepest row-sum tree _fixed_tree_rowsum spells out
+
+
+@triton.jit
+def _pair_sum(x, BLOCK_M: tl.constexpr, W: tl.constexpr):
+    a, b = tl.split(tl.reshape(x, (BLOCK_M, W // 2, 2)))
+    return a + b  # one rounding per pair, commutative: the same bits in any register layout
+
+
+@triton.jit
+def _fixed_tree_rowsum(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
+    """Row sums of ``x [BLOCK_M, N]`` by one fixed binary tree over the N columns (adjacent pairs first).
+
+    ``tl.sum`` reduces in an order set by how the tile's registers are spread over threads, which
+    changes with BLOCK_M and num_warps; this tree does not, so the tile config is a schedule choice."""
+    x = _pair_sum(x, BLOCK_M, N)
+    if N >= 4:
+        x = _pair_sum(x, BLOCK_M, N // 2)
+    if N >= 8:
+        x = _pair_sum(x, BLOCK_M, N // 4)
+    if N >= 16:
+        x = _pair_sum(x, BLOCK_M, N // 8)
+    if N >= 32:
+        x = _pair_sum(x, BLOCK_M, N // 16)
+    if N >= 64:
+        x = _pair_sum(x, BLOCK_M, N // 32)
+    if N >= 128:
+        x = _pair_sum(x, BLOCK_M, N // 64)
+    if N >= 256:
+        x = _pair_sum(x, BLOCK_M, N // 128)
+    if N >= 512:
+        x = _pair_sum(x, BLOCK_M, N // 256)
+    return tl.reshape(x, (BLOCK_M,))
 
 
 @triton.jit
@@ -158,7 +210,7 @@ def _attend_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.where(seen, tl.exp2(m - m_new), 1.0)
         p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
-        l_new = l_sum * alpha + tl.sum(p, axis=1)
+        l_new = l_sum * alpha + _fixed_tree_rowsum(p, BLOCK_M, BLOCK_N)
         acc_new = acc * alpha[:, None]
         if P_LOWP:
             acc_new = tl.dot(p.to(vb.dtype), vb, acc_new)
@@ -184,14 +236,18 @@ def _attend_kernel(
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _config(dtype: torch.dtype, head_dim: int, config: AttentionTileConfig | None) -> AttentionTileConfig:
+def _config(
+    dtype: torch.dtype, head_dim: int, config: AttentionTileConfig | None, decode: bool = False
+) -> AttentionTileConfig:
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"attention_triton: head dim {head_dim} is not supported (at most {MAX_HEAD_DIM})")
     if config is not None:
         return config
     if _INTERPRET:
         return INTERPRET_CONFIG
-    return (WIDE_CONFIGS if head_dim > WIDE_HEAD_DIM else CONFIGS)[dtype]
+    if head_dim > WIDE_HEAD_DIM:
+        return (WIDE_DECODE_CONFIGS if decode else WIDE_CONFIGS)[dtype]
+    return (DECODE_CONFIGS if decode else CONFIGS)[dtype]
 
 
 def _plan(lens: list[int], group: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,13 +322,13 @@ def prepare(
     T, hq, dim = q.shape
     hkv = k_src.shape[1]
     group = hq // hkv
-    cfg = _config(q.dtype, dim, config)
     out = torch.empty_like(q)
     lens = [b - a for a, b in pairwise(cu)]
     if T == 0 or not any(lens):
         return (lambda: None), out
-    if kv_block < 16 or kv_block & (kv_block - 1):
-        raise ValueError(f"attention_triton: kv_block={kv_block} must be a power of two >= 16")
+    cfg = _config(q.dtype, dim, config, decode=max(lens) == 1)
+    if kv_block < 16 or kv_block > MAX_KV_BLOCK or kv_block & (kv_block - 1):
+        raise ValueError(f"attention_triton: kv_block={kv_block} must be a power of two in [16, {MAX_KV_BLOCK}]")
     if k_src.stride(-1) != 1 or v_src.stride() != k_src.stride() or q.stride(-1) != 1:
         raise ValueError("attention_triton: q/k/v (or the cache) need a contiguous last dim and equal k/v strides")
     if tables is None:
@@ -552,6 +608,7 @@ def _constants() -> dict[str, object]:
         "block_order": "ascending, online softmax (m in log2 domain, l, acc in fp32); unseen block: state kept",
         "score": "tl.dot(q, k^T) fp32 accumulate (fp32 inputs: ieee), * (scale * log2 e)",
         "exp": "tl.exp2 (fp32)",
+        "row_sum": "fixed pairwise tree over the kv block's columns (adjacent pairs first)",
         "pv": "tl.dot(p rounded to the input dtype (fp32: ieee), v) accumulated into acc * alpha",
         "masked": "score -inf, p = +0, keys >= kv_len loaded as 0",
         "output": "div_rn(acc, l) * div_rn(1, 1 + exp(-gate)) if gated, rounded once",
@@ -559,18 +616,24 @@ def _constants() -> dict[str, object]:
         "tile_rows": "(token, query head of the kv group) pairs of one sequence and kv head",
         "triton": triton.__version__,
     }
-    for dt, cfg in CONFIGS.items():
+    tables = (("tile", CONFIGS), ("decode_tile", DECODE_CONFIGS))
+    wide_tables = (("tile", WIDE_CONFIGS), ("decode_tile", WIDE_DECODE_CONFIGS))
+    for dt in CONFIGS:
         name = str(dt).removeprefix("torch.")
-        wide = WIDE_CONFIGS[dt]
-        c[f"{name}_tile"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
-        c[f"{name}_tile_head_dim_gt_{WIDE_HEAD_DIM}"] = [wide.block_m, wide.num_warps, wide.num_stages]
+        for label, table in tables:
+            cfg = table[dt]
+            c[f"{name}_{label}"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
+        for label, table in wide_tables:
+            cfg = table[dt]
+            c[f"{name}_{label}_head_dim_gt_{WIDE_HEAD_DIM}"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
     return c
 
 
 _NOTE = (
-    "prefill/decode write k/v into the cache, then run the kernel of attention.triton@1 (_attend_kernel) "
-    "reading keys from the cache instead of the packed tensors: same tile config, block order and "
-    "instruction sequence, so prefill + decode == trainer_forward bit for bit (tests/gpu/test_attention_triton.py)"
+    f"prefill/decode write k/v into the cache, then run the kernel of attention.triton@{VERSION} (_attend_kernel) "
+    "reading keys from the cache instead of the packed tensors: same block order, row-sum tree and per-row "
+    "arithmetic (decode in 16-row tiles, which moves no bit), so prefill + decode == trainer_forward bit for bit "
+    "(tests/gpu/test_attention_triton.py)"
 )
 register(
     OpImpl(
