@@ -540,6 +540,30 @@ def logprob_bench(bw: float) -> dict[str, Any]:
     return res
 
 
+def entropy_bench(bw: float) -> dict[str, Any]:
+    """The entropy statistic (one pass per vocab leaf) against copy bandwidth and the leaf-tree form it replaced."""
+    from megatron_iso.ops.logprob import LocalShards, VocabScores
+    from megatron_iso.ops.logprob.entropy import row_entropy
+
+    res: dict[str, Any] = {}
+    for T, V in ((4096, 151936), (64, 151936)):
+        logits = _rand((T, V), torch.bfloat16, 32) * 4
+        for dt in (torch.bfloat16, torch.float32):
+            lg = logits.to(dt)
+            ms = _time_events_ms(lambda lg=lg: row_entropy(lg, temperature=0.7, leaves=8))
+            tree_ms = _time_events_ms(
+                lambda lg=lg: VocabScores(lg.unsqueeze(0), LocalShards(1), temperature=0.7).entropy()
+            )
+            gbs = lg.numel() * lg.element_size() / ms / 1e6
+            res[f"{dt}_{T}x{V}"] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw, "leaf_tree_ms": tree_ms}
+            print(
+                f"entropy {dt} {T}x{V}: {ms * 1e3:.1f} us {gbs:.0f} GB/s ({gbs / bw:.2f} of copy); "
+                f"leaf-tree form {tree_ms * 1e3:.1f} us",
+                flush=True,
+            )
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_ops.json")
@@ -549,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", action="store_true", help="tile-equivalence experiment and G=1 tile candidates")
     ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA")
     ap.add_argument("--attention-backward", action="store_true", help="training attention backward vs SDPA")
-    ap.add_argument("--skip-mem", action="store_true", help="skip RMSNorm / logprob")
+    ap.add_argument("--skip-mem", action="store_true", help="skip RMSNorm / logprob / entropy")
     ap.add_argument("--moe", action="store_true", help="grouped expert GEMM vs per-expert cuBLAS / leaf-tree loops")
     ap.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)), help="comma-separated token counts")
     args = ap.parse_args(argv)
@@ -608,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         res["sweep"] = gemm_sweep(not args.sweep_large_only)
     if not args.skip_gemm:
         res["gemm"] = gemm_table()
-    for key, call in () if args.skip_mem else (("rmsnorm", norm_bench), ("logprob", logprob_bench)):
+    mem_benches = (("rmsnorm", norm_bench), ("logprob", logprob_bench), ("entropy", entropy_bench))
+    for key, call in () if args.skip_mem else mem_benches:
         try:
             res[key] = call(bw)
         except Exception as exc:

@@ -20,7 +20,8 @@ from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
-from megatron_iso.parallel.tree_collectives import Group, _size, gather_along, tree_all_reduce
+from megatron_iso.ops.logprob.entropy import row_entropy
+from megatron_iso.parallel.tree_collectives import Group, _rank, _size, all_gather_list, gather_along, tree_all_reduce
 
 
 class GroupComm:
@@ -113,7 +114,20 @@ def entropy(
     valid_vocab: int | None = None,
     profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
-    """fp32 entropy of ``softmax(logits / temperature)`` per row (same arguments as token_logprobs)."""
+    """fp32 entropy of ``softmax(logits / temperature)`` per row (same arguments as token_logprobs). A logged
+    statistic: on CUDA (correctness profile) one pass of ``ops.logprob.entropy`` over the logits, elsewhere the
+    leaf tree's; both the same bits for any batch and any TP size."""
+    if profile == Profile.CORRECTNESS and logits.is_cuda:
+        world = _size(group) if group is not None else 1
+        return row_entropy(
+            logits,
+            temperature=temperature,
+            leaves=leaves,
+            world=world,
+            rank=_rank(group) if world > 1 else 0,
+            valid_vocab=valid_vocab,
+            gather=(lambda parts: torch.cat(all_gather_list(parts, group), dim=1)) if world > 1 else None,
+        )
     return _scores(logits, group, temperature, leaves, valid_vocab, profile).entropy()
 
 

@@ -7,6 +7,8 @@
 |        |             | invariant on GPU as well (``logprob_triton`` is not wired in yet)   |
 | any    | performance | ``native.NativeScores`` (torch.log_softmax over the gathered vocab)  |
 
+The entropy statistic on CUDA (correctness profile) is ``entropy.row_entropy``: one pass per vocab leaf
+(``entropy_triton``) instead of the leaf tree's fp32 log-softmax; a logged metric, no logprob depends on it.
 The public, group-aware scoring API is ``megatron_iso.parallel.vocab_scoring`` (token_logprobs, ...).
 """
 

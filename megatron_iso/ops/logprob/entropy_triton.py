@@ -1,0 +1,68 @@
+"""Entropy partials of vocab leaves in one pass (Triton); see :mod:`megatron_iso.ops.logprob.entropy`.
+
+One program per (row, leaf) walks the leaf once in BLOCK-wide slices from the leaf's first entry, each lane
+keeping an online max ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) * z`` of ``z = logits /
+temperature``; the lanes are then combined into the leaf's ``(m, s, u)``. A leaf's partials depend on its
+values alone (not on the shard holding it or the rows beside it), and there are no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _entropy_partials_kernel(
+    x_ptr, t_ptr, out_ptr, LEAF, VALID, FIRST, stride_row,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    leaf = tl.program_id(1)
+    base = x_ptr + row * stride_row + leaf * LEAF
+    first = FIRST + leaf * LEAF  # global id of the leaf's first entry
+    temp = tl.load(t_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    u = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, LEAF, BLOCK):
+        idx = start + offs
+        ok = (idx < LEAF) & (first + idx < VALID)
+        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
+        z = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, z)
+        rescale = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # both -inf: keep the zeros as they are
+        e = tl.where(ok, tl.exp(z - m_new), 0.0)
+        s = s * rescale + e
+        u = u * rescale + tl.where(ok, e * z, 0.0)  # masked: 0, never 0 * -inf
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max))
+    out = out_ptr + (row * tl.num_programs(1) + leaf) * 3
+    tl.store(out, row_max)
+    tl.store(out + 1, tl.sum(s * w, axis=0))
+    tl.store(out + 2, tl.sum(u * w, axis=0))
+
+
+def entropy_partials_triton(
+    logits: torch.Tensor, temperature: torch.Tensor, leaves: int, valid: int, first: int
+) -> torch.Tensor:
+    """``[rows, leaves, 3]`` fp32 ``(m, s, u)`` of each leaf of each row of ``logits [rows, V_shard]`` (the shard
+    cut into ``leaves`` equal leaves); ``temperature [rows]`` fp32; global ids ``first + j`` at or past ``valid``
+    masked."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, shard = x.shape
+    out = torch.empty((rows, leaves, 3), device=x.device, dtype=torch.float32)
+    if rows:
+        _entropy_partials_kernel[(rows, leaves)](
+            x, temperature, out, shard // leaves, valid, first, x.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+    return out
+
+
+__all__ = ["entropy_partials_triton"]
