@@ -105,20 +105,19 @@ class Drawer:
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Tokens, recorded logprobs and top logprobs (ids, values; None when no row asks) of the plan's rows.
         ``drawn``: a decode graph's :meth:`plain` output for these rows, used as it is when the plan allows."""
+        if drawn is not None and plan.graph_drawable:
+            return drawn[0], drawn[1], None
         d = plan.on_dev
         # The temperatures are host values (validated, greedy rows at 1.0): checked here, so the
         # scoring ops do not read them back from the device (2 host syncs per step on GPU).
         temp = host_checked_temperature(d[TEMP].float().unsqueeze(-1), plan.host[TEMP].float().unsqueeze(-1))
-        if drawn is not None and plan.graph_drawable:
-            return drawn[0], drawn[1], None
         # A decode step samples every row once, in order: the logits rows are used as they are.
         rows = logits if plan.src == list(range(logits.shape[0])) else logits.index_select(0, d[SRC].long())
         common = self._common()
-        greedy = d[GREEDY] != 0
+        keys, temp_rows, greedy = plan.graph_inputs()
         k = plan.top_k_logprobs
         tokens = None
         if not all(plan.filtered):
-            keys, temp_rows, greedy = plan.graph_inputs()
             tokens = (
                 drawn[0] if drawn is not None else gumbel_tokens(rows, keys, temp_rows, greedy, group=common["group"])
             )
