@@ -143,6 +143,9 @@ class EngineRunner:
         engine = RolloutEngine(self.model, config)
         if self.instrument:
             engine.forward_fn = ranged("engine: forward", engine.forward_fn)
+            if engine.decode_graphs is not None:  # decode steps a bucket serves skip forward_fn
+                graphs = engine.decode_graphs
+                graphs.decode_step = ranged("engine: decode graph step", graphs.decode_step)
             engine._draw = ranged("engine: draw", engine._draw)  # no public hook; profiling only
         return engine
 

@@ -5,14 +5,17 @@ took 55-61 ms per step at every batch size from 1 to 256 (about 2 ms of Python a
 layer, docs/PERFORMANCE.md); replayed from a graph, the iso step took ~5 ms at batch 1.
 
 How: for a bucket of ``B`` rows, :class:`DecodeGraphs` owns a static decode batch built by
-``models.batch.pack``: token ids, positions, cache start positions, slots, a ``[B, W]`` block table
-(``W`` blocks: the longest sequence the engine admits) and the pool row each row writes. A step with
-``n <= B`` sequences copies the engine's own pack and KV step view into rows ``0..n-1`` and replays;
-rows ``n..B-1`` are padding (token 0 at position 0, a table of the cache's reserved scratch block,
-writes into that block) and their logits are dropped. The graph reads nothing from the host: the
-batch's ``KVStepPlan`` is marked ``device_positions`` (its host starts are placeholders), the
-attention takes start positions from the device tensors, RoPE's cos/sin and the staging rows are
-computed inside the graph.
+``models.batch.pack``: token ids, positions (= cached lengths), slots, a ``[B, W]`` block table
+(``W`` blocks: the longest sequence the engine admits), the pool row each row writes and the draw's
+inputs. A step with ``n <= B`` sequences (:meth:`DecodeGraphs.decode_step`) is written from the
+engine's host lists: one ``[8, B]`` int64 array (:data:`INPUT_ROWS`) filled with numpy and copied in
+once, and the block tables' used columns; rows ``n..B-1`` are padding (token 0 at position 0, a table
+of the cache's reserved scratch block, writes into that block) and their logits are dropped. No
+packed batch or step view is built for such a step, so the host work per step is a few array writes
+and three copies. The graph reads nothing from the host: the batch's ``KVStepPlan`` is marked
+``device_positions`` (its host starts are placeholders), the attention takes start positions from
+the device tensors, RoPE's cos/sin, the staging rows and the draw's keys, temperatures and greedy
+flags are derived inside the graph.
 
 - Correctness profile (paged reads): the Triton kernel reads the pool through the block table, so a
   bucket is a row count. Padding is free of numerical effect because the profile is batch invariant (a
@@ -33,16 +36,25 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron_iso.contract.registry import Profile
-from megatron_iso.inference.draw import Drawer
+from megatron_iso.inference import draw as draw_rows
+from megatron_iso.inference.draw import Drawer, DrawPlan
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
 from megatron_iso.ops.logprob import host_checked_temperature
+from megatron_iso.ops.rope import check_position
 
 MIN_STAGING = 256  # tokens: the shortest staging length bucket (performance profile)
+# Rows of a bucket's host-written inputs (``_Bucket.inputs``, int64): token ids, positions (a decode
+# row's position is its cached length), the pool row each row writes, the draw's two key words, the
+# temperature's fp32 bit pattern and the greedy flag.
+IDS, POS, WRITE, KEY0, KEY1, TEMP_BITS, GREEDY = range(7)
+INPUT_ROWS = 7
+_ONE_BITS = int(np.array(1.0, dtype=np.float32).view(np.int32))  # padding rows draw greedily at temperature 1
 
 
 def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str | None:
@@ -87,20 +99,23 @@ def staging_length(need: int, block_size: int, width: int) -> int:
 @dataclass
 class _Bucket:
     rows: int
-    ids: torch.Tensor  # [1, rows]
-    batch: IsoBatch
-    view: PagedStepView  # the bucket's device-laid-out KV view
-    keys: torch.Tensor  # [rows, 2] int64: the draw's row keys
+    inputs: torch.Tensor  # [INPUT_ROWS, rows] int64, written from the host once per step
+    padding: np.ndarray  # the same for a step of padding rows only (the host copy each step starts from)
+    ids: torch.Tensor  # [1, rows]: a view of inputs[IDS]
+    batch: IsoBatch  # positions and cache_seqlens: views of inputs[POS]
+    view: PagedStepView  # the bucket's device-laid-out KV view (write_idx: a view of inputs[WRITE])
+    keys: torch.Tensor  # [rows, 2] int64: the draw's row keys (from inputs, inside the step)
     temp: torch.Tensor  # [rows, 1] fp32, marked host-checked (the engine checks each step's values)
     greedy: torch.Tensor  # [rows] bool
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
-    drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # the recorded draw: tokens, logprobs [rows]
-    live: int = 0  # rows holding a sequence since the last step (the rest are padding already)
+    # The recorded draw: tokens, logprobs [rows], and both as float64 [rows, 2] (the engine's one read-back).
+    drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    live: int = 0  # rows whose block-table row holds a sequence's blocks (the rest: the scratch block)
 
 
 class DecodeGraphs:
-    """The engine's ``forward_fn`` for decode steps: static buffers per bucket, replayed graphs.
+    """Decode steps of the engine from static buffers per bucket, replayed from captured graphs.
 
     ``paged``: the attention reads the pool in place (correctness profile's Triton kernel); otherwise it
     stages each layer's history and buckets also carry a staging length. ``capture=False`` runs the same
@@ -136,26 +151,58 @@ class DecodeGraphs:
         self.disabled: str | None = None  # why capture stopped (a failed capture falls back to eager replays)
         self._param_ptrs: list[int] = []
 
-    # --- the hook ---------------------------------------------------------------------------
-    def __call__(
-        self, ids: torch.Tensor, batch: IsoBatch, draw_inputs: tuple[torch.Tensor, ...] | None = None
+    # --- a step ---------------------------------------------------------------------------
+    def serves(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` sequences runs from a bucket."""
+        return rows <= self.buckets[-1]
+
+    def decode_step(
+        self,
+        starts: list[int],
+        tables: list[list[int]],
+        ids: list[int] | torch.Tensor,
+        plan: DrawPlan | None = None,
     ) -> torch.Tensor:
-        """Logits ``[n, V/tp]`` of a step. For a bucketed decode step they are a view of the graph's
-        output buffer, valid until the next decode step (the engine samples from them before that).
-        ``draw_inputs``: the rows' (keys, temperatures, greedy flags) for the recorded draw (:meth:`drawn`)."""
-        n = int(ids.shape[1])
+        """Logits ``[n, V/tp]`` of a decode step of ``n = len(starts)`` sequences (at most the largest bucket):
+        sequence i's token ``ids[i]`` (host ints, or a device tensor: a lookahead step's drawn tokens) at
+        position ``starts[i]`` (its cached length), its KV blocks ``tables[i]`` (the new position's block
+        included). The logits are a view of the graph's output buffer, valid until the next decode step (the
+        engine samples from them before that). ``plan``: the step's draw, recorded after the forward
+        (:meth:`drawn`)."""
+        n = len(starts)
         self._last = None
-        if batch.case != "decode" or n > self.buckets[-1]:
-            return self.model.forward_packed(ids, batch)
-        step_view = batch.kv_cache.state(PagedKVCache.kind)
-        bucket = self._bucket(self._key(n, step_view.shape[1]))
-        self._load(bucket, ids, batch, step_view)
-        if draw_inputs is not None and self.drawer is not None:
-            keys, temp, greedy = draw_inputs
-            bucket.keys[:n].copy_(keys)
-            bucket.temp[:n, 0].copy_(temp)
-            bucket.greedy[:n].copy_(greedy)
+        bs = self.kv.block_size
+        top = max(starts)
+        check_position(top, where="decode step: ")
+        w = max(len(t) for t in tables)
+        if w > self.width:
+            raise ValueError(f"decode step needs {w} blocks per sequence; graphs hold {self.width}")
+        bucket = self._bucket(self._key(n, top + 1))
+        host = bucket.padding.copy()
+        start = np.asarray(starts, dtype=np.int64)
+        table = np.zeros((n, w), dtype=np.int64)
+        for r, blocks in enumerate(tables):
+            table[r, : len(blocks)] = blocks
+        host[POS, :n] = start
+        host[WRITE, :n] = table[np.arange(n), start // bs] * bs + start % bs
+        if not isinstance(ids, torch.Tensor):
+            host[IDS, :n] = ids
+        if plan is not None and self.drawer is not None:
+            h = plan.host.numpy()
+            host[KEY0, :n], host[KEY1, :n] = h[draw_rows.KEY0], h[draw_rows.KEY1]
+            host[TEMP_BITS, :n] = h[draw_rows.TEMP].astype(np.float32).view(np.int32)
+            host[GREEDY, :n] = h[draw_rows.GREEDY]
             self._last = (bucket, n)
+        # Pageable sources: the driver stages them before the calls return, so they may go at once.
+        bucket.inputs.copy_(torch.from_numpy(host), non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            bucket.ids[0, :n].copy_(ids.reshape(-1))
+        # Columns past this step's width keep older ids: valid blocks the kernel never reads (masked keys).
+        bucket.view.block_tables[:n, :w].copy_(torch.from_numpy(table), non_blocking=True)
+        # A row left by a finished sequence must not keep reading blocks another sequence may now hold.
+        if bucket.live > n:
+            bucket.view.block_tables[n : bucket.live].fill_(self.scratch)
+        bucket.live = n
         self.steps += 1
         if bucket.graph is not None:
             bucket.graph.replay()
@@ -164,13 +211,13 @@ class DecodeGraphs:
             bucket.logits = self._run(bucket)
         return bucket.logits[:n]
 
-    def drawn(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The last step's recorded draw (tokens, logprobs of its ``n`` rows), if it ran from a bucket with
-        draw inputs; valid until the next decode step."""
+    def drawn(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The last step's recorded draw (tokens, logprobs, and both as float64 ``[n, 2]``, of its ``n`` rows),
+        if it ran from a bucket with a draw plan; valid until the next decode step."""
         if self._last is None:
             return None
         bucket, n = self._last
-        return bucket.drawn[0][:n], bucket.drawn[1][:n]
+        return tuple(t[:n] for t in bucket.drawn)
 
     def warm(self, rows: int, length: int = 1) -> None:
         """Capture the bucket serving ``rows`` sequences of up to ``length`` tokens now rather than at its
@@ -198,11 +245,12 @@ class DecodeGraphs:
         bucket = self._buckets.get(key)
         if bucket is None:
             rows, length = key
-            tables = torch.empty((rows, self.width), dtype=torch.int64, device=self.device)
-            write = torch.empty(rows, dtype=torch.int64, device=self.device)
-            seqlens = torch.empty(rows, dtype=torch.int64, device=self.device)
-            view = PagedStepView.on_device(self.kv, tables, write, seqlens, length or self.width * self.kv.block_size)
-            ids, batch = pack(
+            inputs = torch.zeros((INPUT_ROWS, rows), dtype=torch.int64, device=self.device)
+            tables = torch.full((rows, self.width), self.scratch, dtype=torch.int64, device=self.device)
+            view = PagedStepView.on_device(
+                self.kv, tables, inputs[WRITE], inputs[POS], length or self.width * self.kv.block_size
+            )
+            _, batch = pack(
                 [[0]] * rows,
                 start_positions=[0] * rows,
                 case="decode",
@@ -210,49 +258,25 @@ class DecodeGraphs:
                 slots=range(rows),
                 device=self.device,
             )
-            batch.cache_seqlens = seqlens  # the view's write-back rows read the same tensor
+            batch.positions = batch.cache_seqlens = inputs[POS]  # the view's write-back rows read the same tensor
             batch.kv_plan.device_positions = True  # its host starts (all 0) are placeholders
+            padding = np.zeros((INPUT_ROWS, rows), dtype=np.int64)
+            padding[WRITE] = self.scratch * self.kv.block_size
+            padding[TEMP_BITS], padding[GREEDY] = _ONE_BITS, 1
             keys = torch.zeros((rows, 2), dtype=torch.int64, device=self.device)
             temp = torch.ones((rows, 1), dtype=torch.float32, device=self.device)
             host_checked_temperature(temp, torch.ones((rows, 1)))
             greedy = torch.ones(rows, dtype=torch.bool, device=self.device)
-            bucket = self._buckets[key] = _Bucket(rows, ids, batch, view, keys, temp, greedy, live=rows)
-            self._to_padding(bucket, 0)  # every row starts as padding
+            bucket = _Bucket(rows, inputs, padding, inputs[IDS : IDS + 1], batch, view, keys, temp, greedy)
+            inputs.copy_(torch.from_numpy(padding))  # every row starts as padding
+            self._buckets[key] = bucket
         if bucket.graph is None and self.capture and self.disabled is None:
-            self._to_padding(bucket, 0)  # the warm-up runs must write nowhere but the scratch block
+            # The warm-up runs must write nowhere but the scratch block.
+            bucket.inputs.copy_(torch.from_numpy(bucket.padding))
+            bucket.view.block_tables.fill_(self.scratch)
+            bucket.live = 0
             self._capture(bucket)
         return bucket
-
-    def _to_padding(self, bucket: _Bucket, first: int) -> None:
-        """Rows ``first..`` become padding: token 0 at position 0, reading and writing the scratch block."""
-        if bucket.live > first:
-            view, sb, end = bucket.view, bucket.batch, bucket.live
-            bucket.ids[:, first:end].zero_()
-            sb.positions[first:end].zero_()
-            sb.cache_seqlens[first:end].zero_()
-            view.write_idx[first:end].fill_(self.scratch * self.kv.block_size)
-            view.block_tables[first:end].fill_(self.scratch)
-            bucket.keys[first:end].zero_()  # padding draws greedily at temperature 1: finite, never read
-            bucket.temp[first:end].fill_(1.0)
-            bucket.greedy[first:end].fill_(True)
-        bucket.live = min(bucket.live, first)
-
-    def _load(self, bucket: _Bucket, ids: torch.Tensor, batch: IsoBatch, step_view: PagedStepView) -> None:
-        """The step's rows into the bucket's buffers; rows no longer live go back to padding."""
-        n = int(ids.shape[1])
-        tables = step_view.host_block_tables
-        if tables.shape[1] > self.width:
-            raise ValueError(f"decode step needs {tables.shape[1]} blocks per sequence; graphs hold {self.width}")
-        view, sb = bucket.view, bucket.batch
-        bucket.ids[:, :n].copy_(ids)
-        sb.positions[:n].copy_(batch.positions)
-        sb.cache_seqlens[:n].copy_(batch.cache_seqlens)
-        view.write_idx[:n].copy_(step_view.write_idx)
-        # Columns past this step's width keep older ids: valid blocks the kernel never reads (masked keys).
-        view.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
-        # A row left by a finished sequence must not keep writing into blocks another sequence may now hold.
-        self._to_padding(bucket, n)
-        bucket.live = n  # rows 0..n-1 now hold sequences (padding ones included, when n grew)
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         """One step on the bucket's buffers (what a graph records): forward, then the last write-back."""
@@ -261,7 +285,12 @@ class DecodeGraphs:
         logits = self.model.forward_packed(bucket.ids, bucket.batch)
         bucket.batch.kv_cache.finish()
         if self.drawer is not None:
-            bucket.drawn = self.drawer.plain(logits, bucket.keys, bucket.temp, bucket.greedy)
+            inputs = bucket.inputs
+            bucket.keys.copy_(inputs[KEY0 : KEY1 + 1].t())
+            bucket.temp.copy_(inputs[TEMP_BITS].to(torch.int32).view(torch.float32).unsqueeze(-1))
+            bucket.greedy.copy_(inputs[GREEDY] != 0)
+            tokens, logprobs = self.drawer.plain(logits, bucket.keys, bucket.temp, bucket.greedy)
+            bucket.drawn = (tokens, logprobs, torch.stack([tokens.double(), logprobs.double()], dim=-1))
         return logits
 
     def _capture(self, bucket: _Bucket) -> None:

@@ -33,13 +33,22 @@ SRC, GREEDY, TEMP, TOP_K, TOP_P, UNIFORM, KEY0, KEY1, FILTERED = range(9)
 class DrawPlan:
     """A step's sampling rows: ``src[r]`` the logits row that row ``r`` draws from; ``host`` the per-row
     inputs (float64 holds every value exactly: ids, counts and 32-bit key words below 2**53, the fp32
-    temperatures, top-p values and uniforms), ``on_dev`` its device copy."""
+    temperatures, top-p values and uniforms), :attr:`on_dev` its device copy."""
 
     src: list[int]
     params: list[SamplingParams]
     filtered: list[bool]
     host: torch.Tensor
-    on_dev: torch.Tensor
+    device: torch.device
+    _on_dev: torch.Tensor | None = None
+
+    @property
+    def on_dev(self) -> torch.Tensor:
+        """``host`` on the device, copied at first use: a decode graph's step reads ``host`` itself."""
+        if self._on_dev is None:
+            # One non-blocking copy: a blocking copy per tensor would be a host sync each on GPU.
+            self._on_dev = self.host.to(self.device, non_blocking=True)
+        return self._on_dev
 
     @property
     def top_k_logprobs(self) -> int:
@@ -74,9 +83,7 @@ def plan_draw(
     table[UNIFORM] = word_uniform(words[0]) if any(filtered) else 0.0
     table[KEY0], table[KEY1] = words[0], words[1]
     table[FILTERED] = filtered
-    host = torch.from_numpy(table)
-    # One non-blocking copy: a blocking copy per tensor would be a host sync each on GPU.
-    return DrawPlan(src, params, filtered, host, host.to(device, non_blocking=True))
+    return DrawPlan(src, params, filtered, torch.from_numpy(table), torch.device(device))
 
 
 class Drawer:

@@ -214,7 +214,6 @@ class RolloutEngine:
                 capture=capture,
                 drawer=self.drawer,
             )
-            self.forward_fn = self.decode_graphs
             self.decode_graphs_off = None
         return self.decode_graphs
 
@@ -367,6 +366,42 @@ class RolloutEngine:
         for s, a, c in zip(batch_seqs, starts, counts, strict=True):
             for cache in self.caches:
                 cache.prepare_append(s.seq_id, a, c)
+        # A decode step's draw is planned before its forward, so a decode graph can record it after the logits.
+        planned = self._plan(batch_seqs)
+        graphs = self.decode_graphs
+        if case != "decode" or graphs is None or not graphs.serves(len(batch_seqs)):
+            graphs = None  # this step runs a packed forward
+        t0 = time.perf_counter()
+        last_rows = None  # each sequence's last row in the logits (None: one row per sequence)
+        if graphs is not None:
+            # From the host lists straight into the bucket: no packed batch, no step view.
+            tables = [self.kv.tables[s.seq_id] for s in batch_seqs]
+            ids = ids_from if ids_from is not None else [c[0] for c in chunks]
+            with torch.no_grad():
+                logits = graphs.decode_step(starts, tables, ids, planned[1])
+        else:
+            logits, last_rows = self._forward(batch_seqs, case, starts, chunks, counts, ids_from)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.prefill_tokens += sum(counts[n_running:])
+        self.stats.decode_tokens += sum(counts[:n_running])
+        for s, c in zip(batch_seqs, counts, strict=True):
+            s.num_cached += c
+        if case == "decode":  # one row per sequence already (no gather copy)
+            return self._draw(planned, logits, graphs.drawn() if graphs is not None else None)
+        return self._draw(planned, logits[last_rows])
+
+    def _forward(
+        self,
+        batch_seqs: list[_Seq],
+        case: str,
+        starts: list[int],
+        chunks: list[list[int]],
+        counts: list[int],
+        ids_from: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed forward of the step (prefill, or a decode step no graph bucket serves): its logits and
+        each sequence's last row in them."""
         state = StepState(
             {c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches},
             paged=self.config.paged_kv_reads,
@@ -384,25 +419,10 @@ class RolloutEngine:
         )
         if ids_from is not None:
             ids = ids_from.reshape(ids.shape)
-        # A decode step's draw is planned before its forward, so a decode graph can record it after the logits.
-        planned = self._plan(batch_seqs)
-        t0 = time.perf_counter()
         with torch.no_grad():
-            if case == "decode" and self.decode_graphs is not None and self.forward_fn is self.decode_graphs:
-                logits = self.forward_fn(ids, batch, draw_inputs=planned[1].graph_inputs())
-            else:
-                logits = self.forward_fn(ids, batch)
+            logits = self.forward_fn(ids, batch)
         state.finish()
-        self.stats.forward_seconds += time.perf_counter() - t0
-        self.stats.steps += 1
-        self.stats.prefill_tokens += sum(counts[n_running:])
-        self.stats.decode_tokens += sum(counts[:n_running])
-        for s, c in zip(batch_seqs, counts, strict=True):
-            s.num_cached += c
-        if case == "decode":  # one row per sequence already (no gather copy)
-            drawn = self.decode_graphs.drawn() if self.decode_graphs is not None else None
-            return self._draw(planned, logits, drawn)
-        return self._draw(planned, logits[batch.cu_seqlens_q[1:].long() - 1])
+        return logits, batch.cu_seqlens_q[1:].long() - 1
 
     def _launch_ahead(self, previous: _Drawn) -> _Drawn | None:
         """The next decode step, launched before ``previous`` is recorded, when nothing waits for admission: its
@@ -495,20 +515,24 @@ class RolloutEngine:
         self,
         planned: tuple[list[tuple[_Seq, int]], DrawPlan],
         logits: torch.Tensor,
-        drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+        drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> _Drawn:
         """One token per sampling row, drawn on the device (``drawn``: a decode graph's draw) and queued for
         reading back; a sample's token gets its place in ``tokens`` now (a placeholder until recorded)."""
         meta, plan = planned
         k = plan.top_k_logprobs
         with torch.no_grad():
-            tokens, recorded, top = self.drawer.draw(plan, logits, drawn)
+            tokens, recorded, top = self.drawer.draw(plan, logits, None if drawn is None else drawn[:2])
         # One device-to-host read for all of it, top logprobs included (were 2 reads per row that
         # asked for them): float64 holds the ids and the fp32 logprobs exactly.
-        parts = [tokens.double().unsqueeze(-1), recorded.double().unsqueeze(-1)]
-        if top is not None:
-            parts += [top[0].double(), top[1].double()]
-        readback, ready = torch.cat(parts, dim=-1), None
+        if drawn is not None and plan.graph_drawable:
+            readback = drawn[2]  # the graph's own draw, laid out so inside the graph
+        else:
+            parts = [tokens.double().unsqueeze(-1), recorded.double().unsqueeze(-1)]
+            if top is not None:
+                parts += [top[0].double(), top[1].double()]
+            readback = torch.cat(parts, dim=-1)
+        ready = None
         if readback.is_cuda:  # copied as soon as the draw is done, read when recorded
             host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
             readback, ready = host.copy_(readback, non_blocking=True), torch.cuda.Event()
