@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_iso.ops.common.autograd import plain_grads
 from megatron_iso.ops.gemm.reference import linear_backward
 
 # Rows per chunk: this many logits elements at most (an fp32 copy of them is 1 GiB), rounded to 128 rows.
@@ -51,9 +52,7 @@ class _ChunkedHead(torch.autograd.Function):
         for c in _chunks(x.shape[0], ctx.rows):
             with torch.no_grad():
                 logits = ctx.head(x[c], weight)
-            with torch.enable_grad():
-                leaf = logits.detach().requires_grad_(True)
-                (g_logits,) = torch.autograd.grad(ctx.plain_score(leaf, c), leaf, grad[c])
+            g_logits, _ = plain_grads(ctx.plain_score, (logits, c), (True, False), grad[c])
             gx, gw = linear_backward(
                 g_logits, x[c], weight, need_x=grad_x is not None, need_w=need_w, fp32_weight_grad=True
             )

@@ -10,10 +10,32 @@ formula (the native implementation) and differentiates that. The forward's bits 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+
+def plain_grads(
+    plain: Callable[..., torch.Tensor], args: Sequence[Any], needs_grad: Sequence[bool], grad_out: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """The plain backward: gradients of ``plain(*args)`` against ``grad_out``, one per argument.
+
+    Recomputes ``plain`` with autograd on detached copies of the floating tensors whose ``needs_grad`` is
+    set (None for every other argument); each gradient comes back in its argument's dtype.
+    """
+    args = list(args)
+    leaves = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point() and needs_grad[i]]
+    for i in leaves:
+        args[i] = args[i].detach().requires_grad_(True)
+    grads: list[torch.Tensor | None] = [None] * len(args)
+    if leaves:
+        with torch.enable_grad():
+            out = plain(*args)
+            found = torch.autograd.grad(out, [args[i] for i in leaves], grad_out.to(out.dtype), allow_unused=True)
+        for i, g in zip(leaves, found, strict=True):
+            grads[i] = None if g is None else g.to(args[i].dtype)
+    return grads
 
 
 class _PlainBackward(torch.autograd.Function):
@@ -29,20 +51,9 @@ class _PlainBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         args = list(ctx.others)
-        leaves: list[tuple[int, torch.Tensor]] = []
         for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
-            if t.is_floating_point() and ctx.needs_input_grad[i + 2]:
-                t = t.detach().requires_grad_(True)
-                leaves.append((i, t))
             args[i] = t
-        grads: list[Any] = [None] * len(args)
-        if leaves:
-            with torch.enable_grad():
-                out = ctx.plain(*args)
-                found = torch.autograd.grad(out, [t for _, t in leaves], grad_out.to(out.dtype), allow_unused=True)
-            for (i, t), g in zip(leaves, found, strict=True):
-                grads[i] = None if g is None else g.to(t.dtype)
-        return (None, None, *grads)
+        return (None, None, *plain_grads(ctx.plain, args, ctx.needs_input_grad[2:], grad_out))
 
 
 def with_plain_backward(
