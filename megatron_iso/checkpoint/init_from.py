@@ -24,7 +24,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from megatron_iso.checkpoint import iso_format
 from megatron_iso.checkpoint.files import open_safetensors, read_json
 from megatron_iso.checkpoint.lazy import LazyHFSource
-from megatron_iso.checkpoint.run_ckpt import _source_dir, is_run_checkpoint, position_shard, read_meta, run_layout
+from megatron_iso.checkpoint.run_ckpt import (
+    _source_dir,
+    is_dist_checkpoint,
+    is_run_checkpoint,
+    load_run_weights,
+    position_shard,
+    read_meta,
+    run_layout,
+)
 from megatron_iso.errors import UserError, check_finite
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
@@ -226,6 +234,9 @@ def load_initial_weights(model: torch.nn.Module, tc: IsoTransformerConfig, init_
         if tc.num_moe_experts:
             files.append((source.path / iso_format.expert_file(ep_rank, ep), True))
         _copy_into(model, _read_files(files), str(source.path))
+        return
+    if is_dist_checkpoint(source.path):  # reshardable: each rank reads its slices at this run's layout
+        load_run_weights(source.path, model)
         return
     layout = run_layout(source.path, read_meta(source.path))
     _same_layout(source, (layout.tp, layout.ep), (tp, ep))

@@ -1,25 +1,32 @@
 """A training run's own checkpoints (``<run>/checkpoints/step_N``, written by ``rl.checkpoint``) read as model
-weights: exported as an HF directory (``iso-convert export``, ``rl.save_hf_every``), or loaded rank by rank as the
-start of another run (``model.init_from``).
+weights: exported as an HF directory (``iso-convert export``, ``rl.save_hf_every``), or loaded as the start of
+another run (``model.init_from``).
 
-Such a checkpoint holds one ``model_rank<r>.safetensors`` per global rank (that rank's Megatron parameters) and a
-``meta.json`` with the layout (``tp``, ``world_size``) and the run's model group (``identity.model``). Which TP / EP
-position a global rank held follows Megatron's rank order (``tp-cp-ep-dp-pp``, expert TP 1); the EP degree is
-read from how many experts a rank file holds. Data-parallel replicas hold copies: one rank per position is read.
+Two formats. The current one (``meta.json`` ``format`` = :data:`DIST_FORMAT`) is a Megatron-Core
+``dist_checkpointing`` directory: every tensor under its global name and shape, read at any layout by loading it
+into a model's ``sharded_state_dict`` (:func:`load_run_weights`; the export loads it into a TP 1 model). The
+earlier per-rank format holds one ``model_rank<r>.safetensors`` per global rank (that rank's Megatron parameters)
+and a ``meta.json`` with the layout (``tp``, ``world_size``) and the run's model group (``identity.model``); it is
+still read here (and ``rl.save_hf_every`` stages its ranks in it). Which TP / EP position a global rank held follows
+Megatron's rank order (``tp-cp-ep-dp-pp``, expert TP 1); the EP degree is read from how many experts a rank file
+holds. Data-parallel replicas hold copies: one rank per position is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json, write_json
 from megatron_iso.checkpoint.hf_dir import write_hf_dir
@@ -31,14 +38,145 @@ from megatron_iso.models.weights import EXPERT_PARAM, fuse_experts, hf_from_mega
 
 META = "meta.json"
 RANK_FILE = "model_rank{}.safetensors"
+LEGACY_RANK_FILE = RANK_FILE  # the per-rank run checkpoint format's weight files
+# meta.json "format" of a run checkpoint written through Megatron-Core's dist_checkpointing (rl.checkpoint).
+DIST_FORMAT = "megatron_iso.run/dist_checkpointing-torch_dist-1"
+# What reading a damaged or foreign dist checkpoint raises: many types, and torch.distributed.checkpoint's
+# CheckpointException is a BaseException.
+READ_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 # HF config.json fields about tokens, not the model's arithmetic: carried over from the directory a run started from.
 _TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "tokenizer_class")
 _LOCAL_EXPERT = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
+def is_dist_checkpoint(path: str | Path) -> bool:
+    """A run checkpoint in the reshardable format (``rl.checkpoint``)."""
+    path = Path(path)
+    if not (path / META).is_file():
+        return False
+    try:
+        meta = read_json(path / META)
+    except CheckpointFileError:
+        return False
+    return isinstance(meta, dict) and meta.get("format") == DIST_FORMAT
+
+
 def is_run_checkpoint(path: str | Path) -> bool:
     path = Path(path)
-    return (path / META).is_file() and (path / RANK_FILE.format(0)).is_file()
+    return is_dist_checkpoint(path) or ((path / META).is_file() and (path / RANK_FILE.format(0)).is_file())
+
+
+def dist_backend() -> Any:
+    """The save strategy of run checkpoints: Megatron's ``torch_dist`` format (torch.distributed.checkpoint files,
+    read back by Megatron's own loader), written by this process."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        """Megatron's own torch_dist writer hands the files to a spawned manager and one forked process per file
+        (built for asynchronous saves on GPUs); a rank of a daemonic launcher may not start processes, and a
+        synchronous save gains nothing from them. The same translation of Megatron's sharded tensors, the same
+        planner, torch's synchronous writer: the same format."""
+
+        def save(self, sharded_state_dict: dict, checkpoint_dir: Path) -> None:
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            planner = MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+            )
+            writer = FileSystemWriter(checkpoint_dir, thread_count=1)
+            dcp_save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+
+    return InProcessTorchDistSave("torch_dist", 1)
+
+
+def sharded_metadata() -> dict[str, Any]:
+    """What ``sharded_state_dict`` is asked for, as Megatron-LM's training checkpoints ask: the distributed optimizer
+    in its ``fully_reshardable`` form (its state per parameter, like a replicated optimizer's, so TP, DP and PP may
+    all change; Megatron's ``dp_reshardable`` would tie it to the TP / PP layout), one shard per tensor per rank,
+    chained optimizers' keys without a per-chain prefix (they depend on the parameters, not on the chain). Without
+    CUDA the distributed optimizer's state is gathered over gloo to DP rank 0 (Megatron's memory-efficient form;
+    its other form all-gathers on the GPU); both read back the same."""
+    return {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+
+
+@contextlib.contextmanager
+def quiet_dist_checkpointing() -> Iterator[None]:
+    """Megatron's torch_dist strategies still go through torch's ShardedTensor and ``load_state_dict``, which warn of
+    their deprecation on every call: known, and nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", category=FutureWarning, message=r".*(DTensor instead|load_state_dict` is deprec)"
+        )
+        warnings.filterwarnings("ignore", category=UserWarning, message=r"torch\.distributed is disabled")
+        yield
+
+
+def checkpoint_tensors(ckpt_dir: str | Path, *, optimizer: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor a reshardable run checkpoint stores, whole, under its global key (the model's; with
+    ``optimizer`` the optimizer's too, keys ``optimizer.*``), read by torch.distributed.checkpoint in this process
+    alone. Split tensors appear as Megatron stores them (a layer axis first where the layers are alike; GDN's
+    in_proj in parts): the layout-independent form, for comparing checkpoints bit for bit."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(ckpt_dir))
+    stored = reader.read_metadata().state_dict_metadata
+    out = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in stored.items()
+        if isinstance(m, TensorStorageMetadata) and (optimizer or not k.startswith("optimizer."))
+    }
+    with quiet_dist_checkpointing():
+        dcp_load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
+def load_run_weights(ckpt_dir: str | Path, model: torch.nn.Module) -> None:
+    """Load a reshardable run checkpoint's weights into ``model`` at its own layout (a collective over the world
+    ``model`` was built in): each rank reads its slices, stored bits unchanged. The optimizer state is not read."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_iso.errors import check_finite
+
+    state = {"model": model.sharded_state_dict(metadata=sharded_metadata())}
+    try:
+        with quiet_dist_checkpointing():
+            loaded = dist_checkpointing.load(state, str(ckpt_dir), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    except READ_ERRORS as exc:  # a damaged or foreign shard file raises one of many types; the file is what matters
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointFileError(f"{ckpt_dir}: cannot load its weights: {first}") from None
+    check_finite(((k, t) for k, t in loaded["model"].items() if isinstance(t, torch.Tensor)), f"checkpoint {ckpt_dir}")
+    model.load_state_dict(loaded["model"])
+
+
+def _dist_tp1_shard(ckpt_dir: Path, tc: IsoTransformerConfig) -> dict[str, torch.Tensor]:
+    """The weights of a reshardable run checkpoint as one TP 1 / EP 1 rank's Megatron parameters: loaded into a TP 1
+    model in a world of one process of its own (Megatron resolves every split and stacked tensor)."""
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.parallel.world import single_process_world
+
+    if dist.is_initialized():
+        raise CheckpointFileError(
+            f"{ckpt_dir}: exporting a reshardable run checkpoint needs a process of its own (torch.distributed is "
+            "already initialised here); run iso-convert export --ckpt"
+        )
+    with single_process_world():
+        model = build_model(tc)
+        load_run_weights(ckpt_dir, model)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @dataclass(frozen=True)
@@ -170,15 +308,19 @@ def export_run_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, max_shard_b
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
     model = meta["identity"]["model"]
-    layout = run_layout(ckpt_dir, meta)
-    tc = run_model_config(model, layout.tp, layout.ep)
-    # hf_from_megatron_shards reads EP rank 0's TP ranks and each EP rank's TP rank 0: only those slots are filled.
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.tp * layout.ep)]
-    for t in range(layout.tp):
-        shards[t] = read_rank_file(ckpt_dir, layout.tp_owner[t], experts=False if layout.ep > 1 else None)
-    for e in range(layout.ep if layout.ep > 1 else 0):
-        shards[e * layout.tp] |= read_rank_file(ckpt_dir, layout.ep_owner[e], experts=True)
-    hf = hf_from_megatron_shards(shards, tc, layout.ep)
+    if meta.get("format") == DIST_FORMAT:  # any layout (TP, EP, PP) reads as TP 1
+        tc = run_model_config(model, 1, 1)
+        hf = hf_from_megatron_shards([_dist_tp1_shard(ckpt_dir, tc)], tc, 1)
+    else:
+        layout = run_layout(ckpt_dir, meta)
+        tc = run_model_config(model, layout.tp, layout.ep)
+        # hf_from_megatron_shards reads EP rank 0's TP ranks and each EP rank's TP rank 0: only those slots filled.
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.tp * layout.ep)]
+        for t in range(layout.tp):
+            shards[t] = read_rank_file(ckpt_dir, layout.tp_owner[t], experts=False if layout.ep > 1 else None)
+        for e in range(layout.ep if layout.ep > 1 else 0):
+            shards[e * layout.tp] |= read_rank_file(ckpt_dir, layout.ep_owner[e], experts=True)
+        hf = hf_from_megatron_shards(shards, tc, layout.ep)
     source = _source_dir(model)
     if tc.num_moe_experts and _stored_fused(source):
         hf = fuse_experts(hf, tc)
@@ -236,4 +378,14 @@ def save_hf(
     return final
 
 
-__all__ = ["export_run_checkpoint", "is_run_checkpoint", "read_meta", "run_layout", "save_hf"]
+__all__ = [
+    "DIST_FORMAT",
+    "checkpoint_tensors",
+    "export_run_checkpoint",
+    "is_dist_checkpoint",
+    "is_run_checkpoint",
+    "load_run_weights",
+    "read_meta",
+    "run_layout",
+    "save_hf",
+]

@@ -112,6 +112,40 @@ class IsoGatedDeltaNet(MegatronModule):
             is_expert=False,
         )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The checkpoint layout of Megatron-Core's ``GatedDeltaNet``: the per-head tensors (conv1d, A_log, dt_bias)
+        sharded over TP, and in_proj / conv1d split into their q, k, v (, z, b, a) parts, each sharded over TP on its
+        own, so a checkpoint holds the TP 1 tensors whatever TP wrote it (a rank's in_proj rows are
+        ``[q | k | v | z | b | a]`` of its own heads, not a slice of TP 1's)."""
+        from megatron.core import parallel_state
+        from megatron.core.ssm.gated_delta_net import _split_tensor_factory
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+            sharded_state_dict_default,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        groups = {"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_cp_group": metadata["dp_cp_group"]}
+        own: dict = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets, **groups)
+        for name, module in self.named_children():
+            if name == "conv1d":
+                conv = module.state_dict(prefix="", keep_vars=True)
+                out.update(make_sharded_tensors_for_checkpoint(conv, f"{prefix}conv1d.", {"weight": 0}, sharded_offsets,
+                                                               **groups))  # fmt: skip
+            else:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=groups["tp_group"]))  # fmt: skip
+        kd, vd = self.hk * self.dk, self.hv * self.dv
+        parts = ["query", "key", "value", "z", "beta", "alpha"]
+        key = f"{prefix}in_proj.weight"
+        out[key] = _split_tensor_factory(out[key], [kd, kd, vd, vd, self.hv, self.hv], parts, 0)
+        key = f"{prefix}conv1d.weight"
+        out[key] = _split_tensor_factory(out[key], [kd, kd, vd], parts[:3], 0)
+        return out
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_: object):
         batch = packed_seq_params
         if not isinstance(batch, IsoBatch):

@@ -1,12 +1,20 @@
-"""Run checkpoints: written atomically, resumed exactly.
+"""Run checkpoints: Megatron-Core distributed checkpoints, written atomically, resumed at any layout.
 
-Layout: ``<run>/checkpoints/step_<N>/`` holds one ``model_rank<r>.safetensors`` and one
-``optim_rank<r>.pt`` per rank plus ``meta.json`` (step, layout, the contract's numerical_policy
-digest). A checkpoint is first written to a temporary sibling directory and renamed into place
-(atomic on POSIX), and ``latest`` is replaced atomically after it, so a crash never leaves a
-half-written checkpoint that resume would pick. Optimizer state is loaded with
-``weights_only=True``; weights with safetensors. Weights holding a NaN or an Inf are never written,
-and a damaged checkpoint is named together with the newest complete one before it.
+Layout: ``<run>/checkpoints/step_<N>/`` is a ``megatron.core.dist_checkpointing`` directory (the ``torch_dist``
+backend: torch.distributed.checkpoint files, ``common.pt``, ``metadata.json``) holding the model's and the
+optimizer's sharded state dicts, plus our ``meta.json`` (format, step, the layout it was written at, the
+contract's numerical_policy digest, the run identity). Every tensor is stored once under its global name and
+shape (``model.sharded_state_dict()``: a TP shard is a slice of it, replicas are written by one rank), and the
+optimizer's state is keyed by the parameter it belongs to (``optimizer.sharded_state_dict``; the distributed
+optimizer in Megatron's ``fully_reshardable`` form), so a checkpoint written at one TP / DP / PP layout loads at
+another: each rank reads its own slices. Loading copies stored bits, so weights and Adam state are those saved,
+bit for bit, whatever the layout.
+
+A checkpoint is first written to a temporary sibling directory, ``meta.json`` last, and renamed into place
+(atomic on POSIX); ``latest`` is replaced atomically after it, so a crash, or an error during the save, never
+leaves a half-written checkpoint that resume would pick. ``rl.keep_checkpoints`` prunes all but the newest N
+complete checkpoints after a publish. Weights holding a NaN or an Inf are never written nor loaded, and a damaged
+checkpoint is named together with the newest complete one before it.
 """
 
 from __future__ import annotations
@@ -19,15 +27,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from megatron_iso.checkpoint.run_ckpt import (
+    DIST_FORMAT,
+    LEGACY_RANK_FILE,
+    READ_ERRORS,
+    dist_backend,
+    quiet_dist_checkpointing,
+    sharded_metadata,
+)
 from megatron_iso.errors import UserError, check_finite
-from megatron_iso.rl.optim import distributed_parts
+from megatron_iso.rl.optim import ensure_adam_state, load_optimizer_state
 
 
 class CheckpointError(UserError, RuntimeError):
-    """A checkpoint is missing, damaged, or from another contract/layout/identity."""
+    """A checkpoint is missing, damaged, or from another contract/identity."""
 
 
 def _dir(run_dir: Path, step: int) -> Path:
@@ -39,30 +53,74 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _sharded_state(model: torch.nn.Module, optimizer: Any, *, loading: bool) -> dict[str, Any]:
+    """The model's and the optimizer's sharded state dicts, as Megatron's own training checkpoints build them."""
+    ensure_adam_state(optimizer)
+    model_state = model.sharded_state_dict(metadata=sharded_metadata())
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=sharded_metadata()),
+    }
+
+
 def save_checkpoint(
-    run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, meta: dict[str, Any], *, rank: int
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Any,
+    meta: dict[str, Any],
+    *,
+    rank: int,
+    keep: int | None = None,
 ) -> Path:
-    """All ranks call this; rank 0 publishes the directory once every rank has written its files."""
+    """All ranks call this (a collective); rank 0 publishes the directory once every rank has written its part,
+    then keeps the newest ``keep`` complete checkpoints (None or 0: all)."""
+    from megatron.core import dist_checkpointing
+
     final = _dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     check_finite(model.named_parameters(), f"step {step}: refusing to write checkpoint {final}")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
         tmp.mkdir(parents=True)
     _barrier()
-    params = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
-    save_file(params, str(tmp / f"model_rank{rank}.safetensors"))
-    torch.save(_optimizer_state(optimizer), tmp / f"optim_rank{rank}.pt")
+    with quiet_dist_checkpointing():
+        dist_checkpointing.save(
+            _sharded_state(model, optimizer, loading=False), str(tmp), sharded_strategy=dist_backend()
+        )
     _barrier()
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, sort_keys=True, indent=1))
+        (tmp / "meta.json").write_text(
+            json.dumps({"format": DIST_FORMAT, "step": step, **meta}, sort_keys=True, indent=1)
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = run_dir / "checkpoints" / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, run_dir / "checkpoints" / "latest")
+        if keep:
+            prune_checkpoints(run_dir, keep)
     _barrier()
     return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints (never the one ``latest`` names); return those
+    removed. Each goes by a rename out of the ``step_*`` names first, so a removal cut short leaves no
+    checkpoint that looks complete and is not."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least one checkpoint is kept")
+    pointer = run_dir / "checkpoints" / "latest"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    removed = []
+    for path in complete_checkpoints(run_dir)[:-keep]:
+        if path.name == latest:
+            continue
+        doomed = path.with_name(f".{path.name}.removing")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+        removed.append(path)
+    return removed
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -100,91 +158,83 @@ def _fallback(damaged: Path) -> str:
     )
 
 
+def read_checkpoint_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of a run checkpoint in this format; the old per-rank format is refused by name."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path / 'meta.json'}: {_first_line(exc)}{_fallback(path)}") from None
+    if meta.get("format") != DIST_FORMAT:
+        if (path / LEGACY_RANK_FILE.format(0)).is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is in the per-rank format (model_rank<r>.safetensors + optim_rank<r>.pt) of "
+                f"earlier megatron_iso versions, which cannot be resumed; its weights still export "
+                f"(iso-convert export --ckpt {path} --out DIR) and start a new run (model.init_from)"
+            )
+        raise CheckpointError(f"{path / 'meta.json'} names format {meta.get('format')!r}, not {DIST_FORMAT!r}")
+    return meta
+
+
+def _check_shapes(path: Path, state: dict[str, Any]) -> None:
+    """Every tensor this model asks for is in the checkpoint with its global shape: a differing model config is
+    named here, not by the storage layer's first failed read."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(path))
+    except READ_ERRORS as exc:  # a damaged metadata file raises one of many types; the file is what matters
+        raise CheckpointError(f"cannot read {path}: {_first_line(exc)}{_fallback(path)}") from None
+    wanted: dict[str, tuple[int, ...]] = {}
+    for value in nested_values(state["model"]):
+        if isinstance(value, ShardedTensorFactory):
+            continue  # split on save (SwiGLU fc1, GDN in_proj); their keys are checked by the load itself
+        if isinstance(value, ShardedTensor):
+            wanted[value.key] = tuple(value.global_shape)
+    missing = sorted(k for k in wanted if k not in stored)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks tensors this model has: {missing[:5]}; the model config differs from the run "
+            "that wrote it"
+        )
+    shapes = [f"{k} {list(stored[k].global_shape)} (model {list(s)})" for k, s in wanted.items() if
+              tuple(stored[k].global_shape) != s]  # fmt: skip
+    if shapes:
+        raise CheckpointError(
+            f"checkpoint {path} holds tensors of other shapes than this model: {', '.join(shapes[:3])}; "
+            "the model config differs from the run that wrote it"
+        )
+
+
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: Any, expect: dict[str, Any], *, rank: int
 ) -> dict[str, Any]:
-    """Load this rank's files after checking ``meta.json`` agrees with ``expect`` (contract, layout)."""
-    meta = json.loads((path / "meta.json").read_text())
+    """All ranks call this (a collective): load this rank's slices of the weights and the optimizer state, after
+    checking ``meta.json`` agrees with ``expect`` (contract, data identity; not the layout)."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_checkpoint_meta(path)
     for key, value in expect.items():
         if meta.get(key) != value:
             raise CheckpointError(
                 f"checkpoint {path} was written with {key}={meta.get(key)!r}, this run has {key}={value!r}; "
                 "refusing to resume (start a new out_dir or restore the original config)"
             )
-    weights = path / f"model_rank{rank}.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {weights.name} (written with another world size?)")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"cannot read {weights}: {_first_line(exc)}{_fallback(path)}") from None
-    check_finite(state.items(), f"checkpoint {weights}")
-    params = dict(model.named_parameters())
-    if set(state) != set(params):
+    distributed = bool(getattr(getattr(optimizer, "config", None), "use_distributed_optimizer", False))
+    if meta.get("use_distributed_optimizer", distributed) != distributed:
         raise CheckpointError(
-            f"checkpoint {weights} parameter names differ from the model's: {sorted(set(state) ^ set(params))[:5]}"
+            f"checkpoint {path} was written with rl.use_distributed_optimizer={not distributed}, this run has "
+            f"rl.use_distributed_optimizer={distributed}; resume with the setting the run was written with"
         )
-    shapes = [
-        f"{n} {list(t.shape)} (model {list(params[n].shape)})" for n, t in state.items() if t.shape != params[n].shape
-    ]
-    if shapes:
-        raise CheckpointError(
-            f"checkpoint {weights} holds tensors of other shapes than this model: {', '.join(shapes[:3])}; "
-            "the model config differs from the run that wrote it"
-        )
-    with torch.no_grad():
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
-    optim = path / f"optim_rank{rank}.pt"
+    state = _sharded_state(model, optimizer, loading=True)
+    _check_shapes(path, state)
     try:
-        optim_state = torch.load(optim, weights_only=True)
-    except Exception as exc:  # a damaged pickle raises one of many types; the file is what matters
-        raise CheckpointError(f"cannot read {optim}: {_first_line(exc)}{_fallback(path)}") from None
-    _load_optimizer_state(optimizer, optim_state, optim)
+        with quiet_dist_checkpointing():
+            loaded = dist_checkpointing.load(state, str(path))
+    except READ_ERRORS as exc:  # a damaged shard file raises one of many types; the file is what matters
+        raise CheckpointError(f"cannot read {path}: {_first_line(exc)}{_fallback(path)}") from None
+    check_finite(((k, t) for k, t in loaded["model"].items() if isinstance(t, torch.Tensor)), f"checkpoint {path}")
+    model.load_state_dict(loaded["model"])
+    load_optimizer_state(optimizer, loaded["optimizer"])
     return meta
-
-
-# The key of a distributed optimizer's sharded Adam state in its optim_rank<r>.pt (absent: a replicated one's).
-_PARAM_STATE = "distributed_param_state"
-
-
-def _optimizer_state(optimizer: Any) -> dict[str, Any]:
-    """What ``optim_rank<r>.pt`` holds: the optimizer's ``state_dict()`` (a replicated optimizer's whole state), or
-    for Megatron's distributed optimizer its state_dict (param groups and step, no tensors) plus, per chained
-    part, the DP group's Adam state and main weights gathered to DP rank 0 by Megatron's
-    ``get_parameter_state_dp_zero`` (a collective; None on the other DP ranks)."""
-    parts = distributed_parts(optimizer)
-    if not parts:
-        return optimizer.state_dict()
-    return {"optimizer": optimizer.state_dict(), _PARAM_STATE: [p.get_parameter_state_dp_zero() for p in parts]}
-
-
-def _load_optimizer_state(optimizer: Any, state: dict[str, Any], path: Path) -> None:
-    parts = distributed_parts(optimizer)
-    if bool(parts) != (_PARAM_STATE in state):
-        raise CheckpointError(
-            f"{path} was written with rl.use_distributed_optimizer={not parts}, this run has "
-            f"rl.use_distributed_optimizer={bool(parts)}; resume with the setting the run was written with"
-        )
-    if not parts:
-        optimizer.load_state_dict(state)
-        return
-    saved = state[_PARAM_STATE]
-    if len(saved) != len(parts):
-        raise CheckpointError(f"{path} holds {len(saved)} distributed optimizer parts, this run has {len(parts)}")
-    optimizer.load_state_dict(state["optimizer"])  # param groups, step; Adam's tensors as placeholders
-    # Scattered from DP rank 0 (a collective). No autograd: with fp32 weights the main weights Adam updates are
-    # views of the model's parameters, and Megatron's loader copies into them in place.
-    with torch.no_grad():
-        for part, part_state in zip(parts, saved, strict=True):
-            # torch's Adam (Megatron's choice without Apex or Transformer Engine) keeps a "step" tensor in each
-            # parameter's state, which Megatron's loader expects to hold only param / exp_avg / exp_avg_sq: it is
-            # set aside while the loader runs (its value came from the param groups above). Megatron's
-            # load_state_dict gave every parameter the same step tensor, and torch's Adam increments each
-            # parameter's step in place: shared, it would advance once per parameter. Each gets its own copy.
-            steps = {p: st.pop("step") for p, st in part.optimizer.state.items() if "step" in st}
-            try:
-                part.load_parameter_state_from_dp_zero(part_state)
-            finally:
-                for p, step in steps.items():
-                    part.optimizer.state[p]["step"] = step.clone()

@@ -325,32 +325,16 @@ class Trainer:
         """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``, times
         ``weight``); returns its response tokens' trainer, rollout and reference logprobs and entropies (empty
         without ``rl.log_entropy``), in sample order."""
-        from megatron_iso.models.batch import pack
         from megatron_iso.models.scoring import score_sequences
+        from megatron_iso.rl.pipeline import pack_micro_batch
 
-        seqs = [s.prompt.ids + s.tokens for s in samples]
-        tp = self.tc.tensor_model_parallel_size
-        ids, batch = pack(seqs, pad_to_multiple=tp if self.tc.sequence_parallel else 1, device=self.device)
-        rows = ids.shape[1]
-        mask = torch.zeros(rows, dtype=torch.bool)
-        seq_index = torch.zeros(rows, dtype=torch.long)
-        response_rows = []
-        starts = batch.cu_seqlens_q.tolist()
-        for i, s in enumerate(samples):
-            a = starts[i]
-            seq_index[a : starts[i + 1]] = i
-            # Row t scores token t+1: the response tokens are scored by rows P-1 .. P+R-2.
-            r = torch.arange(a + len(s.prompt.ids) - 1, a + len(s.prompt.ids) - 1 + len(s.tokens))
-            mask[r] = True
-            response_rows.append(r)
+        mb = pack_micro_batch(self, samples, advantages, weight)
+        ids, batch, mask, seq_index, rollout = mb["ids"], mb["batch"], mb["mask"], mb["seq_index"], mb["rollout"]
         # Only the response rows enter the loss: the prompt's rows are not scored (their LM head is skipped).
         how = {"temperature": self.rl.temperature, "rows": mask.nonzero()[:, 0].to(self.device)}
         logp, ent = score_sequences(self.ddp.module, ids, batch, with_entropy=self.rl.log_entropy, **how)
         logp, ent = logp.float().cpu(), torch.zeros(0) if ent is None else ent.detach().float().cpu()[mask]
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
-        rollout = torch.zeros(rows, dtype=torch.float32)
-        for s, r in zip(samples, response_rows, strict=True):
-            rollout[r] = torch.tensor(s.rollout_logp, dtype=torch.float32)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
@@ -443,15 +427,18 @@ class Trainer:
         return out
 
 
-# Keys a checkpoint must agree on with the run that resumes it.
+# Keys a checkpoint must agree on with the run that resumes it. Not the layout: checkpoints reshard (rl.checkpoint),
+# and the numerical policy digest already refuses a layout that changes bits (a pinned TP, another device class).
 def _checkpoint_identity(trainer: Trainer) -> dict[str, Any]:
-    return {
-        "numerical_policy": trainer.policy_digest,
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "tp": trainer.tc.tensor_model_parallel_size,
-        **({"pp": trainer.tc.pipeline_model_parallel_size} if trainer.tc.pipeline_model_parallel_size > 1 else {}),
-        **trainer.tasks.identity(),  # the data a dataset task visits, and in which order
-    }
+    return {"numerical_policy": trainer.policy_digest, **trainer.tasks.identity()}  # the data, in its order
+
+
+def _checkpoint_layout(trainer: Trainer) -> dict[str, Any]:
+    """Where a checkpoint was written (recorded in meta.json, not checked on resume)."""
+    tc = trainer.tc
+    return {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "tp": tc.tensor_model_parallel_size,
+            "pp": tc.pipeline_model_parallel_size, "ep": tc.expert_model_parallel_size, "dp": trainer.dp_size,
+            "use_distributed_optimizer": trainer.rl.use_distributed_optimizer}  # fmt: skip
 
 
 def run_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -559,7 +546,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
         steps = rl.steps
         every = rl.checkpoint_every
-        meta = {**_checkpoint_identity(trainer), "identity": run_identity(cfg), "contract": identities}
+        meta = {**_checkpoint_identity(trainer), **_checkpoint_layout(trainer), "identity": run_identity(cfg),
+                "contract": identities}  # fmt: skip
         history = []
         bar = _progress(range(start, steps), rank == 0)
         try:
@@ -573,7 +561,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                         dlogp_max=f"{metrics.get('mismatch/abs_diff_max', 0):.2e}",
                     )
                 if (step + 1) % every == 0 or step + 1 == steps:
-                    save_checkpoint(run_dir, step, trainer.model, trainer.optimizer, meta, rank=rank)
+                    save_checkpoint(run_dir, step, trainer.model, trainer.optimizer, meta, rank=rank,
+                                    keep=rl.keep_checkpoints)  # fmt: skip
                 if rl.save_hf_every and ((step + 1) % rl.save_hf_every == 0 or step + 1 == steps):
                     save_hf(run_dir, step, trainer.model, meta["identity"]["model"], trainer.tc, rank=rank)
             final = validate(trainer, steps) if due(rl, steps, last=True) else {}  # the trained policy's

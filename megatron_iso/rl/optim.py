@@ -10,8 +10,8 @@ updated weights all-gathered. The update of every element is the same elementwis
 global grad norm differs from the replicated optimizer: it is summed from per-slice partial norms over the DP
 ranks, another summation order, so with ``rl.grad_clip`` active the clip factor, hence the update, may differ in
 its last bits (with clipping off the weights stay the same bits). The run checkpoint stores its sharded state
-through Megatron's own ``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero``
-(:mod:`megatron_iso.rl.checkpoint`).
+through Megatron's own ``sharded_state_dict`` in the ``fully_reshardable`` form (:mod:`megatron_iso.rl.checkpoint`),
+so it resumes at another DP / TP size.
 
 With ``parallel.pp`` > 1 the grad norm (reported, and the clip factor of ``rl.grad_clip``) is the unpipelined
 one bit for bit (:func:`join_stage_grad_norms`), so a pipelined run's updates are those of ``parallel.pp=1``.
@@ -77,6 +77,52 @@ def distributed_parts(optimizer: Any) -> list[Any]:
     optimizer is replicated (``rl.use_distributed_optimizer=false``)."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return [p for p in parts if hasattr(p, "get_parameter_state_dp_zero")]
+
+
+def ensure_adam_state(optimizer: Any) -> None:
+    """Give every parameter of the distributed optimizer's parts its Adam state (zeros, step 0) where it has none
+    yet, as torch's Adam would on its first step: Megatron's DistributedOptimizer reads the step from that state
+    when it builds a state dict (to save or to load into), and without Apex or Transformer Engine it holds none
+    before the first step. Zero state is what Adam starts from, so an update after this is the same bits."""
+    for part in distributed_parts(optimizer):
+        part.init_state_fn(part.optimizer, part.config)
+        for state in part.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """Load ``state`` (what ``optimizer.sharded_state_dict`` read back from a checkpoint) into ``optimizer``.
+
+    A replicated optimizer loads it as Megatron's does. For the distributed optimizer the parameter state (Adam's
+    tensors and the fp32 main weights, ``fully_reshardable``) is loaded apart from the rest: Megatron's loader copies
+    every entry of a parameter's Adam state from the checkpoint, but without Apex or Transformer Engine torch's Adam
+    also keeps a ``step`` tensor there, which the checkpoint holds in the param groups instead. The step is set
+    aside while the tensors load, then every parameter gets its own copy of it (Megatron hands them one shared
+    tensor, which torch's Adam would advance once per parameter)."""
+    parts = distributed_parts(optimizer)
+    if not parts:
+        optimizer.load_state_dict(state)
+        return
+    chained = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    states = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+    for part, part_state in zip(chained, states, strict=True):
+        if part not in parts:
+            part.load_state_dict(part_state)
+            continue
+        part_state = dict(part_state)
+        param_state = part_state.pop("param_state")
+        kind = part_state.pop("param_state_sharding_type")
+        if kind != "fully_reshardable":
+            raise ValueError(f"distributed optimizer state of type {kind!r}; this loader reads 'fully_reshardable'")
+        part.load_state_dict(part_state)  # param groups and the step, into every parameter's state
+        steps = {p: st.pop("step") for p, st in part.optimizer.state.items() if "step" in st}
+        try:
+            # No autograd: with fp32 weights the main weights are views of the model's parameters, copied in place.
+            with torch.no_grad():
+                part.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                part.optimizer.state[p]["step"] = step.clone()
 
 
 def _stage_grad_norms(parts: list[Any]) -> list[list[torch.Tensor]]:

@@ -41,8 +41,10 @@ def join_stage_shards(shards: list[dict[str, torch.Tensor]], group: Any) -> list
     return [{n: t.to(device) for stage in stages for n, t in stage[i].items()} for i in range(len(shards))]
 
 
-def _micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Tensor, weight: float) -> dict[str, Any]:
-    """One micro-batch packed as ``Trainer._accumulate_grads`` packs it (case ``trainer_forward``)."""
+def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Tensor, weight: float) -> dict[str, Any]:
+    """One micro-batch of the trainer's step packed (case ``trainer_forward``), for ``Trainer._accumulate_grads`` and
+    the pipeline alike: ``ids`` and ``batch`` of the prompt+response rows, the response rows' ``mask``, each row's
+    sample (``seq_index``), the rollout's logprobs on the response rows (``rollout``), ``advantages``, ``weight``."""
     from megatron_iso.models.batch import pack
 
     seqs = [s.prompt.ids + s.tokens for s in samples]
@@ -82,8 +84,8 @@ def pipeline_passes(
     from megatron_iso.models.scoring import score_sequences
 
     micro = [
-        _micro_batch(trainer, samples[a:b], advantages[a:b], 1.0) if j < len(bounds)
-        else _micro_batch(trainer, [filler], torch.zeros(1), 0.0)
+        pack_micro_batch(trainer, samples[a:b], advantages[a:b], 1.0) if j < len(bounds)
+        else pack_micro_batch(trainer, [filler], torch.zeros(1), 0.0)
         for j, (a, b) in enumerate([*bounds, *[(0, 0)] * (passes - len(bounds))])
     ]  # fmt: skip
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)

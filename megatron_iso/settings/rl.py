@@ -71,6 +71,7 @@ class RLSettings:
     overlong_penalty: float = 1.0
     scale_adv_by_std: bool = True
     checkpoint_every: int = 10
+    keep_checkpoints: int = 0  # complete run checkpoints kept (the newest); 0: all
     save_hf_every: int = 0  # write the policy as an HF directory (<run>/hf/step_N) every N steps; 0: never
     grad_clip: float = 1.0
     train_micro_batch_seqs: int | None = 0
@@ -158,6 +159,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         overlong_penalty=float(rl["overlong_penalty"]),
         scale_adv_by_std=bool(rl["scale_adv_by_std"]),
         checkpoint_every=_int(rl["checkpoint_every"], "rl.checkpoint_every", 1),
+        keep_checkpoints=_int(_get(rl, "keep_checkpoints", 0), "rl.keep_checkpoints", 0),
         save_hf_every=_int(_get(rl, "save_hf_every", 0), "rl.save_hf_every", 0),
         grad_clip=float(rl["grad_clip"]),
         train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),

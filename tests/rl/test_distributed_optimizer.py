@@ -5,7 +5,7 @@ What stays bit for bit, and why: the rollout and trainer logprobs of step 0 (sam
 the buffer, and a sum of two ranks' grads is the same sum as a reduce-scatter or an all-reduce). What may move
 in the last bits: with clipping on, the grad norm (partial norms of each rank's slice, summed over DP, against
 one sum per tensor), hence the clip factor and the updates after step 0. The run checkpoint holds the sharded
-Adam state (Megatron's dp_zero parameter state): a resumed run repeats the uninterrupted one bit for bit.
+Adam state (Megatron's fully reshardable form): a resumed run repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -64,10 +64,9 @@ def _but_norm(row: dict) -> dict:
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from megatron_iso.checkpoint.run_ckpt import checkpoint_tensors
 
-    last = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-    return {f"{r}:{n}": t for r in (0, 1) for n, t in load_file(str(last / f"model_rank{r}.safetensors")).items()}
+    return checkpoint_tensors(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip())
 
 
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
