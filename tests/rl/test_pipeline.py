@@ -51,10 +51,12 @@ def _rows(run: Path) -> list[dict]:
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    """The last checkpoint's weights under their global names: the same keys whichever stage wrote a layer."""
+    """The last checkpoint's weights and Adam state under their global names: the same keys whichever stage wrote a
+    layer, so a PP 2 checkpoint equal to PP 1's loads at PP 1 as that one does."""
     from megatron_iso.checkpoint.run_ckpt import checkpoint_tensors
 
-    return checkpoint_tensors(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip())
+    last = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    return checkpoint_tensors(last, optimizer=True)
 
 
 @pytest.mark.parametrize(
