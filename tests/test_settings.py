@@ -92,6 +92,23 @@ def test_contract_inputs_refuse_a_gdn_choice_that_does_not_run_here():
             check(arg)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["device=cpu"],
+        ["model=tiny_hybrid", "device=cuda", "parallel.tp=2"],
+        ["model=tiny_hybrid_moe", "device=cuda", "profile=performance"],
+    ],
+)
+def test_raw_config_and_its_settings_give_one_contract(overrides):
+    """iso-contract reads a raw config, iso-train its settings: the same inputs and the same digests."""
+    from megatron_iso.settings import contract_for, contract_inputs
+
+    cfg = load_config(overrides)
+    assert contract_inputs(cfg) == contract_inputs(resolve(cfg))
+    assert contract_for(cfg).identities.to_dict() == contract_for(resolve(cfg)).identities.to_dict()
+
+
 @pytest.mark.parametrize(("group", "schema"), [("rl", RLSettings), ("parallel", ParallelSettings)])
 def test_conf_groups_fit_their_schema(group, schema):
     """Every YAML option of the group merges onto its structured schema (keys and types), and the schema's

@@ -23,7 +23,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from megatron_iso.contract.build import ContractInputs, ContractValidationError, plain_config, resolve_device_class
+from megatron_iso.contract.build import ContractInputs, ContractValidationError, plain_config
 from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
@@ -145,18 +145,28 @@ class Settings:
         return value
 
 
-def contract_inputs(cfg: DictConfig | Mapping[str, Any]) -> ContractInputs:
-    """What the contract builder reads, from a raw config (checks in the builder's order: groups, device,
-    profile name, the profile against the model, the GDN choice)."""
+def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInputs]:
+    """The resolved profile and the contract builder's inputs of a plain config (the three groups, the device, the
+    profile): what :func:`resolve` reads first and all that :func:`contract_inputs` reads."""
+    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
+    resolved = resolve_profile(profile, c.get("device", "auto"))
+    inputs = ContractInputs(resolved.device_class, resolved.raw, model, parallel, dict(c.get("contract") or {}))
+    return resolved, inputs
+
+
+def contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> ContractInputs:
+    """What the contract builder reads, checked: the profile against the model, the GDN choice against this
+    machine. A raw config is read only as far as the contract reads it (the rest of :func:`resolve` is the run's);
+    both forms give the same inputs, hence the same digests (``iso-contract`` and ``iso-train``)."""
     from megatron_iso.contract.build import validate_profile
 
-    c = plain_config(cfg)
-    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
-    device_class = resolve_device_class(c.get("device", "auto"))
-    validate_profile(profile, model)
-    resolved = resolve_profile(profile, device_class)
-    check_gdn_choice_runs_here(resolved)
-    return ContractInputs(device_class, resolved.raw, model, parallel, dict(c.get("contract") or {}))
+    if isinstance(cfg, Settings):
+        profile, inputs = cfg.profile, cfg.contract
+    else:
+        profile, inputs = _contract_part(plain_config(cfg))
+    validate_profile(inputs.profile, inputs.model)
+    check_gdn_choice_runs_here(profile)
+    return inputs
 
 
 def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
@@ -165,8 +175,7 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     if isinstance(cfg, Settings):
         return cfg
     c = plain_config(cfg)
-    model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
-    resolved = resolve_profile(profile, c.get("device", "auto"))
+    resolved, inputs = _contract_part(c)
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
     if isinstance(c.get("logger"), Mapping):
@@ -174,9 +183,9 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     rollout = c.get("rollout")
     return Settings(
         profile=resolved,
-        model=resolve_model(model),
-        parallel=resolve_parallel(parallel, model),
-        contract=ContractInputs(resolved.device_class, resolved.raw, model, parallel, dict(c.get("contract") or {})),
+        model=resolve_model(inputs.model),
+        parallel=resolve_parallel(inputs.parallel, inputs.model),
+        contract=inputs,
         gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
         rl=rl_settings,
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
@@ -263,23 +272,12 @@ def contract_for(
     ``load_implementations=False`` for a caller that has loaded its own set (iso-gate's candidates)."""
     if load_implementations and impls is None:
         load_op_implementations()
-    return _build_contract(_checked_contract_inputs(cfg), impls)
+    return _build_contract(contract_inputs(cfg), impls)
 
 
 def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any] | Settings) -> None:
     """:func:`megatron_iso.contract.build.check_gpu_gemm_shapes` with the GEMM family's K tiles."""
-    _check_gpu_gemm_shapes(_checked_contract_inputs(cfg), gemm_block_k())
-
-
-def _checked_contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> ContractInputs:
-    """The contract's inputs, checked as :func:`contract_inputs` checks a raw config."""
-    if not isinstance(cfg, Settings):
-        return contract_inputs(cfg)
-    from megatron_iso.contract.build import validate_profile
-
-    validate_profile(cfg.contract.profile, cfg.contract.model)
-    check_gdn_choice_runs_here(cfg.profile)
-    return cfg.contract
+    _check_gpu_gemm_shapes(contract_inputs(cfg), gemm_block_k())
 
 
 # Structured-config schemas of the groups whose keys are fixed (validation of the YAML files against them:
