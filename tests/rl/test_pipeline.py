@@ -1,4 +1,4 @@
-"""Pipeline parallelism for the trainer (rl.pipeline, Megatron-Core's 1F1B schedule on 2 gloo ranks).
+"""Pipeline parallelism for the trainer (rl.pipeline, Megatron-Core's 1F1B schedule on 2 gloo ranks; PP 2 x TP 2 on 4).
 
 A PP 2 trainer runs the same layers in the same order as PP 1, split over two ranks that hand each other the
 hidden states and their gradients through Megatron's p2p communication (batch_isend_irecv works on gloo); its
@@ -79,6 +79,31 @@ def test_pp2_trainer_equals_pp1_bit_for_bit(tmp_path, model):
         assert a == b  # loss, grad norm, rewards, mismatch, learning rate: the same numbers
     # The checkpoint records its stages; it holds every layer under its global name, as PP 1's does.
     assert json.loads((tmp_path / "pp2" / "checkpoints" / "step_000002" / "meta.json").read_text())["pp"] == 2
+    w1, w2 = _weights(tmp_path / "pp1"), _weights(tmp_path / "pp2")
+    assert w1.keys() == w2.keys()
+    for n, w in w1.items():
+        assert torch.equal(bits(w2[n]), bits(w)), n
+
+
+def test_pp2_tp2_on_four_ranks_equals_pp1_tp2_bit_for_bit(tmp_path):
+    """Stages of TP 2 with sequence parallelism: each stage's TP pair pads, scatters and reduces as PP 1's does, the
+    stages hand each other sequence-scattered hidden states, and the grad norm joins the stages' per-tensor norms
+    before the TP all-reduce, so it is PP 1's exactly (no tolerance)."""
+    model = ["model=tiny_dense", "rl.steps=2", "parallel.tp=2", "parallel.sp=true", "rl.train_micro_batch_seqs=3"]
+    one = run_on_ranks(_run, 2, tp=2, args=(str(tmp_path / "pp1"), model), timeout=600)
+    four = run_on_ranks(_run, 4, tp=2, pp=2, args=(str(tmp_path / "pp2"), [*model, "parallel.pp=2"]), timeout=600)
+    assert len(one[0]) == 2
+    for rank, got in enumerate(four):  # Megatron's order puts TP innermost: rank r is TP rank r % 2 of its stage
+        for step, (a, b) in enumerate(zip(one[rank % 2], got, strict=True)):
+            for key in ("trainer_logp", "rollout_logp"):
+                assert torch.equal(bits(a[key]), bits(b[key])), (rank, step, key)
+    rows1, rows2 = _rows(tmp_path / "pp1"), _rows(tmp_path / "pp2")
+    assert rows1[0]["grad_norm"] > 1.0  # clipped: the clip factor's bits decide step 1
+    for a, b in zip(rows1, rows2, strict=True):
+        assert a["mismatch/abs_diff_max"] == b["mismatch/abs_diff_max"] == 0.0
+        assert a == b  # loss, grad norm, rewards, mismatch, learning rate: the same numbers
+    meta = json.loads((tmp_path / "pp2" / "checkpoints" / "step_000001" / "meta.json").read_text())
+    assert (meta["tp"], meta["pp"]) == (2, 2)
     w1, w2 = _weights(tmp_path / "pp1"), _weights(tmp_path / "pp2")
     assert w1.keys() == w2.keys()
     for n, w in w1.items():
