@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
-from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _check_state, _starts
+from megatron_iso.ops.gdn.checks import check_conv_args, check_rule_args, check_state_slots
+from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _starts
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
 
 
@@ -32,7 +33,8 @@ def causal_conv1d(
     """``F.conv1d`` (depthwise, history from ``conv_state``) + ``F.silu``, in x's dtype; the call's
     sequences run as one zero-padded batch."""
     cu, st = _starts(cu_seqlens, starts)
-    _check_state(conv_state, slots, st)
+    check_state_slots(conv_state is not None, slots, len(st), st, conv=True)
+    check_conv_args(x, weight)
     cd, kw = weight.shape
     lens = [b - a for a, b in itertools.pairwise(cu)]
     if not lens:
@@ -230,7 +232,8 @@ def gated_delta_rule(
     All decode steps of a call run as one batch, and all multi-token sequences as another
     (zero-padded to the longest), so the cost in launches does not grow with the number of sequences."""
     cu, st = _starts(cu_seqlens, starts)
-    _check_state(state, slots, st)
+    check_state_slots(state is not None, slots, len(st), st)
+    check_rule_args(q, k, v, g, beta, chunk, state)
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     rep = hv // hk

@@ -33,6 +33,13 @@ import torch
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import exp64, iso_exp, iso_silu, sigmoid64, softplus64
 from megatron_iso.ops.common.tree import tree_sum_dim
+from megatron_iso.ops.gdn.checks import (
+    check_conv_args,
+    check_nonempty,
+    check_rule_args,
+    check_starts,
+    check_state_slots,
+)
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 
@@ -58,18 +65,8 @@ def _read_starts(cu_seqlens: torch.Tensor, starts: torch.Tensor | None) -> tuple
     n = cu_seqlens.numel() - 1
     cu = values[: n + 1]
     st = values[n + 1 :] if starts is not None else [0] * n
-    if len(st) != n:
-        raise ValueError(f"starts has {len(st)} entries for {n} sequences")
-    if any(s < 0 for s in st):
-        raise ValueError(f"starts must be >= 0, got {st}")
+    check_starts(st, n)
     return cu, st
-
-
-def _check_state(state: GDNLayerState | None, slots: torch.Tensor | None, starts: list[int]) -> None:
-    if state is None and any(starts):
-        raise ValueError(f"sequences starting at positions {starts} need their GDN state (state=..., slots=...)")
-    if state is not None and (slots is None or slots.numel() != len(starts)):
-        raise ValueError("a GDN state cache needs one slot per sequence (slots=...)")
 
 
 # ------------------------------------------------------------------------------------------- conv
@@ -90,11 +87,10 @@ def causal_conv1d(
     each sequence's last K-1 inputs.
     """
     cu, st = _starts(cu_seqlens, starts)
-    _check_state(conv_state, slots, st)
+    check_state_slots(conv_state is not None, slots, len(st), st, conv=True)
+    check_conv_args(x, weight)
     cd = x.shape[1]
     kw = weight.shape[-1]
-    if weight.shape != (cd, kw):
-        raise ValueError(f"causal_conv1d: weight shape {tuple(weight.shape)} != (channels={cd}, kernel)")
     hist = kw - 1
     zeros = torch.zeros(hist, cd, dtype=x.dtype, device=x.device)
     ext, rows = [], []
@@ -251,20 +247,13 @@ def gated_delta_rule(
     needs ``state`` and ``slots``); ``state`` is updated in place (running, entry, chunk buffer).
     """
     cu, st = _starts(cu_seqlens, starts)
-    _check_state(state, slots, st)
-    empty = [i for i in range(len(cu) - 1) if cu[i + 1] <= cu[i]]
-    if empty:
-        raise ValueError(f"gated_delta_rule: sequences {empty} have no tokens in cu_seqlens={cu}; drop them")
-    if chunk <= 0:
-        raise ValueError(f"gated_delta_rule: chunk must be a positive int, got {chunk}")
-    if state is not None and state.chunk != chunk:
-        raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
+    check_state_slots(state is not None, slots, len(st), st)
+    check_nonempty(cu)
+    check_rule_args(q, k, v, g, beta, chunk, state)
     if state is not None:
         check_value_buffer(state, v.dtype, "gated_delta_rule")
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
-    if hv % hk:
-        raise ValueError(f"gated_delta_rule: value heads {hv} must be a multiple of key heads {hk}")
     rep = hv // hk
     scale = dk**-0.5 if scale is None else scale
     kf, vf, gf, bf = k.float(), v.float(), g.float(), beta.float()

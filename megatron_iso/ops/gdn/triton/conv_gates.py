@@ -11,6 +11,7 @@ import triton.language as tl
 
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.gdn import native
+from megatron_iso.ops.gdn.checks import check_conv_args, check_state_slots
 from megatron_iso.ops.gdn.reference import L2NORM_EPS
 from megatron_iso.ops.gdn.triton import config
 
@@ -101,27 +102,23 @@ def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: 
 
 
 def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
+    check_conv_args(x, weight)
     t, cd = x.shape
     kw = weight.shape[-1]
-    if weight.shape != (cd, kw):
-        raise ValueError(f"causal_conv1d: weight shape {tuple(weight.shape)} != (channels={cd}, kernel)")
-    if conv_state is not None:
-        if slots is None or slots.numel() != cu_seqlens.numel() - 1:
-            raise ValueError("a conv state needs one slot per sequence (slots=...)")
-        if conv_state.shape[1:] != (cd, kw - 1) or not conv_state.is_contiguous():
-            raise ValueError(
-                f"causal_conv1d: conv_state must be contiguous [slots, {cd}, {kw - 1}], got {tuple(conv_state.shape)}"
-            )
-    elif starts is not None and bool((starts > 0).any()):
-        raise ValueError("sequences starting at positions > 0 need their conv state (conv_state=..., slots=...)")
+    n = cu_seqlens.numel() - 1
+    has = conv_state is not None
+    # The starts are read back only without a state: a decode step (with its state) reads nothing to the host.
+    check_state_slots(has, slots, n, () if has or starts is None else starts.reshape(-1).tolist(), conv=True)
+    if has and (conv_state.shape[1:] != (cd, kw - 1) or not conv_state.is_contiguous()):
+        raise ValueError(
+            f"causal_conv1d: conv_state must be contiguous [slots, {cd}, {kw - 1}], got {tuple(conv_state.shape)}"
+        )
     x = x.contiguous()
     y = torch.empty_like(x)
-    n = cu_seqlens.numel() - 1
     if t == 0:
         return y
     cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
     sid = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True).to(torch.int32)
-    has = conv_state is not None
     st = (starts if starts is not None else torch.zeros(n, dtype=torch.int64)).to(device=x.device, dtype=torch.int64)
     sl = slots.to(device=x.device, dtype=torch.int64) if has else st
     cs = conv_state if has else x

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_iso.ops.gdn.checks import check_nonempty, check_starts, check_state_slots
 from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.gdn.triton import config
 
@@ -66,19 +67,11 @@ def _plan(
     has tokens in, open ones included (each gets output tiles)."""
     cu_l, st, sl = _host_lists(cu, starts, slots)
     n = len(cu_l) - 1
-    empty = [i for i in range(n) if cu_l[i + 1] <= cu_l[i]]
-    if empty:
-        raise ValueError(f"gated_delta_rule: sequences {empty} have no tokens in cu_seqlens={cu_l}; drop them")
+    check_nonempty(cu_l)
     if has_state and sl is not None and any(not 0 <= s < slot_count for s in sl):
         raise ValueError(f"gated_delta_rule: slots {sl} outside the state cache's {slot_count} slots")
-    if len(st) != n:
-        raise ValueError(f"starts has {len(st)} entries for {n} sequences")
-    if any(s < 0 for s in st):
-        raise ValueError(f"starts must be >= 0, got {st}")
-    if not has_state and any(st):
-        raise ValueError(f"sequences starting at positions {st} need their GDN state (state=..., slots=...)")
-    if has_state and (sl is None or len(sl) != n):
-        raise ValueError("a GDN state cache needs one slot per sequence (slots=...)")
+    check_starts(st, n)
+    check_state_slots(has_state, sl, n, st)
     segs, chunks, chains = [], [], []
     fin_rows = []
     multi = False

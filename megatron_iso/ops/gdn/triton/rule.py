@@ -11,6 +11,7 @@ import torch
 import triton
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.ops.gdn.checks import check_rule_args
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.triton import config
@@ -88,17 +89,9 @@ def _rule_forward(
 ) -> torch.Tensor:
     """The forward (package docstring). ``kept``: a training call's dict for the backward: ``cfg``, ``scale`` and,
     for the chunk form, ``plan`` and ``states`` (the chunk-form state pass, :mod:`.backward`)."""
-    t, hk, dk = k.shape
+    check_rule_args(q, k, v, g, beta, chunk, state)
+    t, _, dk = k.shape
     hv, dv = v.shape[1:]
-    if q.shape != k.shape or v.shape[0] != t or g.shape != (t, hv) or beta.shape != (t, hv):
-        raise ValueError(
-            f"gated_delta_rule: shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} g{tuple(g.shape)} "
-            f"beta{tuple(beta.shape)} do not fit q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]"
-        )
-    if hv % hk:
-        raise ValueError(f"gated_delta_rule: value heads {hv} must be a multiple of key heads {hk}")
-    if state is not None and state.chunk != chunk:
-        raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
     form = form or config.FORM
     dot_precision = form_dot_precision(form, dot_precision)
     cfg = config_for(dk, dv, chunk, dot_precision, form)
