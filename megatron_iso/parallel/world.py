@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
 import socket
 from collections.abc import Iterator
 
@@ -24,14 +25,32 @@ class LaunchError(UserError, ValueError):
     and how to launch it."""
 
 
+def _torchrun_target() -> str:
+    """What torchrun runs to start this program again: ``-m MODULE`` for a module run with ``-m`` or one of the
+    package's console scripts (iso-train, iso-bench, ...), a script's path (tools/bench_rl_step.py), else a
+    placeholder. A launch error's hint names it, whichever tool opened the world."""
+    import sys
+    from importlib.metadata import entry_points
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name != "__main__":
+        return f"-m {spec.name}"
+    argv0 = sys.argv[0] if sys.argv else ""
+    for script in entry_points(group="console_scripts", name=os.path.basename(argv0)):
+        if script.module.split(".")[0] == "megatron_iso":
+            return f"-m {script.module}"
+    return argv0 if argv0.endswith(".py") else "<your program>"
+
+
 def _needs_torchrun(tp: int, pp: int, ep: int) -> str:
-    """One line: the settings that need several processes, and the torchrun launch that gives them."""
+    """One line: the settings that need several processes, and the torchrun launch of this program that gives
+    them."""
     nproc = math.lcm(tp * pp, ep * pp)
     named = [f"parallel.{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v != 1]
     return (
-        f"{', '.join(named)} {'needs' if len(named) == 1 else 'need'} {nproc} processes, and this is a single process (not started by torchrun); "
-        f"launch it with torchrun, e.g. `torchrun --nproc-per-node {nproc} -m megatron_iso.cli.train "
-        f"{' '.join(named)} ...`, or set {' '.join(k.split('=')[0] + '=1' for k in named)}"
+        f"{', '.join(named)} {'needs' if len(named) == 1 else 'need'} {nproc} processes, and this is a single "
+        f"process (not started by torchrun); launch it with torchrun, e.g. `torchrun --nproc-per-node {nproc} "
+        f"{_torchrun_target()} {' '.join(named)} ...`, or set {' '.join(k.split('=')[0] + '=1' for k in named)}"
     )
 
 
@@ -122,8 +141,6 @@ def launched_world(
     rank. Inside an already initialised world (e.g. a ``run_on_ranks`` rank) that world is used as it
     is, if its layout is the one asked for. ``timeout_s``: how long a collective waits for the other ranks
     (torch's default when None)."""
-    import os
-
     if dist.is_initialized():
         yield _enclosing_world(tp, pp, ep)
         return
