@@ -8,7 +8,7 @@ How: for a bucket of ``B`` rows, :class:`DecodeGraphs` owns a static decode batc
 ``models.batch.pack``: token ids, positions (= cached lengths), slots, a ``[B, W]`` block table
 (``W`` blocks: the longest sequence the engine admits), the pool row each row writes and the draw's
 inputs. A step with ``n <= B`` sequences (:meth:`DecodeGraphs.decode_step`) is written from the
-engine's host lists: one ``[8, B]`` int64 array (:data:`INPUT_ROWS`) filled with numpy and copied in
+engine's host lists: one ``[INPUT_ROWS, B]`` int64 array (:data:`INPUT_ROWS`) filled with numpy and copied in
 once, and the block tables' used columns; rows ``n..B-1`` are padding (token 0 at position 0, a table
 of the cache's reserved scratch block, writes into that block) and their logits are dropped. No
 packed batch or step view is built for such a step, so the host work per step is a few array writes

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_iso.ops.logprob.reference import checked_temperature
+from megatron_iso.ops.common.dispatch import import_triton_module
+from megatron_iso.ops.logprob.reference import temperature_rows
 
 TRITON_MODULE = "megatron_iso.ops.logprob.entropy_triton"
 
@@ -51,9 +52,7 @@ def entropy_from_partials(parts: torch.Tensor) -> torch.Tensor:
 
 def _partials_fn(device: torch.device) -> Callable[..., torch.Tensor]:
     if device.type == "cuda":
-        from importlib import import_module
-
-        return import_module(TRITON_MODULE).entropy_partials_triton
+        return import_triton_module(TRITON_MODULE, "the entropy statistic on CUDA").entropy_partials_triton
     return entropy_partials_reference
 
 
@@ -79,8 +78,7 @@ def row_entropy(
         raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
     with torch.no_grad():
         x = logits.detach().reshape(-1, shard)
-        t = checked_temperature(temperature, x.device)
-        t = t.reshape(-1).expand(x.shape[0]).contiguous() if t.numel() == 1 else t.reshape(x.shape[0]).contiguous()
+        t = temperature_rows(temperature, x.shape[0], x.device)
         parts = _partials_fn(x.device)(x, t, leaves // world, valid, rank * shard)
         return entropy_from_partials(parts if gather is None else gather(parts)).reshape(lead)
 

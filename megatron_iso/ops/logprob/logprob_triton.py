@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.common.tree import tree_sum_dim
-from megatron_iso.ops.logprob.reference import checked_temperature
+from megatron_iso.ops.logprob.reference import temperature_rows
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -73,11 +73,6 @@ def _vocab_kernel(
             tl.store(m_ptr + row, m)
 
 
-def _temperature_rows(temperature, rows: int, device) -> torch.Tensor:
-    t = checked_temperature(temperature, device)  # the scoring path's own check (one read at most)
-    return t.reshape(-1).expand(rows).contiguous() if t.numel() == 1 else t.reshape(rows).contiguous()
-
-
 def vocab_stats_triton(
     shards: Sequence[torch.Tensor], *, temperature=1.0, leaves: int = 8, valid_vocab: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,7 +94,7 @@ def vocab_stats_triton(
     valid = vocab if valid_vocab is None else int(valid_vocab)
     if not 0 < valid <= vocab:
         raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
-    t = _temperature_rows(temperature, T, x.device)
+    t = temperature_rows(temperature, T, x.device)
     s = torch.empty((T, leaves), device=x.device, dtype=torch.float32)
     common = dict(LOCAL_LEAVES=local, BLOCK=BLOCK, num_warps=NUM_WARPS)
     if C == 1:

@@ -79,6 +79,13 @@ def checked_temperature(temperature: float | torch.Tensor, device: torch.device)
     return t
 
 
+def temperature_rows(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """:func:`checked_temperature` as one contiguous fp32 value per row (``[rows]``), for a kernel that reads
+    each row's temperature: a scalar is broadcast, a per-row tensor (e.g. ``[rows, 1]``) flattened."""
+    t = checked_temperature(temperature, device)
+    return t.reshape(-1).expand(rows).contiguous() if t.numel() == 1 else t.reshape(rows).contiguous()
+
+
 class Comm(Protocol):
     """Cross-rank steps of the algorithm over a leading rank axis (see module docstring)."""
 
