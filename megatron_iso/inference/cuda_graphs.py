@@ -220,10 +220,15 @@ class DecodeGraphs:
         return tuple(t[:n] for t in bucket.drawn)
 
     def warm(self, rows: int, length: int = 1) -> None:
-        """Capture the bucket serving ``rows`` sequences of up to ``length`` tokens now rather than at its
-        first step (a benchmark's warm-up: capture time is not decode time)."""
-        if rows <= self.buckets[-1]:
-            self._bucket(self._key(rows, length))
+        """Capture, now rather than at their first steps, every bucket a batch of up to ``rows`` sequences of
+        up to ``length`` tokens passes through: the one serving ``rows`` and all smaller ones, which a batch
+        walks down as its sequences finish. A server's start-up (or a benchmark's warm-up): capture time is
+        not decode time."""
+        top = self._key(min(rows, self.buckets[-1]), length)[0]
+        for b in self.buckets:
+            if b > top:
+                break
+            self._bucket(self._key(b, length))
 
     def parameters_moved(self) -> bool:
         """True when a parameter's storage changed since capture (graphs read the old addresses)."""

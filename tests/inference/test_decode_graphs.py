@@ -158,6 +158,25 @@ def test_default_buckets_cover_every_batch() -> None:
         assert all(next(x for x in b if x >= n) <= max(2 * n, n + n // 4 + 8) for n in range(1, top + 1))
 
 
+def test_warm_prepares_every_bucket_a_batch_walks_down() -> None:
+    """A batch's sequences finish at different steps, so its decode steps pass through every smaller bucket:
+    ``warm`` prepares (captures, on a GPU) all of them, and none larger."""
+    assert run_on_ranks(_warmed_buckets, 1)[0] == ([1, 2, 4, 8, 16, 24], [1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 24])
+
+
+def _warmed_buckets() -> tuple[list[int], ...]:
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+    from tests.inference import engine_cases
+
+    _, model = engine_cases.setup(["profile=correctness"])
+    eng = RolloutEngine(model, EngineConfig(max_num_seqs=24, kv_cache_bytes=8 << 20, block_size=16))
+    graphs = eng.enable_decode_graphs(capture=False)
+    graphs.warm(9, 40)
+    walked = sorted(rows for rows, _ in graphs._buckets)
+    graphs.warm(100, 40)  # more rows than any bucket: every bucket
+    return list(graphs.buckets), walked, sorted(rows for rows, _ in graphs._buckets)
+
+
 def test_native_static_decode_reads_positions_on_the_device(runs) -> None:
     """The performance profile's staged decode from bucket buffers (placeholder host starts, positions in
     ``cache_seqlens``, a 256-token staging bucket): the eager tokens, logprobs within fp32 rounding."""
