@@ -121,3 +121,33 @@ def test_state_buffers_checked_before_any_launch():
     st.buf_y = st.buf_y.transpose(2, 3)
     with pytest.raises(ValueError, match=r"state.buf_y must be contiguous$"):
         call(st)
+
+
+def test_decode_plan_from_device_tensors_is_the_host_plan():
+    """A chunk-form decode step's plan, built by tensor ops from starts and slots (what a CUDA graph records), has the
+    host plan's chunk and chain tables: tokens mid-chunk, closing a chunk, opening one, and fresh (position 0)."""
+    starts = [13, 7, 0, 8, 1, 23, 15, 6]
+    slots = [2, 0, 5, 1, 7, 3, 6, 4]
+    host = plan([1] * len(starts), starts=starts, slots=slots, slot_count=8)
+    cu = torch.arange(len(starts) + 1)
+    for check in (True, False):
+        dev = gp._decode_plan(cu, torch.tensor(starts), torch.tensor(slots), C, CPU, 8, check)
+        assert (dev.n, dev.nchunks, dev.nchains) == (host.n, host.nchunks, host.nchains)
+        assert torch.equal(dev.chunks, host.chunks) and torch.equal(dev.chains, host.chains)
+        assert dev.chunks.dtype == dev.chains.dtype == torch.int32
+    fresh = gp._decode_plan(cu[:3], None, torch.tensor([3, 1]), C, CPU, 4, True)  # no starts: every row at 0
+    host = plan([1, 1], starts=[0, 0], slots=[3, 1])
+    assert torch.equal(fresh.chunks, host.chunks) and torch.equal(fresh.chains, host.chains)
+
+
+@pytest.mark.parametrize(
+    ("cu", "starts", "slots", "pattern"),
+    [
+        ([0, 0, 2], [3, 4], [0, 1], "one token per sequence"),
+        ([0, 1, 2], [3, -1], [0, 1], "starts must be >= 0"),
+        ([0, 1, 2], [3, 4], [0, 4], r"slots \[0, 4\] outside the state cache's 4 slots"),
+    ],
+)
+def test_decode_plan_outside_a_capture_checks_the_call(cu, starts, slots, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        gp.decode_plan(torch.tensor(cu), torch.tensor(starts), torch.tensor(slots), C, CPU, 4)

@@ -7,7 +7,9 @@ is chosen from (Dk, Dv, chunk) only (:func:`.config.config_for`), never from T o
 in their own dtype (fp32, bf16, fp16) at their row stride and widened to fp32 in-kernel, which is exact (other dtypes,
 or inner dims that are not contiguous, are copied to contiguous fp32 first). Per-call planning (:mod:`.plan`) needs the
 sequence boundaries on the host: one device->host copy per distinct (cu_seqlens, starts, slots), cached across the
-layers of a forward.
+layers of a forward. A chunk-form decode step (one token per sequence) is planned by device ops from its starts and
+slots instead, so a CUDA graph records it (the engine's decode graphs); only outside a capture is it read back, to be
+checked.
 
 State pass (:mod:`.state_pass`): chunk c's exit state from its entry state E. Per chunk, in parallel, the prep kernel:
 ``G = cumsum(g)`` (an ieee dot with the lower-triangular ones), ``A_ti = beta_t e^{G_t-G_i} k_t.k_i`` (t > i),

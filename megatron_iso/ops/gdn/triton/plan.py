@@ -1,5 +1,7 @@
 """A call's plan: which packed rows form which segment (scan form), chunk and chain, as int32 tables the kernels read,
-built on the host from the sequence boundaries and cached across the layers of a forward."""
+built on the host from the sequence boundaries and cached across the layers of a forward (:func:`cached_plan`), or, for
+a chunk-form decode step, on the device from the start positions and slots alone (:func:`decode_plan`: no host read, so
+a CUDA graph can record it)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,67 @@ def cached_plan(cu, starts, slots, chunk, has_state, dev, slot_count, form) -> P
     check depends on it."""
     extra = (chunk, has_state, dev, slot_count, form)
     return _PLAN_CACHE.get((cu, starts, slots), extra, lambda: _plan(cu, starts, slots, *extra))
+
+
+# Decode plans, shared by the GDN layers of a forward. The key holds whether the stream was capturing a CUDA graph: a
+# plan built by a warm-up run must not stand in for the capture's own, whose ops the graph has to record.
+_DECODE_PLANS: TensorKeyedCache[Plan] = TensorKeyedCache(4)
+
+
+def decode_plan(
+    cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tensor, chunk: int, dev: torch.device, slot_count: int
+) -> Plan:
+    """:func:`_plan`'s tables for a chunk-form call of one token per sequence with a state cache (a decode step: as
+    many rows as sequences), built from the device tensors ``starts`` (None: all 0) and ``slots`` ``[n]`` by device
+    ops, so that a CUDA graph records them: sequence i's token is packed row i and nothing else varies. Outside a
+    capture the call is also checked as :func:`_plan` checks it (boundaries, starts, slot range: one read back, as a
+    host plan's); inside one nothing is read, and the caller's values must be valid (the engine's are). Shared by the
+    layers of a forward."""
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    extra = (chunk, dev, slot_count, capturing)
+    return _DECODE_PLANS.get(
+        (cu, starts, slots), extra, lambda: _decode_plan(cu, starts, slots, chunk, dev, slot_count, not capturing)
+    )
+
+
+def _decode_plan(
+    cu: torch.Tensor,
+    starts: torch.Tensor | None,
+    slots: torch.Tensor,
+    chunk: int,
+    dev: torch.device,
+    slot_count: int,
+    check: bool,
+) -> Plan:
+    n = cu.numel() - 1
+    if check:
+        cu_l, st_l, sl = _host_lists(cu, starts, slots)
+        if cu_l != list(range(n + 1)):
+            raise ValueError(f"gated_delta_rule: a decode step has one token per sequence; cu_seqlens={cu_l}")
+        check_starts(st_l, n)
+        if any(not 0 <= s < slot_count for s in sl):
+            raise ValueError(f"gated_delta_rule: slots {sl} outside the state cache's {slot_count} slots")
+    row = torch.arange(n, device=dev, dtype=torch.int64)
+    st = torch.zeros_like(row) if starts is None else starts.reshape(-1).to(device=dev, dtype=torch.int64)
+    sl = slots.reshape(-1).to(device=dev, dtype=torch.int64)
+    o = st % chunk  # the token's place in its chunk = the tokens buffered before it
+    closes = o == chunk - 1
+    opened, warm = (~closes).long(), (st > 0).long()
+    # chunk rows: (packed row of the chunk's token 0, buffered, buffer row base, present, left open)
+    chunks = torch.stack([row - o, o, sl * chunk, o + 1, opened], 1)
+    # chain rows: (first chunk, count, entry kind, slot, write back, last chunk open)
+    chains = torch.stack([row, torch.ones_like(row), warm, sl, (closes | (st == 0)).long(), opened], 1)
+    return Plan(
+        n=n,
+        nseg=0,
+        nchunks=n,
+        seg=torch.zeros(1, 8, dtype=torch.int32, device=dev),  # the scan form's segments: a decode step reads none
+        chunks=chunks.to(torch.int32),
+        chains=chains.to(torch.int32),
+        nchains=n,
+        scratch=False,
+        buffers=True,  # unread: a decode step's prep kernel buffers each token whose chunk stays open (chunk flag)
+    )
 
 
 def _plan(

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
-from megatron_iso.ops.gdn.checks import check_rule_args
+from megatron_iso.ops.gdn.checks import check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
 from megatron_iso.ops.gdn.triton import config
@@ -20,7 +20,7 @@ from megatron_iso.ops.gdn.triton.chunk_out import buffer_open_chunks, chunk_outp
 from megatron_iso.ops.gdn.triton.config import GDNConfig, config_for, form_dot_precision
 from megatron_iso.ops.gdn.triton.conv_gates import causal_conv1d, gdn_gates, l2norm
 from megatron_iso.ops.gdn.triton.decode import decode_step
-from megatron_iso.ops.gdn.triton.plan import cached_plan
+from megatron_iso.ops.gdn.triton.plan import cached_plan, decode_plan
 from megatron_iso.ops.gdn.triton.scan import scan_outputs
 from megatron_iso.ops.gdn.triton.state_pass import no_entries, no_state, state_pass, state_rows
 
@@ -98,7 +98,14 @@ def _rule_forward(
     scale = dk**-0.5 if scale is None else float(scale)
     dev = q.device
     slot_count = 0 if state is None else state.entry.shape[0]
-    plan = cached_plan(cu_seqlens, starts, slots, chunk, state is not None, dev, slot_count, cfg.form)
+    chunk_form = cfg.form == "chunk"
+    # One token per sequence with a state cache: a chunk-form decode step, planned on the device (graph-safe)
+    decoding = chunk_form and state is not None and cu_seqlens.numel() - 1 == t > 0
+    if decoding:
+        check_state_slots(True, slots, t)
+        plan = decode_plan(cu_seqlens, starts, slots, chunk, dev, slot_count)
+    else:
+        plan = cached_plan(cu_seqlens, starts, slots, chunk, state is not None, dev, slot_count, cfg.form)
     if kept is not None:
         kept.update(cfg=cfg, scale=scale)
     (qf, sq), (kf, sk), (vf, sv), (gf, sg), (bf, sb) = (_rows(x) for x in (q, k, v, g, beta))
@@ -106,7 +113,6 @@ def _rule_forward(
     if t == 0:
         return out
     ex = state_rows(plan.nchunks, hv, dk, dv, cfg, dev)
-    chunk_form = cfg.form == "chunk"
     if state is not None:
         bk, bvv, bg, bb = state.buf_k, state.buf_v, state.buf_g, state.buf_beta
         _check_state_dtypes(state, v.dtype, cfg)
@@ -131,7 +137,7 @@ def _rule_forward(
         bk = bvv = bg = bb = running = no_state(ex)
         entries = no_entries(ex)
     prep_rows = ((kf, sk), (vf, sv), (gf, sg), (bf, sb))
-    if chunk_form and state is not None and plan.n == t:  # one token per sequence: a decode step, row by row
+    if decoding:  # row by row
         decode_step((qf, sq), prep_rows, (bk, bvv, bg, bb), state, plan, entries, out, cfg, scale)
         return out
     buf_y = state.buf_y if state is not None and chunk_form else None
