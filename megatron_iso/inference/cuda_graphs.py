@@ -17,6 +17,16 @@ and three copies. The graph reads nothing from the host: the batch's ``KVStepPla
 the device tensors, RoPE's cos/sin, the staging rows and the draw's keys, temperatures and greedy
 flags are derived inside the graph.
 
+Gated DeltaNet layers (hybrid models): each row's state slot is one more input row (``SLOT``), so the
+layers read and write every sequence's conv and recurrent state in place; padding rows name the slot
+cache's scratch slot (``GDNSlotCache.scratch``, never a sequence's) at position 0, which the kernels
+treat as a fresh sequence. The chunk form's decode step plans its chunk and chain tables on the
+device from the positions and slots (``ops.gdn.triton.plan.decode_plan``); the copy on write of a
+shared prompt's slot (``GDNSlotCache.prepare_append``) runs on the host before the step's inputs are
+written, outside the graph. Captured only in the correctness profile with ``profile.gdn_form=chunk``
+(the GPU's ``auto``): the scan form's state pass and the native ops plan each step on the host.
+Not yet measured on a GPU.
+
 - Correctness profile (paged reads): the Triton kernel reads the pool through the block table, so a
   bucket is a row count. Padding is free of numerical effect because the profile is batch invariant (a
   row's bits depend on that row alone), so a replayed step gives the eager step's tokens and logprobs
@@ -42,6 +52,7 @@ import torch
 from megatron_iso.contract.registry import Profile
 from megatron_iso.inference import draw as draw_rows
 from megatron_iso.inference.draw import Drawer, DrawPlan
+from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
@@ -51,9 +62,9 @@ from megatron_iso.ops.rope import check_position
 MIN_STAGING = 256  # tokens: the shortest staging length bucket (performance profile)
 # Rows of a bucket's host-written inputs (``_Bucket.inputs``, int64): token ids, positions (a decode
 # row's position is its cached length), the pool row each row writes, the draw's two key words, the
-# temperature's fp32 bit pattern and the greedy flag.
-IDS, POS, WRITE, KEY0, KEY1, TEMP_BITS, GREEDY = range(7)
-INPUT_ROWS = 7
+# temperature's fp32 bit pattern, the greedy flag, and the GDN state slot (models with GDN layers).
+IDS, POS, WRITE, KEY0, KEY1, TEMP_BITS, GREEDY, SLOT = range(8)
+INPUT_ROWS = 8
 _ONE_BITS = int(np.array(1.0, dtype=np.float32).view(np.int32))  # padding rows draw greedily at temperature 1
 
 
@@ -72,7 +83,14 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
             f"tensor_model_parallel_size={mc.tensor_model_parallel_size}: TP collectives are not captured (TP 1 only)"
         )
     if gdn_layer_indices(mc):
-        return "Gated DeltaNet layers: their per-step state layout is not captured yet"
+        if mc.iso_profile != Profile.CORRECTNESS:
+            return "Gated DeltaNet layers in the performance profile: the native GDN ops plan each step on the host"
+        if mc.iso_gdn_form != "chunk":
+            return (
+                f"Gated DeltaNet layers with profile.gdn_form={mc.iso_gdn_form!r}: only the chunk form plans a decode "
+                "step on the device (the scan form's state pass runs for the sequences whose chunk closes, a count "
+                "read on the host)"
+            )
     if mc.num_moe_experts:
         return "MoE layers: expert batch sizes are planned on the host every step"
     return None
@@ -134,8 +152,10 @@ class DecodeGraphs:
         capture: bool,
         buckets: list[int] | None = None,
         drawer: Drawer | None = None,
+        gdn: GDNSlotCache | None = None,
     ) -> None:
         self.model, self.kv, self.width, self.paged, self.capture = model, kv, width, paged, capture
+        self.gdn = gdn  # the GDN layers' slots (hybrid models): a step's rows name theirs, padding the scratch slot
         self.drawer = drawer  # records the step's Gumbel draw after the forward (None: logits only)
         self._last: tuple[_Bucket, int] | None = None
         self.buckets = sorted(buckets) if buckets else default_buckets(max_rows)
@@ -162,14 +182,19 @@ class DecodeGraphs:
         tables: list[list[int]],
         ids: list[int] | torch.Tensor,
         plan: DrawPlan | None = None,
+        gdn_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """Logits ``[n, V/tp]`` of a decode step of ``n = len(starts)`` sequences (at most the largest bucket):
         sequence i's token ``ids[i]`` (host ints, or a device tensor: a lookahead step's drawn tokens) at
         position ``starts[i]`` (its cached length), its KV blocks ``tables[i]`` (the new position's block
         included). The logits are a view of the graph's output buffer, valid until the next decode step (the
         engine samples from them before that). ``plan``: the step's draw, recorded after the forward
-        (:meth:`drawn`)."""
+        (:meth:`drawn`). ``gdn_slots``: each sequence's GDN state slot, for a model with GDN layers (and only
+        then); any copy on write of a shared slot has happened (the engine's ``prepare_append``)."""
         n = len(starts)
+        if (gdn_slots is None) != (self.gdn is None) or (gdn_slots is not None and len(gdn_slots) != n):
+            want = "no gdn_slots (the model has no GDN layers)" if self.gdn is None else f"gdn_slots for the {n} rows"
+            raise ValueError(f"decode step: got gdn_slots={gdn_slots}; this engine's graphs take {want}")
         self._last = None
         bs = self.kv.block_size
         top = max(starts)
@@ -187,6 +212,8 @@ class DecodeGraphs:
         host[WRITE, :n] = table[np.arange(n), start // bs] * bs + start % bs
         if not isinstance(ids, torch.Tensor):
             host[IDS, :n] = ids
+        if gdn_slots is not None:
+            host[SLOT, :n] = gdn_slots
         if plan is not None and self.drawer is not None:
             h = plan.host.numpy()
             host[KEY0, :n], host[KEY1, :n] = h[draw_rows.KEY0], h[draw_rows.KEY1]
@@ -255,18 +282,24 @@ class DecodeGraphs:
             view = PagedStepView.on_device(
                 self.kv, tables, inputs[WRITE], inputs[POS], length or self.width * self.kv.block_size
             )
+            gdn = self.gdn
             _, batch = pack(
                 [[0]] * rows,
                 start_positions=[0] * rows,
                 case="decode",
                 kv_cache=StepState({PagedKVCache.kind: view}, paged=self.paged),
                 slots=range(rows),
+                gdn_cache=None if gdn is None else gdn.state,
+                gdn_slots=None if gdn is None else [gdn.scratch] * rows,
                 device=self.device,
             )
             batch.positions = batch.cache_seqlens = inputs[POS]  # the view's write-back rows read the same tensor
             batch.kv_plan.device_positions = True  # its host starts (all 0) are placeholders
+            if gdn is not None:
+                batch.gdn_slots = inputs[SLOT]  # the GDN layers read each row's state in place
             padding = np.zeros((INPUT_ROWS, rows), dtype=np.int64)
             padding[WRITE] = self.scratch * self.kv.block_size
+            padding[SLOT] = 0 if gdn is None else gdn.scratch  # padding rows: position 0 (fresh) in the scratch slot
             padding[TEMP_BITS], padding[GREEDY] = _ONE_BITS, 1
             keys = torch.zeros((rows, 2), dtype=torch.int64, device=self.device)
             temp = torch.ones((rows, 1), dtype=torch.float32, device=self.device)

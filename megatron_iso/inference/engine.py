@@ -213,6 +213,7 @@ class RolloutEngine:
                 paged=paged,
                 capture=capture,
                 drawer=self.drawer,
+                gdn=self.gdn,
             )
             self.decode_graphs_off = None
         return self.decode_graphs
@@ -377,8 +378,9 @@ class RolloutEngine:
             # From the host lists straight into the bucket: no packed batch, no step view.
             tables = [self.kv.tables[s.seq_id] for s in batch_seqs]
             ids = ids_from if ids_from is not None else [c[0] for c in chunks]
+            slots = None if self.gdn is None else [self.gdn.slot_of[s.seq_id] for s in batch_seqs]
             with torch.no_grad():
-                logits = graphs.decode_step(starts, tables, ids, planned[1])
+                logits = graphs.decode_step(starts, tables, ids, planned[1], slots)
         else:
             logits, last_rows = self._forward(batch_seqs, case, starts, chunks, counts, ids_from)
         self.stats.forward_seconds += time.perf_counter() - t0

@@ -12,6 +12,11 @@ is kept: the prompt's prefill leaves its state in the leader's slot, exactly the
 end, and :meth:`GDNSlotCache.fork` shares that slot with every sample (copy on write: the first write of
 all but the last holder copies the whole slot, so a group of ``n`` needs ``n`` slots, never ``n + 1``).
 
+Scratch slot: the state holds one slot more than ``num_slots``, :attr:`GDNSlotCache.scratch`, never handed to a
+sequence (nor counted in the capacity): the padding rows of a decode graph's bucket point there (as their keys go to
+the KV cache's reserved block), so padding never touches a sequence's state. Padding rows decode at position 0, which
+the kernels read as a fresh sequence: they ignore what the scratch slot holds and overwrite it.
+
 Contract rule ``recurrent_state flushed on weight_sync``: :meth:`GDNSlotCache.flush` refuses to run
 while sequences hold slots and zeroes every slot (nothing computed with the old weights survives).
 """
@@ -38,9 +43,17 @@ class GDNSlotCache:
     kind = "gdn_state"
 
     def __init__(self, state: GDNStateCache, num_slots: int) -> None:
+        """``state``: ``num_slots + 1`` slots per layer, the last one the scratch slot (:meth:`for_model`)."""
         if num_slots < 1:
             raise ValueError(f"GDNSlotCache: num_slots={num_slots} must be >= 1")
+        held = {layer.conv.shape[0] for layer in state.layers.values()}
+        if state.layers and held != {num_slots + 1}:
+            raise ValueError(
+                f"GDNSlotCache: the state must hold num_slots + 1 = {num_slots + 1} slots per layer (the last: the "
+                f"scratch slot); it holds {sorted(held)}"
+            )
         self.state, self.num_slots = state, num_slots
+        self.scratch = num_slots  # decode graphs' padding rows: never a sequence's (module docstring)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.slot_of: dict[int, int] = {}
         self._holders: dict[int, list[int]] = {}  # slot -> sequences sharing it (the last one keeps it)
@@ -49,10 +62,10 @@ class GDNSlotCache:
 
     @classmethod
     def for_model(cls, config, num_slots: int, device: torch.device | str = "cpu") -> GDNSlotCache:
-        """Slots for every GDN layer of ``config`` (this TP rank's heads)."""
+        """``num_slots`` slots for every GDN layer of ``config`` (this TP rank's heads), and the scratch slot."""
         from megatron_iso.models.gdn import allocate_gdn_cache
 
-        return cls(allocate_gdn_cache(config, num_slots, device=device), num_slots)
+        return cls(allocate_gdn_cache(config, num_slots + 1, device=device), num_slots)
 
     # --- per sequence ---------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int]) -> int:

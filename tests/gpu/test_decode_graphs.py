@@ -1,7 +1,8 @@
 """Captured decode graphs on a CUDA device: the engine replaying CUDA graphs gives the eager engine's
 tokens and logprobs bit for bit (mixed prompt lengths, sequences leaving at different steps, staggered
-arrivals, several buckets, a weight update in place between generations). The CPU half of the claim
-(bucket buffers, padding, device-read positions) is tests/inference/test_decode_graphs.py."""
+arrivals, several buckets, a weight update in place between generations), for a dense model and for a
+hybrid one with Gated DeltaNet layers. The CPU half of the claim (bucket buffers, padding, device-read
+positions, GDN slots) is tests/inference/test_decode_graphs.py and test_gdn_decode_graphs.py."""
 
 from __future__ import annotations
 
@@ -98,3 +99,44 @@ def test_native_captured_decode_stays_close_to_eager() -> None:
             worst = max(worst, float((lp[: k + 1] - lp2[: k + 1]).abs().max()) if k < len(lp) else 0.0)
         print(f"native captured vs eager: {same}/{len(eager)} samples identical, max |dlogp| {worst:.3e}")
         assert same >= len(eager) // 2 and worst < 5e-2, (same, worst)
+
+
+# The small hybrid's geometry (GDN 16 key / 32 value heads of 128, chunk 64, gated attention heads of 256, bf16) with
+# a dense MLP instead of its MoE layers (those are not captured), four layers: three GDN, one attention.
+HYBRID = [
+    "model=qwen3p5_small_hybrid_moe",
+    "model.num_layers=4",
+    "model.num_experts=null",
+    "model.moe_topk=null",
+    "model.shared_expert_ffn_hidden_size=null",
+    "model.shared_expert_gate=false",
+]
+
+
+def test_captured_hybrid_decode_gives_the_eager_bits() -> None:
+    """GDN layers in the graph: each row's state slot a static input, padding rows on the scratch slot, the chunk
+    form's decode plan built on the device. Samples of shared prompts fork their state (copy on write between steps),
+    sequences join and leave at different steps, and decode closes and opens 64-token chunks."""
+    from megatron_iso.parallel.world import launched_world
+    from tests.inference import engine_cases
+
+    with launched_world(seed=7):
+        tc, model = engine_cases.setup(["profile=correctness", *HYBRID])
+        assert tc.iso_gdn_form == "chunk" and not tc.num_moe_experts
+        specs = [
+            (rid, n, {**kw, "max_new_tokens": 5 + 3 * (i % 4)}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)
+        ]
+        specs += [
+            (201, 150, {"max_new_tokens": 40}),  # decode crosses position 192
+            (202, 60, {"n": 4, "max_new_tokens": 30}),  # a group forking one prompt's state; crosses 64
+            (203, 120, {"max_new_tokens": 24}),  # crosses 128
+        ]
+        reqs = engine_cases.requests(tc.vocab_size, specs)
+        _, eager = _generate(model, reqs, graphs=False)
+        eng, captured = _generate(model, reqs, graphs=True)
+        graphs = eng.decode_graphs
+        assert graphs is not None, eng.decode_graphs_off
+        assert graphs.disabled is None, graphs.disabled
+        assert graphs.gdn is eng.gdn and graphs.captures >= 2 and graphs.replays > 0, (graphs.captures, graphs.replays)
+        _same_bits(eager, captured)
+        assert eng.gdn.free_units() == eng.gdn.capacity()  # every slot back; the scratch slot was never one
