@@ -142,3 +142,25 @@ def test_logprob_valid_vocab_masks_padding():
     out = token_logprobs_triton([logits], ids, leaves=8, valid_vocab=4000)
     ref = torch.log_softmax(logits[:, :4000].double(), dim=-1)[torch.arange(5), ids]
     assert float((out.double() - ref).abs().max()) < 1e-5
+
+
+def test_scoring_runs_triton_scores_with_the_plain_backward():
+    """``vocab_scoring.token_logprobs`` on CUDA (what the rollout records and the trainer recomputes) is the
+    Triton kernel's forward, the same bits for any batch at Qwen3's vocab, with the native formula's gradient."""
+    from megatron_iso.ops.logprob.logprob_triton import token_logprobs_triton
+    from megatron_iso.parallel.vocab_scoring import token_logprobs
+
+    V = 151936
+    logits = (_rand((256, V), torch.float32, 21) * 4).to(torch.bfloat16)
+    ids = torch.randint(0, V, (256,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(22))
+    full = token_logprobs(logits, ids, temperature=0.8)
+    assert _same(full, token_logprobs_triton(logits, ids, temperature=0.8))
+    for m in (1, 3, 64):
+        assert _same(token_logprobs(logits[:m], ids[:m], temperature=0.8), full[:m]), f"M={m}"
+    x = logits.float().requires_grad_()
+    got = token_logprobs(x, ids, temperature=0.8)
+    assert _same(got, token_logprobs(logits.float(), ids, temperature=0.8))
+    got.sum().backward()
+    p = torch.softmax(logits.double() / 0.8, -1)
+    expected = (torch.nn.functional.one_hot(ids, V) - p) / 0.8
+    assert float((x.grad.double() - expected).abs().max()) < 1e-5

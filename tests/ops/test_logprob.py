@@ -203,16 +203,18 @@ def test_native_path_differs(dtype: torch.dtype) -> None:
 
 
 def test_cuda_contract_names_what_scoring_runs():
-    """Scoring on CUDA runs the torch reference (``VocabScores``): the registry, hence the contract, says so
-    even when the unwired Triton logprob kernel is importable."""
+    """Scoring on CUDA runs the Triton leaf-sum kernel (``TritonScores``); the CPU keeps the torch reference. The
+    registry, hence the contract, says so wherever triton is installed (CI)."""
     from megatron_iso.contract import load_op_implementations
     from megatron_iso.contract.registry import lookup
     from megatron_iso.ops import logprob
+    from megatron_iso.ops.logprob import logprob_triton
 
-    load_op_implementations()  # imports the *_triton modules too where triton is installed (CI)
+    load_op_implementations()
     impl = lookup("logprob", "cuda", "correctness")
-    assert impl.ref == "vocab_logprob.reference@1"
-    assert impl.fn is logprob._reference_scores
+    assert impl.ref == "vocab_logprob.triton@1"
+    assert impl.fn is logprob_triton._triton_scores
+    assert lookup("logprob", "cpu", "correctness").fn is logprob._reference_scores
 
 
 def test_scoring_runs_the_registered_implementation() -> None:

@@ -16,7 +16,7 @@ Per query position ``p`` the arithmetic is fixed (the GPU numerical policy, its 
   keys at or past ``kv_len`` are loaded as 0, so stale or garbage cache contents never reach a product;
 - a block in which a row sees no key leaves that row's state untouched (a select, not ``acc * 1 + 0``);
 - the block's row sum of P by one fixed pairwise tree over its ``kv_block`` columns
-  (:func:`_fixed_tree_rowsum`), never ``tl.sum``, whose order follows the register layout;
+  (``ops.common.tree_triton.fixed_tree_rowsum``), never ``tl.sum``, whose order follows the register layout;
 - ``P.V`` with P rounded to the input dtype for bf16/fp16 (fp32 stays fp32), accumulated in fp32;
 - output ``div_rn(acc, l)``, times ``sigmoid(gate)`` if gated, rounded once to the input dtype.
 
@@ -57,6 +57,7 @@ from megatron_iso.ops.attention.reference import (
     _check_qkv,
     _scale,
 )
+from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
 
 IMPL_ID = "attention.triton"
 KVCACHE_IMPL_ID = "attention_kvcache.triton"
@@ -102,39 +103,7 @@ WIDE_DECODE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.float32: AttentionTileConfig(block_m=16, num_warps=4, num_stages=1),
 }
 INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
-MAX_KV_BLOCK = 512  # the deepest row-sum tree _fixed_tree_rowsum spells out
-
-
-@triton.jit
-def _pair_sum(x, BLOCK_M: tl.constexpr, W: tl.constexpr):
-    a, b = tl.split(tl.reshape(x, (BLOCK_M, W // 2, 2)))
-    return a + b  # one rounding per pair, commutative: the same bits in any register layout
-
-
-@triton.jit
-def _fixed_tree_rowsum(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
-    """Row sums of ``x [BLOCK_M, N]`` by one fixed binary tree over the N columns (adjacent pairs first).
-
-    ``tl.sum`` reduces in an order set by how the tile's registers are spread over threads, which
-    changes with BLOCK_M and num_warps; this tree does not, so the tile config is a schedule choice."""
-    x = _pair_sum(x, BLOCK_M, N)
-    if N >= 4:
-        x = _pair_sum(x, BLOCK_M, N // 2)
-    if N >= 8:
-        x = _pair_sum(x, BLOCK_M, N // 4)
-    if N >= 16:
-        x = _pair_sum(x, BLOCK_M, N // 8)
-    if N >= 32:
-        x = _pair_sum(x, BLOCK_M, N // 16)
-    if N >= 64:
-        x = _pair_sum(x, BLOCK_M, N // 32)
-    if N >= 128:
-        x = _pair_sum(x, BLOCK_M, N // 64)
-    if N >= 256:
-        x = _pair_sum(x, BLOCK_M, N // 128)
-    if N >= 512:
-        x = _pair_sum(x, BLOCK_M, N // 256)
-    return tl.reshape(x, (BLOCK_M,))
+MAX_KV_BLOCK = 512  # the widest key block the kernel is tuned and tested for (the row-sum tree allows 1024)
 
 
 @triton.jit
@@ -210,7 +179,7 @@ def _attend_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.where(seen, tl.exp2(m - m_new), 1.0)
         p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
-        l_new = l_sum * alpha + _fixed_tree_rowsum(p, BLOCK_M, BLOCK_N)
+        l_new = l_sum * alpha + fixed_tree_rowsum(p, BLOCK_M, BLOCK_N)
         acc_new = acc * alpha[:, None]
         if P_LOWP:
             acc_new = tl.dot(p.to(vb.dtype), vb, acc_new)

@@ -3,8 +3,8 @@
 | device | profile     | implementation                                                     |
 |--------|-------------|--------------------------------------------------------------------|
 | cpu    | correctness | ``reference.VocabScores`` (leaf tree over vocab, invariant)         |
-| cuda   | correctness | ``reference.VocabScores`` too: elementwise torch ops + the tree are |
-|        |             | invariant on GPU as well (``logprob_triton`` is not wired in yet)   |
+| cuda   | correctness | ``logprob_triton.TritonScores``: the same leaf tree, each leaf's sum |
+|        |             | in one kernel pass (no fp32 [rows, vocab] copy for a token logprob)  |
 | any    | performance | ``native.NativeScores`` (torch.log_softmax over the gathered vocab)  |
 
 The entropy statistic on CUDA (correctness profile) is ``entropy.row_entropy``: one pass per vocab leaf
@@ -32,9 +32,11 @@ from megatron_iso.ops.logprob.reference import (
 )
 
 OP = "logprob"
+TRITON_MODULE = "megatron_iso.ops.logprob.logprob_triton"
 
 __all__ = [
     "OP",
+    "TRITON_MODULE",
     "Comm",
     "LocalShards",
     "NativeScores",
@@ -65,7 +67,7 @@ def vocab_scores(
     ``.token_logprobs(ids)``, ``.entropy()``, ``.log_softmax()``."""
     if profile not in (Profile.CORRECTNESS, Profile.PERFORMANCE):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
-    fn = select(OP, logits, profile)
+    fn = select(OP, logits, profile, TRITON_MODULE)
     return fn(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
 
 
@@ -111,27 +113,25 @@ def _nat(x, temperature=1.0):
     return NativeScores(x, LocalShards(1), temperature=temperature)
 
 
-for _device in ("cpu", "cuda"):
-    # The same torch function serves both device classes (``logprob_triton`` is not wired into scoring yet).
-    register(
-        OpImpl(
-            op=OP,
-            impl_id="vocab_logprob.reference",
-            version="1",
-            device_class=_device,
-            profile=Profile.CORRECTNESS,
-            fn=_reference_scores,
-            constants={
-                "default_leaves": DEFAULT_LEAVES,
-                "accumulate": "fp32",
-                "temperature": "fp32_true_division",
-                "max": "exact_all_reduce_max",
-                "exp_sum": "leaf_balanced_tree",
-                "entropy": "neg_sum_p_logp_leaf_tree",
-            },
-            probe=_probe(_ref) if _device == "cpu" else None,
-        )
+register(
+    OpImpl(
+        op=OP,
+        impl_id="vocab_logprob.reference",
+        version="1",
+        device_class="cpu",
+        profile=Profile.CORRECTNESS,
+        fn=_reference_scores,
+        constants={
+            "default_leaves": DEFAULT_LEAVES,
+            "accumulate": "fp32",
+            "temperature": "fp32_true_division",
+            "max": "exact_all_reduce_max",
+            "exp_sum": "leaf_balanced_tree",
+            "entropy": "neg_sum_p_logp_leaf_tree",
+        },
+        probe=_probe(_ref),
     )
+)
 for _device in ("cpu", "cuda"):
     register(
         OpImpl(

@@ -1,20 +1,22 @@
-"""Token logprob / log-sum-exp over vocab shards in Triton (GPU correctness profile).
+"""Vocab row statistics in Triton: the CUDA correctness profile's scoring (token logprob, log-softmax).
 
-Same algorithm as ``reference.VocabScores``: ``z = logits.float() / t`` (correctly rounded division),
-``m = max z`` (exact in any order), per vocab *leaf* ``s_l = sum exp(z - m)``, leaves added with the fixed
-balanced tree (:func:`megatron_iso.ops.common.tree.tree_sum_dim`), ``lse = m + log(s)``, ``logp = z_target - lse``.
+The algorithm of ``reference.VocabScores`` with the per-leaf sum done in a kernel, so the fp32 scaled
+logits ``z = logits.float() / t`` are never written out for a token logprob:
 
-One program per (row, shard); within a leaf the sum is a BLOCK-lane fp32 accumulator walked over the
-leaf's blocks from its start, then ``tl.sum`` (fixed block and warps): a leaf's sum depends only on the
-leaf's values, never on which shard holds it or on how many rows share the launch, so batch and
-vocab-parallel (TP) invariance both hold. With one shard the max and the sums run in one program (the
-row is re-read from L2); with several shards the global max is taken first (a max, so exact).
-Signature matches ``reference.token_logprobs_shards``.
+1. one program per (row, vocab leaf) reads the leaf once for its max ``m_l`` (exact in any order);
+   ``m = max_l m_l`` (a max: exact across leaves and TP ranks);
+2. one program per (row, leaf) reads it again for ``s_l = sum exp(z - m)``: lane j of a BLOCK-lane fp32
+   accumulator adds entries j, j + BLOCK, ... of the leaf in order, then the lanes are added by the
+   fixed tree (``ops.common.tree_triton.fixed_tree_rowsum``);
+3. ``lse = m + log(s)`` with ``s`` the leaves' sums added by the fixed leaf tree (``tree_sum_dim`` within
+   a rank, ``Comm.tree`` across ranks), exactly as the reference;
+4. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit.
 
-Not registered as the CUDA correctness ``logprob`` implementation: scoring (``parallel.vocab_scoring``)
-needs a backward, entropy and the full log-softmax, which this forward-only kernel does not provide yet,
-so CUDA runs ``reference.VocabScores`` (elementwise torch ops + the tree, invariant on the GPU too) and
-the contract says so. Wiring it in means a scores class around this kernel with ``with_plain_backward``.
+Every number a row's result depends on is computed from that row's own leaves in an order fixed by the
+leaf length and BLOCK alone: the same bits for any batch, any rows beside it, and any TP split of the
+vocab (a rank holds whole leaves). The bits differ from the torch reference's (its within-leaf order is
+the recursive tree over the whole leaf, its exp ATen's), so this is its own implementation in the
+contract; tests/gpu/test_logprob_triton.py holds it to fp64 and to its invariances.
 """
 
 from __future__ import annotations
@@ -25,115 +27,207 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.tree import tree_sum_dim
-from megatron_iso.ops.logprob.reference import temperature_rows
+from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
+from megatron_iso.ops.gemm.reference import validate_leaves
+from megatron_iso.ops.logprob.reference import (
+    Comm,
+    LocalShards,
+    VocabScores,
+    checked_temperature,
+    mask_padding,
+    scale_logits,
+)
 
-BLOCK = 2048
-NUM_WARPS = 8
+BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
+NUM_WARPS = 4  # a schedule choice: the lane tree's order does not depend on it
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _vocab_kernel(
-    x_ptr, t_ptr, m_ptr, s_ptr, T, V_SHARD, LEAF, VALID, stride_c, stride_t,
-    LOCAL_LEAVES: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+def _leaf_kernel(
+    x_ptr, t_ptr, m_ptr, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
+    SUMS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # MODE 0: write the shard's row max to m[shard, row]. MODE 1: read the global max m[row], write leaf sums.
-    # MODE 2: one shard, max then sums in the same program.
-    row = tl.program_id(0).to(tl.int64)
-    shard = tl.program_id(1)
-    base = x_ptr + shard.to(tl.int64) * stride_c + row * stride_t
+    # SUMS=False: out[r, row, leaf] = the leaf's max of z. SUMS=True: the leaf's sum of exp(z - m[row]).
+    pr = tl.program_id(0)  # rank-axis entry r and row, as r * ROWS + row
+    leaf = tl.program_id(1)
+    r = pr // ROWS
+    row = pr - r * ROWS
+    base = x_ptr + r.to(tl.int64) * stride_rank + row.to(tl.int64) * stride_row + leaf * LEAF
+    first = FIRST_ID + r * SHARD + leaf * LEAF  # global vocab id of the leaf's first entry
     temp = tl.load(t_ptr + row)
-    offs = tl.arange(0, BLOCK)
-    vbase = shard * V_SHARD  # global vocab id of this shard's first entry
-    if MODE == 1:
+    offs = tl.arange(0, BLOCK)[None, :]
+    if SUMS:
         m = tl.load(m_ptr + row)
+        acc = tl.zeros((1, BLOCK), tl.float32)
     else:
-        mv = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for start in range(0, V_SHARD, BLOCK):
-            idx = start + offs
-            ok = (idx < V_SHARD) & (vbase + idx < VALID)
-            z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32), temp)
-            mv = tl.maximum(mv, tl.where(ok, z, float("-inf")))
-        m = tl.max(mv, axis=0)
-        if MODE == 0:
-            tl.store(m_ptr + shard.to(tl.int64) * T + row, m)
-    if MODE != 0:
-        for leaf in tl.static_range(LOCAL_LEAVES):
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for start in range(0, LEAF, BLOCK):
-                idx = leaf * LEAF + start + offs
-                ok = (start + offs < LEAF) & (vbase + idx < VALID)
-                z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
-                acc += tl.where(ok, tl.exp(z - m), 0.0)
-            tl.store(
-                s_ptr + row * (LOCAL_LEAVES * tl.num_programs(1)) + shard * LOCAL_LEAVES + leaf, tl.sum(acc, axis=0)
+        acc = tl.full((1, BLOCK), float("-inf"), tl.float32)
+    for start in range(0, LEAF, BLOCK):
+        idx = start + offs
+        ok = (idx < LEAF) & (first + idx < VALID)
+        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
+        if SUMS:
+            acc += tl.where(ok, tl.exp(z - m), 0.0)
+        else:
+            acc = tl.maximum(acc, tl.where(ok, z, float("-inf")))
+    val = fixed_tree_rowsum(acc, 1, BLOCK) if SUMS else tl.max(acc, axis=1)  # a max: exact in any order
+    tl.store(out_ptr + pr * tl.num_programs(1) + leaf + tl.arange(0, 1), val)
+
+
+def _row_temperatures(temperature: float | torch.Tensor, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """One fp32 temperature per row of ``lead`` (checked as ``scale_logits`` checks it): a scalar broadcast, a
+    tensor broadcasting as ``[*lead, 1]`` (e.g. per sequence) expanded to every row."""
+    t = checked_temperature(temperature, device)
+    rows = torch.Size(lead).numel()
+    if t.numel() == 1:
+        return t.reshape(1).expand(rows).contiguous()
+    return torch.broadcast_to(t, (*lead, 1)).reshape(rows).contiguous()
+
+
+class TritonScores(VocabScores):
+    """:class:`~megatron_iso.ops.logprob.reference.VocabScores` with ``m`` and ``lse`` from :func:`_leaf_kernel`;
+    ``z`` (the fp32 scaled logits) is made only when a query needs every entry (``log_softmax``, ``entropy``).
+
+    Forward only: the scoring API runs it under ``with_plain_backward`` (the native formula's gradient)."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        comm: Comm,
+        *,
+        temperature: float | torch.Tensor = 1.0,
+        leaves: int,
+        valid_vocab: int | None = None,
+    ) -> None:
+        """``logits``: [R, ..., V/C], the R local vocab shards (shard r is global shard first_rank + r)."""
+        if logits.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"logits dtype {logits.dtype} is not supported; allowed: {SUPPORTED_DTYPES}")
+        if torch.is_grad_enabled() and logits.requires_grad:
+            raise RuntimeError(
+                "TritonScores is forward only: score through parallel.vocab_scoring (a plain backward) for gradients"
             )
-        if MODE == 2:
-            tl.store(m_ptr + row, m)
+        shard = logits.shape[-1]
+        vocab = shard * comm.world
+        validate_leaves(leaves, k=vocab, tp=comm.world)
+        self.comm, self.shard, self.vocab = comm, shard, vocab
+        self.local_leaves = leaves // comm.world
+        if shard % self.local_leaves:
+            raise ValueError(f"vocab shard {shard} is not divisible by its {self.local_leaves} leaves")
+        self.valid_vocab = vocab if valid_vocab is None else int(valid_vocab)
+        if not 0 < self.valid_vocab <= vocab:
+            raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
+        self.logits, self.temperature = logits, temperature
+        self._z: torch.Tensor | None = None
+        lead = tuple(logits.shape[1:-1])
+        x = logits.reshape(logits.shape[0], -1, shard)
+        if x.stride(-1) != 1 or x.stride(0) != x.shape[1] * shard:
+            x = x.contiguous()
+        R, rows = x.shape[0], x.shape[1]
+        t = _row_temperatures(temperature, lead, logits.device)
+        self.row_temperature = t.reshape(lead)
+        per_leaf = torch.empty((R, rows, self.local_leaves), device=logits.device, dtype=torch.float32)
+        first = comm.first_rank * shard
+        leaf = shard // self.local_leaves
+
+        def run(m: torch.Tensor, sums: bool) -> None:
+            if rows:
+                _leaf_kernel[(R * rows, self.local_leaves)](
+                    x, t, m, per_leaf, rows, shard, leaf, self.valid_vocab, first,
+                    x.stride(0), x.stride(1), SUMS=sums, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                )  # fmt: skip
+
+        run(t, False)  # m_ptr unused
+        self.m = comm.max(per_leaf.amax(dim=-1)).reshape(lead)
+        run(self.m.reshape(-1).contiguous(), True)
+        s = comm.tree(tree_sum_dim(per_leaf, -1))
+        self.lse = self.m + torch.log(s.reshape(lead))
+
+    @property
+    def z(self) -> torch.Tensor:
+        if self._z is None:
+            z = scale_logits(self.logits, self.temperature)
+            self._z = mask_padding(z, self.comm.first_rank, self.vocab, self.valid_vocab)
+        return self._z
+
+    def token_logprobs(self, target_ids: torch.Tensor, *, ids_in_range: bool = False) -> torch.Tensor:
+        """[...] fp32 log-probability of each row's target (global vocab ids), from the one picked logit per
+        row (``ids_in_range``: as ``VocabScores.token_logprobs``)."""
+        if target_ids.shape != self.lse.shape:
+            raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(self.lse.shape)}")
+        target_ids = target_ids.to(self.logits.device).long()
+        if not ids_in_range and bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
+            raise ValueError(f"target id outside [0, {self.vocab})")
+        owner = target_ids // self.shard
+        local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
+        R = self.logits.shape[0]
+        picked = self.logits.gather(-1, local.unsqueeze(0).expand(R, *local.shape).unsqueeze(-1)).squeeze(-1)
+        # The scaling of z, on the picked entries: an elementwise IEEE division, so the same bits as z's.
+        z_target = self.comm.pick(picked.float() / self.row_temperature, owner)
+        z_target = torch.where(target_ids >= self.valid_vocab, float("-inf"), z_target)  # padding ids, as masked
+        return z_target - self.lse
 
 
-def vocab_stats_triton(
-    shards: Sequence[torch.Tensor], *, temperature=1.0, leaves: int = 8, valid_vocab: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row max ``m`` [rows], per-leaf sums [rows, leaves] and temperature per row, for C shards [..., V/C]."""
-    if len(shards) == 0:
-        raise ValueError("need at least one vocab shard")
-    x = torch.stack(list(shards), dim=0)
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"token_logprobs_triton: unsupported dtype {x.dtype}; supported {SUPPORTED_DTYPES}")
-    C, shard = x.shape[0], x.shape[-1]
-    if leaves < 1 or leaves & (leaves - 1) or leaves < C or leaves % C:
-        raise ValueError(f"token_logprobs_triton: leaves={leaves} must be a power of two >= the {C} shards")
-    local = leaves // C
-    if shard % local:
-        raise ValueError(f"token_logprobs_triton: vocab shard {shard} is not divisible by its {local} leaves")
-    x = x.reshape(C, -1, shard).contiguous()
-    T = x.shape[1]
-    vocab = shard * C
-    valid = vocab if valid_vocab is None else int(valid_vocab)
-    if not 0 < valid <= vocab:
-        raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
-    t = temperature_rows(temperature, T, x.device)
-    s = torch.empty((T, leaves), device=x.device, dtype=torch.float32)
-    common = dict(LOCAL_LEAVES=local, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    if C == 1:
-        m = torch.empty((T,), device=x.device, dtype=torch.float32)
-        _vocab_kernel[(T, 1)](x, t, m, s, T, shard, shard // local, valid, x.stride(0), x.stride(1), MODE=2, **common)
-    else:
-        mc = torch.empty((C, T), device=x.device, dtype=torch.float32)
-        _vocab_kernel[(T, C)](x, t, mc, s, T, shard, shard // local, valid, x.stride(0), x.stride(1), MODE=0, **common)
-        m = mc.amax(dim=0)
-        _vocab_kernel[(T, C)](x, t, m, s, T, shard, shard // local, valid, x.stride(0), x.stride(1), MODE=1, **common)
-    return m, s, t
+def _triton_scores(
+    logits: torch.Tensor, comm: Comm, *, temperature: float | torch.Tensor, leaves: int, valid_vocab: int | None
+) -> TritonScores:
+    return TritonScores(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
+
+
+def _probe() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    logits, targets = (torch.randn(5, 4096, generator=g) * 3).cuda(), torch.randint(0, 4096, (5,), generator=g).cuda()
+    out = {}
+    for name, x in (("fp32", logits), ("bf16", logits.bfloat16())):
+        for t in (1.0, 0.7):
+            scores = TritonScores(x.unsqueeze(0), LocalShards(1), temperature=t, leaves=8)
+            out[f"{name}.t{t}.logp"] = scores.token_logprobs(targets).cpu()
+    return out
+
+
+register(
+    OpImpl(
+        op="logprob",
+        impl_id="vocab_logprob.triton",
+        version="1",
+        device_class="cuda",
+        profile=Profile.CORRECTNESS,
+        fn=_triton_scores,
+        constants={
+            "accumulate": "fp32",
+            "temperature": "fp32 div_rn",
+            "max": "exact (leaf max, then max over leaves and ranks)",
+            "exp_sum": f"per leaf: {BLOCK} lanes in order, fixed lane tree; leaves by the leaf tree",
+            "exp": "tl.exp (fp32)",
+            "triton": triton.__version__,
+        },
+        probe=_probe,
+    )
+)
 
 
 def token_logprobs_triton(
     shards: Sequence[torch.Tensor] | torch.Tensor,
     target_ids: torch.Tensor,
     *,
-    temperature=1.0,
+    temperature: float | torch.Tensor = 1.0,
     leaves: int = 8,
     valid_vocab: int | None = None,
 ) -> torch.Tensor:
-    """fp32 log-probability of each row's target; ``shards`` are C contiguous vocab shards in rank order
-    (a single tensor is one shard)."""
-    if isinstance(shards, torch.Tensor):
-        shards = [shards]
-    m, s, t = vocab_stats_triton(shards, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
-    lead = shards[0].shape[:-1]
-    shard = shards[0].shape[-1]
-    ids = target_ids.reshape(-1).to(m.device).long()
-    if ids.numel() != m.numel():
-        raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(lead)}")
-    if bool(((ids < 0) | (ids >= shard * len(shards))).any()):
-        raise ValueError(f"target id outside [0, {shard * len(shards)})")
-    owner = ids // shard
-    local = ids - owner * shard
-    x = torch.stack([sh.reshape(-1, shard) for sh in shards], dim=0)
-    picked = x[owner, torch.arange(ids.numel(), device=ids.device), local].float()
-    lse = m + torch.log(tree_sum_dim(s, -1))
-    return (picked / t - lse).reshape(lead)
+    """Single-process form (as ``reference.token_logprobs_shards``): ``shards`` are the C contiguous vocab shards
+    ``[..., V/C]`` in rank order (one tensor: one shard)."""
+    shards = [shards] if isinstance(shards, torch.Tensor) else list(shards)
+    if not shards:
+        raise ValueError("need at least one vocab shard")
+    scores = TritonScores(
+        torch.stack(shards, dim=0),
+        LocalShards(len(shards)),
+        temperature=temperature,
+        leaves=leaves,
+        valid_vocab=valid_vocab,
+    )
+    return scores.token_logprobs(target_ids)
 
 
 def vocab_parallel_check(logits: torch.Tensor, target_ids: torch.Tensor, temperature, leaves: int, world: int) -> bool:
