@@ -5,16 +5,24 @@ way Megatron's token dispatchers hand them to the experts. Every output row is c
 dense leaf-tree GEMM's arithmetic with its own expert's weight, so a row's bits depend on the row
 and that weight only: not on how many rows an expert received, nor on the other experts' rows.
 
-| device | profile      | implementation                                                        |
-|--------|--------------|-----------------------------------------------------------------------|
-| cpu    | correctness  | :func:`grouped_reference` (per-expert ``leaf_tree_linear``, readable)  |
-| cuda   | correctness  | ``grouped_triton.grouped_leaf_tree_linear_triton`` (one launch)       |
-| any    | performance  | :func:`grouped_native` (per-expert library GEMM)                      |
+| device | profile             | implementation                                                   |
+|--------|---------------------|------------------------------------------------------------------|
+| cpu    | correctness         | :func:`grouped_reference` (per-expert ``leaf_tree_linear``)      |
+| cpu    | correctness, static | :func:`grouped_reference_static` (every expert on every row)     |
+| cuda   | correctness         | ``grouped_triton.grouped_leaf_tree_linear_triton`` (one launch)  |
+| any    | performance         | :func:`grouped_native` (per-expert library GEMM)                 |
 
 On CUDA the grouped kernel gives, bit for bit, what a per-expert loop of
 ``gemm_triton.leaf_tree_linear_triton`` gives (tests/gpu/test_grouped_gemm.py): it runs the same
 jit tile code with a tile that shares the dense kernel's BLOCK_K and K-loop order. All paths
 return fp32, as ``ops.gemm.linear`` does.
+
+Static shapes (``static=True``, a decode step captured in a CUDA graph): nothing is read on the host
+and the work does not depend on the counts. The CUDA kernel is that already: its grid is a bound
+that depends on T and E only, and its programs find their expert's rows from the device-resident
+counts (``grouped_triton``). The CPU path, :func:`grouped_reference_static`, evaluates every expert
+on every row and keeps each row's own expert's result: the same elementwise arithmetic on the same
+row and weight, so the same bits as :func:`grouped_reference`.
 
 The backward (training) is per expert: the dense op's :func:`~megatron_iso.ops.gemm.reference.linear_backward`
 applied to each expert's rows; it reads the counts on the host (one sync, backward only).
@@ -68,8 +76,11 @@ def expert_weights(weights: Weights) -> list[torch.Tensor]:
     return ws
 
 
-def check_inputs(x: torch.Tensor, ws: list[torch.Tensor], counts: torch.Tensor, leaves: int) -> tuple[int, int, int]:
-    """Host-side checks shared by every path (no device sync). Returns ``(T, N, K)``."""
+def check_inputs(
+    x: torch.Tensor, ws: list[torch.Tensor], counts: torch.Tensor, leaves: int, *, read_counts: bool = True
+) -> tuple[int, int, int]:
+    """Host-side checks shared by every path (no device sync). Returns ``(T, N, K)``. ``read_counts``:
+    also check the values of host-resident counts (a static-shape caller reads none)."""
     check_dtype(x, "x")
     check_dtype(ws[0], "weights")
     if x.dim() != 2:
@@ -85,7 +96,7 @@ def check_inputs(x: torch.Tensor, ws: list[torch.Tensor], counts: torch.Tensor, 
     if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
         raise TypeError(f"grouped_gemm: counts must be an integer tensor, got {counts.dtype}")
     validate_leaves(leaves, k=k)
-    if counts.device.type == "cpu":
+    if read_counts and counts.device.type == "cpu":
         # Free to check here (no device sync); device-resident counts are checked asynchronously by the kernel path.
         if bool((counts < 0).any()):
             raise ValueError(f"grouped_gemm: counts has negative entries: {counts.tolist()}")
@@ -121,6 +132,23 @@ def grouped_by_expert(
 def grouped_reference(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leaves: int) -> torch.Tensor:
     """Per-expert torch reference leaf tree (``reference.leaf_tree_linear_forward``); any device."""
     return grouped_by_expert(leaf_tree_linear_forward, x, weights, counts, leaves)
+
+
+def grouped_reference_static(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leaves: int) -> torch.Tensor:
+    """:func:`grouped_reference`'s bits with no host read of ``counts`` and work fixed by the shapes: every
+    expert's leaf tree on all T rows, each row kept from its own expert (rows ``[start_e, end_e)`` from the
+    prefix sum of the counts, on the counts' device). E times the work: for the CPU and tests, where the
+    CUDA path's static grid has no equivalent. Counts summing to less than T leave the rest of the rows 0."""
+    ws = expert_weights(weights)
+    t, n, _ = check_inputs(x, ws, counts, leaves, read_counts=False)
+    ends = torch.cumsum(counts.to(x.device), 0)
+    starts = ends - counts.to(x.device)
+    row = torch.arange(t, device=x.device).unsqueeze(1)
+    out = torch.zeros((t, n), dtype=torch.float32, device=x.device)
+    for e, w in enumerate(ws):
+        mine = (row >= starts[e]) & (row < ends[e])
+        out = torch.where(mine, leaf_tree_linear_forward(x, w, leaves), out)
+    return out
 
 
 def grouped_native(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leaves: int | None = None) -> torch.Tensor:
@@ -167,22 +195,27 @@ def grouped_linear(
     *,
     leaves: int = DEFAULT_LEAVES,
     profile: str = Profile.CORRECTNESS,
+    static: bool = False,
 ) -> torch.Tensor:
     """fp32 ``[T, N]``: rows of ``x [T, K]`` (sorted by expert, ``counts[e]`` each) times their expert's
     ``[N, K]`` weight, by the implementation serving ``x``'s device class and ``profile``.
-    Differentiable in ``x`` and the weights (a ``[E, N, K]`` tensor or a list of ``[N, K]``)."""
+    Differentiable in ``x`` and the weights (a ``[E, N, K]`` tensor or a list of ``[N, K]``).
+    ``static``: no host read of the counts in the forward (CUDA-graph capture), the same bits; correctness
+    profile only (the per-expert library GEMMs of the performance profile split on the host)."""
     if profile == Profile.PERFORMANCE:
+        if static:
+            raise ValueError("grouped_gemm: static=True needs profile='correctness' (performance splits on the host)")
         return grouped_native(x, weights, counts, leaves)
     if profile != Profile.CORRECTNESS:
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
     if x.device.type == "cpu":
-        kernel = grouped_reference
+        kernel = grouped_reference_static if static else grouped_reference
     elif x.device.type == "cuda":
         kernel = _triton_forward
     else:
         raise ValueError(f"no correctness grouped GEMM for device type {x.device.type!r}")
     ws = expert_weights(weights)
-    check_inputs(x, ws, counts, leaves)
+    check_inputs(x, ws, counts, leaves, read_counts=not static)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
         return _GroupedLinear.apply(x, counts, leaves, kernel, *ws)
     return kernel(x, ws, counts, leaves)
@@ -242,4 +275,12 @@ for _device in ("cpu", "cuda"):
         )
     )
 
-__all__ = ["OP", "expert_weights", "grouped_by_expert", "grouped_linear", "grouped_native", "grouped_reference"]
+__all__ = [
+    "OP",
+    "expert_weights",
+    "grouped_by_expert",
+    "grouped_linear",
+    "grouped_native",
+    "grouped_reference",
+    "grouped_reference_static",
+]

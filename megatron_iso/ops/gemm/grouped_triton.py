@@ -16,6 +16,12 @@ Tile schedule, on the device (no host sync): the grid is an upper bound on the n
 counts, takes the prefix sum of ``cdiv(count_e, BLOCK_M)`` and finds its expert; programs past the
 last tile return at once. The counts only decide which program computes which tile, never how.
 
+CUDA graphs: for a fixed T (a decode bucket's rows times top-k) the launch is static, grid and tile
+alike (both depend on T, E and the dtype only), and nothing is read back: the kernel takes the counts
+from the device and the optional count check is an asynchronous device assert. The one host-made input
+is the weight address table below, built on the first call with these weights: a capture must follow
+one eager call (a warm-up), as DecodeGraphs' does.
+
 Expert weights are not copied: Megatron keeps each local expert's weight as its own parameter, so
 the kernel takes the first expert's weight as a base pointer plus an int64 table of element offsets
 of every expert's weight from it. The table is cached by the weights' addresses (the only thing it
