@@ -13,6 +13,7 @@ from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
+from megatron_iso.models.moe import static_shapes as moe_static_shapes
 from megatron_iso.models.specs import dense_block_spec, hybrid_block_spec, moe_block_spec
 from megatron_iso.models.stages import current_stage, stage_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
@@ -88,6 +89,12 @@ class IsoGPTModel(GPTModel):
             )
             if self.pre_process and self.share_embeddings_and_output_weights:
                 self.setup_embeddings_and_output_layer()
+
+    def forward(self, *args, packed_seq_params=None, **kwargs):
+        """GPTModel's forward; a batch with ``static_shapes`` runs its MoE layers' static-shape path."""
+        static = isinstance(packed_seq_params, IsoBatch) and packed_seq_params.static_shapes
+        with moe_static_shapes(static):
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
 
     def forward_packed(self, input_ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
         """Vocab-parallel logits ``[T, V/tp]`` for packed ``input_ids [1, T]``."""

@@ -19,9 +19,22 @@ function of that token alone (EP, TP+SP and batch invariance):
 
 Expert tensor parallelism (``expert_tensor_parallel_size``) must be 1: an expert lives whole on
 one EP rank (attention TP and SP are unaffected).
+
+Static shapes (:func:`static_shapes`; a model call whose ``IsoBatch.static_shapes`` is set runs inside
+it): the forward reads nothing on the host and its work and shapes depend only on the row count, so a
+decode step can be captured in a CUDA graph. EP 1 only. Dispatch takes each token's experts from the
+routing map by a sort instead of ``nonzero``, the per-expert counts by a sum on the device, and skips
+the all-to-all (the identity at EP 1); the experts run as the grouped GEMM on every device (its
+static-shape path, ``ops.gemm.grouped``). The slots are ordered as in the eager dispatch and the combine
+is the same, so a row's result is the eager one bit for bit, whatever the other rows (padding rows
+included) are.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 from megatron.core.tensor_parallel.mappings import all_to_all
@@ -39,6 +52,34 @@ from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
+
+_STATIC_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("iso_moe_static_shapes", default=False)
+
+
+@contextlib.contextmanager
+def static_shapes(enabled: bool = True) -> Iterator[None]:
+    """Inside: MoE layers of the correctness profile take their static-shape forward (no host reads, EP 1;
+    the module docstring). ``IsoGPTModel.forward`` enters it for a batch with ``static_shapes`` set."""
+    token = _STATIC_SHAPES.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _STATIC_SHAPES.reset(token)
+
+
+def static_shapes_active() -> bool:
+    """Whether the calling forward runs inside :func:`static_shapes`."""
+    return _STATIC_SHAPES.get()
+
+
+def _routed_experts(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+    """``[N, k]``: the experts a row of ``routing_map [N, E]`` selects, ascending (what ``nonzero`` lists),
+    without a host read: a stable descending sort of the map puts a row's k selected experts first, in
+    index order. Every row must select exactly k (the router's top-k does; checked on the device)."""
+    torch._assert_async(
+        (routing_map.sum(1) == k).all(), f"routing_map must select exactly moe_router_topk={k} experts per token"
+    )
+    return torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
 
 
 def _profile(config) -> str:
@@ -112,7 +153,11 @@ class IsoSequentialExperts(SequentialMLP):
     grouped_on_cuda: bool = True
 
     def _can_group(self, tokens: torch.Tensor) -> bool:
-        if not (self.grouped_on_cuda and tokens.is_cuda and len(self.local_experts) > 0):
+        return self.grouped_on_cuda and tokens.is_cuda and self._groupable()
+
+    def _groupable(self) -> bool:
+        """Whether the grouped launches compute what the per-expert modules compute (any device)."""
+        if len(self.local_experts) == 0:
             return False
         for expert in self.local_experts:
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
@@ -125,22 +170,45 @@ class IsoSequentialExperts(SequentialMLP):
                 return False
         return True
 
-    def _grouped_fp32(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def _grouped_fp32(
+        self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, *, static: bool = False
+    ) -> torch.Tensor:
         """What the per-expert loop computes, as two grouped launches. fc1: fp32 tree rounded once to the
         input dtype (the column linear's ``_finish`` without bias); fc2: the fp32 tree over the expert's
-        local leaves (expert TP is 1, so the tree collective is the identity)."""
+        local leaves (expert TP is 1, so the tree collective is the identity). ``static``: the grouped
+        GEMM's static-shape path (no host read of the counts)."""
         counts = tokens_per_expert.to(tokens.device, non_blocking=True)
         fc1 = [expert.linear_fc1 for expert in self.local_experts]
         fc2 = [expert.linear_fc2 for expert in self.local_experts]
         h = grouped_linear(
-            tokens, [m.weight for m in fc1], counts, leaves=fc1[0].iso_leaves, profile=Profile.CORRECTNESS
+            tokens,
+            [m.weight for m in fc1],
+            counts,
+            leaves=fc1[0].iso_leaves,
+            profile=Profile.CORRECTNESS,
+            static=static,
         )
         act = swiglu_packed(h.to(tokens.dtype), profile=Profile.CORRECTNESS)
         return grouped_linear(
-            act, [m.weight for m in fc2], counts, leaves=fc2[0].iso_local_leaves, profile=Profile.CORRECTNESS
+            act,
+            [m.weight for m in fc2],
+            counts,
+            leaves=fc2[0].iso_local_leaves,
+            profile=Profile.CORRECTNESS,
+            static=static,
         )
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs=None):
+        if static_shapes_active():
+            # The per-expert loop splits the rows on the host: static shapes need the grouped launches.
+            if not self._groupable():
+                raise ValueError(
+                    "static_shapes needs the grouped expert path: correctness-profile LeafTree linears, "
+                    "no fc1 bias added in the linear (skip_bias_add=True or bias=False)"
+                )
+            if tokens.is_cuda and not self.grouped_on_cuda:
+                raise ValueError("static_shapes needs IsoSequentialExperts.grouped_on_cuda=True on CUDA")
+            return self._grouped_fp32(tokens, tokens_per_expert, static=True), None
         if self._can_group(tokens):
             return self._grouped_fp32(tokens, tokens_per_expert), None
         chunks = torch.split(tokens, [int(n) for n in tokens_per_expert.tolist()])
@@ -167,6 +235,9 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
     experts, and regroups the received rows by local expert. Combine reverses every move, puts each
     output back in its slot and sums ``weight * output`` over the slots with the fixed tree. The
     only arithmetic is per token, so neither the EP size nor the other tokens can change a bit.
+
+    Under :func:`static_shapes` (EP 1) the same slots in the same order, found without host reads: the
+    all-to-alls and the regrouping are identities at EP 1, so no split sizes are needed.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None) -> None:
@@ -189,19 +260,33 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.hidden_dtype = hidden_states.dtype
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         n = x.shape[0]
-        # nonzero() lists (token, expert) in row-major order: per token, ascending expert index.
-        experts = routing_map.nonzero()[:, 1]
-        if experts.numel() != n * self.topk:
-            raise ValueError(f"routing_map must select exactly moe_router_topk={self.topk} experts per token")
-        experts = experts.reshape(n, self.topk)
+        static = static_shapes_active()
+        if static and self.ep_size > 1:
+            raise ValueError(
+                f"static_shapes needs expert_model_parallel_size=1, got {self.ep_size}: the all-to-all splits "
+                "are planned on the host"
+            )
+        if static:
+            experts = _routed_experts(routing_map, self.topk)
+        else:
+            # nonzero() lists (token, expert) in row-major order: per token, ascending expert index.
+            experts = routing_map.nonzero()[:, 1]
+            if experts.numel() != n * self.topk:
+                raise ValueError(f"routing_map must select exactly moe_router_topk={self.topk} experts per token")
+            experts = experts.reshape(n, self.topk)
         self.weights = probs.gather(1, experts).float()
         flat = experts.reshape(-1)
         self.order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.input_splits = counts.reshape(self.ep_size, self.num_local_experts).sum(1).tolist()
-        # received[j, l]: rows for my local expert l coming from EP rank j
-        self.received = all_to_all(self.ep_group, counts).reshape(self.ep_size, self.num_local_experts)
-        self.output_splits = self.received.sum(1).tolist()
+        if static:
+            # received[0, l]: rows for local expert l (EP 1: all of them); the all-to-alls pass rows through.
+            self.received = routing_map.sum(0).reshape(1, self.num_local_experts)
+            self.input_splits = self.output_splits = None
+        else:
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            self.input_splits = counts.reshape(self.ep_size, self.num_local_experts).sum(1).tolist()
+            # received[j, l]: rows for my local expert l coming from EP rank j
+            self.received = all_to_all(self.ep_group, counts).reshape(self.ep_size, self.num_local_experts)
+            self.output_splits = self.received.sum(1).tolist()
         # Each slot gets its own copy of the token row (expand: backward sums the k copies' grads).
         slots = x.unsqueeze(1).expand(n, self.topk, x.shape[1]).reshape(n * self.topk, x.shape[1])
         return slots[self.order], None
@@ -210,12 +295,13 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
         return all_to_all(self.ep_group, hidden_states, self.output_splits, self.input_splits), probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs):
-        if self.num_local_experts > 1:
+        # At EP 1 the chunks already come as [local expert] (by_expert is the identity): nothing to move.
+        if self.num_local_experts > 1 and self.ep_size > 1:
             hidden_states, _ = sort_chunks_by_idxs(hidden_states, self.received.ravel(), self.by_expert)
         return hidden_states, self.received.sum(0), probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.num_local_experts > 1:
+        if self.num_local_experts > 1 and self.ep_size > 1:
             hidden_states, _ = sort_chunks_by_idxs(hidden_states, self.received.T.ravel(), self.by_source)
         return hidden_states
 

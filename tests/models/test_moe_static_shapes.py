@@ -1,0 +1,89 @@
+"""The MoE layer's static-shape forward (``models.moe.static_shapes``: CUDA-graph decode steps, EP 1)
+gives the eager forward's bits on every real row and reads nothing on the host.
+
+A decode bucket holds B rows, n real and the rest padding whose outputs are dropped: the static
+forward on all B rows must give rows ``:n`` the bits of the eager forward on the n real rows alone,
+for several n, random routing and a routing that leaves most experts empty (a zero router: every row
+ties, so every row takes experts 0 and 1), fp32 and bf16, padding rows of zeros and of huge values. A
+model call with ``IsoBatch.static_shapes`` takes the static path (the CPU grouped GEMM's static variant
+runs). The captured graph on a GPU: tests/gpu/test_moe_static_graph.py."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_iso.testing.bits import bits
+from megatron_iso.testing.harness import run_on_ranks
+
+BUCKET = 16
+SIZES = (1, 3, 7, 16)
+
+
+def _layer_cases(dtype: str) -> dict:
+    from megatron_iso.config import load_config
+    from megatron_iso.models.batch import pack
+    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.moe import static_shapes
+    from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.ops.gemm import grouped
+    from megatron_iso.testing.host_reads import HostReadCounter
+
+    tc = transformer_config(load_config(["model=tiny_moe", f"model.params_dtype={dtype}"]))
+    model = build_model(tc, random_hf_state_dict(tc, seed=7, std=0.2)).eval()
+    moe = model.decoder.layers[0].mlp
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(BUCKET, 1, tc.hidden_size, generator=g).to(tc.params_dtype)
+    x[12:14] = 0  # padding rows as a bucket holds them (its token 0's hidden state differs; any value will do)
+    x[14:] = 1e4
+    out: dict = {"layer": []}
+    with torch.no_grad():
+        for routing in ("random", "zero router"):
+            if routing == "zero router":
+                moe.router.weight.zero_()
+            with static_shapes():
+                full = moe(x)[0]
+            for n in SIZES:
+                eager = moe(x[:n])[0]
+                out["layer"].append(((routing, n), bits(full[:n]), bits(eager)))
+        # No host reads in the static forward; the counter sees the eager one's.
+        reads = {}
+        for name, ctx in (("static", static_shapes()), ("eager", static_shapes(False))):
+            with HostReadCounter() as counter, ctx:
+                counter.seed(model, x)
+                moe(x)
+                reads[name] = counter.summary()
+        out["reads"] = reads
+        # A model call with IsoBatch.static_shapes runs the static path, with the eager logits' bits.
+        ids, batch = pack([[3, 5, 7], [11]], device="cpu")
+        calls = []
+        real = grouped.grouped_reference_static
+
+        def spy(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
+
+        grouped.grouped_reference_static = spy
+        try:
+            eager_logits = model.forward_packed(ids, batch)
+            eager_calls = len(calls)
+            batch.static_shapes = True
+            static_logits = model.forward_packed(ids, batch)
+        finally:
+            grouped.grouped_reference_static = real
+        out["model"] = (bits(eager_logits), bits(static_logits), eager_calls, len(calls))
+    return out
+
+
+def test_static_moe_forward_gives_the_eager_bits() -> None:
+    for dtype in ("fp32", "bf16"):
+        res = run_on_ranks(_layer_cases, 1, args=(dtype,))[0]
+        assert len(res["layer"]) == 2 * len(SIZES)
+        for case, static, eager in res["layer"]:
+            assert torch.equal(static, eager), (dtype, case)
+        assert res["reads"]["static"] == {}, res["reads"]["static"]
+        assert any("nonzero" in kind for kind, _ in res["reads"]["eager"]), res["reads"]["eager"]
+        eager_logits, static_logits, eager_calls, calls = res["model"]
+        assert torch.equal(static_logits, eager_logits), dtype
+        # tiny_moe: 2 MoE layers, 2 grouped GEMMs each, only in the static call
+        assert (eager_calls, calls) == (0, 4)
