@@ -316,8 +316,11 @@ class DecodeGraphs:
             self._capture(bucket)
         return bucket
 
+    @torch.no_grad()
     def _run(self, bucket: _Bucket) -> torch.Tensor:
-        """One step on the bucket's buffers (what a graph records): forward, then the last write-back."""
+        """One step on the bucket's buffers (what a graph records): forward, then the last write-back. Without
+        autograd whatever the caller's mode (:meth:`warm` is called outside the engine's ``no_grad``): the GDN
+        ops refuse gradients through a state cache."""
         bucket.batch.memo.clear()  # RoPE cos/sin of the new positions
         bucket.view.discard()  # nothing left over from a warm-up or capture that raised mid-forward
         logits = self.model.forward_packed(bucket.ids, bucket.batch)

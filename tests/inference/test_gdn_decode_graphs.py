@@ -64,7 +64,9 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
 
             def watched(starts, tables, ids, plan=None, gdn_slots=None):
                 before = _snapshot(gdn.state)
-                logits = real_step(starts, tables, ids, plan, gdn_slots)
+                with torch.enable_grad():  # as warm() may be called: a bucket's step runs without autograd anyway
+                    logits = real_step(starts, tables, ids, plan, gdn_slots)
+                assert not logits.requires_grad
                 steps.append((list(gdn_slots), _touched(before, gdn.state), graphs._last[0].rows))
                 return logits
 
