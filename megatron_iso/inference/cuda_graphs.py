@@ -27,6 +27,12 @@ written, outside the graph. Captured only in the correctness profile with ``prof
 (the GPU's ``auto``): the scan form's state pass and the native ops plan each step on the host.
 Not yet measured on a GPU.
 
+MoE layers (correctness profile, EP 1): a bucket's batch is marked ``static_shapes``, so the layer routes
+by a stable sort of the routing map and runs the grouped expert GEMM on a grid set by the bucket's row
+count, reading each expert's row range on the device (``models.moe``); the expert batch sizes change
+under the same graph. The performance profile's Megatron dispatcher and EP > 1 all-to-alls plan their
+splits on the host and stay eager.
+
 - Correctness profile (paged reads): the Triton kernel reads the pool through the block table, so a
   bucket is a row count. Padding is free of numerical effect because the profile is batch invariant (a
   row's bits depend on that row alone), so a replayed step gives the eager step's tokens and logprobs
@@ -92,7 +98,13 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
                 "read on the host)"
             )
     if mc.num_moe_experts:
-        return "MoE layers: expert batch sizes are planned on the host every step"
+        if mc.iso_profile != Profile.CORRECTNESS:
+            return "MoE layers in the performance profile: Megatron's dispatcher plans expert batch sizes on the host"
+        if mc.expert_model_parallel_size > 1:
+            return (
+                f"expert_model_parallel_size={mc.expert_model_parallel_size}: the all-to-all splits are planned "
+                "on the host (EP 1 only)"
+            )
     return None
 
 
@@ -295,6 +307,7 @@ class DecodeGraphs:
             )
             batch.positions = batch.cache_seqlens = inputs[POS]  # the view's write-back rows read the same tensor
             batch.kv_plan.device_positions = True  # its host starts (all 0) are placeholders
+            batch.static_shapes = True  # MoE layers: dispatch and expert GEMMs without host reads (models.moe)
             if gdn is not None:
                 batch.gdn_slots = inputs[SLOT]  # the GDN layers read each row's state in place
             padding = np.zeros((INPUT_ROWS, rows), dtype=np.int64)
