@@ -1,22 +1,22 @@
 """Vocab row statistics in Triton: the CUDA correctness profile's scoring (token logprob, log-softmax).
 
-The algorithm of ``reference.VocabScores`` with the per-leaf sum done in a kernel, so the fp32 scaled
-logits ``z = logits.float() / t`` are never written out for a token logprob:
+The log-sum-exp of ``z = logits.float() / t`` over the vocab, cut into the same leaves as the torch
+reference (``reference.VocabScores``), with each leaf read once and the fp32 ``z`` never written out:
 
-1. one program per (row, vocab leaf) reads the leaf once for its max ``m_l`` (exact in any order);
-   ``m = max_l m_l`` (a max: exact across leaves and TP ranks);
-2. one program per (row, leaf) reads it again for ``s_l = sum exp(z - m)``: lane j of a BLOCK-lane fp32
-   accumulator adds entries j, j + BLOCK, ... of the leaf in order, then the lanes are added by the
-   fixed tree (``ops.common.tree_triton.fixed_tree_rowsum``);
-3. ``lse = m + log(s)`` with ``s`` the leaves' sums added by the fixed leaf tree (``tree_sum_dim`` within
-   a rank, ``Comm.tree`` across ranks), exactly as the reference;
-4. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit.
+1. one program per (row, vocab leaf) walks the leaf in BLOCK-wide slices from its first entry. Lane j
+   keeps ``acc_j``, a sum of ``exp(z - m)`` over entries j, j + BLOCK, ... against the leaf's running max
+   ``m``: a slice's max (exact) raises ``m``, ``acc`` is scaled by ``exp(m_old - m_new)`` (by exactly 1 when
+   the max did not move), then the slice's ``exp(z - m)`` are added. The lanes are added by the fixed tree
+   (``ops.common.tree_triton.fixed_tree_rowsum``): the leaf's ``(m_l, s_l)``;
+2. ``m = max_l m_l`` (exact across leaves and TP ranks), ``s = sum_l s_l * exp(m_l - m)`` by the fixed
+   leaf tree (``tree_sum_dim`` within a rank, ``Comm.tree`` across ranks), ``lse = m + log(s)``;
+3. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit.
 
-Every number a row's result depends on is computed from that row's own leaves in an order fixed by the
-leaf length and BLOCK alone: the same bits for any batch, any rows beside it, and any TP split of the
-vocab (a rank holds whole leaves). The bits differ from the torch reference's (its within-leaf order is
-the recursive tree over the whole leaf, its exp ATen's), so this is its own implementation in the
-contract; tests/gpu/test_logprob_triton.py holds it to fp64 and to its invariances.
+Every number a row's result depends on comes from that row's own leaves in an order fixed by the leaf
+length and BLOCK alone: the same bits for any batch, any rows beside it, and any TP split of the vocab
+(a rank holds whole leaves). The bits differ from the torch reference's (its leaf sums use the global
+max and the recursive tree over the whole leaf, its exp is ATen's), so this is its own implementation
+in the contract; tests/gpu/test_triton_ops.py holds it to fp64 and to its invariances.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def _leaf_kernel(
-    x_ptr, t_ptr, m_ptr, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
-    SUMS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, t_ptr, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # SUMS=False: out[r, row, leaf] = the leaf's max of z. SUMS=True: the leaf's sum of exp(z - m[row]).
+    # out[r, row, leaf] = (m_l, s_l): the leaf's max of z and its sum of exp(z - m_l).
     pr = tl.program_id(0)  # rank-axis entry r and row, as r * ROWS + row
     leaf = tl.program_id(1)
     r = pr // ROWS
@@ -59,21 +59,20 @@ def _leaf_kernel(
     first = FIRST_ID + r * SHARD + leaf * LEAF  # global vocab id of the leaf's first entry
     temp = tl.load(t_ptr + row)
     offs = tl.arange(0, BLOCK)[None, :]
-    if SUMS:
-        m = tl.load(m_ptr + row)
-        acc = tl.zeros((1, BLOCK), tl.float32)
-    else:
-        acc = tl.full((1, BLOCK), float("-inf"), tl.float32)
+    m = tl.full((1,), float("-inf"), tl.float32)
+    acc = tl.zeros((1, BLOCK), tl.float32)
     for start in range(0, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
         z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
-        if SUMS:
-            acc += tl.where(ok, tl.exp(z - m), 0.0)
-        else:
-            acc = tl.maximum(acc, tl.where(ok, z, float("-inf")))
-    val = fixed_tree_rowsum(acc, 1, BLOCK) if SUMS else tl.max(acc, axis=1)  # a max: exact in any order
-    tl.store(out_ptr + pr * tl.num_programs(1) + leaf + tl.arange(0, 1), val)
+        z = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
+        scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
+        acc = acc * scale[:, None] + tl.where(ok, tl.exp(z - m_new[:, None]), 0.0)
+        m = m_new
+    out = out_ptr + (pr * tl.num_programs(1) + leaf) * 2 + tl.arange(0, 1)
+    tl.store(out, m)
+    tl.store(out + 1, fixed_tree_rowsum(acc, 1, BLOCK))
 
 
 def _row_temperatures(temperature: float | torch.Tensor, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -87,7 +86,7 @@ def _row_temperatures(temperature: float | torch.Tensor, lead: tuple[int, ...], 
 
 
 class TritonScores(VocabScores):
-    """:class:`~megatron_iso.ops.logprob.reference.VocabScores` with ``m`` and ``lse`` from :func:`_leaf_kernel`;
+    """:class:`~megatron_iso.ops.logprob.reference.VocabScores` with ``lse`` from :func:`_leaf_kernel`'s leaf sums;
     ``z`` (the fp32 scaled logits) is made only when a query needs every entry (``log_softmax``, ``entropy``).
 
     Forward only: the scoring API runs it under ``with_plain_backward`` (the native formula's gradient)."""
@@ -127,21 +126,16 @@ class TritonScores(VocabScores):
         R, rows = x.shape[0], x.shape[1]
         t = _row_temperatures(temperature, lead, logits.device)
         self.row_temperature = t.reshape(lead)
-        per_leaf = torch.empty((R, rows, self.local_leaves), device=logits.device, dtype=torch.float32)
-        first = comm.first_rank * shard
-        leaf = shard // self.local_leaves
-
-        def run(m: torch.Tensor, sums: bool) -> None:
-            if rows:
-                _leaf_kernel[(R * rows, self.local_leaves)](
-                    x, t, m, per_leaf, rows, shard, leaf, self.valid_vocab, first,
-                    x.stride(0), x.stride(1), SUMS=sums, BLOCK=BLOCK, num_warps=NUM_WARPS,
-                )  # fmt: skip
-
-        run(t, False)  # m_ptr unused
-        self.m = comm.max(per_leaf.amax(dim=-1)).reshape(lead)
-        run(self.m.reshape(-1).contiguous(), True)
-        s = comm.tree(tree_sum_dim(per_leaf, -1))
+        per_leaf = torch.empty((R, rows, self.local_leaves, 2), device=logits.device, dtype=torch.float32)
+        if rows:
+            _leaf_kernel[(R * rows, self.local_leaves)](
+                x, t, per_leaf, rows, shard, shard // self.local_leaves, self.valid_vocab, comm.first_rank * shard,
+                x.stride(0), x.stride(1), BLOCK=BLOCK, num_warps=NUM_WARPS,
+            )  # fmt: skip
+        m_leaf, s_leaf = per_leaf.unbind(-1)
+        m = comm.max(m_leaf.amax(dim=-1))  # [rows]; every row has a valid entry, so m is finite
+        s = comm.tree(tree_sum_dim(s_leaf * torch.exp(m_leaf - m.unsqueeze(-1)), -1))  # an all-padding leaf: 0
+        self.m = m.reshape(lead)
         self.lse = self.m + torch.log(s.reshape(lead))
 
     @property
@@ -197,8 +191,9 @@ register(
         constants={
             "accumulate": "fp32",
             "temperature": "fp32 div_rn",
-            "max": "exact (leaf max, then max over leaves and ranks)",
-            "exp_sum": f"per leaf: {BLOCK} lanes in order, fixed lane tree; leaves by the leaf tree",
+            "max": "exact (running slice max per leaf, then max over leaves and ranks)",
+            "exp_sum": f"per leaf: {BLOCK} lanes rescaled to the running max, fixed lane tree; "
+            "leaves rescaled to the row max, leaf tree",
             "exp": "tl.exp (fp32)",
             "triton": triton.__version__,
         },
@@ -221,7 +216,7 @@ def token_logprobs_triton(
     if not shards:
         raise ValueError("need at least one vocab shard")
     scores = TritonScores(
-        torch.stack(shards, dim=0),
+        shards[0].unsqueeze(0) if len(shards) == 1 else torch.stack(shards, dim=0),
         LocalShards(len(shards)),
         temperature=temperature,
         leaves=leaves,
