@@ -25,7 +25,6 @@ device from the positions and slots (``ops.gdn.triton.plan.decode_plan``); the c
 shared prompt's slot (``GDNSlotCache.prepare_append``) runs on the host before the step's inputs are
 written, outside the graph. Captured only in the correctness profile with ``profile.gdn_form=chunk``
 (the GPU's ``auto``): the scan form's state pass and the native ops plan each step on the host.
-Not yet measured on a GPU.
 
 MoE layers (correctness profile, EP 1): a bucket's batch is marked ``static_shapes``, so the layer routes
 by a stable sort of the routing map and runs the grouped expert GEMM on a grid set by the bucket's row
