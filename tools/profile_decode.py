@@ -7,6 +7,11 @@ python tools/profile_decode.py --split --model qwen3_0p6b --set model.num_layers
 Default: torch.profiler's top ops and per-module parts (``megatron_iso.bench.profiling``). ``--split``: wall time of uninstrumented runs (best of
 ``--repeat``), then one cProfile run attributing that time to the model forward, the KV staging
 inside it (``PagedStepView``), the sampler and the rest of the engine's host work.
+``--graph-split`` (CUDA, decode graphs on): a decode step's wall time in the engine against its bucket's graph
+replayed alone (the difference is host work left on the critical path), then the kernels of one step of that
+bucket run eagerly, by total device time.
+
+python tools/profile_decode.py --graph-split --model qwen3_0p6b --prompts 64 --group 1 --prompt-len 512
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--split", action="store_true", help="time split (forward / KV staging / sampler / rest)")
     parser.add_argument("--repeat", type=int, default=2, help="--split: uninstrumented runs (best is reported)")
+    parser.add_argument("--graph-split", action="store_true", help="decode step vs its graph replayed alone (CUDA)")
+    parser.add_argument("--steps", type=int, default=50, help="--graph-split: decode steps timed")
     args = parser.parse_args(argv)
 
     from megatron_iso.config import load_config
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
 
+        if args.graph_split:
+            return _graph_split(engine, prompts, args)
         with torch.no_grad():
             run("warm")
             if args.split:
@@ -139,6 +148,56 @@ def _split(engine, run, args) -> int:
     if args.rows:
         stats.sort_stats("tottime").print_stats(args.rows)
     _op_counts(run, nsteps)
+    return 0
+
+
+def _graph_split(engine, prompts: list[list[int]], args) -> int:
+    from megatron_iso.inference.params import Request, SamplingParams
+
+    graphs = engine.decode_graphs
+    if graphs is None:
+        print(f"--graph-split needs decode graphs: {engine.decode_graphs_status()}", file=sys.stderr)
+        return 2
+    rows = args.prompts * args.group
+    params = SamplingParams(max_new_tokens=args.new_tokens + args.steps + 16, n=args.group, seed=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"g{i}", p, params))
+    graphs.warm(rows, args.prompt_len + 1)
+    with torch.no_grad():
+        while engine.stats.decode_tokens < rows * args.new_tokens:  # past the prefill, into steady decode
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+        bucket = graphs._last[0] if graphs._last else None  # the bucket the last steps replayed
+        if bucket is None or bucket.graph is None:
+            print(f"no captured bucket served the steps: {engine.decode_graphs_status()}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            bucket.graph.replay()
+        torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - t0) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphs._run(bucket)
+            torch.cuda.synchronize()
+    print(
+        f"model={args.model} profile={args.profile} rows={rows} (bucket {bucket.rows}) prompt={args.prompt_len}: "
+        f"engine decode step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
+        f"host on the critical path {step_ms - replay_ms:+.3f} ms"
+    )
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time_total)
+    total = sum(sum(v) for v in kernels.values())
+    print(f"one step run eagerly: {sum(map(len, kernels.values()))} kernels, {total / 1e3:.3f} ms of device time")
+    print("| kernel | launches | ms |\n|---|---|---|")
+    for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.rows]:
+        print(f"| {name[:80]} | {len(times)} | {sum(times) / 1e3:.3f} |")
     return 0
 
 
