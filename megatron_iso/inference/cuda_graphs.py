@@ -32,6 +32,20 @@ count, reading each expert's row range on the device (``models.moe``); the exper
 under the same graph. The performance profile's Megatron dispatcher and EP > 1 all-to-alls plan their
 splits on the host and stay eager.
 
+Tensor parallelism (TP > 1, a TP group over NCCL): each rank captures its own graphs over its shards. The step's
+cross-rank work is NCCL collectives of device tensors whose shapes follow from the bucket's row count alone: the
+vocab-parallel embedding's all-gather (``parallel.embedding``), the row-parallel linears' tree all-reduce (an
+all-gather of fp32 partials, ``parallel.tree_collectives``), the vocab-parallel scoring's max all-reduce and
+all-gathers (``parallel.vocab_scoring.GroupComm``) and the all-gather of each vocab shard's Gumbel winner
+(``inference.sampler.gumbel_tokens``). CUDA graphs record NCCL collectives, and a replay runs them; nothing crosses
+ranks on the host. The ranks must replay the same bucket at the same step, and they do: every TP rank runs the engine
+on the same requests and seeds, its schedule is a function of the requests alone, and every rank draws the same tokens
+and logprobs from the same gathered scores, so all ranks take each step with the same rows (the same bucket) and
+capture a bucket at the same step. A capture that fails on some rank leaves that rank serving the bucket eagerly: it
+runs the same collectives in the same order as the ranks that replay, so the ranks stay paired. A TP group over gloo
+(or any other backend) is not captured. ``tests/inference/test_decode_graphs_tp.py`` runs the TP 2 buffers eagerly on
+gloo ranks (bits and host reads); ``tests/multigpu/test_decode_graphs_tp.py`` captures them over NCCL.
+
 - Correctness profile (paged reads): the Triton kernel reads the pool through the block table, so a
   bucket is a row count. Padding is free of numerical effect because the profile is batch invariant (a
   row's bits depend on that row alone), so a replayed step gives the eager step's tokens and logprobs
@@ -84,9 +98,12 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
     if mc.iso_profile == Profile.CORRECTNESS and not paged_kv_reads:
         return "paged_kv_reads=False: the correctness profile's staged attention reads positions on the host"
     if mc.tensor_model_parallel_size > 1:
-        return (
-            f"tensor_model_parallel_size={mc.tensor_model_parallel_size}: TP collectives are not captured (TP 1 only)"
-        )
+        backend = tp_backend()
+        if backend != "nccl":
+            return (
+                f"tensor_model_parallel_size={mc.tensor_model_parallel_size} over a TP group with backend "
+                f"{backend!r}: CUDA graphs capture NCCL collectives only (backend 'nccl')"
+            )
     if gdn_layer_indices(mc):
         if mc.iso_profile != Profile.CORRECTNESS:
             return "Gated DeltaNet layers in the performance profile: the native GDN ops plan each step on the host"
@@ -105,6 +122,16 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
                 "on the host (EP 1 only)"
             )
     return None
+
+
+def tp_backend() -> str | None:
+    """The backend of Megatron's tensor-parallel group (``"nccl"``, ``"gloo"``, ...), None without one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not (dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return None
+    return str(dist.get_backend(parallel_state.get_tensor_model_parallel_group()))
 
 
 def default_buckets(max_rows: int) -> list[int]:
@@ -180,6 +207,7 @@ class DecodeGraphs:
         self.replays = 0  # of which replayed from a captured graph
         self.captures = 0
         self.disabled: str | None = None  # why capture stopped (a failed capture falls back to eager replays)
+        self.cross_rank = model.config.tensor_model_parallel_size > 1  # the step holds NCCL collectives
         self._param_ptrs: list[int] = []
 
     # --- a step ---------------------------------------------------------------------------
@@ -355,8 +383,15 @@ class DecodeGraphs:
                 for _ in range(2):
                     self._run(bucket)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            mode = "global"
+            if self.cross_rank:
+                # The warm-ups' eager collectives done before the capture starts; and the process group's
+                # watchdog thread may still query their events while this thread captures, which only the
+                # thread-local capture mode allows (PyTorch releases whose watchdog does not switch modes itself).
+                torch.cuda.synchronize(self.device)
+                mode = "thread_local"
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):
                 bucket.logits = self._run(bucket)
         except Exception as exc:  # a capture-unsafe op (or a failed compile): serve the bucket eagerly, say why
             self.disabled = f"capture of the {bucket.rows}-row decode step failed: {exc}"

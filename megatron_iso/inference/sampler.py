@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_iso.inference.rng import token_words
 from megatron_iso.ops.common.ieee_math import iso_exp, log64
+from megatron_iso.parallel.tree_collectives import all_gather_list
 
 
 def inclusive_scan(x: torch.Tensor) -> torch.Tensor:
@@ -134,16 +135,10 @@ def gumbel_tokens(
     else:
         partials = gumbel_partials_reference
     best, best_id = partials(logits, keys, temperature, greedy, id_offset=offset, valid_vocab=limit)
-    if size > 1:
-        best = torch.cat(_all_gather(best, group), dim=-1)
-        best_id = torch.cat(_all_gather(best_id, group), dim=-1)
+    if size > 1:  # [R, slices] per shard, the same shape on every rank: an all-gather a CUDA graph records
+        best = torch.cat(all_gather_list(best, group), dim=-1)
+        best_id = torch.cat(all_gather_list(best_id, group), dim=-1)
     # Slices in ascending id order: the first maximum is the lowest id among equal scores. A row with no
     # finite score (NaN logits) gets token 0: its recorded logprob is NaN, which the run's checks catch.
     token = best_id.gather(-1, best.argmax(dim=-1, keepdim=True)).squeeze(-1)
     return torch.where(token < limit, token, torch.zeros_like(token))
-
-
-def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return parts
