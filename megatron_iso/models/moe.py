@@ -27,7 +27,10 @@ routing map by a sort instead of ``nonzero``, the per-expert counts by a sum on 
 the all-to-all (the identity at EP 1); the experts run as the grouped GEMM on every device (its
 static-shape path, ``ops.gemm.grouped``). The slots are ordered as in the eager dispatch and the combine
 is the same, so a row's result is the eager one bit for bit, whatever the other rows (padding rows
-included) are.
+included) are. The trainer's forward takes it too at EP 1 (``rl.pipeline.pack_micro_batch``): the backward
+is the grouped GEMM's per-expert one, which needs the counts on the host; every model call runs inside
+``ops.gemm.grouped.counts_read_once``, so the backward takes them from one copy per forward instead of one
+sync per expert GEMM.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
-from megatron_iso.ops.gemm.grouped import grouped_linear
+from megatron_iso.ops.gemm.grouped import counts_read_once, grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 
@@ -58,11 +61,14 @@ _STATIC_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("iso_moe_s
 
 @contextlib.contextmanager
 def static_shapes(enabled: bool = True) -> Iterator[None]:
-    """Inside: MoE layers of the correctness profile take their static-shape forward (no host reads, EP 1;
-    the module docstring). ``IsoGPTModel.forward`` enters it for a batch with ``static_shapes`` set."""
+    """Inside, when ``enabled``: MoE layers of the correctness profile take their static-shape forward (no host
+    reads, EP 1; the module docstring). ``IsoGPTModel.forward`` enters it for every call, enabled for a batch
+    with ``static_shapes`` set. Either way the grouped expert GEMMs of the call read their counts for the
+    backward in one copy at its end (``ops.gemm.grouped.counts_read_once``)."""
     token = _STATIC_SHAPES.set(bool(enabled))
     try:
-        yield
+        with counts_read_once():
+            yield
     finally:
         _STATIC_SHAPES.reset(token)
 

@@ -25,12 +25,18 @@ on every row and keeps each row's own expert's result: the same elementwise arit
 row and weight, so the same bits as :func:`grouped_reference`.
 
 The backward (training) is per expert: the dense op's :func:`~megatron_iso.ops.gemm.reference.linear_backward`
-applied to each expert's rows; it reads the counts on the host (one sync, backward only).
+applied to each expert's rows (library GEMMs whose bits depend on the row count, so the rows are split on the
+host). It needs the counts on the host. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
+counts of every grouped call of the forward are copied to the host together, once, without waiting, when the
+forward ends, and each backward takes its own from that copy (it waits for the copy, which by then has long
+completed); outside, a backward reads its counts itself (one sync per call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -156,18 +162,84 @@ def grouped_native(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leav
     return grouped_by_expert(native_linear, x, weights, counts, DEFAULT_LEAVES if leaves is None else leaves)
 
 
+class _HostCounts:
+    """The counts of a forward's grouped calls, copied to the host in one non-blocking copy at its end.
+
+    ``add`` registers a call's counts (the fc1 and fc2 calls of a layer pass the same tensor: one entry) and
+    returns its place; ``close`` starts the copy of all of them; ``sizes`` gives one call's counts as ints,
+    waiting for the copy first (a backward runs after the forward: the copy is done by then)."""
+
+    def __init__(self) -> None:
+        self.pending: list[torch.Tensor] = []
+        self.host: torch.Tensor | None = None
+        self.done: torch.cuda.Event | None = None
+        self.lists: list[list[int]] | None = None
+
+    def add(self, counts: torch.Tensor) -> int | None:
+        if self.host is not None:  # closed: a call after the forward (e.g. a recomputation) reads its own
+            return None
+        if not self.pending or self.pending[-1] is not counts:
+            self.pending.append(counts)
+        return len(self.pending) - 1
+
+    def close(self) -> None:
+        if self.host is not None or not self.pending:
+            return
+        flat = torch.cat([c.reshape(-1).to(torch.int64) for c in self.pending])
+        # Pinned memory on CUDA, so the copy is asynchronous: it queues behind the forward, nothing waits for it.
+        self.host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.is_cuda)
+        self.host.copy_(flat, non_blocking=True)
+        if flat.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def sizes(self, index: int) -> list[int]:
+        if self.lists is None:
+            if self.done is not None:
+                self.done.synchronize()
+            flat = self.host.tolist()
+            lengths = [c.numel() for c in self.pending]
+            starts = [sum(lengths[:i]) for i in range(len(lengths))]
+            self.lists = [flat[a : a + n] for a, n in zip(starts, lengths, strict=True)]
+        return self.lists[index]
+
+
+_HOST_COUNTS: contextvars.ContextVar[_HostCounts | None] = contextvars.ContextVar("iso_grouped_counts", default=None)
+
+
+@contextlib.contextmanager
+def counts_read_once() -> Iterator[None]:
+    """Inside (a model forward): the backward of every grouped call made here takes its counts from one
+    non-blocking device-to-host copy of all of them, started on exit, instead of a sync per call (module
+    docstring). The same counts, so the same bits."""
+    batch = _HostCounts()
+    token = _HOST_COUNTS.set(batch)
+    try:
+        yield
+    finally:
+        _HOST_COUNTS.reset(token)
+        batch.close()
+
+
 class _GroupedLinear(torch.autograd.Function):
     """Invariant grouped forward; backward = the dense op's matmul backward on each expert's rows."""
 
     @staticmethod
     def forward(ctx, x, counts, leaves, kernel, *ws):  # type: ignore[override]
         ctx.save_for_backward(x, counts, *ws)
+        batch = _HOST_COUNTS.get()
+        index = None if batch is None else batch.add(counts)
+        ctx.host_counts = None if index is None else (batch, index)
         return kernel(x, list(ws), counts, leaves)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, counts, *ws = ctx.saved_tensors
-        sizes = [int(c) for c in counts.tolist()]  # host sync: backward only
+        if ctx.host_counts is not None and ctx.host_counts[0].host is not None:
+            batch, index = ctx.host_counts
+            sizes = batch.sizes(index)  # the forward's one copy
+        else:
+            sizes = [int(c) for c in counts.tolist()]  # host sync: backward only
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grad_ws = []
         start = 0
@@ -277,6 +349,7 @@ for _device in ("cpu", "cuda"):
 
 __all__ = [
     "OP",
+    "counts_read_once",
     "expert_weights",
     "grouped_by_expert",
     "grouped_linear",
