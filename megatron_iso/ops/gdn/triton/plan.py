@@ -1,7 +1,11 @@
 """A call's plan: which packed rows form which segment (scan form), chunk and chain, as int32 tables the kernels read,
 built on the host from the sequence boundaries and cached across the layers of a forward (:func:`cached_plan`), or, for
 a chunk-form decode step, on the device from the start positions and slots alone (:func:`decode_plan`: no host read, so
-a CUDA graph can record it)."""
+a CUDA graph can record it).
+
+The host copy of the boundaries is cached apart from the plans: a training call's backward plans the same rows in the
+chunk form after a scan-form forward (``rule._RuleFunction``), and takes them from the forward's read, so one training
+micro-batch reads its layout once for all its GDN layers, forward and backward."""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ class Plan:
 
 # A call's plan, shared by the GDN layers of a forward (same layout tensors, chunk, state, device, slot count).
 _PLAN_CACHE: TensorKeyedCache[Plan] = TensorKeyedCache(4)
+# The host lists of the layout tensors, shared by the plans of every form built from them (forward and backward).
+_HOST_LISTS: TensorKeyedCache[tuple[list[int], list[int], list[int] | None]] = TensorKeyedCache(4)
 
 
 def _host_lists(cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tensor | None):
@@ -128,7 +134,7 @@ def _plan(
     """Segments (with the buffer rows of a chunk left open), chunks and chains of a call, as int32 tables on ``dev``.
     Scan form: the chunk table holds the chunks the call closes (the state pass); chunk form: every chunk the call
     has tokens in, open ones included (each gets output tiles)."""
-    cu_l, st, sl = _host_lists(cu, starts, slots)
+    cu_l, st, sl = _HOST_LISTS.get((cu, starts, slots), (), lambda: _host_lists(cu, starts, slots))
     n = len(cu_l) - 1
     check_nonempty(cu_l)
     if has_state and sl is not None and any(not 0 <= s < slot_count for s in sl):
