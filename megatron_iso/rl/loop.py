@@ -333,7 +333,12 @@ class Trainer:
         # Only the response rows enter the loss: the prompt's rows are not scored (their LM head is skipped).
         how = {"temperature": self.rl.temperature, "rows": mask.nonzero()[:, 0].to(self.device)}
         logp, ent = score_sequences(self.ddp.module, ids, batch, with_entropy=self.rl.log_entropy, **how)
-        logp, ent = logp.float().cpu(), torch.zeros(0) if ent is None else ent.detach().float().cpu()[mask]
+        # The loss runs on the host: one download of the logprobs (and entropies) per micro-batch.
+        if ent is None:
+            logp, ent = logp.float().cpu(), torch.zeros(0)
+        else:
+            both = torch.stack([logp.float(), ent.detach().float()]).cpu()
+            logp, ent = both[0], both[1][mask]
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
         ref = None
         if self.ref_model is not None:

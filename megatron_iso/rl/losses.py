@@ -88,7 +88,8 @@ def _aggregate(
         return (values * m).sum() / normaliser
     n = int(seq_index.max()) + 1 if seq_index.numel() else 0
     # A one-hot matmul instead of index_add: index_add uses atomics on GPU (nondeterministic backward).
-    onehot = (seq_index.unsqueeze(0) == torch.arange(n, device=seq_index.device).unsqueeze(1)).to(values.dtype)
+    # ``.to(seq_index)``: the sample ids on seq_index's device (the trainer's loss runs on the host).
+    onehot = (seq_index.unsqueeze(0) == torch.arange(n).to(seq_index).unsqueeze(1)).to(values.dtype)
     per_seq = onehot @ (values * m)
     count = onehot @ m
     has = count > 0

@@ -23,6 +23,7 @@ equal thread count per rank (the fp32 GEMMs of the backward sum in a thread-depe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,17 +45,23 @@ def join_stage_shards(shards: list[dict[str, torch.Tensor]], group: Any) -> list
 def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Tensor, weight: float) -> dict[str, Any]:
     """One micro-batch of the trainer's step packed (case ``trainer_forward``), for ``Trainer._accumulate_grads`` and
     the pipeline alike: ``ids`` and ``batch`` of the prompt+response rows, the response rows' ``mask``, each row's
-    sample (``seq_index``), the rollout's logprobs on the response rows (``rollout``), ``advantages``, ``weight``."""
+    sample (``seq_index``), the rollout's logprobs on the response rows (``rollout``), ``advantages``, ``weight``.
+
+    The layout comes from the host lengths (reading ``cu_seqlens`` back would be a device sync). At expert
+    parallel size 1 the batch is marked ``static_shapes``: MoE layers route and run their experts without host
+    reads (``models.moe``), the same bits as their eager path."""
     from megatron_iso.models.batch import pack
 
     seqs = [s.prompt.ids + s.tokens for s in samples]
-    tp = trainer.tc.tensor_model_parallel_size
-    ids, batch = pack(seqs, pad_to_multiple=tp if trainer.tc.sequence_parallel else 1, device=trainer.device)
+    tc = trainer.tc
+    pad = tc.tensor_model_parallel_size if tc.sequence_parallel else 1
+    ids, batch = pack(seqs, pad_to_multiple=pad, device=trainer.device)
+    batch.static_shapes = bool(tc.num_moe_experts) and tc.expert_model_parallel_size == 1
     rows = ids.shape[1]
     mask = torch.zeros(rows, dtype=torch.bool)
     seq_index = torch.zeros(rows, dtype=torch.long)
     rollout = torch.zeros(rows, dtype=torch.float32)
-    starts = batch.cu_seqlens_q.tolist()
+    starts = [0, *itertools.accumulate(len(s) for s in seqs)]
     for i, s in enumerate(samples):
         seq_index[starts[i] : starts[i + 1]] = i
         # Row t scores token t+1: the response tokens are scored by rows P-1 .. P+R-2.

@@ -1,0 +1,258 @@
+"""Host reads of device tensors (device-to-host syncs on CUDA) in one trainer step, counted on CPU.
+
+One step is ``Trainer.train_on``, what ``Trainer.step`` calls after the rollout: every micro-batch's
+forward and backward, the gradient finalisation, the optimizer step and the step's statistics.
+``HostReadCounter`` (tests/inference/test_decode_host_reads.py) records every read of a tensor a CUDA
+run would hold on the device, with the place that made it. The claims, on tiny_dense, tiny_moe and
+tiny_hybrid_moe (correctness profile, EP 1): the reads are exactly the listed ones, so nothing is read
+per MoE or GDN layer and the per-step reads do not depend on the layer count; each extra micro-batch adds
+the same fixed set (:data:`PER_MICRO_BATCH`); only attention layers still read per layer
+(:data:`PER_ATTENTION_LAYER`, in ``ops.attention``). The static-shape MoE path the trainer takes at EP 1
+gives the eager path's logprobs, loss, gradients and updated weights bit for bit.
+
+What the CPU run cannot see: the CUDA-only code (the Triton GDN plan: one layout read per micro-batch,
+forward and backward sharing it, checked here on the plan itself; the Triton attention backward, which
+reads nothing) and the CPU-only code it replaces (:data:`CPU_ONLY`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_iso.config import load_config
+from megatron_iso.parallel.world import seed_ranks
+from megatron_iso.rl.loop import Sample, Trainer
+from megatron_iso.settings import config_world
+from megatron_iso.testing.bits import bits
+from megatron_iso.testing.host_reads import HostReadCounter
+
+Place = tuple[str, str, str]  # (kind, file, function); line numbers left out on purpose
+
+# Once per step, whatever the model, the layer and the micro-batch count.
+PER_STEP: dict[Place, int] = {
+    # Whether every gradient is finite (rl.nonfinite decides before the optimizer applies them): one flag.
+    ("item", "megatron_iso/rl/loop.py", "_grads_finite"): 1,
+    # Megatron's grad norm inside optimizer.step() (its clip decision and the logged grad_norm): one scalar.
+    ("item", "megatron_iso/rl/loop.py", "train_on"): 1,
+}
+# Once per micro-batch (forward + backward).
+PER_MICRO_BATCH: dict[Place, int] = {
+    # The response rows' logprobs (and entropies, one stacked tensor): the policy loss runs on the host.
+    ("cpu", "megatron_iso/rl/loop.py", "_accumulate_grads"): 1,
+    # The scored target ids' vocab range check (models.scoring passes no ids_in_range): once per LM-head chunk
+    # of rows, one chunk at these sizes.
+    ("item", "megatron_iso/ops/logprob/reference.py", "token_logprobs"): 1,
+}
+# Once per micro-batch of a model with MoE layers: every layer's expert counts for the grouped GEMM backward,
+# one non-blocking copy when the forward ends (ops.gemm.grouped.counts_read_once); nothing waits on it.
+PER_MICRO_BATCH_MOE: dict[Place, int] = {("copy_to_host", "megatron_iso/ops/gemm/grouped.py", "close"): 1}
+# Once per micro-batch of a model with GDN layers: the layout, read by the first GDN layer and shared by the others
+# (the CPU reference's read; on CUDA the Triton plan's, shared by the backward's plan too: test_gdn_plan_reads_once).
+PER_MICRO_BATCH_GDN: dict[Place, int] = {("tolist", "megatron_iso/ops/gdn/reference.py", "_read_starts"): 1}
+# Per attention layer per micro-batch (on CUDA too): the trainable attention wrapper and the invariant forward
+# each read cu_seqlens back (ops/attention, outside this file's scope: the batch's host layout would serve both).
+PER_ATTENTION_LAYER: dict[Place, int] = {
+    ("tolist", "megatron_iso/ops/attention/autograd.py", "attention_varlen_trainable"): 1,
+    ("tolist", "megatron_iso/ops/attention/reference.py", "_bounds"): 1,
+}
+# Reads of code that only the CPU runs (per layer per micro-batch): the plain attention backward (CUDA runs the
+# Triton backward, no reads) and the GDN torch reference's scan (CUDA runs the Triton kernels).
+CPU_ONLY_ATTENTION: dict[Place, int] = {
+    ("boolean_index:index", "megatron_iso/ops/attention/autograd.py", "_plain_padded"): 1,
+    ("boolean_index:index_put", "megatron_iso/ops/common/autograd.py", "plain_grads"): 1,
+}
+CPU_ONLY_GDN: dict[Place, int] = {
+    ("boolean_index:index", "megatron_iso/ops/gdn/reference.py", "_scan"): 1,
+    ("boolean_index:index_put", "megatron_iso/rl/loop.py", "_accumulate_grads"): 1,  # _scan's backward
+}
+CPU_ONLY = {**CPU_ONLY_ATTENTION, **CPU_ONLY_GDN}
+
+MODELS = {  # model -> (layer counts compared, the model's layer kinds)
+    "tiny_dense": (2, 4),
+    "tiny_moe": (2, 4),
+    "tiny_hybrid_moe": (4, 8),  # a gated attention layer every 4th, GDN layers between
+}
+SAMPLES = 6  # micro-batches of 6 (one pass), 3 (two) and 2 (three)
+BASE = ["rl.group_size=2", "rl.max_response_length=4", "task.prompts_per_step=3", "profile.gdn_chunk=4"]
+
+
+def _clear_moe_tracker() -> None:
+    """Megatron's per-process MoE aux-loss log is sized by the first model that logs to it: a model with other
+    layer counts built later in the process must start from an empty one."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_moe_tracker():
+    _clear_moe_tracker()
+    yield
+    _clear_moe_tracker()
+
+
+def _places(summary: dict[tuple[str, str], int]) -> dict[Place, int]:
+    out: Counter = Counter()
+    for (kind, where), n in summary.items():
+        m = re.fullmatch(r"(.*):\d+ \((.*)\)", where)
+        out[(kind, m.group(1), m.group(2)) if m else (kind, where, "?")] += n
+    return dict(out)
+
+
+def _expected(model: str, layers: int, passes: int) -> dict[Place, int]:
+    attention = layers // 4 if "hybrid" in model else layers
+    gdn = layers - attention
+    out: Counter = Counter(PER_STEP)
+    per_pass: Counter = Counter(PER_MICRO_BATCH)
+    if "moe" in model:
+        per_pass.update(PER_MICRO_BATCH_MOE)
+    if gdn:
+        per_pass.update(PER_MICRO_BATCH_GDN)
+    for place, n in {**PER_ATTENTION_LAYER, **CPU_ONLY_ATTENTION}.items():
+        per_pass[place] += n * attention
+    for place, n in CPU_ONLY_GDN.items():
+        per_pass[place] += n * gdn
+    for _ in range(passes):
+        out.update(per_pass)
+    return dict(+out)  # + drops the places a model has none of
+
+
+def _seed(counter: HostReadCounter, trainer: Trainer) -> None:
+    """What a CUDA run holds on the device: the weights, their grad buffers and the optimizer's state (torch's
+    Adam keeps its step counts on the host unless capturable: left out)."""
+    counter.seed(trainer.model)
+    counter.seed([p.main_grad for p in trainer.model.parameters() if getattr(p, "main_grad", None) is not None])
+    counter.seed([b.grad_data for b in trainer.ddp.buffers + trainer.ddp.expert_parallel_buffers])
+    opt = trainer.optimizer
+    for part in getattr(opt, "chained_optimizers", [opt]):
+        inner = getattr(part, "optimizer", part)
+        for state in inner.state.values():
+            counter.seed([t for k, t in state.items() if isinstance(t, torch.Tensor) and k != "step"])
+
+
+def _samples(trainer: Trainer) -> list[Sample]:
+    """Responses drawn at random (no rollout: the reads of the train step do not depend on them)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = trainer.task.prompts(0)
+    group = trainer.rl.group_size
+    out = []
+    for i in range(len(prompts) * group):
+        n = 2 + i % 3
+        tokens = torch.randint(1, trainer.tc.vocab_size, (n,), generator=g).tolist()
+        out.append(Sample(i // group, prompts[i // group], tokens, [-1.0] * n))
+    return out
+
+
+def _advantages(n: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, n)
+
+
+def _step_reads(tmp_path, model: str, layers: int) -> dict[int, dict[Place, int]]:
+    """The reads of one train_on per micro-batch count (after a first step that builds the optimizer state)."""
+    cfg = load_config([*BASE, f"model={model}", f"model.num_layers={layers}", f"out_dir={tmp_path / model}"])
+    _clear_moe_tracker()
+    out = {}
+    with config_world(cfg) as rank:
+        seed_ranks(int(cfg.seed))
+        trainer = Trainer(cfg, rank)
+        samples = _samples(trainer)
+        assert len(samples) == SAMPLES
+        trainer.train_on(samples, _advantages(SAMPLES))
+        for size, passes in ((SAMPLES, 1), (3, 2), (2, 3)):
+            trainer.micro_batch_seqs = size
+            with HostReadCounter() as counter:
+                _seed(counter, trainer)
+                trainer.train_on(samples, _advantages(SAMPLES))
+                out[passes] = _places(counter.summary())
+    return out
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_train_step_host_reads(tmp_path, model):
+    few, many = MODELS[model]
+    reads = {layers: _step_reads(tmp_path / str(layers), model, layers) for layers in (few, many)}
+    for layers, by_passes in reads.items():
+        for passes, got in by_passes.items():
+            print(f"{model} {layers} layers, {passes} micro-batches: {sum(got.values())} reads {got}")
+            assert got == _expected(model, layers, passes), (layers, passes)
+
+    # Beside the attention layers' own reads (and the CPU-only reference code), nothing depends on the layers.
+    def beyond_attention(got: dict[Place, int]) -> dict[Place, int]:
+        return {p: n for p, n in got.items() if p not in PER_ATTENTION_LAYER and p not in CPU_ONLY}
+
+    for passes in (1, 2, 3):
+        assert beyond_attention(reads[few][passes]) == beyond_attention(reads[many][passes]), passes
+    # Each micro-batch adds the same reads: none of the step's (PER_STEP) repeats per pass.
+    one, two, three = (Counter(reads[few][p]) for p in (1, 2, 3))
+    assert two - one == three - two and not (two - one).keys() & PER_STEP.keys()
+
+
+def test_gdn_plan_reads_once() -> None:
+    """The Triton GDN plan (CUDA-only, planned on the host): a training forward's scan-form plan and its backward's
+    chunk-form plan of the same rows share one read of the layout; a new micro-batch (a new tensor) reads again."""
+    from megatron_iso.ops.gdn.triton import plan
+
+    cu = torch.tensor([0, 5, 12, 13], dtype=torch.int32)
+    with HostReadCounter() as counter:
+        dev = cu.to("cpu")  # the batch's device copy
+        for form in ("scan", "chunk", "scan"):
+            plan.cached_plan(dev, None, None, 4, False, dev.device, 0, form)
+        first = _places(counter.summary())
+        counter.clear()
+        plan.cached_plan(cu.to("cpu"), None, None, 4, False, cu.device, 0, "scan")
+        second = _places(counter.summary())
+    assert first == second == {("tolist", "megatron_iso/ops/gdn/triton/plan.py", "_host_lists"): 1}, (first, second)
+
+
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_hybrid_moe"])
+def test_static_moe_training_step_gives_the_eager_bits(tmp_path, monkeypatch, model):
+    """The trainer's MoE layers take the static-shape path at EP 1 (pack_micro_batch): logprobs, loss, statistics,
+    accumulated gradients and updated weights are the eager path's bit for bit, over two micro-batches."""
+    import megatron.core.distributed
+
+    from megatron_iso.rl import pipeline
+
+    real_pack, real_finalize = pipeline.pack_micro_batch, megatron.core.distributed.finalize_model_grads
+    runs = {}
+    for static in (True, False):
+        cfg = load_config([*BASE, f"model={model}", "rl.train_micro_batch_seqs=3", f"out_dir={tmp_path / str(static)}"])
+        with config_world(cfg) as rank:
+            seed_ranks(int(cfg.seed))
+            trainer = Trainer(cfg, rank)
+            grads: dict = {}
+            flags = []
+
+            def pack(*a, static=static, flags=flags, **k):
+                mb = real_pack(*a, **k)
+                flags.append(mb["batch"].static_shapes)
+                mb["batch"].static_shapes = static
+                return mb
+
+            def finalize(models, *a, trainer=trainer, grads=grads, **k):
+                grads.update({n: p.main_grad.clone() for n, p in trainer.model.named_parameters()})
+                return real_finalize(models, *a, **k)
+
+            monkeypatch.setattr(pipeline, "pack_micro_batch", pack)
+            monkeypatch.setattr(megatron.core.distributed, "finalize_model_grads", finalize)
+            out = trainer.train_on(_samples(trainer), _advantages(SAMPLES))
+            params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            runs[static] = (out, grads, params, flags)
+    (static_out, static_grads, static_params, flags), (eager_out, eager_grads, eager_params, _) = (
+        runs[True],
+        runs[False],
+    )
+    assert flags == [True, True]  # the trainer marks its micro-batches static at EP 1
+    for key in ("trainer_logp", "entropy"):
+        assert torch.equal(bits(static_out[key]), bits(eager_out[key])), key
+    for key in ("loss", "grad_norm", "policy/clip_frac"):
+        assert torch.equal(bits(static_out[key]), bits(eager_out[key])), key
+    expert_grads = [n for n in static_grads if ".experts." in n]
+    assert expert_grads and any(bool(static_grads[n].abs().sum() > 0) for n in expert_grads)
+    for n, g in static_grads.items():
+        assert torch.equal(bits(g), bits(eager_grads[n])), n
+    for n, p in static_params.items():
+        assert torch.equal(bits(p), bits(eager_params[n])), n
