@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
+from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 
 
 def test_hits_by_identity_and_version_only() -> None:

@@ -6,8 +6,8 @@ forward and backward, the gradient finalisation, the optimizer step and the step
 run would hold on the device, with the place that made it. The claims, on tiny_dense, tiny_moe and
 tiny_hybrid_moe (correctness profile, EP 1): the reads are exactly the listed ones, so nothing is read
 per MoE or GDN layer and the per-step reads do not depend on the layer count; each extra micro-batch adds
-the same fixed set (:data:`PER_MICRO_BATCH`); only attention layers still read per layer
-(:data:`PER_ATTENTION_LAYER`, in ``ops.attention``). The static-shape MoE path the trainer takes at EP 1
+the same fixed set (:data:`PER_MICRO_BATCH`), attention layers included (one read of ``cu_seqlens`` shared by
+every layer, forward and backward). The static-shape MoE path the trainer takes at EP 1
 gives the eager path's logprobs, loss, gradients and updated weights bit for bit.
 
 What the CPU run cannot see: the CUDA-only code (the Triton GDN plan: one layout read per micro-batch,
@@ -53,12 +53,9 @@ PER_MICRO_BATCH_MOE: dict[Place, int] = {("copy_to_host", "megatron_iso/ops/gemm
 # Once per micro-batch of a model with GDN layers: the layout, read by the first GDN layer and shared by the others
 # (the CPU reference's read; on CUDA the Triton plan's, shared by the backward's plan too: test_gdn_plan_reads_once).
 PER_MICRO_BATCH_GDN: dict[Place, int] = {("tolist", "megatron_iso/ops/gdn/reference.py", "_read_starts"): 1}
-# Per attention layer per micro-batch (on CUDA too): the trainable attention wrapper and the invariant forward
-# each read cu_seqlens back (ops/attention, outside this file's scope: the batch's host layout would serve both).
-PER_ATTENTION_LAYER: dict[Place, int] = {
-    ("tolist", "megatron_iso/ops/attention/autograd.py", "attention_varlen_trainable"): 1,
-    ("tolist", "megatron_iso/ops/attention/reference.py", "_bounds"): 1,
-}
+# Once per micro-batch of a model with attention layers (on CUDA too): cu_seqlens, read by the first attention
+# layer and shared by the others and by the backward (ops.attention.reference._bounds keeps the host copy).
+PER_MICRO_BATCH_ATTENTION: dict[Place, int] = {("tolist", "megatron_iso/ops/attention/reference.py", "_read_bounds"): 1}
 # Reads of code that only the CPU runs (per layer per micro-batch): the plain attention backward (CUDA runs the
 # Triton backward, no reads) and the GDN torch reference's scan (CUDA runs the Triton kernels).
 CPU_ONLY_ATTENTION: dict[Place, int] = {
@@ -112,7 +109,9 @@ def _expected(model: str, layers: int, passes: int) -> dict[Place, int]:
         per_pass.update(PER_MICRO_BATCH_MOE)
     if gdn:
         per_pass.update(PER_MICRO_BATCH_GDN)
-    for place, n in {**PER_ATTENTION_LAYER, **CPU_ONLY_ATTENTION}.items():
+    if attention:
+        per_pass.update(PER_MICRO_BATCH_ATTENTION)
+    for place, n in CPU_ONLY_ATTENTION.items():
         per_pass[place] += n * attention
     for place, n in CPU_ONLY_GDN.items():
         per_pass[place] += n * gdn
@@ -180,12 +179,12 @@ def test_train_step_host_reads(tmp_path, model):
             print(f"{model} {layers} layers, {passes} micro-batches: {sum(got.values())} reads {got}")
             assert got == _expected(model, layers, passes), (layers, passes)
 
-    # Beside the attention layers' own reads (and the CPU-only reference code), nothing depends on the layers.
-    def beyond_attention(got: dict[Place, int]) -> dict[Place, int]:
-        return {p: n for p, n in got.items() if p not in PER_ATTENTION_LAYER and p not in CPU_ONLY}
+    # Beside the CPU-only reference code, nothing depends on the layers.
+    def beyond_cpu_only(got: dict[Place, int]) -> dict[Place, int]:
+        return {p: n for p, n in got.items() if p not in CPU_ONLY}
 
     for passes in (1, 2, 3):
-        assert beyond_attention(reads[few][passes]) == beyond_attention(reads[many][passes]), passes
+        assert beyond_cpu_only(reads[few][passes]) == beyond_cpu_only(reads[many][passes]), passes
     # Each micro-batch adds the same reads: none of the step's (PER_STEP) repeats per pass.
     one, two, three = (Counter(reads[few][p]) for p in (1, 2, 3))
     assert two - one == three - two and not (two - one).keys() & PER_STEP.keys()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_iso.ops.attention.reference import _bounds
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import import_triton_module
 
@@ -131,7 +132,7 @@ def attention_varlen_trainable(
 ) -> torch.Tensor:
     """``forward_fn``'s result (bits unchanged) with a deterministic plain-attention backward."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    bounds = [int(c) for c in cu_seqlens.tolist()]
+    bounds = _bounds(cu_seqlens)
 
     def invariant(q, k, v, gate):
         return forward_fn(q, k, v, cu_seqlens, softmax_scale=scale, gate=gate)

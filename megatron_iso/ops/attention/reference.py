@@ -31,6 +31,7 @@ import torch
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 from megatron_iso.ops.common.ieee_math import iso_exp, iso_sigmoid
+from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.common.tree import tree_sum_dim
 
 DEFAULT_KV_BLOCK = 64
@@ -148,11 +149,21 @@ def _scale(softmax_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
+# Host copies of recent cu_seqlens: every attention layer of a forward and of its backward gets the same
+# tensor, so a step reads it back (a host sync on a GPU) once, not twice per layer.
+_HOST_BOUNDS: TensorKeyedCache[list[int]] = TensorKeyedCache(4)
+
+
+def _read_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     cu = [int(c) for c in cu_seqlens.tolist()]
     if not cu or cu[0] != 0 or any(b < a for a, b in pairwise(cu)):
         raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
     return cu
+
+
+def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as checked host ints, read back once per tensor (and per in-place change of it)."""
+    return _HOST_BOUNDS.get((cu_seqlens,), None, lambda: _read_bounds(cu_seqlens))
 
 
 def attention_varlen(

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.gdn.checks import check_nonempty, check_starts, check_state_slots
-from megatron_iso.ops.gdn.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.gdn.triton import config
 
 

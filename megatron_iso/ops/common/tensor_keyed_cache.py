@@ -1,8 +1,8 @@
 """A few recent host-side values keyed by the tensors they were derived from.
 
-Every GDN layer of a forward receives the same layout tensors (``cu_seqlens``, start positions,
-slots). Reading them back is a host sync on a GPU, and planning from them is host work, so the first
-layer does it and the others reuse the result. An entry holds the key tensors themselves: they are
+Every attention and GDN layer of a forward (and its backward) receives the same layout tensors
+(``cu_seqlens``, start positions, slots). Reading them back is a host sync on a GPU, and planning from
+them is host work, so the first layer does it and the others reuse the result. An entry holds the key tensors themselves: they are
 compared by identity, so a freed tensor's reused id cannot match while the entry lives. Their version
 counters are part of the stamp, so an in-place change is a miss.
 """
