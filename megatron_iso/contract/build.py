@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,12 +69,18 @@ def plain_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ContractInputs:
     """What the builder reads, resolved: the device class (never "auto"), the profile with its GDN form resolved
-    (never "auto"), and the plain model, parallel and contract groups. :mod:`megatron_iso.settings` fills it."""
+    (never "auto"), and the plain model, parallel and contract groups. :mod:`megatron_iso.settings` fills it, once
+    the whole config has passed its checks (``settings.check_config``: the parallel degrees among them).
+
+    ``shardable``: per axis Megatron shards the model by (tp, ep), the degrees of the profile's invariance domain
+    it can shard this model at (``settings.model.shard_degrees``, the one sharding rule); the claims' domains
+    keep only those."""
 
     device_class: str
     profile: Mapping[str, Any]
     model: Mapping[str, Any]
     parallel: Mapping[str, Any]
+    shardable: Mapping[str, Sequence[int]]
     contract: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -208,30 +214,15 @@ def _pow2_divisors(ks: Mapping[str, int]) -> list[int]:
     return out
 
 
-# Model sizes a TP / EP degree must divide for Megatron to shard the model at all.
-SHARDED_BY = {
-    "tp": ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"),
-    "ep": ("num_experts",),
-}
-
-
-def _runnable(axis: str, degree: Any, model: Mapping[str, Any]) -> str | None:
-    """Why ``model`` cannot run at ``parallel.<axis>=degree`` (the first size it does not divide), or None."""
-    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-        return None
-    for key in SHARDED_BY.get(axis, ()):
-        size = model.get(key)
-        if isinstance(size, int) and size > 0 and size % degree:
-            return f"model.{key}={size}"
-    return None
-
-
 def _axis_claims(
-    profile: Mapping[str, Any], parallel: Mapping[str, Any], max_batch: int, model: Mapping[str, Any]
+    profile: Mapping[str, Any],
+    parallel: Mapping[str, Any],
+    max_batch: int,
+    shardable: Mapping[str, Sequence[int]],
 ) -> list[AxisClaim]:
     """Per-axis claims. Invariant and neutral axes keep their actual value out of the policy (deployment).
-    An invariance domain is narrowed to the degrees the model can be sharded at: a claim over a layout
-    that cannot run is no claim."""
+    An invariance domain is narrowed to the degrees the model can be sharded at (``shardable``, see
+    :class:`ContractInputs`): a claim over a layout that cannot run is no claim."""
     bitwise = profile["name"] == Profile.CORRECTNESS
     claims: list[AxisClaim] = []
     for axis in sorted(parallel):
@@ -246,12 +237,8 @@ def _axis_claims(
                     f"parallel.{axis}={value!r} is outside profile.{axis}_domain={domain} of profile "
                     f"'{profile['name']}'; allowed values: {domain}"
                 )
-            blocker = _runnable(axis, value, model)
-            if blocker:
-                raise ContractValidationError(
-                    f"parallel.{axis}={value} does not divide {blocker}: Megatron cannot shard this model that way"
-                )
-            domain = [d for d in domain if not _runnable(axis, d, model)]
+            if axis in shardable:
+                domain = [d for d in domain if d in shardable[axis]]
             claims.append(AxisClaim(axis, "invariant", domain=domain, tolerance=0 if bitwise else None))
         else:
             # No invariance claimed (or none proven, e.g. pp): the layout is part of the policy.
@@ -372,7 +359,7 @@ def build_contract(inputs: ContractInputs, impls: Iterable[OpImpl] | None = None
 
     cases = _cases({"contract": inputs.contract}, model)
     max_batch = cases[0].max_batch
-    axes = _axis_claims(profile, parallel, max_batch, model)
+    axes = _axis_claims(profile, parallel, max_batch, inputs.shardable)
     invalidation = _invalidation(inputs.contract.get("invalidation"))
     parity: dict[str, Any] = (
         {"kind": "bitwise", "quantity": "logprob_full_vocab", "equal_cases": sorted(CASES), "tolerance": 0}

@@ -26,6 +26,7 @@ from megatron_iso.inference.params import Request, RequestOutput
 from megatron_iso.models.stages import Stage, current_stage, to_global_names
 from megatron_iso.parallel.layouts import ParallelLayout
 from megatron_iso.rl.pipeline import join_stage_shards
+from megatron_iso.settings.model import check_shardable
 
 ROLLOUT_PARALLEL_KEYS = ("tp",)
 
@@ -43,12 +44,8 @@ def rollout_parallel(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         raise ValueError(
             f"rollout.parallel.tp={tp!r} must divide the world size {world_size}; allowed values: {allowed}"
         )
-    groups = int(cfg.model.num_query_groups)
-    if groups % tp:
-        raise ValueError(
-            f"rollout.parallel.tp={tp} must divide model.num_query_groups={groups}; allowed values: "
-            f"{[d for d in allowed if groups % d == 0]}"
-        )
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    check_shardable(model, "tp", tp, "rollout.parallel.tp", candidates=allowed)
     # Megatron has no sequence parallelism without TP; the DP size is what the world leaves; the rollout is never
     # pipelined (a trainer's pipeline stages send it their weights).
     return trainer | {"tp": tp, "pp": 1, "sp": bool(trainer.get("sp", False)) and tp > 1, "dp": world_size // tp}

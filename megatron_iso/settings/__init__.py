@@ -4,7 +4,9 @@
 ``rl``, ``rollout``, the run's ``seed`` / ``out_dir`` / ``resume``) and a resolved :class:`ProfileSettings`: the
 device class from ``device: auto|cpu|cuda``, the GDN output form from ``profile.gdn_form: auto|scan|chunk`` and its
 dot precision (the GDN op family says which forms exist where), the leaves the layers use. Errors name the field
-and the allowed values.
+and the allowed values. :func:`check_config` is the one validation of a config, :func:`resolve` plus every check
+that reads only the config: ``iso-train`` (:func:`check_trainable`) and ``iso-contract`` (:func:`contract_for`)
+both run it, so neither accepts a config the other refuses.
 
 Layering: this package sits above ``ops`` and ``contract``: it may ask the op families (lazily) and fills the contract
 builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder and ``models/config.py`` read.
@@ -13,7 +15,7 @@ builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builde
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,18 +45,21 @@ from megatron_iso.settings.fields import (
 from megatron_iso.settings.model import (
     HF_GDN_LAYOUTS,
     PARAMS_DTYPES,
+    SHARDED_BY,
     GDNSettings,
     ModelSettings,
     MoESettings,
     ParallelSettings,
     ProfileSettings,
     check_gdn_choice_runs_here,
+    check_shardable,
     resolve_gdn,
     resolve_gdn_form,
     resolve_model,
     resolve_moe,
     resolve_parallel,
     resolve_profile,
+    shard_degrees,
 )
 from megatron_iso.settings.rl import (
     LR_DECAY_STYLES,
@@ -74,6 +79,7 @@ __all__ = [
     "NONFINITE_POLICIES",
     "PARAMS_DTYPES",
     "RESUME_MODES",
+    "SHARDED_BY",
     "WANDB_MODES",
     "DataSettings",
     "GDNSettings",
@@ -86,6 +92,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "check_backward_states",
+    "check_config",
     "check_gdn_choice_runs_here",
     "check_gpu_gemm_shapes",
     "check_logger",
@@ -93,6 +100,7 @@ __all__ = [
     "check_out_dir",
     "check_pipeline",
     "check_runs_here",
+    "check_shardable",
     "check_trainable",
     "config_world",
     "contract_for",
@@ -109,6 +117,7 @@ __all__ = [
     "resolve_rl",
     "resolve_rollout",
     "resume_mode",
+    "shard_degrees",
 ]
 
 # --- the whole config --------------------------------------------------------------------------------------------
@@ -147,26 +156,48 @@ class Settings:
 
 def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInputs]:
     """The resolved profile and the contract builder's inputs of a plain config (the three groups, the device, the
-    profile): what :func:`resolve` reads first and all that :func:`contract_inputs` reads."""
+    profile): what :func:`resolve` reads first."""
     model, profile, parallel = _group(c, "model"), _group(c, "profile"), _group(c, "parallel")
     resolved = resolve_profile(profile, c.get("device", "auto"))
-    inputs = ContractInputs(resolved.device_class, resolved.raw, model, parallel, dict(c.get("contract") or {}))
+    # The invariance domains' degrees Megatron can shard the model at (the rest are no claim: ContractInputs).
+    shardable = {
+        axis: shard_degrees(
+            model, axis, [d for d in domain if isinstance(d, int) and not isinstance(d, bool) and d > 0]
+        )
+        for axis in SHARDED_BY
+        if isinstance(domain := resolved.raw.get(f"{axis}_domain"), Sequence) and not isinstance(domain, str)
+    }
+    contract = dict(c.get("contract") or {})
+    inputs = ContractInputs(resolved.device_class, resolved.raw, model, parallel, shardable, contract)
     return resolved, inputs
 
 
-def contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> ContractInputs:
-    """What the contract builder reads, checked: the profile against the model, the GDN choice against this
-    machine. A raw config is read only as far as the contract reads it (the rest of :func:`resolve` is the run's);
-    both forms give the same inputs, hence the same digests (``iso-contract`` and ``iso-train``)."""
+def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
+    """The one validation of a config, :func:`resolve` and every check that reads nothing but the config: the
+    profile against the model (``contract.build.validate_profile``), the GDN choice against the device class,
+    the pipeline's needs (:func:`check_pipeline`), an ``out_dir`` for ``resume``. ``iso-contract`` (through
+    :func:`contract_for`) and ``iso-train`` (through :func:`check_trainable`) both call it before anything else,
+    so a config one refuses the other refuses with the same error. Not here: what depends on the machine or the
+    launch (a visible GPU, the world size: :func:`check_runs_here`, ``parallel.world``) and the GPU GEMM tiles
+    (:func:`check_gpu_gemm_shapes`, a capability of the kernels that iso-train checks on CUDA only)."""
     from megatron_iso.contract.build import validate_profile
 
-    if isinstance(cfg, Settings):
-        profile, inputs = cfg.profile, cfg.contract
-    else:
-        profile, inputs = _contract_part(plain_config(cfg))
-    validate_profile(inputs.profile, inputs.model)
-    check_gdn_choice_runs_here(profile)
-    return inputs
+    settings = resolve(cfg)
+    validate_profile(settings.contract.profile, settings.contract.model)
+    check_gdn_choice_runs_here(settings.profile)
+    check_pipeline(settings)
+    if settings.out_dir is None and settings.resume != "false":
+        raise SettingsError(
+            f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
+            "runs/<time>-<id>); set out_dir=..."
+        )
+    return settings
+
+
+def contract_inputs(cfg: DictConfig | Mapping[str, Any] | Settings) -> ContractInputs:
+    """What the contract builder reads, once the whole config passed :func:`check_config`: a raw config and its
+    :class:`Settings` give the same inputs, hence the same digests (``iso-contract`` and ``iso-train``)."""
+    return check_config(cfg).contract
 
 
 def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
@@ -237,12 +268,9 @@ def check_pipeline(settings: Settings) -> None:
 
 
 def check_trainable(settings: Settings) -> None:
-    """Before any world or model is built: an ``out_dir`` when ``resume`` continues one, :func:`check_runs_here`."""
-    if settings.out_dir is None and settings.resume != "false":
-        raise SettingsError(
-            f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
-            "runs/<time>-<id>); set out_dir=..."
-        )
+    """Before any world or model is built: the config's checks (:func:`check_config`, iso-contract's too), then
+    what this machine must have (:func:`check_runs_here`)."""
+    check_config(settings)
     check_runs_here(settings, pipeline=True)
 
 

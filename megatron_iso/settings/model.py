@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_iso.contract.build import SHARDED_BY, ContractValidationError, check_profile_name, resolve_device_class
+from megatron_iso.contract.build import ContractValidationError, check_profile_name, resolve_device_class
 from megatron_iso.contract.registry import Profile
 from megatron_iso.settings.fields import SettingsError, _get, _int
 
@@ -156,7 +156,10 @@ def _layer_pattern(interval: Any, num_layers: Any) -> int | tuple[str, ...]:
             )
         return types
     if int(interval) < 1:
-        raise ValueError(f"model.full_attention_interval={interval} must be >= 1")
+        raise SettingsError(
+            f"model.full_attention_interval={interval!r} is not allowed; allowed values: an integer >= 1 or a list of "
+            f"{int(num_layers)} (model.num_layers) of {list(LAYER_TYPES)}"
+        )
     return int(interval)
 
 
@@ -168,7 +171,7 @@ def resolve_gdn(model: Mapping[str, Any]) -> GDNSettings | None:
     pattern = _layer_pattern(interval, model["num_layers"])
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
-        raise ValueError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
+        raise SettingsError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
     return GDNSettings(
         full_attention_interval=pattern,
         conv_kernel_dim=int(model["linear_conv_kernel_dim"]),
@@ -211,7 +214,7 @@ def check_init_from(value: Any) -> str | None:
 def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
     dtype = str(_get(model, "params_dtype", "fp32"))
     if dtype not in PARAMS_DTYPES:
-        raise ValueError(f"model.params_dtype={dtype!r} is not allowed; allowed values: {sorted(PARAMS_DTYPES)}")
+        raise SettingsError(f"model.params_dtype={dtype!r} is not allowed; allowed values: {sorted(PARAMS_DTYPES)}")
     gdn, moe = resolve_gdn(model), resolve_moe(model)
     return ModelSettings(
         num_layers=int(model["num_layers"]),
@@ -241,6 +244,59 @@ def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
 # --- parallel, rl, rollout ---------------------------------------------------------------------------------------
 
 
+# Model sizes a parallel degree must divide for Megatron to shard the model at all. TP splits the attention heads and
+# query groups, the GDN key and value heads, the dense and shared-expert FFN (column- then row-parallel) and the vocab
+# (embedding and LM head, never padded); EP splits the routed experts (never split by TP).
+SHARDED_BY: dict[str, tuple[str, ...]] = {
+    "tp": (
+        "num_attention_heads",
+        "num_query_groups",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "ffn_hidden_size",
+        "shared_expert_ffn_hidden_size",
+        "vocab_size",
+    ),
+    "ep": ("num_experts",),
+}
+
+
+def _sharded_sizes(model: Mapping[str, Any], axis: str) -> dict[str, int]:
+    """The sizes of ``model`` that ``parallel.<axis>`` splits (the positive integers among :data:`SHARDED_BY`)."""
+    sizes = {k: model.get(k) for k in SHARDED_BY.get(axis, ())}
+    return {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
+def shard_degrees(model: Mapping[str, Any], axis: str, candidates: Sequence[int] | None = None) -> list[int]:
+    """The degrees of ``parallel.<axis>`` among ``candidates`` (default: 1 up to the smallest sharded size) at which
+    Megatron can shard ``model``: those dividing every size :data:`SHARDED_BY` names for the axis. An axis that splits
+    none of the model's sizes keeps every candidate."""
+    sizes = _sharded_sizes(model, axis)
+    if candidates is None:
+        candidates = range(1, min(sizes.values(), default=1) + 1)
+    return [d for d in candidates if all(size % d == 0 for size in sizes.values())]
+
+
+def check_shardable(
+    model: Mapping[str, Any],
+    axis: str,
+    degree: int,
+    field_name: str | None = None,
+    candidates: Sequence[int] | None = None,
+) -> None:
+    """Refuse a ``parallel.<axis>`` degree (a positive int) that does not divide a size Megatron splits by it: the one
+    sharding check of the trainer's layout (:func:`resolve_parallel`), the rollout's (``rollout.parallel.tp``) and
+    the contract's invariance domains (:func:`shard_degrees`). The error names ``field_name`` (default
+    ``parallel.<axis>``), the sizes it does not divide and the allowed degrees among ``candidates``."""
+    blockers = {k: v for k, v in _sharded_sizes(model, axis).items() if v % degree}
+    if blockers:
+        shown = ", ".join(f"model.{k}={v}" for k, v in blockers.items())
+        raise SettingsError(
+            f"{field_name or f'parallel.{axis}'}={degree} does not divide {shown}: Megatron cannot shard this model "
+            f"that way; allowed values: {shard_degrees(model, axis, candidates)}"
+        )
+
+
 @dataclass
 class ParallelSettings:
     """``parallel`` (megatron_iso/conf/parallel/*.yaml). Also the group's structured-config schema."""
@@ -255,7 +311,7 @@ class ParallelSettings:
 
 def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> ParallelSettings:
     """``parallel`` checked: every degree a positive integer; with ``model``, TP and EP degrees that divide the
-    sizes Megatron shards by them (an error lists the degrees that would)."""
+    sizes Megatron shards by them (:func:`check_shardable`)."""
     out = ParallelSettings(
         tp=_int(_get(parallel, "tp", 1), "parallel.tp", 1),
         pp=_int(_get(parallel, "pp", 1), "parallel.pp", 1),
@@ -269,14 +325,6 @@ def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | Non
             f"parallel.cp={out.cp}: context parallelism (attention split over ranks by sequence) is not supported: "
             "the iso attention reduces each query's keys in one fixed order on one rank; allowed values: [1]"
         )
-    for axis, keys in SHARDED_BY.items() if model is not None else ():
-        sizes = {k: model[k] for k in keys if isinstance(model.get(k), int) and model[k] > 0}
-        degree = getattr(out, axis)
-        if sizes and any(size % degree for size in sizes.values()):
-            fits = [d for d in range(1, min(sizes.values()) + 1) if all(size % d == 0 for size in sizes.values())]
-            shown = ", ".join(f"model.{k}={v}" for k, v in sizes.items())
-            raise SettingsError(
-                f"parallel.{axis}={degree} does not divide {shown}: Megatron cannot shard this model that way; "
-                f"allowed values: {fits}"
-            )
+    for axis in SHARDED_BY if model is not None else ():
+        check_shardable(model, axis, getattr(out, axis))
     return out

@@ -19,7 +19,7 @@ def lock(tmp_path_factory):
     ("argv", "message"),
     [
         (["digest", "device=cpu", "profile.leaves=3"], "profile.leaves=3 must be a power of two"),
-        (["digest", "device=cpu", "parallel.tp=0"], "parallel.tp=0 is outside profile.tp_domain"),
+        (["digest", "device=cpu", "parallel.tp=0"], "parallel.tp=0 is not allowed; allowed values: integers >= 1"),
         (["digest", "model=nope"], "Could not find 'model/nope'"),
         (["digest", "device=tpu"], "device='tpu' is not allowed"),
         (["show", "device=cpu", "rl.nosuchkey=1"], "Could not override 'rl.nosuchkey'"),

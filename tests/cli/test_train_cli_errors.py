@@ -36,6 +36,12 @@ BAD_SETTINGS = [
     ("parallel.tp=0", r"parallel\.tp=0 is not allowed; allowed values: integers >= 1"),
     ("parallel.tp=-4", r"parallel\.tp=-4 is not allowed"),
     ("parallel.tp=3", r"parallel\.tp=3 does not divide model\.num_attention_heads=8.*allowed values: \[1, 2, 4\]"),
+    # Model fields and layouts Megatron cannot shard are usage errors (exit 2), refused before any world opens.
+    ("model.params_dtype=fp16", r"model\.params_dtype='fp16' is not allowed; allowed values: \['bf16', 'fp32'\]"),
+    (
+        "profile=performance parallel.tp=2 model.vocab_size=255",
+        r"parallel\.tp=2 does not divide model\.vocab_size=255: Megatron cannot shard .*allowed values: \[1\]",
+    ),
     (
         "parallel.tp=2",
         r"parallel\.tp=2 needs 2 processes, and this is a single process \(not started by torchrun\); launch it with "

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_iso.contract import ContractValidationError, registry
 from megatron_iso.contract.registry import OpImpl
+from megatron_iso.settings import SettingsError
 from tests.contract.conftest import contract_of
 
 pytestmark = pytest.mark.usefixtures("fake_registry")
@@ -27,7 +28,10 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
             ["profile.leaves=128", "model.vocab_size=128"],
             r"does not divide model\.hidden_size=64.*\[1, 2, 4, 8, 16, 32, 64\]",
         ),
-        (["parallel.tp=16"], r"parallel\.tp=16 is outside profile\.tp_domain=\[1, 2, 4, 8\].*allowed values"),
+        (
+            ["parallel.tp=16", "model.num_attention_heads=16", "model.num_query_groups=16"],
+            r"parallel\.tp=16 is outside profile\.tp_domain=\[1, 2, 4, 8\].*allowed values",
+        ),
         (["parallel.ep=3"], r"parallel\.ep=3 is outside profile\.ep_domain"),
         (["device=tpu"], r"device='tpu' is not allowed; allowed values: \['cpu', 'cuda', 'auto'\]"),
         (
@@ -49,14 +53,6 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
             r"profile\.expert_leaves=64 does not divide model\.moe_ffn_hidden_size=32",
         ),
         (["model=tiny_moe", "model.shared_expert_ffn_hidden_size=36"], r"model\.shared_expert_ffn_hidden_size=36"),
-        (
-            ["model=qwen3_next_80b_a3b", "parallel.tp=4"],
-            r"parallel\.tp=4 does not divide model\.num_query_groups=2: Megatron cannot shard",
-        ),
-        (
-            ["model=tiny_moe", "model.num_experts=12", "parallel.ep=8"],
-            r"parallel\.ep=8 does not divide model\.num_experts=12",
-        ),
         (["contract.max_batch=0"], r"contract\.max_batch=0 must be a positive integer"),
         (["contract.invalidation=[{state: kv_cache}]"], r"contract\.invalidation\[0\].*keys state, event"),
         (["contract.max_seq_len=4096"], r"contract\.max_seq_len=4096 exceeds model\.max_position_embeddings=512"),
@@ -67,8 +63,40 @@ def test_invalid_configs_are_refused(cfg_for, overrides, pattern):
         contract_of(cfg_for(*overrides))
 
 
-def test_performance_profile_accepts_any_tp_and_pins_it(cfg_for):
-    c = contract_of(cfg_for("profile=performance", "parallel.tp=3"))
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            ["model=qwen3_next_80b_a3b", "parallel.tp=4"],
+            r"parallel\.tp=4 does not divide model\.num_query_groups=2: Megatron cannot shard this model that way; "
+            r"allowed values: \[1, 2\]$",
+        ),
+        (
+            ["parallel.tp=16"],
+            r"parallel\.tp=16 does not divide model\.num_attention_heads=8, model\.num_query_groups=4: Megatron cannot "
+            r"shard this model that way; allowed values: \[1, 2, 4\]$",
+        ),
+        (
+            ["model=tiny_moe", "model.num_experts=12", "parallel.ep=8"],
+            r"parallel\.ep=8 does not divide model\.num_experts=12: .*allowed values: \[1, 2, 3, 4, 6, 12\]$",
+        ),
+        # No invariance domain to check it against, still a layout Megatron cannot shard.
+        (["profile=performance", "parallel.tp=3"], r"parallel\.tp=3 does not divide model\.num_attention_heads=8"),
+        (
+            ["profile=performance", "parallel.tp=4", "model.ffn_hidden_size=130"],
+            r"parallel\.tp=4 does not divide model\.ffn_hidden_size=130: .*allowed values: \[1, 2\]$",
+        ),
+    ],
+)
+def test_unshardable_layouts_are_refused_with_the_settings_error(cfg_for, overrides, pattern):
+    """The contract refuses a layout Megatron cannot shard through the settings' one sharding check."""
+    with pytest.raises(SettingsError, match=pattern):
+        contract_of(cfg_for(*overrides))
+
+
+def test_performance_profile_accepts_any_shardable_tp_and_pins_it(cfg_for):
+    shardable_at_3 = ["model.num_attention_heads=6", "model.num_query_groups=3", "model.ffn_hidden_size=96"]
+    c = contract_of(cfg_for("profile=performance", "parallel.tp=3", *shardable_at_3, "model.vocab_size=258"))
     assert c.numerical_policy.claims.axis("tp").value == 3
     assert c.numerical_policy.to_dict()["claims"]["axes"]["tp"]["kind"] == "pinned"
 
