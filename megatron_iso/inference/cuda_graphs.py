@@ -10,7 +10,7 @@ How: for a bucket of ``B`` rows, :class:`DecodeGraphs` owns a static decode batc
 inputs. A step with ``n <= B`` sequences (:meth:`DecodeGraphs.decode_step`) is written from the
 engine's host lists: one ``[INPUT_ROWS, B]`` int64 array (:data:`INPUT_ROWS`) filled with numpy and copied in
 once, and the block tables' used columns; rows ``n..B-1`` are padding (token 0 at position 0, a table
-of the cache's reserved scratch block, writes into that block) and their logits are dropped. No
+of the cache's scratch block, ``PagedKVCache.scratch_block``, writes into that block) and their logits are dropped. No
 packed batch or step view is built for such a step, so the host work per step is a few array writes
 and three copies. The graph reads nothing from the host: the batch's ``KVStepPlan`` is marked
 ``device_positions`` (its host starts are placeholders), the attention takes start positions from
@@ -55,6 +55,11 @@ gloo ranks (bits and host reads); ``tests/multigpu/test_decode_graphs_tp.py`` ca
   a row count and a staging length (:func:`staging_length`, at most 2x the longest sequence). Native
   kernels are not batch invariant: padding rows and masked staging columns may move its last bits, as
   any batch change does there.
+
+Sequence parallelism (``parallel.sp``, TP > 1): a forward's rows are split evenly over the TP ranks, so every
+bucket's row count is a multiple of TP (:func:`default_buckets`' ``multiple``; a bucket list that is not is
+refused). Padding rows fill a step up to its bucket as always; the eager steps pad the same way
+(``inference.engine``).
 
 What stays eager: prefill steps (their shapes vary with the prompts) and steps with more rows than
 the largest bucket. :func:`decode_graph_support` says which models and configs are captured.
@@ -134,14 +139,15 @@ def tp_backend() -> str | None:
     return str(dist.get_backend(parallel_state.get_tensor_model_parallel_group()))
 
 
-def default_buckets(max_rows: int) -> list[int]:
+def default_buckets(max_rows: int, multiple: int = 1) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 32, of 16 to 128, of 32 beyond, capped by (and ending at) ``max_rows``:
-    padding wastes at most a few rows' work at every batch size."""
+    padding wastes at most a few rows' work at every batch size. ``multiple``: each rounded up to a multiple of
+    it (TP under sequence parallelism: ``models.batch.row_multiple``), the last one then at least ``max_rows``."""
     sizes, b = [], 1
     while b < max_rows:
         sizes.append(b)
         b = b * 2 if b < 8 else b + (8 if b < 32 else 16 if b < 128 else 32)
-    return [*sizes, max_rows]
+    return sorted({-(-size // multiple) * multiple for size in (*sizes, max_rows)})
 
 
 def staging_length(need: int, block_size: int, width: int) -> int:
@@ -176,7 +182,8 @@ class DecodeGraphs:
     ``paged``: the attention reads the pool in place (correctness profile's Triton kernel); otherwise it
     stages each layer's history and buckets also carry a staging length. ``capture=False`` runs the same
     static buffers eagerly (no graph): how the CPU tests check the padding and the copies, and a
-    fallback when a capture fails.
+    fallback when a capture fails. ``multiple``: every bucket's row count divides by it (TP under sequence
+    parallelism, whose forward splits the rows evenly over the TP ranks: ``models.batch.row_multiple``).
     """
 
     def __init__(
@@ -191,15 +198,17 @@ class DecodeGraphs:
         buckets: list[int] | None = None,
         drawer: Drawer | None = None,
         gdn: GDNSlotCache | None = None,
+        multiple: int = 1,
     ) -> None:
         self.model, self.kv, self.width, self.paged, self.capture = model, kv, width, paged, capture
+        self.multiple = multiple
         self.gdn = gdn  # the GDN layers' slots (hybrid models): a step's rows name theirs, padding the scratch slot
         self.drawer = drawer  # records the step's Gumbel draw after the forward (None: logits only)
         self._last: tuple[_Bucket, int] | None = None
-        self.buckets = sorted(buckets) if buckets else default_buckets(max_rows)
-        if self.buckets[0] < 1:
-            raise ValueError(f"decode graph buckets must be >= 1, got {self.buckets}")
-        self.scratch = kv.reserve_block()
+        self.buckets = sorted(buckets) if buckets else default_buckets(max_rows, multiple)
+        if self.buckets[0] < 1 or any(b % multiple for b in self.buckets):
+            raise ValueError(f"decode graph buckets must be >= 1 and multiples of {multiple}, got {self.buckets}")
+        self.scratch = kv.scratch_block()
         self.device = next(iter(kv.k.values())).device
         self._buckets: dict[tuple[int, int | None], _Bucket] = {}
         self._pool = None
@@ -316,6 +325,8 @@ class DecodeGraphs:
         bucket = self._buckets.get(key)
         if bucket is None:
             rows, length = key
+            if rows % self.multiple:  # buckets set after construction
+                raise ValueError(f"a decode graph bucket of {rows} rows; buckets must be multiples of {self.multiple}")
             inputs = torch.zeros((INPUT_ROWS, rows), dtype=torch.int64, device=self.device)
             tables = torch.full((rows, self.width), self.scratch, dtype=torch.int64, device=self.device)
             view = PagedStepView.on_device(

@@ -28,6 +28,23 @@ these models; the shared prompt prefill of a request's samples stays on.
 
 Every TP rank runs the engine in lockstep on the same requests: scheduling is a function of the
 requests alone and every rank draws the same tokens from the same gathered log-probabilities.
+
+Sequence parallelism (``parallel.sp``, TP > 1; the engine runs the trainer's model as it is built): each
+rank holds ``T / TP`` of a step's packed rows between the layers, so ``T`` must divide by TP
+(``models.batch.row_multiple``). A step whose tokens do not (an odd prompt, a decode step of 3 sequences at
+TP 2) appends ``-T % TP`` padding rows, each a one-token sequence at position 0 whose key goes to the KV
+cache's scratch block (``PagedKVCache.scratch_block``, reserved at construction) and whose GDN state goes to
+the scratch slot (``GDNSlotCache.scratch``); their logits are dropped. They are the decode graphs' padding
+rows (whose buckets are then multiples of TP, ``inference.cuda_graphs``), and, the correctness profile being
+batch invariant, they change no other row's bits: tokens and logprobs equal TP 1's and TP 2 without SP's.
+Why padding and not a forward without SP: SP is a property of the built modules (each linear's
+``sequence_parallel``, the embedding's ``reduce_scatter_embeddings``, the shared ``config.sequence_parallel``
+that Megatron's MoE dispatcher and shared experts read per call, Megatron GDN's ``sp_size`` fixed at
+construction), with no per-call switch; turning it off for the rollout would mean flipping those attributes on
+the trainer's own modules around every rollout call, as Megatron-Core's inference does
+(``set_model_to_sequence_parallel``; its dynamic batching otherwise refuses SP), where one attribute missed
+changes the layout. Padding needs no state beyond the scratch block and slot the decode graphs already keep,
+and the model code runs unchanged.
 """
 
 from __future__ import annotations
@@ -49,7 +66,7 @@ from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
 from megatron_iso.inference.rng import request_key
 from megatron_iso.inference.state import SequenceStateCache, StepState
-from megatron_iso.models.batch import pack
+from megatron_iso.models.batch import pack, row_multiple
 from megatron_iso.models.gdn import gdn_layer_indices
 
 
@@ -157,6 +174,16 @@ class RolloutEngine:
         if gdn_layers:
             self.gdn = GDNSlotCache.for_model(mc, self.config.max_num_seqs, device=self.device)
             self.caches.append(self.gdn)
+        # Rows of every packed forward divide by it (sequence parallelism: module docstring); padding rows'
+        # keys go to the scratch block, taken now, before any admission counts on it.
+        self.row_multiple = row_multiple(mc)
+        if self.row_multiple > 1:
+            try:
+                self.kv.scratch_block()
+            except ValueError as exc:
+                raise ValueError(
+                    f"parallel.sp with TP {self.row_multiple}: padding rows need a KV block of their own; {exc}"
+                ) from exc
         self.weights_version = 0
         self.stats = EngineStats()
         self._waiting: deque[_Group] = deque()
@@ -201,7 +228,8 @@ class RolloutEngine:
 
         The constructor calls it where :func:`decode_graph_support` allows; ``capture=False`` runs the
         same buffers and padding eagerly (how the CPU tests check them). It does not check that support
-        itself: a caller forcing it takes that on. One KV block is reserved for the padding rows."""
+        itself: a caller forcing it takes that on. Padding rows write into the KV cache's scratch block;
+        under sequence parallelism every bucket's row count is a multiple of TP."""
         if self.decode_graphs is None:
             width = min(-(-self.max_model_len // self.kv.block_size), self.kv.num_blocks)
             paged = self.profile == Profile.CORRECTNESS and self.config.paged_kv_reads
@@ -214,6 +242,7 @@ class RolloutEngine:
                 capture=capture,
                 drawer=self.drawer,
                 gdn=self.gdn,
+                multiple=self.row_multiple,
             )
             self.decode_graphs_off = None
         return self.decode_graphs
@@ -403,28 +432,32 @@ class RolloutEngine:
         ids_from: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed forward of the step (prefill, or a decode step no graph bucket serves): its logits and
-        each sequence's last row in them."""
-        state = StepState(
-            {c.kind: c.step_view([s.seq_id for s in batch_seqs], starts, counts) for c in self.caches},
-            paged=self.config.paged_kv_reads,
-        )
-        gdn = state.views.get(GDNSlotCache.kind)
+        each sequence's last row in them. Under sequence parallelism the pack ends with padding rows (module
+        docstring), one-token sequences at position 0 in the scratch block and slot; their logits are cut off."""
+        n, real = len(chunks), sum(counts)
+        pad = -real % self.row_multiple
+        seq_ids = [s.seq_id for s in batch_seqs]
+        views = {self.kv.kind: self.kv.step_view(seq_ids, starts, counts, padding=pad)}
+        views.update({c.kind: c.step_view(seq_ids, starts, counts) for c in self.caches if c is not self.kv})
+        gdn = views.get(GDNSlotCache.kind)
+        state = StepState(views, paged=self.config.paged_kv_reads)
         ids, batch = pack(
-            [[0]] * len(chunks) if ids_from is not None else chunks,
-            start_positions=starts,
+            [[0]] * (n + pad) if ids_from is not None else chunks + [[0]] * pad,
+            start_positions=[*starts, *[0] * pad],
             case=case,
             kv_cache=state,
-            slots=range(len(chunks)),  # the KV step view stages sequence i in row i
+            slots=range(n + pad),  # the KV step view stages sequence i in row i
             gdn_cache=None if gdn is None else gdn.cache,
-            gdn_slots=None if gdn is None else gdn.slots,  # GDN state stays in each sequence's own slot
+            # GDN state stays in each sequence's own slot; padding rows start fresh in the scratch slot.
+            gdn_slots=None if gdn is None else [*gdn.slots, *[self.gdn.scratch] * pad],
             device=self.device,
         )
         if ids_from is not None:
-            ids = ids_from.reshape(ids.shape)
+            ids[0, :n].copy_(ids_from.reshape(n))
         with torch.no_grad():
             logits = self.forward_fn(ids, batch)
         state.finish()
-        return logits, batch.cu_seqlens_q[1:].long() - 1
+        return logits[:real], batch.cu_seqlens_q[1 : n + 1].long() - 1
 
     def _launch_ahead(self, previous: _Drawn) -> _Drawn | None:
         """The next decode step, launched before ``previous`` is recorded, when nothing waits for admission: its

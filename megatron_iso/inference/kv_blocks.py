@@ -16,6 +16,11 @@ packed sequence's blocks into a staging view per layer (:meth:`PagedStepView.lay
 writes the new keys there and attends, and the new positions are scattered back to their blocks
 before the next layer's view is built. Either way the keys a query sees are the same bits as in a
 contiguous cache, so results are unchanged.
+
+Scratch block (:meth:`PagedKVCache.scratch_block`): one block taken out of circulation for padding rows, the
+rows a step computes only to reach a row count (a decode graph's bucket, a multiple of TP under sequence
+parallelism): each is a one-token sequence at position 0 whose key goes to that block and which attends to it
+alone. No sequence is ever given the block, so padding never touches a sequence's keys.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class PagedKVCache:
         self._key_of: dict[int, bytes] = {}
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
-        self.reserved: list[int] = []  # blocks out of circulation (reserve_block)
+        self._scratch: int | None = None  # the padding rows' block, out of circulation (scratch_block)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -203,27 +208,35 @@ class PagedKVCache:
         return len(self._free) + len(self._evictable)
 
     def capacity(self) -> int:
-        return self.num_blocks - len(self.reserved)
+        return self.num_blocks - (self._scratch is not None)
 
-    def reserve_block(self) -> int:
-        """Take a free block out of circulation for good: no sequence is ever given it (a captured
-        decode graph's padding rows write their keys there)."""
-        if len(self._free) < 2:
-            raise ValueError(
-                f"reserve_block: {len(self._free)} free block(s) of {self.num_blocks}; the cache needs one block "
-                "left for sequences (raise kv_cache_bytes)"
-            )
-        block = self._free.pop(0)  # the highest free id: sequences are handed the lowest first
-        self.reserved.append(block)
-        return block
+    def scratch_block(self) -> int:
+        """The block padding rows write their keys into (module docstring): taken out of circulation for good at
+        the first call, the same block at every later one (decode graphs and padded eager steps share it)."""
+        if self._scratch is None:
+            if len(self._free) < 2:
+                raise ValueError(
+                    f"scratch_block: {len(self._free)} free block(s) of {self.num_blocks}; the cache needs one block "
+                    "left for sequences besides the padding rows' block (raise kv_cache_bytes)"
+                )
+            self._scratch = self._free.pop(0)  # the highest free id: sequences are handed the lowest first
+        return self._scratch
 
     @property
     def cached_blocks(self) -> int:
         """Blocks registered for prefix reuse (held or not)."""
         return len(self._key_of)
 
-    def step_view(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> PagedStepView:
-        return PagedStepView.from_host(self, [self.tables[s] for s in seq_ids], starts, counts)
+    def step_view(
+        self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int], *, padding: int = 0
+    ) -> PagedStepView:
+        """The step's view of the sequences ``seq_ids`` (slot i = sequence i), then ``padding`` padding rows:
+        one token at position 0 each, in the scratch block (:meth:`scratch_block`)."""
+        tables = [self.tables[s] for s in seq_ids]
+        if padding:
+            block = self.scratch_block()
+            tables, starts, counts = tables + [[block]] * padding, [*starts, *[0] * padding], [*counts, *[1] * padding]
+        return PagedStepView.from_host(self, tables, starts, counts)
 
 
 class PagedStepView:

@@ -11,6 +11,13 @@ batch dimension 1); only this object changes:
 
 It travels through Megatron's ``GPTModel -> TransformerBlock -> TransformerLayer`` as the
 ``packed_seq_params`` argument, which Megatron passes to the attention module untouched.
+
+Sequence parallelism splits the ``T`` rows evenly over the TP ranks, so every model call's ``T`` must
+divide by :func:`row_multiple`. Each case reaches it with filler rows that are sequences of their own
+(sequences never attend to each other, so a filler changes no other row's bits): the trainer's pack
+appends one filler sequence (``pack(pad_to_multiple=...)``); the rollout engine, whose sequences' keys
+live in a KV cache, appends one-token filler sequences at position 0 that write and read only the
+cache's scratch block (``inference.engine``), as a decode graph's padding rows do.
 """
 
 from __future__ import annotations
@@ -61,6 +68,14 @@ class IsoBatch(PackedSeqParams):
         return self.kv_cache is not None
 
 
+def row_multiple(config) -> int:
+    """What every model call's packed row count ``T`` must divide by: the TP size under sequence parallelism
+    (each rank holds ``T / TP`` rows between the layers), else 1."""
+    if getattr(config, "sequence_parallel", False):
+        return int(config.tensor_model_parallel_size)
+    return 1
+
+
 def _to(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
@@ -90,7 +105,9 @@ def pack(
     ``start_positions[i]`` is the absolute position of sequence i's first token (its cached length
     for prefill continuation and decode; 0 otherwise). ``pad_to_multiple`` (training forward only)
     appends a filler sequence of token 0 so that T divides it (sequence parallelism splits rows
-    evenly); sequences never attend to each other, so the filler changes no other row.
+    evenly: :func:`row_multiple`); sequences never attend to each other, so the filler changes no
+    other row. (A prefill or decode step's fillers need a cache slot each: the engine passes them as
+    sequences of their own, module docstring.)
     ``gdn_slots`` lets the GDN state rows differ from the KV rows (the engine stages KV per step but
     keeps each sequence's GDN state in place); by default the GDN layers use ``slots``.
     """

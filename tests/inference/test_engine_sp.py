@@ -1,0 +1,170 @@
+"""The rollout engine at TP 2 with sequence parallelism (``parallel.sp=true``) on gloo ranks: any token count.
+
+SP splits a forward's rows evenly over the TP ranks, so the engine pads a step whose token count does not divide by
+TP with one-token sequences in the KV cache's scratch block (and the GDN scratch slot), and its decode graph buckets
+are multiples of TP (``inference.engine``, ``inference.cuda_graphs``). The schedule has odd prompt lengths (1, 3, 5,
+7, 9, 17), staggered arrivals and groups of 1, 2 and 3 samples, so eager prefill and decode steps and bucket steps
+see odd token counts (counted below, so the test fails if they stop doing so). The claims, for a dense model, a GDN
+hybrid and an MoE model (EP 1), on every rank: the tokens and logprobs of the eager steps (paged KV reads through
+the kernel's contract stand-in of tests/inference/test_decode_graphs.py, and the CPU's staged views) and of the
+bucket steps (``enable_decode_graphs(capture=False)``) are TP 2 without SP's and TP 1's bit for bit, and the
+trainer's recompute at TP 2 with SP (its own padding, ``pack(pad_to_multiple=2)``) gives them bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_iso.testing.bits import bits
+from megatron_iso.testing.harness import run_on_ranks
+
+ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]  # the step before which each request joins
+MODELS = {
+    "tiny_dense": ["profile=correctness"],
+    "tiny_hybrid": ["profile=correctness", "model=tiny_hybrid", "profile.gdn_chunk=4"],
+    "tiny_moe": ["profile=correctness", "model=tiny_moe"],
+}
+SP = ["parallel.tp=2", "parallel.sp=true"]
+
+
+def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool = True) -> tuple[dict, dict, dict]:
+    """The SPECS requests on one engine: the outputs' summary, the token counts of its eager forwards and the row
+    counts of its bucket steps, and the trainer's scores. ``paged``: attention reads the pool in place (the
+    kernel's stand-in, as on CUDA), else the CPU's staged views."""
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+    from megatron_iso.models import modules
+    from tests.inference import engine_cases
+    from tests.inference.test_decode_graphs import _kernel_contract_standin
+
+    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
+    if paged:
+        modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
+        modules.attention_with_paged_kv_cache = _kernel_contract_standin([])
+    counts: dict = {"eager": [], "bucket": []}
+    try:
+        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        reqs = engine_cases.requests(tc.vocab_size, specs)
+        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
+        forward = eng._forward
+        eng._forward = lambda seqs, case, starts, chunks, n, ids: (
+            counts["eager"].append(sum(n)) or forward(seqs, case, starts, chunks, n, ids)
+        )
+        if static:
+            graphs = eng.enable_decode_graphs(capture=False)
+            if buckets is not None:
+                graphs.buckets = buckets
+            step = graphs.decode_step
+            graphs.decode_step = lambda starts, *a: counts["bucket"].append(len(starts)) or step(starts, *a)
+        outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
+    finally:
+        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved
+    summary = engine_cases.summary(outs)
+    return summary, counts, _trainer_scores(model, tc, reqs, outs)
+
+
+def _trainer_scores(model, tc, reqs, outs) -> dict:
+    """(request id, sample) -> the trainer's teacher-forced logprobs of the generated tokens, packed with the
+    trainer's padding (a filler sequence, so the row count divides by TP under SP)."""
+    from megatron_iso.models.batch import pack, row_multiple
+    from megatron_iso.models.scoring import score_sequences
+
+    seqs, temps, keys = [], [], []
+    for r, o in zip(reqs, outs, strict=True):
+        t = r.params.temperature if r.params.temperature > 0 else 1.0
+        for s in o.samples:
+            seqs.append(list(r.prompt) + s.tokens)
+            temps += [t] * len(seqs[-1])
+            keys.append((r.request_id, s.index, len(r.prompt), len(s.tokens)))
+    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc))
+    temps += [1.0] * (ids.shape[1] - len(temps))
+    with torch.no_grad():
+        logp, _ = score_sequences(model, ids, batch, temperature=torch.tensor(temps).unsqueeze(-1))
+    cu = batch.cu_seqlens_q.tolist()
+    return {(rid, i): logp[cu[j] + p - 1 : cu[j] + p - 1 + g] for j, (rid, i, p, g) in enumerate(keys)}
+
+
+def _tp1(names: list[str]) -> dict:
+    from tests.inference import engine_cases
+
+    out = {}
+    for name in names:
+        tc, model = engine_cases.setup(MODELS[name])
+        out[name] = _generate(model, tc, None, static=False)[0]
+    return out
+
+
+def _tp2(name: str) -> dict:
+    """TP 2 without SP (eager), and with SP: eager (paged and staged KV reads), default buckets (2, 4, 6) and
+    buckets 4, 6 (more padding)."""
+    from tests.inference import engine_cases
+
+    tc, model = engine_cases.setup([*MODELS[name], "parallel.tp=2"])
+    runs = {"no_sp": _generate(model, tc, None, static=False)}
+    tc, model = engine_cases.setup([*MODELS[name], *SP])
+    assert tc.sequence_parallel
+    runs["sp_eager"] = _generate(model, tc, None, static=False)
+    runs["sp_staged"] = _generate(model, tc, None, static=False, paged=False)
+    runs["sp_static"] = _generate(model, tc, None, static=True)
+    runs["sp_padded"] = _generate(model, tc, [4, 6], static=True)
+    return runs
+
+
+def _same_bits(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key, (tok, lp, reason) in a.items():
+        tok2, lp2, reason2 = b[key]
+        assert tok == tok2 and reason == reason2, (what, key)
+        assert torch.equal(bits(lp), bits(lp2)), (what, key)
+
+
+@pytest.fixture(scope="module")
+def tp1() -> dict:
+    return run_on_ranks(_tp1, 1, args=(list(MODELS),))[0]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tp2_sp_engine_gives_the_tp1_and_no_sp_bits(tp1: dict, model: str) -> None:
+    ref = tp1[model]
+    assert len(ref) >= 8
+    for rank, runs in enumerate(run_on_ranks(_tp2, 2, tp=2, args=(model,))):
+        _same_bits(ref, runs["no_sp"][0], f"{model} rank {rank}: TP 2 without SP vs TP 1")
+        for name in ("sp_eager", "sp_staged", "sp_static", "sp_padded"):
+            summary, counts, trainer = runs[name]
+            _same_bits(ref, summary, f"{model} rank {rank}: {name} vs TP 1")
+            for key, (_, lp, _) in summary.items():  # the rollout's logprobs are the trainer's recompute
+                assert torch.equal(bits(lp), bits(trainer[key])), (model, rank, name, key)
+            # Odd token counts did reach the forward: prefill steps always, decode steps in the eager run.
+            assert any(c % 2 for c in counts["eager"]), (name, counts)
+            if name in ("sp_eager", "sp_staged"):
+                assert counts["bucket"] == [] and sum(c % 2 for c in counts["eager"]) >= 3, counts
+            else:  # bucket steps of odd row counts, served from even buckets
+                assert len(counts["bucket"]) >= 8 and any(c % 2 for c in counts["bucket"]), counts
+
+
+def _bucket_sizes() -> dict:
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+    from tests.inference import engine_cases
+
+    _, model = engine_cases.setup(["profile=correctness", *SP])
+    eng = RolloutEngine(model, EngineConfig(max_num_seqs=7, kv_cache_bytes=1 << 20, block_size=4))
+    graphs = eng.enable_decode_graphs(capture=False)
+    out = {"buckets": graphs.buckets, "scratch": (graphs.scratch, eng.kv.scratch_block())}
+    try:
+        graphs.buckets = [3, 8]
+        graphs._bucket(graphs._key(3, 1))
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_sp_buckets_are_multiples_of_tp() -> None:
+    from megatron_iso.inference.cuda_graphs import default_buckets
+
+    assert default_buckets(7, 2) == [2, 4, 8]
+    assert default_buckets(20, 4) == [4, 8, 16, 20]
+    assert default_buckets(6) == [1, 2, 4, 6]
+    got = run_on_ranks(_bucket_sizes, 2, tp=2)[0]
+    assert got["buckets"] == [2, 4, 8]
+    assert got["scratch"][0] == got["scratch"][1]  # eager padding and the buckets share one scratch block
+    assert "multiples of 2" in got["refused"], got
