@@ -59,6 +59,7 @@ import torch
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
 from megatron_iso.contract.registry import Profile
+from megatron_iso.inference.config import EngineConfig, EngineStats
 from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
 from megatron_iso.inference.draw import Drawer, DrawPlan, plan_draw
 from megatron_iso.inference.gdn_slots import GDNSlotCache
@@ -68,44 +69,6 @@ from megatron_iso.inference.rng import request_key
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack, row_multiple
 from megatron_iso.models.gdn import gdn_layer_indices
-
-
-@dataclass
-class EngineConfig:
-    """kv_cache_bytes: memory budget of the paged KV cache (this rank). block_size: tokens per
-    block. max_num_seqs: running samples per step. max_prefill_tokens: prompt tokens admitted per
-    step (a longer single prompt is still admitted alone). max_model_len: prompt + generated
-    limit (default: the model's max_sequence_length). progress: tqdm bar in :meth:`generate`.
-    paged_kv_reads: where the attention kernel can read the paged pool in place (the Triton kernel,
-    CUDA + correctness), let it; False stages each layer's history instead (same bits; a fallback).
-    cuda_graphs: replay decode steps from CUDA graphs where :func:`~megatron_iso.inference.cuda_graphs.
-    decode_graph_support` allows (:attr:`RolloutEngine.decode_graphs_off` says why not); the correctness
-    profile gives the eager bits, the performance profile's last bits may move with the padding.
-    Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample).
-    lookahead: while no request waits for admission, launch decode step n + 1 before reading step n's tokens
-    (the next step's input ids come from the device): the host's bookkeeping of step n overlaps the GPU's step
-    n + 1. A sample that stops on a stop token gets one extra row computed and dropped; outputs are unchanged."""
-
-    kv_cache_bytes: int = 64 << 20
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 4096
-    max_model_len: int | None = None
-    prefix_caching: bool = True
-    progress: bool = False
-    paged_kv_reads: bool = True
-    cuda_graphs: bool = True
-    lookahead: bool = True
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens run through the model (prefix hits excluded)
-    decode_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    generated_tokens: int = 0
-    forward_seconds: float = 0.0
 
 
 @dataclass
