@@ -197,11 +197,11 @@ def _rollout_full(sample, vocab: int) -> torch.Tensor:
 
 def _trainer(model, seqs: list[list[int]], settings: BenchSettings) -> tuple[torch.Tensor, torch.Tensor | None, list]:
     """Teacher-forced logprobs [T] (and full log-softmax [T, V] when asked) plus cu_seqlens."""
-    from megatron_iso.models.batch import pack
+    from megatron_iso.models.batch import pack, row_multiple
     from megatron_iso.models.scoring import score_sequences
 
     tc = model.config
-    ids, batch = pack(seqs, pad_to_multiple=tc.tensor_model_parallel_size if tc.sequence_parallel else 1)
+    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc))
     with torch.no_grad():
         logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature, with_entropy=False)
         # The whole vocab's logits of every row: one more forward, only when the full distribution is compared.

@@ -51,9 +51,9 @@ class IsoBatch(PackedSeqParams):
     # Largest |position| (pack knows it from host ints and range-checks it there): RoPE's range
     # check uses it instead of reading ``positions`` back (a host sync on GPU). None: RoPE reads them.
     max_position: int | None = None
-    # The call may be captured in a CUDA graph (DecodeGraphs sets it on its buckets' batches): layers whose
-    # eager forward reads device values on the host take their static-shape path instead (MoE layers:
-    # ``models.moe.static_shapes``, EP 1). The same bits either way.
+    # Layers whose eager forward reads device values on the host take their static-shape path instead (MoE
+    # layers: ``models.moe.static_shapes``, EP 1): DecodeGraphs sets it on its buckets' batches (a captured
+    # call reads nothing on the host), the trainer on its micro-batches (no sync per layer). The same bits.
     static_shapes: bool = False
     # Per-call values every layer would compute the same way (RoPE cos/sin of ``positions``), built
     # by the first layer that needs them: the same function of the same inputs, so the same bits.

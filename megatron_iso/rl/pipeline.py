@@ -50,12 +50,11 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
     The layout comes from the host lengths (reading ``cu_seqlens`` back would be a device sync). At expert
     parallel size 1 the batch is marked ``static_shapes``: MoE layers route and run their experts without host
     reads (``models.moe``), the same bits as their eager path."""
-    from megatron_iso.models.batch import pack
+    from megatron_iso.models.batch import pack, row_multiple
 
     seqs = [s.prompt.ids + s.tokens for s in samples]
     tc = trainer.tc
-    pad = tc.tensor_model_parallel_size if tc.sequence_parallel else 1
-    ids, batch = pack(seqs, pad_to_multiple=pad, device=trainer.device)
+    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc), device=trainer.device)
     batch.static_shapes = bool(tc.num_moe_experts) and tc.expert_model_parallel_size == 1
     rows = ids.shape[1]
     mask = torch.zeros(rows, dtype=torch.bool)
