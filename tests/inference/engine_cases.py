@@ -243,3 +243,36 @@ def native_gap(overrides: list[str]) -> float:
     outs = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4)).generate(reqs)
     s, t = summary(outs), trainer_scores(model, reqs, outs)
     return max(float((s[k][1] - t[k]).abs().max()) for k in s)
+
+
+def staggered_specs() -> list:
+    """:data:`SPECS` with max_new_tokens 3 to 6: sequences leave the batch at different steps."""
+    return [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(SPECS)]
+
+
+def paged_kernel_standin(writes: list):
+    """Attention through exactly what the paged Triton kernel reads from the device (no host plan): what the CPU
+    tests of decode-graph buckets put in ``models.modules.attention_with_paged_kv_cache``. Every write index is
+    appended to ``writes``."""
+    from megatron_iso.ops.attention import KVStepPlan, attention_with_kv_cache
+
+    def paged_call(q, k, v, paged, cache_seqlens, cu_seqlens_q, *, slots, plan, **common):
+        del plan  # stale for a bucket's static batch: the kernel reads the device tensors below
+        bs = paged.block_size
+        own = KVStepPlan.from_tensors(cu_seqlens_q, cache_seqlens, slots)
+        n, width = len(own.starts), paged.block_tables.shape[1]
+        rows = paged.block_tables[slots]
+        idx = (rows[:, :, None] * bs + torch.arange(bs)).reshape(n, width * bs)
+        kp, vp = paged.k_pool.flatten(0, 1), paged.v_pool.flatten(0, 1)
+        kp.index_copy_(0, paged.write_idx, k)  # the kernel's write, before it attends
+        vp.index_copy_(0, paged.write_idx, v)
+        writes.append(paged.write_idx.clone())
+        kc = kp[idx.reshape(-1)].view(n, width * bs, *kp.shape[1:]).clone()
+        vc = vp[idx.reshape(-1)].view(n, width * bs, *vp.shape[1:]).clone()
+        # attention_with_kv_cache writes k/v at each start again (the same values) and attends.
+        flat = KVStepPlan(own.cu, own.starts, list(range(n)))
+        return attention_with_kv_cache(
+            q, k, v, kc, vc, cache_seqlens, cu_seqlens_q, slots=torch.arange(n), plan=flat, **common
+        )
+
+    return paged_call

@@ -22,32 +22,6 @@ import torch
 from megatron_iso.testing.harness import run_on_ranks
 
 
-def _kernel_contract_standin(writes: list):
-    """Attention through exactly what the paged kernel reads from the device (no host plan)."""
-    from megatron_iso.ops.attention import KVStepPlan, attention_with_kv_cache
-
-    def paged_call(q, k, v, paged, cache_seqlens, cu_seqlens_q, *, slots, plan, **common):
-        del plan  # stale for a bucket's static batch: the kernel reads the device tensors below
-        bs = paged.block_size
-        own = KVStepPlan.from_tensors(cu_seqlens_q, cache_seqlens, slots)
-        n, width = len(own.starts), paged.block_tables.shape[1]
-        rows = paged.block_tables[slots]
-        idx = (rows[:, :, None] * bs + torch.arange(bs)).reshape(n, width * bs)
-        kp, vp = paged.k_pool.flatten(0, 1), paged.v_pool.flatten(0, 1)
-        kp.index_copy_(0, paged.write_idx, k)  # the kernel's write, before it attends
-        vp.index_copy_(0, paged.write_idx, v)
-        writes.append(paged.write_idx.clone())
-        kc = kp[idx.reshape(-1)].view(n, width * bs, *kp.shape[1:]).clone()
-        vc = vp[idx.reshape(-1)].view(n, width * bs, *vp.shape[1:]).clone()
-        # attention_with_kv_cache writes k/v at each start again (the same values) and attends.
-        flat = KVStepPlan(own.cu, own.starts, list(range(n)))
-        return attention_with_kv_cache(
-            q, k, v, kc, vc, cache_seqlens, cu_seqlens_q, slots=torch.arange(n), plan=flat, **common
-        )
-
-    return paged_call
-
-
 def _run(static: bool, buckets: list[int] | None, profile: str = "correctness") -> dict:
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from megatron_iso.models import modules
@@ -58,10 +32,10 @@ def _run(static: bool, buckets: list[int] | None, profile: str = "correctness") 
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
     if profile == "correctness":  # the performance profile stages on CUDA too: its own kernels run here
         modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-        modules.attention_with_paged_kv_cache = _kernel_contract_standin(writes)
+        modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin(writes)
     try:
         # Different max_new_tokens: sequences leave the batch at different steps.
-        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
         assert eng.decode_graphs is None and "CUDA" in eng.decode_graphs_off

@@ -20,7 +20,6 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
     from megatron_iso.models import modules
     from megatron_iso.ops.gemm import grouped
     from tests.inference import engine_cases
-    from tests.inference.test_decode_graphs import _kernel_contract_standin
 
     tc, model = engine_cases.setup(["profile=correctness", "model=tiny_moe"])
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache, grouped.grouped_reference_static)
@@ -31,10 +30,10 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
         return saved[2](*args, **kwargs)
 
     modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = _kernel_contract_standin([])
+    modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     grouped.grouped_reference_static = counted
     try:
-        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
         if static:

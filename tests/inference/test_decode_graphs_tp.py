@@ -33,14 +33,13 @@ def _generate(overrides: list[str], buckets: list[int] | None, *, static: bool) 
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from megatron_iso.models import modules
     from tests.inference import engine_cases
-    from tests.inference.test_decode_graphs import _kernel_contract_standin
 
     tc, model = engine_cases.setup(overrides)
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
     modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = _kernel_contract_standin([])
+    modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     try:
-        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
         if static:
@@ -94,10 +93,9 @@ def _bucket_step_reads(overrides: list[str]) -> dict:
     from megatron_iso.parallel.tree_collectives import gather_along, tree_all_reduce
     from megatron_iso.testing.host_reads import HostReadCounter
     from tests.inference import engine_cases
-    from tests.inference.test_decode_graphs import _kernel_contract_standin
 
     tc, model = engine_cases.setup(overrides)
-    standin = _kernel_contract_standin([])
+    standin = engine_cases.paged_kernel_standin([])
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
     reads: list = []
     with HostReadCounter() as counter:

@@ -35,15 +35,14 @@ def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool
     from megatron_iso.inference import EngineConfig, RolloutEngine
     from megatron_iso.models import modules
     from tests.inference import engine_cases
-    from tests.inference.test_decode_graphs import _kernel_contract_standin
 
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
     if paged:
         modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-        modules.attention_with_paged_kv_cache = _kernel_contract_standin([])
+        modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     counts: dict = {"eager": [], "bucket": []}
     try:
-        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
         forward = eng._forward

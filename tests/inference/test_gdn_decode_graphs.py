@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from megatron_iso.testing.harness import run_on_ranks
-from tests.inference.test_decode_graphs import _kernel_contract_standin
 
 OVERRIDES = ["model=tiny_hybrid", "profile=correctness", "profile.gdn_chunk=4"]
 
@@ -46,12 +45,12 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
     tc, model = engine_cases.setup(OVERRIDES)
     saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
     modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = _kernel_contract_standin([])
+    modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     steps: list[tuple[list[int], set[int], int]] = []  # per graphed step: its rows' slots, slots touched, rows
     handed: set[int] = set()
     try:
         # Different max_new_tokens: sequences leave at different steps; n = 2 and 3 samples fork shared prompts.
-        specs = [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(engine_cases.SPECS)]
+        specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
         assert eng.decode_graphs is None and "CUDA" in eng.decode_graphs_off
