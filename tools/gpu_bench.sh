@@ -31,11 +31,15 @@
 #                   micro-batches of 16 sequences; RLHYBRID_PROFILES picks the profiles, RLHYBRID_OVERRIDES appends
 #                   Hydra overrides (e.g. "profile.gdn_form=scan")
 #   decode   200    bench_decode, Qwen3-0.6B, batch 1 8 64 256, 512-token prompts, 512 new tokens
+#   decoderoof 250  bench_decode iso + native, Qwen3-0.6B, batch 1 64 256, 512 + 256 tokens: the roofline table
+#   decode8b 150    the same at Qwen3-8B widths with 8 layers, batch 64
+#   rl8b     300    bench_rl_step iso + native, Qwen3-8B widths with 8 layers, 8 x 8 samples of 256 + 512 tokens,
+#                   trainer micro-batches of 16 (the RL-step table's first row)
 #   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs
 #   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120    the same with --staged-kv (staging + write-back)
 #   moe      100    bench_ops --moe: grouped expert GEMM vs a cuBLAS per-expert loop
-#   nccl     300    needs 2 GPUs: tests/multigpu over NCCL
+#   nccl     300    needs 2 GPUs: tests/multigpu over NCCL (invariance, TP-2 decode graphs)
 #   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
 # The numbers these steps produced: docs/PERFORMANCE.md.
 set -u
@@ -48,7 +52,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid decode decodeeager kvpaged kvstaged moe nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b decode decoderoof decode8b decodeeager kvpaged kvstaged moe nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -96,6 +100,9 @@ for s in "$@"; do
       step gdnbwdprof 60 16 python3 tools/bench_gdn.py --profile trainbwd:8x4096 --out "$OUT/gdn_prof_trainbwd.json" ;;
     rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
+    rl8b) step rl8b 300 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 3 --prompts 8 --group 8 \
+      --prompt-len 256 --new-tokens 512 --kv-cache-mb 16384 --train-micro-batch-seqs 16 \
+      --out "$OUT/rl_step_qwen3_8b_l8_mb16.json" model.num_layers=8 ;;
     rlhybrid)  # RLHYBRID_PROFILES and RLHYBRID_OVERRIDES hold several words: word splitting on purpose
       # shellcheck disable=SC2086
       step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
@@ -104,6 +111,12 @@ for s in "$@"; do
       ${RLHYBRID_OVERRIDES:-} ;;
     decode) step decode 200 20 python3 tools/bench_decode.py --model qwen3_0p6b --batch 1 8 64 256 --prompt-len 512 \
       --new-tokens 512 --max-seconds 8 --budget-seconds 190 --out "$OUT/bench_decode.json" ;;
+    decoderoof) step decoderoof 250 12 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso native \
+      --batch 1 64 256 --prompt-len 512 --new-tokens 256 --max-seconds 10 --budget-seconds 240 \
+      --out "$OUT/bench_decode_roofline.json" ;;
+    decode8b) step decode8b 150 8 python3 tools/bench_decode.py --model qwen3_8b --engines iso native --batch 64 \
+      --prompt-len 512 --new-tokens 256 --max-seconds 10 --budget-seconds 140 --out "$OUT/bench_decode_8b_l8.json" \
+      model.num_layers=8 ;;
     decodeeager) step decodeeager 150 12 python3 tools/bench_decode.py --model qwen3_0p6b --engines iso native \
       --batch 8 64 --prompt-len 512 --new-tokens 128 --max-seconds 15 --budget-seconds 140 --no-cuda-graphs \
       --out "$OUT/bench_decode_eager.json" ;;
@@ -113,7 +126,7 @@ for s in "$@"; do
       --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --staged-kv \
       --out "$OUT/bench_decode_staged.json" ;;
     moe) step moe 100 20 python3 tools/bench_ops.py --moe --skip-gemm --skip-mem --out "$OUT/bench_moe.json" ;;
-    nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu/test_nccl_invariance.py ;;
+    nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu ;;
     rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
       --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \
       --out "$OUT/rl_step_tp2.json" parallel.tp=2 ;;
