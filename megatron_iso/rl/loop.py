@@ -338,7 +338,7 @@ class Trainer:
             logp, ent = logp.float().cpu(), torch.zeros(0)
         else:
             both = torch.stack([logp.float(), ent.detach().float()]).cpu()
-            logp, ent = both[0], both[1][mask]
+            logp, ent = both[0], both[1][mask].detach()  # the stack carries logp's graph: the statistic leaves it
         old = logp.detach()  # one update per rollout: the behaviour policy is the current one
         ref = None
         if self.ref_model is not None:
