@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_iso.ops.common.dispatch import import_triton_module
-from megatron_iso.ops.logprob.reference import temperature_rows
+from megatron_iso.ops.logprob.reference import checked_valid_vocab, temperature_rows
 
 TRITON_MODULE = "megatron_iso.ops.logprob.entropy_triton"
 
@@ -72,13 +72,10 @@ def row_entropy(
     lead, shard = logits.shape[:-1], logits.shape[-1]
     if leaves < world or leaves % world or shard % (leaves // world):
         raise ValueError(f"entropy: {leaves} leaves do not split a vocab of {world} shards of {shard}")
-    vocab = shard * world
-    valid = vocab if valid_vocab is None else int(valid_vocab)
-    if not 0 < valid <= vocab:
-        raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
+    valid = checked_valid_vocab(valid_vocab, shard * world)
     with torch.no_grad():
         x = logits.detach().reshape(-1, shard)
-        t = temperature_rows(temperature, x.shape[0], x.device)
+        t = temperature_rows(temperature, lead, x.device)
         parts = _partials_fn(x.device)(x, t, leaves // world, valid, rank * shard)
         return entropy_from_partials(parts if gather is None else gather(parts)).reshape(lead)
 

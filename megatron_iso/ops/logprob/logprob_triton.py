@@ -30,19 +30,19 @@ import triton.language as tl
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.tree import tree_sum_dim
 from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
-from megatron_iso.ops.gemm.reference import validate_leaves
+from megatron_iso.ops.gemm.reference import check_dtype
 from megatron_iso.ops.logprob.reference import (
     Comm,
     LocalShards,
     VocabScores,
-    checked_temperature,
+    checked_valid_vocab,
     mask_padding,
     scale_logits,
+    temperature_rows,
 )
 
 BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
 NUM_WARPS = 4  # a schedule choice: the lane tree's order does not depend on it
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -75,16 +75,6 @@ def _leaf_kernel(
     tl.store(out + 1, fixed_tree_rowsum(acc, 1, BLOCK))
 
 
-def _row_temperatures(temperature: float | torch.Tensor, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """One fp32 temperature per row of ``lead`` (checked as ``scale_logits`` checks it): a scalar broadcast, a
-    tensor broadcasting as ``[*lead, 1]`` (e.g. per sequence) expanded to every row."""
-    t = checked_temperature(temperature, device)
-    rows = torch.Size(lead).numel()
-    if t.numel() == 1:
-        return t.reshape(1).expand(rows).contiguous()
-    return torch.broadcast_to(t, (*lead, 1)).reshape(rows).contiguous()
-
-
 class TritonScores(VocabScores):
     """:class:`~megatron_iso.ops.logprob.reference.VocabScores` with ``lse`` from :func:`_leaf_kernel`'s leaf sums;
     ``z`` (the fp32 scaled logits) is made only when a query needs every entry (``log_softmax``, ``entropy``).
@@ -101,22 +91,14 @@ class TritonScores(VocabScores):
         valid_vocab: int | None = None,
     ) -> None:
         """``logits``: [R, ..., V/C], the R local vocab shards (shard r is global shard first_rank + r)."""
-        if logits.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"logits dtype {logits.dtype} is not supported; allowed: {SUPPORTED_DTYPES}")
+        check_dtype(logits, "logits")  # what scale_logits checks on the reference path
         if torch.is_grad_enabled() and logits.requires_grad:
             raise RuntimeError(
                 "TritonScores is forward only: score through parallel.vocab_scoring (a plain backward) for gradients"
             )
-        shard = logits.shape[-1]
-        vocab = shard * comm.world
-        validate_leaves(leaves, k=vocab, tp=comm.world)
-        self.comm, self.shard, self.vocab = comm, shard, vocab
-        self.local_leaves = leaves // comm.world
-        if shard % self.local_leaves:
-            raise ValueError(f"vocab shard {shard} is not divisible by its {self.local_leaves} leaves")
-        self.valid_vocab = vocab if valid_vocab is None else int(valid_vocab)
-        if not 0 < self.valid_vocab <= vocab:
-            raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
+        self._layout(logits, comm, leaves)
+        shard = self.shard
+        self.valid_vocab = checked_valid_vocab(valid_vocab, self.vocab)
         self.logits, self.temperature = logits, temperature
         self._z: torch.Tensor | None = None
         lead = tuple(logits.shape[1:-1])
@@ -124,7 +106,7 @@ class TritonScores(VocabScores):
         if x.stride(-1) != 1 or x.stride(0) != x.shape[1] * shard:
             x = x.contiguous()
         R, rows = x.shape[0], x.shape[1]
-        t = _row_temperatures(temperature, lead, logits.device)
+        t = temperature_rows(temperature, lead, logits.device)
         self.row_temperature = t.reshape(lead)
         per_leaf = torch.empty((R, rows, self.local_leaves, 2), device=logits.device, dtype=torch.float32)
         if rows:
@@ -145,22 +127,12 @@ class TritonScores(VocabScores):
             self._z = mask_padding(z, self.comm.first_rank, self.vocab, self.valid_vocab)
         return self._z
 
-    def token_logprobs(self, target_ids: torch.Tensor, *, ids_in_range: bool = False) -> torch.Tensor:
-        """[...] fp32 log-probability of each row's target (global vocab ids), from the one picked logit per
-        row (``ids_in_range``: as ``VocabScores.token_logprobs``)."""
-        if target_ids.shape != self.lse.shape:
-            raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(self.lse.shape)}")
-        target_ids = target_ids.to(self.logits.device).long()
-        if not ids_in_range and bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
-            raise ValueError(f"target id outside [0, {self.vocab})")
-        owner = target_ids // self.shard
-        local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
+    def _z_at(self, local: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        """The picked logits scaled as ``z`` is (an elementwise IEEE division: the same bits), padding ids at -inf
+        as in the masked ``z``: no fp32 copy of the whole vocab for a token logprob."""
         R = self.logits.shape[0]
         picked = self.logits.gather(-1, local.unsqueeze(0).expand(R, *local.shape).unsqueeze(-1)).squeeze(-1)
-        # The scaling of z, on the picked entries: an elementwise IEEE division, so the same bits as z's.
-        z_target = self.comm.pick(picked.float() / self.row_temperature, owner)
-        z_target = torch.where(target_ids >= self.valid_vocab, float("-inf"), z_target)  # padding ids, as masked
-        return z_target - self.lse
+        return torch.where(target_ids >= self.valid_vocab, float("-inf"), picked.float() / self.row_temperature)
 
 
 def _triton_scores(

@@ -79,11 +79,27 @@ def checked_temperature(temperature: float | torch.Tensor, device: torch.device)
     return t
 
 
-def temperature_rows(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    """:func:`checked_temperature` as one contiguous fp32 value per row (``[rows]``), for a kernel that reads
-    each row's temperature: a scalar is broadcast, a per-row tensor (e.g. ``[rows, 1]``) flattened."""
+def temperature_rows(temperature: float | torch.Tensor, lead: Sequence[int], device: torch.device) -> torch.Tensor:
+    """:func:`checked_temperature` as one contiguous fp32 value per row of logits ``[*lead, V]`` (``[prod(lead)]``),
+    for a kernel that reads each row's temperature: a scalar is broadcast, a tensor of one value per row
+    flattened, any other tensor broadcast as ``[*lead, 1]`` (e.g. one per sequence of ``[B, T]`` rows)."""
     t = checked_temperature(temperature, device)
-    return t.reshape(-1).expand(rows).contiguous() if t.numel() == 1 else t.reshape(rows).contiguous()
+    rows = torch.Size(lead).numel()
+    if t.numel() == 1:
+        return t.reshape(1).expand(rows).contiguous()
+    if t.numel() == rows:
+        return t.reshape(rows).contiguous()
+    return torch.broadcast_to(t, (*lead, 1)).reshape(rows).contiguous()
+
+
+def checked_valid_vocab(valid_vocab: int | None, vocab: int) -> int:
+    """The count of real vocab ids (ids ``>= valid_vocab`` are Megatron's padding): ``vocab`` when None, else
+    refused outside ``(0, vocab]``."""
+    if valid_vocab is None:
+        return vocab
+    if not 0 < valid_vocab <= vocab:
+        raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
+    return int(valid_vocab)
 
 
 class Comm(Protocol):
@@ -127,8 +143,7 @@ def mask_padding(z: torch.Tensor, first_rank: int, vocab: int, valid_vocab: int 
     """
     if valid_vocab is None:
         return z
-    if not 0 < valid_vocab <= vocab:
-        raise ValueError(f"valid_vocab={valid_vocab} outside (0, {vocab}]")
+    valid_vocab = checked_valid_vocab(valid_vocab, vocab)
     r, shard = z.shape[0], z.shape[-1]
     start = (first_rank + torch.arange(r, device=z.device)) * shard
     idx = start.view(r, *([1] * (z.dim() - 1))) + torch.arange(shard, device=z.device)
@@ -154,18 +169,22 @@ class VocabScores:
         valid_vocab: int | None = None,
     ) -> None:
         """``logits``: [R, ..., V/C], the R local vocab shards (shard r is global shard first_rank + r)."""
+        self._layout(logits, comm, leaves)
+        # A tensor temperature ([..., 1]) broadcasts from the right over the rank axis too.
+        self.z = z = mask_padding(scale_logits(logits, temperature), comm.first_rank, self.vocab, valid_vocab)
+        with torch.no_grad():  # the max only shifts; d lse / d m = 0, so it carries no gradient
+            self.m = comm.max(z.amax(dim=-1))
+        self.lse = self.m + torch.log(comm.tree(_leaf_partial(torch.exp(z - self.m.unsqueeze(-1)), self.local_leaves)))
+
+    def _layout(self, logits: torch.Tensor, comm: Comm, leaves: int) -> None:
+        """The vocab's split: this rank's shard width, the whole vocab and the leaves a shard holds (checked)."""
         shard = logits.shape[-1]
         vocab = shard * comm.world
         validate_leaves(leaves, k=vocab, tp=comm.world)
         self.comm, self.shard, self.vocab = comm, shard, vocab
         self.local_leaves = leaves // comm.world
-        if self.shard % self.local_leaves:
+        if shard % self.local_leaves:
             raise ValueError(f"vocab shard {shard} is not divisible by its {self.local_leaves} leaves")
-        # A tensor temperature ([..., 1]) broadcasts from the right over the rank axis too.
-        self.z = z = mask_padding(scale_logits(logits, temperature), comm.first_rank, vocab, valid_vocab)
-        with torch.no_grad():  # the max only shifts; d lse / d m = 0, so it carries no gradient
-            self.m = comm.max(z.amax(dim=-1))
-        self.lse = self.m + torch.log(comm.tree(_leaf_partial(torch.exp(z - self.m.unsqueeze(-1)), self.local_leaves)))
 
     def log_softmax(self) -> torch.Tensor:
         """[R, ..., V/C] fp32 log-probabilities of the local shards."""
@@ -177,14 +196,18 @@ class VocabScores:
         check, a host read on a GPU, is skipped."""
         if target_ids.shape != self.lse.shape:
             raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(self.lse.shape)}")
-        target_ids = target_ids.to(self.z.device).long()
+        target_ids = target_ids.to(self.lse.device).long()
         if not ids_in_range and bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
             raise ValueError(f"target id outside [0, {self.vocab})")
         owner = target_ids // self.shard  # global shard holding the target
         local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
+        return self.comm.pick(self._z_at(local, target_ids), owner) - self.lse
+
+    def _z_at(self, local: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        """[R, ...]: every local shard's scaled logit at column ``local`` of each row (the owner's is the target's)."""
+        del target_ids  # z is masked already
         picked = self.z.gather(-1, local.unsqueeze(0).expand(self.z.shape[0], *local.shape).unsqueeze(-1))
-        z_target = self.comm.pick(picked.squeeze(-1), owner)
-        return z_target - self.lse
+        return picked.squeeze(-1)
 
     def entropy(self) -> torch.Tensor:
         """[...] fp32 entropy ``-sum p log p`` of each row, with the leaf tree."""
