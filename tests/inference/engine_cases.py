@@ -3,7 +3,9 @@ the finished sequences with the trainer's teacher-forced ``score_sequences``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -276,3 +278,20 @@ def paged_kernel_standin(writes: list):
         )
 
     return paged_call
+
+
+@contextlib.contextmanager
+def paged_reads_as_on_cuda(writes: list | None = None, *, active: bool = True) -> Iterator[None]:
+    """Inside: the correctness profile reads the paged KV pool in place, as on CUDA, through
+    :func:`paged_kernel_standin` (appending its write indices to ``writes``); ``active=False`` leaves the model's
+    attention as it is (the CPU's staged reads)."""
+    from megatron_iso.models import modules
+
+    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
+    if active:
+        modules.paged_kv_reads = lambda q, profile: profile == "correctness"
+        modules.attention_with_paged_kv_cache = paged_kernel_standin([] if writes is None else writes)
+    try:
+        yield
+    finally:
+        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved

@@ -24,16 +24,12 @@ from megatron_iso.testing.harness import run_on_ranks
 
 def _run(static: bool, buckets: list[int] | None, profile: str = "correctness") -> dict:
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from megatron_iso.models import modules
     from tests.inference import engine_cases
 
     tc, model = engine_cases.setup([f"profile={profile}"])
     writes: list[torch.Tensor] = []
-    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
-    if profile == "correctness":  # the performance profile stages on CUDA too: its own kernels run here
-        modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-        modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin(writes)
-    try:
+    # The performance profile stages on CUDA too: its own kernels run here.
+    with engine_cases.paged_reads_as_on_cuda(writes, active=profile == "correctness"):
         # Different max_new_tokens: sequences leave the batch at different steps.
         specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
@@ -54,8 +50,6 @@ def _run(static: bool, buckets: list[int] | None, profile: str = "correctness") 
 
         eng.kv.prepare_append = watch
         outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
-    finally:
-        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved
     return {
         "summary": engine_cases.summary(outs),
         "steps": eng.stats.steps,

@@ -17,39 +17,30 @@ from megatron_iso.testing.harness import run_on_ranks
 
 def _run(static: bool, buckets: list[int] | None) -> dict:
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from megatron_iso.models import modules
     from megatron_iso.ops.gemm import grouped
     from tests.inference import engine_cases
 
     tc, model = engine_cases.setup(["profile=correctness", "model=tiny_moe"])
-    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache, grouped.grouped_reference_static)
+    saved = grouped.grouped_reference_static
     static_gemms = []
 
     def counted(*args, **kwargs):
         static_gemms.append(1)
-        return saved[2](*args, **kwargs)
+        return saved(*args, **kwargs)
 
-    modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     grouped.grouped_reference_static = counted
     try:
-        specs = engine_cases.staggered_specs()
-        reqs = engine_cases.requests(tc.vocab_size, specs)
-        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
-        if static:
-            graphs = eng.enable_decode_graphs(capture=False)
-            if buckets is not None:
-                graphs.buckets = buckets
-            real_run = graphs._run
-
-            def run(bucket):
-                bucket.batch.static_shapes = True  # what a bucket of a capturable MoE model carries
-                return real_run(bucket)
-
-            graphs._run = run
-        outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+        with engine_cases.paged_reads_as_on_cuda():
+            specs = engine_cases.staggered_specs()
+            reqs = engine_cases.requests(tc.vocab_size, specs)
+            eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
+            if static:
+                graphs = eng.enable_decode_graphs(capture=False)
+                if buckets is not None:
+                    graphs.buckets = buckets
+            outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
     finally:
-        modules.paged_kv_reads, modules.attention_with_paged_kv_cache, grouped.grouped_reference_static = saved
+        grouped.grouped_reference_static = saved
     return {
         "summary": engine_cases.summary(outs),
         "steps": eng.stats.steps,

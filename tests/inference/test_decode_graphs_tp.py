@@ -31,14 +31,10 @@ def _generate(overrides: list[str], buckets: list[int] | None, *, static: bool) 
     """The SPECS requests (sequences leaving at different steps, staggered arrivals) on one engine: the outputs'
     summary, the engine's steps and the decode steps served from bucket buffers."""
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from megatron_iso.models import modules
     from tests.inference import engine_cases
 
     tc, model = engine_cases.setup(overrides)
-    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
-    modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
-    try:
+    with engine_cases.paged_reads_as_on_cuda():
         specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
@@ -47,8 +43,6 @@ def _generate(overrides: list[str], buckets: list[int] | None, *, static: bool) 
             if buckets is not None:
                 graphs.buckets = buckets
         outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
-    finally:
-        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved
     return engine_cases.summary(outs), eng.stats.steps, 0 if eng.decode_graphs is None else eng.decode_graphs.steps
 
 

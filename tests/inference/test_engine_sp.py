@@ -33,15 +33,10 @@ def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool
     counts of its bucket steps, and the trainer's scores. ``paged``: attention reads the pool in place (the
     kernel's stand-in, as on CUDA), else the CPU's staged views."""
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from megatron_iso.models import modules
     from tests.inference import engine_cases
 
-    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
-    if paged:
-        modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-        modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     counts: dict = {"eager": [], "bucket": []}
-    try:
+    with engine_cases.paged_reads_as_on_cuda(active=paged):
         specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
@@ -56,8 +51,6 @@ def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool
             step = graphs.decode_step
             graphs.decode_step = lambda starts, *a: counts["bucket"].append(len(starts)) or step(starts, *a)
         outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
-    finally:
-        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved
     summary = engine_cases.summary(outs)
     return summary, counts, _trainer_scores(model, tc, reqs, outs)
 

@@ -39,16 +39,12 @@ def _touched(before: dict, state) -> set[int]:
 
 def _run(static: bool, buckets: list[int] | None) -> dict:
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from megatron_iso.models import modules
     from tests.inference import engine_cases
 
     tc, model = engine_cases.setup(OVERRIDES)
-    saved = (modules.paged_kv_reads, modules.attention_with_paged_kv_cache)
-    modules.paged_kv_reads = lambda q, profile: profile == "correctness"  # as on CUDA
-    modules.attention_with_paged_kv_cache = engine_cases.paged_kernel_standin([])
     steps: list[tuple[list[int], set[int], int]] = []  # per graphed step: its rows' slots, slots touched, rows
     handed: set[int] = set()
-    try:
+    with engine_cases.paged_reads_as_on_cuda():
         # Different max_new_tokens: sequences leave at different steps; n = 2 and 3 samples fork shared prompts.
         specs = engine_cases.staggered_specs()
         reqs = engine_cases.requests(tc.vocab_size, specs)
@@ -78,8 +74,6 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
 
         gdn.prepare_append = watch
         outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
-    finally:
-        modules.paged_kv_reads, modules.attention_with_paged_kv_cache = saved
     return {
         "summary": engine_cases.summary(outs),
         "steps": eng.stats.steps,
