@@ -605,8 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "command": " ".join(sys.argv),
         "gemm_config_bf16": dataclasses.asdict(gt.CONFIGS[torch.bfloat16]),
-        "gemm_config_bf16_wide_leaves1": dataclasses.asdict(gt.WIDE_CONFIGS[torch.bfloat16]),
-        "gemm_config_bf16_small_m": dataclasses.asdict(gt.SMALL_M_CONFIGS[torch.bfloat16]),
+        "gemm_selectable_tiles_bf16": [dataclasses.asdict(c) for c in gt.selectable_tiles(torch.bfloat16)],
     }
     res["copy_GBps"] = bw = copy_bandwidth()
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)

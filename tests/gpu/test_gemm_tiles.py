@@ -24,19 +24,13 @@ def _rand(shape, dtype, seed):
 
 
 def _tiles(dtype):
-    from megatron_iso.ops.gemm.gemm_triton import (
-        CONFIGS,
-        SMALL_M_CONFIGS,
-        WIDE_CONFIGS,
-    )
-    from megatron_iso.ops.gemm.gemm_triton import (
-        GemmTileConfig as C,
-    )
+    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
+    from megatron_iso.ops.gemm.gemm_triton import selectable_tiles
 
     if dtype == torch.float32:
-        return [CONFIGS[dtype], C(128, 64, 32, 4, 3, loop="static"), C(64, 128, 32, 8, 2, loop="static"),
+        return [*selectable_tiles(dtype), C(128, 64, 32, 4, 3, loop="static"), C(64, 128, 32, 8, 2, loop="static"),
                 C(32, 32, 32, 4, 4, loop="static")]  # fmt: skip
-    return [CONFIGS[dtype], WIDE_CONFIGS[dtype], SMALL_M_CONFIGS[dtype], C(64, 32, 64, 4, 6), C(128, 64, 64, 4, 4)]
+    return [*selectable_tiles(dtype), C(64, 32, 64, 4, 6), C(128, 64, 64, 4, 4), C(16, 32, 64, 2, 8)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -59,8 +53,15 @@ def test_selected_configs_row_bits_independent_of_m():
     x, w = _rand((1024, 4096), torch.bfloat16, 43), _rand((512, 4096), torch.bfloat16, 44)
     for leaves in (1, 8):
         full = f(x, w, leaves).view(torch.int32)  # wide (leaves=1) or default tile
-        for m in (1, 3, 64, 65, 200):  # small-M tile up to 64, then the large-M tile
+        for m in (1, 3, 16, 17, 64, 65, 200):  # 16-row tiles up to 16, 64-row up to 64, then large-M tiles
             assert torch.equal(f(x[:m], w, leaves).view(torch.int32), full[:m]), (leaves, m)
+    # An LM-head-wide one-leaf GEMM takes its own tile at M <= 16.
+    from megatron_iso.ops.gemm.gemm_triton import WIDE_N
+
+    x, w = _rand((64, 512), torch.bfloat16, 45), _rand((WIDE_N, 512), torch.bfloat16, 46)
+    full = f(x, w, 1).view(torch.int32)
+    for m in (1, 16, 17):
+        assert torch.equal(f(x[:m], w, 1).view(torch.int32), full[:m]), m
 
 
 @pytest.mark.parametrize("leaves", [1, 2])

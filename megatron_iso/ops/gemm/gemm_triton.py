@@ -5,9 +5,10 @@ Each leaf is an fp32-accumulating GEMM with a fixed tile; the leaves' fp32 resul
 fixed balanced binary tree of :mod:`megatron_iso.ops.common.tree` (left operand = lower leaf indices).
 
 Why the result of a row never depends on M or on the other rows:
-- the tile config is chosen from the input dtype only (not from M, N or K), so every leaf of every
-  row is computed by the same instruction sequence: ``acc = 0; acc = mma(a_k, b_k, acc)`` over the
-  leaf's K-tiles in increasing order;
+- every leaf of every row is computed as ``acc = 0; acc = mma(a_k, b_k, acc)`` over the leaf's K-tiles
+  in increasing order, with one BLOCK_K per dtype; the tile's rows, columns, warps and stages (picked
+  by :func:`select_config` from M, N and the leaves) are a schedule, as the tensor cores accumulate an
+  output element over K in the same steps of 16 whatever the tile (measured: tests/gpu/test_gemm_tiles.py);
 - there is no split-K inside a leaf; the only K cuts are the leaf boundaries, fixed by ``leaves``.
 
 What *may* depend on M is the schedule, never the arithmetic: an output tile's leaf tree can be
@@ -39,7 +40,7 @@ from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
 
 IMPL_ID = "leaf_tree_gemm.triton"
-VERSION = "2"  # 2: tile chosen by (dtype, M bucket, leaves) among bitwise-equivalent tiles
+VERSION = "3"  # 3: a 16-row tile bucket (M <= 16); tiles chosen among bitwise-equivalent ones since 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -75,29 +76,49 @@ CONFIGS: dict[torch.dtype, GemmTileConfig] = {
         block_m=64, block_n=64, block_k=TRITON_BLOCK_K["fp32"], num_warps=4, num_stages=3, loop="static"
     ),
 }
-# Buckets picked from a candidate sweep on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md);
-# every tile here was in the bitwise tile-equivalence experiment (all equal to the default's bits).
+# Buckets picked from candidate sweeps on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md);
+# every tile here is held to the default's bits by tests/gpu/test_gemm_tiles.py (``selectable_tiles``).
 _BF16_TILES = {
     # (M bucket, one leaf in the kernel?) -> tile
-    ("small", True): GemmTileConfig(block_m=64, block_n=64, block_k=_BK16, num_warps=4, num_stages=6),
+    # M <= 16 (batch-1..16 decode): 16-row tiles (mma, not wgmma) waste no MMA rows and put 4x the programs of a
+    # 64-row tile on the weight stream; deep pipelines keep its bytes in flight.
+    ("tiny", True): GemmTileConfig(block_m=16, block_n=64, block_k=_BK16, num_warps=4, num_stages=8),
+    ("tiny", False): GemmTileConfig(block_m=16, block_n=64, block_k=_BK16, num_warps=4, num_stages=4),
+    ("small", True): GemmTileConfig(block_m=64, block_n=64, block_k=_BK16, num_warps=4, num_stages=8),
     ("small", False): GemmTileConfig(block_m=64, block_n=128, block_k=_BK16, num_warps=4, num_stages=4),
     ("mid", True): GemmTileConfig(block_m=64, block_n=128, block_k=_BK16, num_warps=4, num_stages=4),
     ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=_BK16, num_warps=8, num_stages=3),
 }
+# One leaf at M <= 16 and N >= WIDE_N (an LM head): thousands of programs already, so wider tiles stream better.
+WIDE_N = 32768
+_BF16_TINY_WIDE_N = GemmTileConfig(block_m=16, block_n=128, block_k=_BK16, num_warps=4, num_stages=4)
+TINY_M = 16  # M <= 16: one to a few decode rows
 SMALL_M = 64  # M <= 64: decode, weight streaming
 MID_M = 256  # 64 < M <= 256: too few 128-row tiles to fill 132 SMs
-WIDE_CONFIGS = {dt: _BF16_TILES[("large", True)] for dt in (torch.bfloat16, torch.float16)}
-SMALL_M_CONFIGS = {dt: _BF16_TILES[("small", True)] for dt in (torch.bfloat16, torch.float16)}
 
 
-def select_config(dtype: torch.dtype, M: int, leaves: int) -> GemmTileConfig:
-    """The tile for a launch, by (dtype, M bucket, leaves == 1). Never changes a bit: every candidate
-    shares BLOCK_K and the K-loop order, and tiles with the same BLOCK_K are bitwise equivalent
+def select_config(dtype: torch.dtype, M: int, leaves: int, N: int = 0) -> GemmTileConfig:
+    """The tile for a launch, by (dtype, M bucket, leaves == 1, and N for one-leaf tiny M). Never changes a bit:
+    every candidate shares BLOCK_K and the K-loop order, and tiles with the same BLOCK_K are bitwise equivalent
     (tests/gpu/test_gemm_tiles.py). fp32 keeps its one config."""
-    if dtype not in WIDE_CONFIGS:
+    if dtype not in (torch.bfloat16, torch.float16):
         return CONFIGS[dtype]
-    bucket = "small" if M <= SMALL_M else "mid" if M <= MID_M else "large"
+    bucket = "tiny" if M <= TINY_M else "small" if M <= SMALL_M else "mid" if M <= MID_M else "large"
+    if bucket == "tiny" and leaves == 1 and N >= WIDE_N:
+        return _BF16_TINY_WIDE_N
     return _BF16_TILES.get((bucket, leaves == 1), CONFIGS[dtype])
+
+
+def selectable_tiles(dtype: torch.dtype) -> list[GemmTileConfig]:
+    """Every tile :func:`select_config` can pick for ``dtype``, the default first: what the tile-equivalence
+    tests hold to the default's bits."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return [CONFIGS[dtype]]
+    tiles = [CONFIGS[dtype]]
+    for cfg in (*_BF16_TILES.values(), _BF16_TINY_WIDE_N):
+        if cfg not in tiles:
+            tiles.append(cfg)
+    return tiles
 
 
 # Under TRITON_INTERPRET=1 (CPU tests) tiles are small so tiny shapes still cover several tiles and leaves.
@@ -388,7 +409,7 @@ def leaf_tree_linear_triton(
     :func:`select_config` and :func:`auto_parallel`.
     """
     M, N, K = _check(x, weight, leaves)
-    cfg = config or (INTERPRET_CONFIG if _INTERPRET else select_config(x.dtype, M, leaves))
+    cfg = config or (INTERPRET_CONFIG if _INTERPRET else select_config(x.dtype, M, leaves, N))
     leaf_k = K // leaves
     if leaf_k % cfg.block_k:
         raise ValueError(
@@ -470,19 +491,23 @@ register(
                 f"{b}/{'leaves1' if one else 'leaves>1'}: {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
                 for (b, one), c in sorted(_BF16_TILES.items())
             ],
-            "m_buckets": [SMALL_M, MID_M],
-            "bf16_wide_tile_leaves1": [
-                asdict(WIDE_CONFIGS[torch.bfloat16])[f]
-                for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+            "bf16_tiny_m_wide_n_tile": [
+                asdict(_BF16_TINY_WIDE_N)[f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
             ],
-            "bf16_small_m_tile": [
-                asdict(SMALL_M_CONFIGS[torch.bfloat16])[f]
-                for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-            ],
+            "m_buckets": [TINY_M, SMALL_M, MID_M],
+            "wide_n": WIDE_N,
             "triton": triton.__version__,
         },
         probe=_probe,
     )
 )
 
-__all__ = ["CONFIGS", "GemmTileConfig", "asdict", "auto_parallel", "leaf_tree_linear_triton", "select_config"]
+__all__ = [
+    "CONFIGS",
+    "GemmTileConfig",
+    "asdict",
+    "auto_parallel",
+    "leaf_tree_linear_triton",
+    "select_config",
+    "selectable_tiles",
+]
