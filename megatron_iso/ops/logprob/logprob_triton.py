@@ -64,7 +64,11 @@ def _leaf_kernel(
     for start in range(0, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
+        x = tl.load(base + idx, mask=ok, other=0.0).to(tl.float32)
+        if temp == 1.0:  # x / 1 is x exactly (signed zeros and infinities too): skip the IEEE division
+            z = x
+        else:
+            z = tl.math.div_rn(x, temp)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
