@@ -519,16 +519,16 @@ def logprob_bench(bw: float) -> dict[str, Any]:
     except ImportError as exc:
         return {"skipped": repr(exc)}
 
-    temps: dict[int, torch.Tensor] = {}
+    temps: dict[tuple[int, float], torch.Tensor] = {}
 
-    def score(lg: torch.Tensor, tgt: torch.Tensor, cls=TritonScores) -> torch.Tensor:
+    def score(lg: torch.Tensor, tgt: torch.Tensor, t: float = 0.7, cls=TritonScores) -> torch.Tensor:
         # A host-checked per-row temperature and ids_in_range: no host reads, so the call is graph-timed as the
         # decode step replays it (event timing of a small call measures Python, not the GPU).
         rows = lg.shape[0]
-        if rows not in temps:
-            host = torch.full((rows, 1), 0.7)
-            temps[rows] = host_checked_temperature(host.to(lg.device), host)
-        scores = cls(lg.unsqueeze(0), LocalShards(1), temperature=temps[rows], leaves=8)
+        if (rows, t) not in temps:
+            host = torch.full((rows, 1), t)
+            temps[rows, t] = host_checked_temperature(host.to(lg.device), host)
+        scores = cls(lg.unsqueeze(0), LocalShards(1), temperature=temps[rows, t], leaves=8)
         return scores.token_logprobs(tgt, ids_in_range=True)
 
     res: dict[str, Any] = {}
@@ -537,16 +537,23 @@ def logprob_bench(bw: float) -> dict[str, Any]:
         tgt = torch.randint(0, V, (T,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(31))
         for dt in (torch.bfloat16, torch.float32):
             lg = logits.to(dt)
-            score(lg, tgt)  # compiles, and makes the rows' temperature outside the captured call
-            ms = _time_ms(lambda lg=lg, tgt=tgt: score(lg, tgt))
-            ref_ms = _time_ms(lambda lg=lg, tgt=tgt: score(lg, tgt, VocabScores))
-            gbs = lg.numel() * lg.element_size() / ms / 1e6
-            res[f"{dt}_{T}x{V}"] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw, "torch_reference_ms": ref_ms}
-            print(
-                f"logprob {dt} {T}x{V}: {ms * 1e3:.1f} us {gbs:.0f} GB/s ({gbs / bw:.2f} of copy); "
-                f"torch leaf-tree reference {ref_ms * 1e3:.1f} us",
-                flush=True,
-            )
+            # t = 1 (the usual RL sampling temperature) skips the division per logit; t = 0.7 does not.
+            for t in (1.0, 0.7):
+                score(lg, tgt, t)  # compiles, and makes the rows' temperature outside the captured call
+                ms = _time_ms(lambda lg=lg, tgt=tgt, t=t: score(lg, tgt, t))
+                ref_ms = _time_ms(lambda lg=lg, tgt=tgt, t=t: score(lg, tgt, t, VocabScores))
+                gbs = lg.numel() * lg.element_size() / ms / 1e6
+                res[f"{dt}_{T}x{V}_t{t}"] = {
+                    "ms": ms,
+                    "GBps": gbs,
+                    "of_copy_bw": gbs / bw,
+                    "torch_reference_ms": ref_ms,
+                }
+                print(
+                    f"logprob {dt} {T}x{V} t={t}: {ms * 1e3:.1f} us {gbs:.0f} GB/s ({gbs / bw:.2f} of copy); "
+                    f"torch leaf-tree reference {ref_ms * 1e3:.1f} us",
+                    flush=True,
+                )
         full = score(logits, tgt)
         res[f"row0_bitwise_{T}x{V}"] = all(_bits_equal(score(logits[:m], tgt[:m])[0], full[0]) for m in (1, 3))
         res[f"tp2_bitwise_{T}x{V}"] = vocab_parallel_check(logits, tgt, 0.7, 8, 2)
