@@ -259,6 +259,8 @@ SHARDED_BY: dict[str, tuple[str, ...]] = {
     ),
     "ep": ("num_experts",),
 }
+# What a model without any of an axis's sizes is, for check_shardable's error.
+_NOTHING_TO_SHARD = {"ep": "a dense model: it has no routed experts (model.num_experts is not set)"}
 
 
 def _sharded_sizes(model: Mapping[str, Any], axis: str) -> dict[str, int]:
@@ -270,7 +272,8 @@ def _sharded_sizes(model: Mapping[str, Any], axis: str) -> dict[str, int]:
 def shard_degrees(model: Mapping[str, Any], axis: str, candidates: Sequence[int] | None = None) -> list[int]:
     """The degrees of ``parallel.<axis>`` among ``candidates`` (default: 1 up to the smallest sharded size) at which
     Megatron can shard ``model``: those dividing every size :data:`SHARDED_BY` names for the axis. An axis that splits
-    none of the model's sizes keeps every candidate."""
+    none of the model's sizes (EP of a dense model) keeps every candidate: the contract's invariance domain of that
+    axis, which its digest pins, stays the profile's; a layout at a degree > 1 is refused by :func:`check_shardable`."""
     sizes = _sharded_sizes(model, axis)
     if candidates is None:
         candidates = range(1, min(sizes.values(), default=1) + 1)
@@ -287,8 +290,16 @@ def check_shardable(
     """Refuse a ``parallel.<axis>`` degree (a positive int) that does not divide a size Megatron splits by it: the one
     sharding check of the trainer's layout (:func:`resolve_parallel`), the rollout's (``rollout.parallel.tp``) and
     the contract's invariance domains (:func:`shard_degrees`). The error names ``field_name`` (default
-    ``parallel.<axis>``), the sizes it does not divide and the allowed degrees among ``candidates``."""
-    blockers = {k: v for k, v in _sharded_sizes(model, axis).items() if v % degree}
+    ``parallel.<axis>``), the sizes it does not divide and the allowed degrees among ``candidates``. A model with
+    none of the sizes the axis splits (a dense model's EP) takes degree 1 only."""
+    sizes = _sharded_sizes(model, axis)
+    if not sizes and degree != 1:
+        names = ", ".join(f"model.{k}" for k in SHARDED_BY.get(axis, ()))
+        what = _NOTHING_TO_SHARD.get(axis, f"this model: it sets none of {names}")
+        raise SettingsError(
+            f"{field_name or f'parallel.{axis}'}={degree} does not apply to {what}; allowed values: [1]"
+        )
+    blockers = {k: v for k, v in sizes.items() if v % degree}
     if blockers:
         shown = ", ".join(f"model.{k}={v}" for k, v in blockers.items())
         raise SettingsError(

@@ -50,6 +50,10 @@ BAD_SETTINGS = [
     ("parallel.pp=2", r"parallel\.pp=2 needs 2 processes, and this is a single process \(not started by torchrun\)"),
     ("parallel.pp=2 model.tie_word_embeddings=true", r"parallel\.pp=2 needs model\.tie_word_embeddings=false"),
     ("parallel.cp=2", r"parallel\.cp=2: context parallelism .* allowed values: \[1\]"),
+    (
+        "parallel.ep=2",
+        r"parallel\.ep=2 does not apply to a dense model: it has no routed experts .*allowed values: \[1\]",
+    ),
     ("resume=maybe", r"resume='maybe' is not allowed; allowed values: \['false', 'true', 'auto'\]"),
     ("resume=true", r"resume=true but out_dir=.* does not exist"),
     ("device=tpu", r"device='tpu' is not allowed; allowed values"),

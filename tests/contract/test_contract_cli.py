@@ -36,8 +36,9 @@ def test_show_and_digest_agree(cli):
 
 def test_overrides_reach_the_contract(cli):
     _, out, _ = cli(
-        "show", *OPS, "device=cpu", "profile=performance", "parallel.tp=2", "parallel.ep=2", "parallel.sp=true"
-    )
+        "show", *OPS, "device=cpu", "model=tiny_moe", "profile=performance", "parallel.tp=2", "parallel.ep=2",
+        "parallel.sp=true",
+    )  # fmt: skip
     axes = json.loads(out)["numerical_policy"]["claims"]["axes"]
     assert (axes["tp"]["value"], axes["ep"]["value"], axes["sp"]["value"]) == (2, 2, True)
 

@@ -37,6 +37,13 @@ BAD_CONFIGS = [
     pytest.param(["model=tiny_hybrid", "+model.hf_gdn_layout=x"], r"model\.hf_gdn_layout='x'", id="gdn_layout"),
     pytest.param(["profile.gdn_form=chunk", "model=tiny_hybrid"], r"gdn_form='chunk'.*need device=cuda", id="gdn_form"),
     pytest.param(["parallel.cp=2"], r"parallel\.cp=2: context parallelism", id="cp"),
+    # A dense model has no experts for EP to shard (once a ValueError deep in the weight loader, after the contract).
+    pytest.param(
+        ["parallel.ep=2"],
+        r"^parallel\.ep=2 does not apply to a dense model: it has no routed experts \(model\.num_experts is not set\); "
+        r"allowed values: \[1\]$",
+        id="ep_dense",
+    ),
     pytest.param(
         ["parallel.pp=2", "model.tie_word_embeddings=true"],
         r"parallel\.pp=2 needs model\.tie_word_embeddings=false",

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
             ["parallel.tp=16", "model.num_attention_heads=16", "model.num_query_groups=16"],
             r"parallel\.tp=16 is outside profile\.tp_domain=\[1, 2, 4, 8\].*allowed values",
         ),
-        (["parallel.ep=3"], r"parallel\.ep=3 is outside profile\.ep_domain"),
+        (["model=tiny_moe", "model.num_experts=6", "parallel.ep=3"], r"parallel\.ep=3 is outside profile\.ep_domain"),
         (["device=tpu"], r"device='tpu' is not allowed; allowed values: \['cpu', 'cuda', 'auto'\]"),
         (
             ["profile.name=fast"],
@@ -80,6 +80,8 @@ def test_invalid_configs_are_refused(cfg_for, overrides, pattern):
             ["model=tiny_moe", "model.num_experts=12", "parallel.ep=8"],
             r"parallel\.ep=8 does not divide model\.num_experts=12: .*allowed values: \[1, 2, 3, 4, 6, 12\]$",
         ),
+        (["parallel.ep=2"], r"parallel\.ep=2 does not apply to a dense model: .*allowed values: \[1\]$"),
+        (["profile=performance", "parallel.ep=4"], r"parallel\.ep=4 does not apply to a dense model"),
         # No invariance domain to check it against, still a layout Megatron cannot shard.
         (["profile=performance", "parallel.tp=3"], r"parallel\.tp=3 does not divide model\.num_attention_heads=8"),
         (
