@@ -135,15 +135,32 @@ def check_profile_name(name: Any) -> Profile:
     return Profile(name)
 
 
+def domain_degrees(profile: Mapping[str, Any], axis: str) -> list[int]:
+    """``profile.<axis>_domain`` (tp, ep) checked: a list (null or absent: empty) of parallel degrees, each a
+    positive integer; the error names the field and the entry."""
+    field_name = f"profile.{axis}_domain"
+    domain = profile.get(f"{axis}_domain")
+    if domain is None:
+        return []
+    if not isinstance(domain, Sequence) or isinstance(domain, str):
+        raise ContractValidationError(
+            f"{field_name}={domain!r} is not allowed; allowed values: a list of positive integers"
+        )
+    for degree in domain:
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            raise ContractValidationError(
+                f"{field_name} contains {degree!r}; {axis.upper()} degrees are positive integers"
+            )
+    return list(domain)
+
+
 def validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> None:
     """The profile's leaves and domains against the model (each error names the field and the allowed values)."""
     check_profile_name(profile.get("name"))
     leaves = profile.get("leaves")
     if not _is_pow2(leaves):
         raise ContractValidationError(f"profile.leaves={leaves!r} must be a power of two (1, 2, 4, 8, 16, ...)")
-    for tp in profile.get("tp_domain") or []:
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ContractValidationError(f"profile.tp_domain contains {tp!r}; TP degrees are positive integers")
+    for tp in domain_degrees(profile, "tp"):
         if tp > leaves:
             raise ContractValidationError(
                 f"profile.tp_domain contains {tp} > profile.leaves={leaves}: a rank must own at least one leaf; "
@@ -154,6 +171,7 @@ def validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> No
                 f"profile.tp_domain contains {tp}, which does not divide profile.leaves={leaves}; "
                 "each rank must own a whole subtree"
             )
+    domain_degrees(profile, "ep")  # experts live whole on one EP rank: no leaf condition
     expert_leaves = profile.get("expert_leaves", 1)
     moe_ffn = model.get("moe_ffn_hidden_size")
     if not _is_pow2(expert_leaves):

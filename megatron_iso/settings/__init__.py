@@ -15,7 +15,7 @@ builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builde
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from megatron_iso.contract.build import ContractInputs, ContractValidationError, plain_config
+from megatron_iso.contract.build import ContractInputs, ContractValidationError, domain_degrees, plain_config
 from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
@@ -161,11 +161,9 @@ def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInput
     resolved = resolve_profile(profile, c.get("device", "auto"))
     # The invariance domains' degrees Megatron can shard the model at (the rest are no claim: ContractInputs).
     shardable = {
-        axis: shard_degrees(
-            model, axis, [d for d in domain if isinstance(d, int) and not isinstance(d, bool) and d > 0]
-        )
+        axis: shard_degrees(model, axis, domain_degrees(resolved.raw, axis))
         for axis in SHARDED_BY
-        if isinstance(domain := resolved.raw.get(f"{axis}_domain"), Sequence) and not isinstance(domain, str)
+        if resolved.raw.get(f"{axis}_domain") is not None
     }
     contract = dict(c.get("contract") or {})
     inputs = ContractInputs(resolved.device_class, resolved.raw, model, parallel, shardable, contract)

@@ -21,6 +21,15 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
         (["profile.leaves=0"], r"profile\.leaves=0 must be a power of two"),
         (["profile.leaves=4"], r"profile\.tp_domain contains 8 > profile\.leaves=4"),
         (["profile.tp_domain=[1,3]"], r"tp_domain contains 3, which does not divide profile\.leaves=8"),
+        # tp_domain and ep_domain entries go through one check (contract.build.domain_degrees).
+        (["profile.tp_domain=[1,0]"], r"^profile\.tp_domain contains 0; TP degrees are positive integers$"),
+        (["profile.ep_domain=[1,0]"], r"^profile\.ep_domain contains 0; EP degrees are positive integers$"),
+        (["model=tiny_moe", "profile.ep_domain=[1,two]"], r"^profile\.ep_domain contains 'two'; EP degrees are"),
+        (["profile.ep_domain=[1,true]"], r"^profile\.ep_domain contains True; EP degrees are"),
+        (
+            ["profile.ep_domain=4"],
+            r"^profile\.ep_domain=4 is not allowed; allowed values: a list of positive integers$",
+        ),
         (["model.ffn_hidden_size=100"], r"profile\.leaves=8 does not divide model\.ffn_hidden_size=100"),
         (["model.vocab_size=250"], r"does not divide model\.vocab_size=250"),
         (["model.num_attention_heads=4", "model.kv_channels=9"], r"model\.num_attention_heads\*model\.kv_channels=36"),
