@@ -28,7 +28,16 @@ from megatron_iso.settings import (
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-__all__ = ["DTYPES", "HF_GDN_LAYOUTS", "PROFILES", "IsoTransformerConfig", "gdn_fields", "is_hybrid", "moe_fields"]
+__all__ = [
+    "DTYPES",
+    "HF_GDN_LAYOUTS",
+    "PROFILES",
+    "IsoTransformerConfig",
+    "gdn_fields",
+    "is_hybrid",
+    "moe_fields",
+    "sharded_sizes",
+]
 
 
 @dataclass
@@ -157,6 +166,22 @@ def _iso_config(s: Settings, dtype: torch.dtype) -> IsoTransformerConfig:
         max_sequence_length=model.max_position_embeddings,
         tie_word_embeddings=model.tie_word_embeddings,
     )
+
+
+def sharded_sizes(config: IsoTransformerConfig) -> dict[str, Any]:
+    """The sizes Megatron shards by TP and EP (``settings.SHARDED_BY``), under the model group's names, read back from
+    a built config: what ``settings.check_shardable`` reads, for a layout other than the config's own (the weight
+    loader shards one config's weights at any TP / EP)."""
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_query_groups,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "shared_expert_ffn_hidden_size": config.moe_shared_expert_intermediate_size,
+        "vocab_size": config.vocab_size,
+        "num_experts": config.num_moe_experts,
+    }
 
 
 def recompute_fields(rl: Any) -> dict[str, Any]:

@@ -24,10 +24,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_iso.models.config import IsoTransformerConfig
+from megatron_iso.models.config import IsoTransformerConfig, sharded_sizes
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.stages import current_stage, from_global_names
 from megatron_iso.models.weight_source import WeightSource, as_source
+from megatron_iso.settings import resolve_parallel
 
 
 def _qkv_rows(cfg: IsoTransformerConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -48,15 +49,10 @@ def _qkv_rows(cfg: IsoTransformerConfig, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def _check_layout(cfg: IsoTransformerConfig, tp: int, ep: int = 1) -> None:
-    if cfg.num_query_groups % tp:
-        raise ValueError(
-            f"parallel.tp={tp} must divide model.num_query_groups={cfg.num_query_groups} "
-            "(TP above the KV-head count is not supported by the weight loader)"
-        )
-    if ep < 1 or (ep > 1 and not cfg.num_moe_experts) or (cfg.num_moe_experts and cfg.num_moe_experts % ep):
-        raise ValueError(
-            f"parallel.ep={ep} must divide model.num_experts={cfg.num_moe_experts} (and be 1 for a dense model)"
-        )
+    """The settings' one check of a layout (``settings.resolve_parallel``: positive degrees that divide every size
+    Megatron shards, EP 1 for a dense model), at the ``tp`` / ``ep`` given here: tools and tests shard one config's
+    weights at layouts other than its own."""
+    resolve_parallel({"tp": tp, "ep": ep}, sharded_sizes(cfg))
 
 
 # Megatron names of parameters that live on one EP rank (experts are never TP-split); all others are
@@ -166,8 +162,6 @@ def _gdn_from_pieces(
 
 def _gdn_shard(hf: WeightSource, cfg: IsoTransformerConfig, src: str, dst: str, rank: int, tp: int):
     hk, hv, dk, dv, _ = _gdn_dims(cfg)
-    if hk % tp:
-        raise ValueError(f"parallel.tp={tp} must divide model.linear_num_key_heads={hk}")
     pieces = _gdn_rank_pieces(hf, cfg, src, rank, tp)
     hidden = pieces["q"].shape[-1]
     conv, offset = [], 0
