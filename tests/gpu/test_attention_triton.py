@@ -1,7 +1,8 @@
 """Bitwise claims of the Triton attention kernel (GPU correctness profile), on a CUDA device.
 
-Prefill + decode == training (varlen) forward, chunked prefill, batch composition invariance, and
-accuracy against an fp64 reference. Bit patterns compared, never tolerances (except accuracy).
+Prefill + decode == training (varlen) forward, chunked prefill, batch composition invariance, the decode
+split over key segments == the one-launch schedule (eagerly and replayed from a CUDA graph), and accuracy
+against an fp64 reference. Bit patterns compared, never tolerances (except accuracy).
 """
 
 from __future__ import annotations
@@ -251,8 +252,141 @@ def test_tile_config_moves_no_bit(at, dtype, group, d):
     last = [b - 1 for b in cu[1:]]
     dec_q = q[last].contiguous()
     for tile in [None, *tiles]:
-        call, out = at.prepare(
-            dec_q, k, v, None, list(range(len(lens) + 1)), [n - 1 for n in lens], cu[:-1], d**-0.5, 64, tile
-        )
+        for split in (None, False, True):
+            call, out = at.prepare(
+                dec_q, k, v, None, list(range(len(lens) + 1)), [n - 1 for n in lens], cu[:-1], d**-0.5, 64, tile,
+                split=split,
+            )  # fmt: skip
+            call()
+            assert _same(out, shipped[last]), (tile, split)
+
+
+# Qwen3-0.6B attention: 16 query heads, 8 kv heads, head dim 128 (batch-1 decode: 8 programs unsplit).
+QWEN3_06B = (16, 8, 128)
+# Both sides of the 64-key blocks and of the 128-key segments (SEG_BLOCKS = 2), and a few segments long.
+SEG_LENS = [1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 640]
+
+
+def _paged_layer(k, v, cu, lens, slots, page, width):
+    """Each sequence's keys but its last in a paged pool of shuffled blocks (slot ``slots[i]``'s table row),
+    NaN elsewhere; write rows for each sequence's last key."""
+    from megatron_iso.ops.attention.kv_cache import PagedKVLayer
+
+    n, hkv, d = len(lens), k.shape[1], k.shape[2]
+    blocks = width * n + 1
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(page))[: width * n].view(n, width)
+    table = table.to("cuda").contiguous()
+    kp = torch.full((blocks, page, hkv, d), float("nan"), device="cuda", dtype=k.dtype)
+    vp = kp.clone()
+    write = []
+    for i, (a, m) in enumerate(zip(cu, lens, strict=False)):
+        j = torch.arange(m, device="cuda")
+        rows = table[slots[i]][j // page] * page + j % page
+        kp.view(-1, hkv, d)[rows[:-1]] = k[a : a + m - 1]
+        vp.view(-1, hkv, d)[rows[:-1]] = v[a : a + m - 1]
+        write.append(rows[-1])
+    return PagedKVLayer(kp, vp, table, torch.stack(write))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_decode_equals_unsplit_and_varlen(at, dtype):
+    """A decode step split over key segments (forced, and the auto schedule) == the one-launch step == the
+    training forward at each sequence's last position, at Qwen3-0.6B heads: a batch mixing the lengths, each
+    sequence alone (batch 1: the auto schedule splits), from a contiguous cache and from paged pools with
+    real and placeholder host starts; the forced split of the training forward itself too."""
+    from megatron_iso.ops.attention.kv_cache import KVStepPlan
+
+    hq, hkv, d = QWEN3_06B
+    lens, n = SEG_LENS, len(SEG_LENS)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    q, k, v, gate = _qkvg(cu[-1], dtype, 21, hq, hkv, d)
+    train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=False)
+    for progs in (None, 3):  # prefill tiles: rows of one tile end in different segments
+        call, split_train = at.prepare(q, k, v, gate, cu, [0] * n, cu[:-1], 1 / math.sqrt(d), 64, None,
+                                       split=True, segment_programs=progs)  # fmt: skip
         call()
-        assert _same(out, shipped[last]), tile
+        assert _same(split_train, train), progs
+    last = [c - 1 for c in cu[1:]]
+    want = train[last]
+    sq, sk, sv, sg = (t[last].contiguous() for t in (q, k, v, gate))
+    starts = [m - 1 for m in lens]
+    slots = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
+    kc, vc = _cache(n, max(lens) + 64, dtype, hkv, d)
+    for i, (a, m) in enumerate(zip(cu, lens, strict=False)):
+        kc[slots[i], : m - 1] = k[a : a + m - 1]
+        vc[slots[i], : m - 1] = v[a : a + m - 1]
+    for split in (False, True, None):
+        got = at.attention_with_kv_cache(
+            sq, sk, sv, kc, vc, torch.tensor(starts), torch.arange(n + 1), slots=torch.tensor(slots), gate=sg,
+            split=split,
+        )  # fmt: skip
+        assert _same(got, want), split
+        for i in range(n):
+            one = slice(i, i + 1)
+            got = at.attention_with_kv_cache(
+                sq[one], sk[one], sv[one], kc, vc, torch.tensor(starts[one]), torch.tensor([0, 1]),
+                slots=torch.tensor(slots[one]), gate=sg[one], split=split,
+            )  # fmt: skip
+            assert _same(got, want[one]), (split, lens[i])
+    meta = (torch.tensor(starts, device="cuda"), torch.arange(n + 1, device="cuda"))
+    for page in (16, 64):
+        layer = _paged_layer(k, v, cu, lens, slots, page, -(-(max(lens) + 200) // page))
+        for split in (False, True, None):
+            for placeholder in (False, True):  # placeholder: a captured step's plan, positions on the device only
+                plan = KVStepPlan(list(range(n + 1)), [0] * n if placeholder else starts, slots, placeholder)
+                got = at.attention_with_paged_kv_cache(
+                    sq, sk, sv, layer, *meta, slots=torch.tensor(slots), gate=sg, plan=plan, split=split
+                )
+                assert torch.isfinite(got.float()).all(), (page, split, placeholder)
+                assert _same(got, want), (page, split, placeholder)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_split_decode_replays_from_a_cuda_graph(at, split):
+    """A decode step captured once (placeholder host starts, block-table capacity 1024 keys) and replayed with
+    new positions written into its device inputs, crossing block and segment boundaries: the training
+    forward's bits at every replay, split or not (the split grid is the capacity's, the live segments are
+    counted on the device)."""
+    from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
+
+    hq, hkv, d = QWEN3_06B
+    length, n, page, width = 700, 2, 16, 64
+    cu = [0, length, 2 * length]
+    q, k, v, gate = _qkvg(cu[-1], torch.bfloat16, 31, hq, hkv, d)
+    train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate)
+    full = _paged_layer(k, v, cu, [length + 1] * n, [0, 1], page, width)  # every key of both sequences
+    write = torch.zeros(n, dtype=torch.int64, device="cuda")
+    layer = PagedKVLayer(full.k_pool, full.v_pool, full.block_tables, write)
+    sq, sg = (torch.zeros(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sk, sv = (torch.zeros(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    starts_t, cu_t = torch.zeros(n, dtype=torch.int64, device="cuda"), torch.arange(n + 1, device="cuda")
+    plan = KVStepPlan(list(range(n + 1)), [0] * n, [0, 1], device_positions=True)
+
+    def step() -> torch.Tensor:
+        return at.attention_with_paged_kv_cache(
+            sq, sk, sv, layer, starts_t, cu_t, slots=torch.tensor([0, 1]), gate=sg, plan=plan, split=split
+        )
+
+    def place(positions: list[int]) -> list[int]:
+        rows = [a + p for a, p in zip(cu, positions, strict=False)]
+        for dst, src in ((sq, q), (sk, k), (sv, v), (sg, gate)):
+            dst.copy_(src[rows])
+        starts_t.copy_(torch.tensor(positions))
+        tab = full.block_tables
+        write.copy_(torch.stack([tab[i, p // page] * page + p % page for i, p in enumerate(positions)]))
+        return rows
+
+    place([5, 9])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels and builds the step's tables outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for positions in ([0, 63], [64, 127], [128, 129], [255, 256], [257, 639], [699, 400]):
+        rows = place(positions)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same(out, train[rows]), positions

@@ -1,12 +1,13 @@
 """The Triton attention kernel on CPU under TRITON_INTERPRET=1 (tiny shapes; skipped without triton).
 
-What the interpreter can show: the kernel's logic (masking, GQA rows, online softmax, gate, cache
-write, chunk offsets) against an fp64 reference, and prefill-from-0 == varlen bit for bit (the same
-rows land at the same tile positions). What it cannot: decode == varlen bit for bit, because the
-interpreter's dot is numpy's matmul, whose per-row bits depend on the row's position in the tile
-(checked here too, so the test notices if that changes); the GPU test (tests/gpu/test_attention_triton.py)
-proves that claim on the real kernel. triton 3.6's interpreter also cannot loop to a run-time bound
-with numpy 2.x (``int()`` of a 1-element array); the subprocess patches that one conversion.
+What the interpreter can show: the kernel's logic (masking, GQA rows, online softmax, key segments, gate,
+cache write, chunk offsets) against an fp64 reference, prefill-from-0 == varlen bit for bit (the same rows
+land at the same tile positions), and decode == varlen bit for bit: the interpreter's dot is numpy's matmul,
+which with this numpy/BLAS gives a row the same bits wherever it sits in the tile (asserted, so a BLAS whose
+per-row bits depend on the row's position fails here first; tests/ops/test_attention_split_interpret.py relies
+on it). The GPU test (tests/gpu/test_attention_triton.py) proves the claims on the compiled kernel. triton 3.6's
+interpreter cannot loop to a run-time bound with numpy 2.x (``int()`` of a 1-element array); the subprocess
+patches that one conversion.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ SCRIPT = textwrap.dedent(
     dec = torch.cat(outs)
     assert float((dec - o[3:]).abs().max()) < 1e-6
     assert torch.equal(b(dec[:20]), b(o[3:23])), "chunk aligned like varlen must match bitwise"
-    print("decode bitwise in the interpreter:", torch.equal(b(dec), b(o[3:])))
+    assert torch.equal(b(dec), b(o[3:])), "decode != varlen in the interpreter (numpy's matmul by row position?)"
     print("ok")
     """
 )

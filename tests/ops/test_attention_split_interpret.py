@@ -1,0 +1,149 @@
+"""The split-over-keys decode schedule of the Triton attention under TRITON_INTERPRET=1 (skipped without triton).
+
+Keys are merged in segments of ``SEG_BLOCKS`` kv blocks, in ascending order, by one merge helper that the
+one-launch kernel runs in-program and the split schedule's combine kernel runs across programs. Claimed and
+checked here bit for bit (bit patterns, never tolerances): a decode step of a batch mixing short and long
+sequences, split and unsplit, equals the training forward (varlen) at each sequence's last position, for lengths
+on both sides of the 64-key block and 128-key segment boundaries (1, 63, 64, 65, 127, 128, 129, 300), GQA
+groups 1, 2 and 4, ungated and gated (per dim, per head), from a contiguous cache and from a paged pool (pool
+blocks of 16 and 64 keys, shuffled, NaN where nothing was written) with real and placeholder host starts (a
+captured decode graph's plan: the segment axis is sized by the table's capacity and most of its programs find
+no segment). Also: the forced split of a training forward (prefill tiles, whose rows end in different segments)
+and a split with one segment program per tile walking every segment. The GPU test
+(tests/gpu/test_attention_triton.py) holds the same claims on the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+
+from megatron_iso.testing.triton_interpret import run_interpreted
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
+
+    allow_runtime_loop_bounds()
+
+    import torch
+    from megatron_iso.ops.attention import attention_triton as at
+    from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
+    from megatron_iso.testing.bits import bit_difference, same_bits
+
+    GROUP, HKV, GATE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    LENS = [1, 63, 64, 65, 127, 128, 129, 300]  # both sides of the 64-key blocks and 128-key segments
+    D, N = 16, len(LENS)
+    assert at.SEG_BLOCKS * 64 == 128, "the lengths straddle 128-key segments"
+    gen = torch.Generator().manual_seed(10 * GROUP + HKV)
+    cu = [0]
+    for n in LENS:
+        cu.append(cu[-1] + n)
+    T, HQ = cu[-1], GROUP * HKV
+    q, k, v = (torch.randn(T, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    gate = {"none": None, "dim": torch.randn(T, HQ, D, generator=gen),
+            "head": torch.randn(T, HQ, 1, generator=gen)}[GATE]
+    train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=False)
+    assert not torch.isnan(train).any()
+    last = [c - 1 for c in cu[1:]]
+    want = train[last]
+
+    def check(got, what):
+        assert same_bits(got, want), (what, bit_difference(got, want))
+
+    step = [t[last].contiguous() for t in (q, k, v)]
+    gate_step = None if gate is None else gate[last].contiguous()
+    starts = [n - 1 for n in LENS]
+    slots = torch.randperm(N, generator=gen).tolist()  # cache rows in another order than the sequences
+    cu_step = torch.arange(N + 1)
+
+    # Contiguous cache: each sequence's earlier keys in its slot, NaN past them.
+    kc = torch.full((N, 320, HKV, D), float("nan"))
+    vc = kc.clone()
+    for i, (a, n) in enumerate(zip(cu, LENS)):
+        kc[slots[i], : n - 1] = k[a : a + n - 1]
+        vc[slots[i], : n - 1] = v[a : a + n - 1]
+    for split in (False, True):
+        got = at.attention_with_kv_cache(*step, kc.clone(), vc.clone(), torch.tensor(starts), cu_step,
+                                         slots=torch.tensor(slots), gate=gate_step, split=split)
+        check(got, ("contiguous cache", split))
+    # One segment program per (tile, kv head) walks all of a tile's segments.
+    call, got = at.prepare(step[0], k, v, gate_step, list(range(N + 1)), starts, cu[:-1], D**-0.5, 64, None,
+                           split=True, segment_programs=1)
+    call()
+    check(got, "one segment program")
+
+    # Paged pool, shuffled blocks; a table wider than the longest sequence (a static capacity).
+    for page in (16, 64):
+        width = -(-512 // page)
+        blocks = width * N + 2
+        table = torch.randperm(blocks, generator=gen)[: width * N].view(N, width).contiguous()
+        kp = torch.full((blocks, page, HKV, D), float("nan"))
+        vp = kp.clone()
+        write = []
+        for i, (a, n) in enumerate(zip(cu, LENS)):
+            j = torch.arange(n)
+            rows = table[slots[i]][j // page] * page + j % page
+            kp.view(-1, HKV, D)[rows[:-1]] = k[a : a + n - 1]
+            vp.view(-1, HKV, D)[rows[:-1]] = v[a : a + n - 1]
+            write.append(int(rows[-1]))
+        layer = PagedKVLayer(kp, vp, table, torch.tensor(write))
+        for split in (False, True, None):
+            for placeholder in (False, True):
+                plan = KVStepPlan(list(range(N + 1)), [0] * N if placeholder else starts, slots,
+                                  device_positions=placeholder)
+                got = at.attention_with_paged_kv_cache(*step, layer, torch.tensor(starts), cu_step,
+                                                       slots=torch.tensor(slots), gate=gate_step, plan=plan,
+                                                       split=split)
+                check(got, ("paged", page, split, placeholder))
+
+    if GATE == "none":  # the forced split of a training forward: prefill tiles, rows ending in other segments
+        split_train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=True)
+        assert same_bits(split_train, train), bit_difference(split_train, train)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("group", "hkv", "gate"),
+    [(1, 2, "dim"), (2, 1, "none"), (4, 1, "head")],
+    ids=["group1-gate-dim", "group2-ungated", "group4-gate-head"],
+)
+def test_split_decode_equals_unsplit_and_training(group: int, hkv: int, gate: str) -> None:
+    res = run_interpreted(SCRIPT, args=[str(group), str(hkv), gate], timeout=900)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_split_schedule_choice() -> None:
+    """Auto: split only a decode step that leaves SMs idle and spans more than one segment; forced either way."""
+    at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
+    assert at.split_schedule(8, 32, True, 132) == 32  # batch 1, 8 kv heads, 4096 keys: one segment each
+    assert at.split_schedule(8, 256, True, 132) == 33  # about two waves; programs walk several segments
+    assert at.split_schedule(132, 32, True, 132) == 0  # the machine is full already
+    assert at.split_schedule(8, 1, True, 132) == 0  # one segment: nothing to split
+    assert at.split_schedule(8, 32, False, 132) == 0  # prefill / training: one launch unless forced
+    assert at.split_schedule(8, 32, False, 132, split=True) == 32
+    assert at.split_schedule(8, 32, True, 132, split=False) == 0
+
+
+def test_split_arguments_refused() -> None:
+    """Bad schedule arguments: a clear error naming the field (raised before any launch)."""
+    at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
+    q, k, v = torch.zeros(1, 2, 16), torch.zeros(130, 1, 16), torch.zeros(130, 1, 16)
+    args = (q, k, v, None, [0, 1], [129], [0], 0.25, 64, None)
+    with pytest.raises(ValueError, match="seg_blocks=0"):
+        at.prepare(*args, seg_blocks=0)
+    with pytest.raises(ValueError, match="segment_programs=3 needs split and 1..2"):
+        at.prepare(*args, split=True, segment_programs=3)
+    with pytest.raises(ValueError, match="segment_programs=1 needs split"):
+        at.prepare(*args, split=False, segment_programs=1)
+    with pytest.raises(ValueError, match="kv_capacity=100 is below a sequence's 130 keys"):
+        at.prepare(*args, kv_capacity=100)
