@@ -9,6 +9,7 @@ median), so launch overhead of the Python wrappers is not what is measured: deco
     python tools/bench_ops.py --out bench.json            # full table (M x N x K grid)
     python tools/bench_ops.py --sweep --out sweep.json    # tile/park variants of the G=8 GEMM
     python tools/bench_ops.py --tiles --attention --skip-gemm --skip-mem   # tile equivalence, attention
+    python tools/bench_ops.py --attention-split --skip-gemm --skip-mem     # batch-1 decode: split vs unsplit
     python tools/bench_ops.py --moe --skip-gemm --skip-mem --out moe.json  # grouped expert GEMM (Qwen3-30B-A3B)
 """
 
@@ -440,6 +441,40 @@ def attention_bench() -> list[dict[str, Any]]:
         rows.append(r)
         print(f"attn decode B={B} L={L}: kernel {ms * 1e3:.1f} us ({r['GBps']:.0f} GB/s), wrapper {ms_wrap * 1e3:.1f} us, "
               f"sdpa {ms_sdpa * 1e3:.1f} us ({r['sdpa_GBps']:.0f} GB/s)", flush=True)  # fmt: skip
+    rows += attention_decode_split_rows()
+    return rows
+
+
+def attention_decode_split_rows() -> list[dict[str, Any]]:
+    """Batch-1 decode at Qwen3-0.6B heads (16 q, 8 kv, d=128, bf16): the one-launch schedule (8 programs walk
+    every key block) vs the split over key segments, with the key capacity tight and at a decode graph's static
+    32k (most segment programs then find no segment), for segments of 2 kv blocks (the contract's) and 4 and 8
+    (tuning candidates: another size is another arithmetic). Bits of split == unsplit checked at each size."""
+    from megatron_iso.ops.attention import attention_triton as at
+
+    rows = []
+    hq, hkv, d = 16, 8, 128
+    dt = torch.bfloat16
+    for L in (640, 4096):
+        k_src, v_src = (_rand((L + 1, hkv, d), dt, 85 + i) for i in range(2))
+        q = _rand((1, hq, d), dt, 87)
+        nbytes = 2 * (L + 1) * hkv * d * 2
+        for seg in (at.SEG_BLOCKS, 4, 8):
+            r: dict[str, Any] = {"case": "decode_split", "B": 1, "L": L, "heads": [hq, hkv, d], "seg_blocks": seg}
+            runs = {}
+            for name, split, capacity in (("unsplit", False, None), ("split", True, None), ("split_32k", True, 32768)):
+                call, out = at.prepare(q, k_src, v_src, None, [0, 1], [L], [0], d**-0.5, 64, None,
+                                       kv_capacity=capacity, split=split, seg_blocks=seg)  # fmt: skip
+                r[f"{name}_us"] = _time_ms(call) * 1e3
+                runs[name] = out
+            r["split_eq_unsplit"] = _bits_equal(runs["split"], runs["unsplit"])
+            r["split_32k_eq_unsplit"] = _bits_equal(runs["split_32k"], runs["unsplit"])
+            r["split_GBps"] = nbytes / r["split_us"] / 1e3
+            rows.append(r)
+            print(f"attn decode B=1 L={L} Qwen3-0.6B heads, segments of {seg} blocks: unsplit {r['unsplit_us']:.1f} us, "
+                  f"split {r['split_us']:.1f} us ({r['split_GBps']:.0f} GB/s), split at 32k capacity "
+                  f"{r['split_32k_us']:.1f} us; same bits: {r['split_eq_unsplit']}/{r['split_32k_eq_unsplit']}",
+                  flush=True)  # fmt: skip
     return rows
 
 
@@ -591,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-gemm", action="store_true")
     ap.add_argument("--sweep-large-only", action="store_true", help="with --sweep: skip the small-M schedules")
     ap.add_argument("--tiles", action="store_true", help="tile-equivalence experiment and G=1 tile candidates")
-    ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA")
+    ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA, decode split")
+    ap.add_argument("--attention-split", action="store_true", help="only the batch-1 decode split vs unsplit rows")
     ap.add_argument("--attention-backward", action="store_true", help="training attention backward vs SDPA")
     ap.add_argument("--skip-mem", action="store_true", help="skip RMSNorm / logprob / entropy")
     ap.add_argument("--moe", action="store_true", help="grouped expert GEMM vs per-expert cuBLAS / leaf-tree loops")
@@ -632,6 +668,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 res[key] = {"error": repr(exc)[:500]}
                 print(key, "ERROR", repr(exc)[:500], flush=True)
+    if args.attention_split and not args.attention:
+        try:
+            res["attention_decode_split"] = attention_decode_split_rows()
+        except Exception as exc:
+            res["attention_decode_split"] = {"error": repr(exc)[:500]}
+            print("attention_decode_split ERROR", repr(exc)[:500], flush=True)
     if args.attention_backward:
         try:
             res["attention_backward"] = attention_backward_bench()
