@@ -123,7 +123,8 @@ def test_split_decode_equals_unsplit_and_training(group: int, hkv: int, gate: st
 
 
 def test_split_schedule_choice() -> None:
-    """Auto: split only a decode step that leaves SMs idle and spans more than one segment; forced either way."""
+    """Auto: split only a decode step that leaves SMs idle, spans more than one segment and whose scratch fits;
+    forced either way."""
     at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
     assert at.split_schedule(8, 32, True, 132) == 32  # batch 1, 8 kv heads, 4096 keys: one segment each
     assert at.split_schedule(8, 256, True, 132) == 33  # about two waves; programs walk several segments
@@ -132,6 +133,8 @@ def test_split_schedule_choice() -> None:
     assert at.split_schedule(8, 32, False, 132) == 0  # prefill / training: one launch unless forced
     assert at.split_schedule(8, 32, False, 132, split=True) == 32
     assert at.split_schedule(8, 32, True, 132, split=False) == 0
+    assert at.split_schedule(8, 32, True, 132, scratch_bytes=at.SPLIT_SCRATCH_BYTES + 1) == 0  # scratch too big
+    assert at.split_schedule(8, 32, True, 132, True, at.SPLIT_SCRATCH_BYTES + 1) == 32  # forced anyway
 
 
 def test_split_arguments_refused() -> None:

@@ -126,6 +126,9 @@ INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
 # (module docstring). Part of the arithmetic (contract constants), so training and decode use the same.
 SEG_BLOCKS = 2
 CPU_SM_COUNT = 8  # what the split schedule assumes off CUDA (the interpreter): a schedule input, never arithmetic
+# The auto schedule splits only while the fp32 scratch (rows x capacity segments x (head dim + 2)) stays below
+# this: e.g. 16 rows of Qwen3-0.6B at a 32k-key capacity take 34 MB, 32 rows of Qwen3-30B-A3B 136 MB.
+SPLIT_SCRATCH_BYTES = 64 << 20
 MAX_KV_BLOCK = 512  # the widest key block the kernel is tuned and tested for (the row-sum tree allows 1024)
 
 
@@ -441,17 +444,19 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_schedule(programs: int, segments: int, decode: bool, sm_count: int, split: bool | None = None) -> int:
+def split_schedule(
+    programs: int, segments: int, decode: bool, sm_count: int, split: bool | None = None, scratch_bytes: int = 0
+) -> int:
     """Programs per (tile, kv head) over key segments: 0 = one launch (each program walks all its segments),
     else the split launch with that many segment programs. A schedule choice, never an arithmetic one.
 
-    ``split`` None: split a decode step whose ``programs`` (tiles x kv heads) leave SMs idle and whose key
-    capacity spans more than one segment; True / False force it. A split takes about two waves of segment
-    programs. ``segments`` is the static maximum (the capacity's), so the grid is the same at every step
-    of a captured decode graph.
+    ``split`` None: split a decode step whose ``programs`` (tiles x kv heads) leave SMs idle, whose key
+    capacity spans more than one segment and whose ``scratch_bytes`` fit :data:`SPLIT_SCRATCH_BYTES`; True /
+    False force it. A split takes about two waves of segment programs. ``segments`` is the static maximum
+    (the capacity's), so the grid is the same at every step of a captured decode graph.
     """
     if split is None:
-        split = decode and segments > 1 and programs < sm_count
+        split = decode and segments > 1 and programs < sm_count and scratch_bytes <= SPLIT_SCRATCH_BYTES
     return min(segments, triton.cdiv(2 * sm_count, programs)) if split else 0
 
 
@@ -533,7 +538,8 @@ def prepare(
             )
         progs = segment_programs
     else:
-        progs = split_schedule(n_tiles * hkv, seg_max, decode, _sm_count(q.device), split)
+        scratch = T * hq * seg_max * (dim + 2) * 4
+        progs = split_schedule(n_tiles * hkv, seg_max, decode, _sm_count(q.device), split, scratch)
     tile_args = (tile_seq, tile_row, *(meta[:2] if seq_meta is None else seq_meta), meta[2])
     bt = meta[2] if block_tables is None else block_tables
     shape = dict(
