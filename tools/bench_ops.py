@@ -446,35 +446,47 @@ def attention_bench() -> list[dict[str, Any]]:
 
 
 def attention_decode_split_rows() -> list[dict[str, Any]]:
-    """Batch-1 decode at Qwen3-0.6B heads (16 q, 8 kv, d=128, bf16): the one-launch schedule (8 programs walk
-    every key block) vs the split over key segments, with the key capacity tight and at a decode graph's static
-    32k (most segment programs then find no segment), for segments of 2 kv blocks (the contract's) and 4 and 8
-    (tuning candidates: another size is another arithmetic). Bits of split == unsplit checked at each size."""
+    """Decode at Qwen3-0.6B heads (16 q, 8 kv, d=128, bf16), batch 1 and 16: the one-launch schedule (8 or 128
+    programs walk every key block) vs the split over key segments, with the key capacity tight and at a decode
+    graph's static 32k (most segment programs then find no segment); at batch 1 for segments of 2 kv blocks (the
+    contract's) and 4 and 8 (tuning candidates: another size is another arithmetic). ``auto_splits``: what the
+    auto schedule takes at the 32k capacity. Bits of split == unsplit checked for each row."""
     from megatron_iso.ops.attention import attention_triton as at
 
     rows = []
     hq, hkv, d = 16, 8, 128
     dt = torch.bfloat16
-    for L in (640, 4096):
-        k_src, v_src = (_rand((L + 1, hkv, d), dt, 85 + i) for i in range(2))
-        q = _rand((1, hq, d), dt, 87)
-        nbytes = 2 * (L + 1) * hkv * d * 2
-        for seg in (at.SEG_BLOCKS, 4, 8):
-            r: dict[str, Any] = {"case": "decode_split", "B": 1, "L": L, "heads": [hq, hkv, d], "seg_blocks": seg}
-            runs = {}
-            for name, split, capacity in (("unsplit", False, None), ("split", True, None), ("split_32k", True, 32768)):
-                call, out = at.prepare(q, k_src, v_src, None, [0, 1], [L], [0], d**-0.5, 64, None,
-                                       kv_capacity=capacity, split=split, seg_blocks=seg)  # fmt: skip
-                r[f"{name}_us"] = _time_ms(call) * 1e3
-                runs[name] = out
-            r["split_eq_unsplit"] = _bits_equal(runs["split"], runs["unsplit"])
-            r["split_32k_eq_unsplit"] = _bits_equal(runs["split_32k"], runs["unsplit"])
-            r["split_GBps"] = nbytes / r["split_us"] / 1e3
-            rows.append(r)
-            print(f"attn decode B=1 L={L} Qwen3-0.6B heads, segments of {seg} blocks: unsplit {r['unsplit_us']:.1f} us, "
-                  f"split {r['split_us']:.1f} us ({r['split_GBps']:.0f} GB/s), split at 32k capacity "
-                  f"{r['split_32k_us']:.1f} us; same bits: {r['split_eq_unsplit']}/{r['split_32k_eq_unsplit']}",
-                  flush=True)  # fmt: skip
+    sms = at._sm_count(torch.device("cuda"))
+    for B in (1, 16):
+        for L in (640, 4096):
+            k_src, v_src = (_rand((B * (L + 1), hkv, d), dt, 85 + i) for i in range(2))
+            q = _rand((B, hq, d), dt, 87)
+            nbytes = 2 * B * (L + 1) * hkv * d * 2
+            for seg in (at.SEG_BLOCKS, 4, 8) if B == 1 else (at.SEG_BLOCKS,):
+                r: dict[str, Any] = {"case": "decode_split", "B": B, "L": L, "heads": [hq, hkv, d], "seg_blocks": seg}
+                segments = -(-32768 // (seg * 64))
+                r["auto_splits"] = (
+                    at.split_schedule(B * hkv, segments, True, sms, None, B * hq * segments * (d + 2) * 4) > 0
+                )
+                runs = {}
+                for name, split, capacity in (
+                    ("unsplit", False, None),
+                    ("split", True, None),
+                    ("split_32k", True, 32768),
+                ):
+                    call, out = at.prepare(q, k_src, v_src, None, list(range(B + 1)), [L] * B,
+                                           [i * (L + 1) for i in range(B)], d**-0.5, 64, None, kv_capacity=capacity,
+                                           split=split, seg_blocks=seg)  # fmt: skip
+                    r[f"{name}_us"] = _time_ms(call) * 1e3
+                    runs[name] = out
+                r["split_eq_unsplit"] = _bits_equal(runs["split"], runs["unsplit"])
+                r["split_32k_eq_unsplit"] = _bits_equal(runs["split_32k"], runs["unsplit"])
+                r["split_GBps"] = nbytes / r["split_us"] / 1e3
+                rows.append(r)
+                print(f"attn decode B={B} L={L} Qwen3-0.6B heads, segments of {seg} blocks: unsplit "
+                      f"{r['unsplit_us']:.1f} us, split {r['split_us']:.1f} us ({r['split_GBps']:.0f} GB/s), split at "
+                      f"32k capacity {r['split_32k_us']:.1f} us (auto splits: {r['auto_splits']}); same bits: "
+                      f"{r['split_eq_unsplit']}/{r['split_32k_eq_unsplit']}", flush=True)  # fmt: skip
     return rows
 
 
