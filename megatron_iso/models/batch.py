@@ -55,6 +55,10 @@ class IsoBatch(PackedSeqParams):
     # layers: ``models.moe.static_shapes``, EP 1): DecodeGraphs sets it on its buckets' batches (a captured
     # call reads nothing on the host), the trainer on its micro-batches (no sync per layer). The same bits.
     static_shapes: bool = False
+    # Every token id is in [0, ids_checked_below), checked by pack on the host (``pack(vocab_size=...)``): scoring
+    # the rows' next tokens against a vocab at least this large skips the range check, a host read per LM-head
+    # chunk on a GPU (``models.scoring``). None: unchecked.
+    ids_checked_below: int | None = None
     # Per-call values every layer would compute the same way (RoPE cos/sin of ``positions``), built
     # by the first layer that needs them: the same function of the same inputs, so the same bits.
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -80,6 +84,21 @@ def _to(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
+def _check_token_ids(toks: Sequence[torch.Tensor], lengths: Sequence[int], vocab_size: int) -> None:
+    """Every id of the sequences (``toks``: their ids, one tensor or one per sequence; ``lengths``: theirs) in
+    ``[0, vocab_size)``; else an error naming the first bad id, its sequence and place, and the vocab size."""
+    flat = torch.cat(list(toks))
+    bad = ((flat < 0) | (flat >= vocab_size)).nonzero()
+    if bad.numel():
+        at = int(bad[0, 0])
+        seq = next(i for i, end in enumerate(itertools.accumulate(lengths)) if at < end)
+        offset = at - sum(lengths[:seq])
+        raise ValueError(
+            f"pack: sequence {seq} holds token id {int(flat[at])} at position {offset}, outside the model's vocab "
+            f"[0, {vocab_size}) (model.vocab_size={vocab_size})"
+        )
+
+
 def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     if any(n <= 0 for n in lengths):
         raise ValueError(f"every sequence needs at least one token, got lengths {list(lengths)}")
@@ -99,6 +118,7 @@ def pack(
     gdn_slots: Sequence[int] | None = None,
     pad_to_multiple: int = 1,
     device: torch.device | str = "cpu",
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, IsoBatch]:
     """Pack token sequences into ``input_ids [1, T]`` and their :class:`IsoBatch`.
 
@@ -110,6 +130,9 @@ def pack(
     sequences of their own, module docstring.)
     ``gdn_slots`` lets the GDN state rows differ from the KV rows (the engine stages KV per step but
     keeps each sequence's GDN state in place); by default the GDN layers use ``slots``.
+    ``vocab_size``: check every token id is in ``[0, vocab_size)`` here, on the host values (an error names the
+    sequence, the id and the vocab size), and mark the batch (``ids_checked_below``) so its scoring reads nothing
+    back to check them again.
     """
     if case not in CASES:
         raise ValueError(f"case={case!r} is not allowed; allowed values: {list(CASES)}")
@@ -121,6 +144,8 @@ def pack(
     else:
         toks = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in sequences]
         lengths = [int(t.numel()) for t in toks]
+    if vocab_size is not None:
+        _check_token_ids(toks, lengths, vocab_size)
     pad = -sum(lengths) % pad_to_multiple
     if pad:
         if case != "trainer_forward":
@@ -168,6 +193,7 @@ def pack(
         gdn_slots=None if gdn_slots is None else _to(list(gdn_slots), device),
         kv_plan=plan,
         max_position=max_position,
+        ids_checked_below=vocab_size,
     )
     if gdn_cache is not None and kv_cache is None:
         raise ValueError("gdn_cache is given without kv_cache: prefill/decode of a hybrid model needs both")

@@ -55,8 +55,11 @@ def score_sequences(
     kwargs = _scoring_kwargs(model.config, temperature)
     if rows is not None:
         kwargs, targets = _for_rows(kwargs, rows, ids.numel()), targets[rows]
+    # Ids pack checked on the host (IsoBatch.ids_checked_below) need no range check, a host read per chunk on a GPU.
+    checked = getattr(batch, "ids_checked_below", None)
+    ids_in_range = checked is not None and checked <= model.config.vocab_size
     if model.config.iso_profile == Profile.CORRECTNESS:
-        logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows)
+        logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range)
     else:
         logits = model.forward_packed(input_ids, batch)
         logits = logits if rows is None else logits[rows]
@@ -77,8 +80,9 @@ def score_sequences(
     return masked(logp), None if ent is None else masked(ent)
 
 
-def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows):
-    """The invariant LM head (``output_layer.local_output``) and scoring, a chunk of rows at a time."""
+def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range):
+    """The invariant LM head (``output_layer.local_output``) and scoring, a chunk of rows at a time (``ids_in_range``:
+    the targets are known to be in the vocab, no chunk checks them)."""
     head = model.output_layer
     x = head.local_input(model.forward_hidden(input_ids, batch))
     x = x if rows is None else x[rows]
@@ -92,7 +96,7 @@ def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, row
         return _for_rows(kwargs, c, total)
 
     def score(logits: torch.Tensor, c: slice) -> torch.Tensor:
-        return token_logprobs(logits, targets[c], **for_rows(c))
+        return token_logprobs(logits, targets[c], ids_in_range=ids_in_range, **for_rows(c))
 
     def plain(logits: torch.Tensor, c: slice) -> torch.Tensor:
         return token_logprobs(logits, targets[c], **(for_rows(c) | {"profile": Profile.PERFORMANCE}))

@@ -91,8 +91,8 @@ def token_logprobs(
     leaves: vocab leaves G (power of two, >= C, divides V); valid_vocab: ids >= it are padding.
     In the correctness profile the gradient is the native formula's (deterministic, see
     ``ops/common/autograd.py``), so the backward never stores the leaf-tree intermediates.
-    ``ids_in_range``: the caller guarantees the ids are in the vocab (the rollout's own samples): the
-    range check, a host read on a GPU, is skipped.
+    ``ids_in_range``: the caller guarantees the ids are in the vocab (the rollout's own samples; the trainer's ids,
+    checked on the host by ``models.batch.pack``): the range check, a host read on a GPU, is skipped.
     """
 
     def score(profile_: str):

@@ -47,14 +47,15 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
     the pipeline alike: ``ids`` and ``batch`` of the prompt+response rows, the response rows' ``mask``, each row's
     sample (``seq_index``), the rollout's logprobs on the response rows (``rollout``), ``advantages``, ``weight``.
 
-    The layout comes from the host lengths (reading ``cu_seqlens`` back would be a device sync). At expert
-    parallel size 1 the batch is marked ``static_shapes``: MoE layers route and run their experts without host
-    reads (``models.moe``), the same bits as their eager path."""
+    The layout comes from the host lengths (reading ``cu_seqlens`` back would be a device sync), and the token ids
+    are checked against the vocab on the host (``pack(vocab_size=...)``: the scoring does not read them back). At
+    expert parallel size 1 the batch is marked ``static_shapes``: MoE layers route and run their experts without
+    host reads (``models.moe``), the same bits as their eager path."""
     from megatron_iso.models.batch import pack, row_multiple
 
     seqs = [s.prompt.ids + s.tokens for s in samples]
     tc = trainer.tc
-    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc), device=trainer.device)
+    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc), device=trainer.device, vocab_size=tc.vocab_size)
     batch.static_shapes = bool(tc.num_moe_experts) and tc.expert_model_parallel_size == 1
     rows = ids.shape[1]
     mask = torch.zeros(rows, dtype=torch.bool)

@@ -41,11 +41,9 @@ PER_STEP: dict[Place, int] = {
 }
 # Once per micro-batch (forward + backward).
 PER_MICRO_BATCH: dict[Place, int] = {
-    # The response rows' logprobs (and entropies, one stacked tensor): the policy loss runs on the host.
+    # The response rows' logprobs (and entropies, one stacked tensor): the policy loss runs on the host. Nothing
+    # for the target ids' vocab range: pack checks the host ids (pack_micro_batch), not each LM-head chunk.
     ("cpu", "megatron_iso/rl/loop.py", "_accumulate_grads"): 1,
-    # The scored target ids' vocab range check (models.scoring passes no ids_in_range): once per LM-head chunk
-    # of rows, one chunk at these sizes.
-    ("item", "megatron_iso/ops/logprob/reference.py", "token_logprobs"): 1,
 }
 # Once per micro-batch of a model with MoE layers: every layer's expert counts for the grouped GEMM backward,
 # one non-blocking copy when the forward ends (ops.gemm.grouped.counts_read_once); nothing waits on it.
