@@ -91,9 +91,11 @@ class IsoGPTModel(GPTModel):
                 self.setup_embeddings_and_output_layer()
 
     def forward(self, *args, packed_seq_params=None, **kwargs):
-        """GPTModel's forward; a batch with ``static_shapes`` runs its MoE layers' static-shape path."""
+        """GPTModel's forward; a batch with ``static_shapes`` runs its MoE layers' static-shape path (a training
+        forward keeps its expert counts on the batch for the layers activation recompute reruns: models.moe)."""
         static = isinstance(packed_seq_params, IsoBatch) and packed_seq_params.static_shapes
-        with moe_static_shapes(static):
+        training = static and self.training and torch.is_grad_enabled()
+        with moe_static_shapes(static, recompute_batch=packed_seq_params if training else None):
             return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
 
     def forward_packed(self, input_ids: torch.Tensor, batch: IsoBatch) -> torch.Tensor:

@@ -30,7 +30,10 @@ is the same, so a row's result is the eager one bit for bit, whatever the other 
 included) are. The trainer's forward takes it too at EP 1 (``rl.pipeline.pack_micro_batch``): the backward
 is the grouped GEMM's per-expert one, which needs the counts on the host; every model call runs inside
 ``ops.gemm.grouped.counts_read_once``, so the backward takes them from one copy per forward instead of one
-sync per expert GEMM.
+sync per expert GEMM. Activation recompute (``rl.recompute_granularity=full``) reruns whole layers in the
+backward, outside the model call: :class:`IsoMoETransformerLayer` re-enters the static path there from its batch
+(:func:`recomputed_static_shapes`), and the recomputed expert GEMMs take their counts from the training forward's
+copy (kept on the batch), so a recomputing step reads on the host what a plain one reads.
 """
 
 from __future__ import annotations
@@ -47,27 +50,55 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, s
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_iso.contract.registry import Profile
+from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
-from megatron_iso.ops.gemm.grouped import counts_read_once, grouped_linear
+from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 
 _STATIC_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("iso_moe_static_shapes", default=False)
 
 
+# IsoBatch.memo key: a training forward's expert counts (ops.gemm.grouped.HostCounts), for its recomputed layers.
+_FORWARD_COUNTS = "moe_forward_counts"
+
+
 @contextlib.contextmanager
-def static_shapes(enabled: bool = True) -> Iterator[None]:
+def static_shapes(enabled: bool = True, *, recompute_batch: IsoBatch | None = None) -> Iterator[None]:
     """Inside, when ``enabled``: MoE layers of the correctness profile take their static-shape forward (no host
     reads, EP 1; the module docstring). ``IsoGPTModel.forward`` enters it for every call, enabled for a batch
     with ``static_shapes`` set. Either way the grouped expert GEMMs of the call read their counts for the
-    backward in one copy at its end (``ops.gemm.grouped.counts_read_once``)."""
+    backward in one copy at its end (``ops.gemm.grouped.counts_read_once``). ``recompute_batch`` (a training
+    forward's batch, whose layers activation recompute may rerun): the copy also holds the counts of the calls
+    made without autograd and is kept on the batch, for :func:`recomputed_static_shapes`."""
     token = _STATIC_SHAPES.set(bool(enabled))
     try:
-        with counts_read_once():
+        with counts_read_once(keep_no_grad=recompute_batch is not None) as counts:
+            if recompute_batch is not None:
+                recompute_batch.memo[_FORWARD_COUNTS] = counts
+            yield
+    finally:
+        _STATIC_SHAPES.reset(token)
+
+
+@contextlib.contextmanager
+def recomputed_static_shapes(batch: object) -> Iterator[None]:
+    """A layer's forward with a ``static_shapes`` batch outside its model call's :func:`static_shapes` (activation
+    recompute reruns it in the backward, perhaps on another thread): the static path again, each expert GEMM
+    taking its counts from the model call's copy (``ops.gemm.grouped.counts_replayed``). Nothing to do inside the
+    model call or for another batch."""
+    if not (isinstance(batch, IsoBatch) and batch.static_shapes) or static_shapes_active():
+        yield
+        return
+    token = _STATIC_SHAPES.set(True)
+    try:
+        first = batch.memo.get(_FORWARD_COUNTS)
+        with counts_replayed(first) if first is not None else counts_read_once():
             yield
     finally:
         _STATIC_SHAPES.reset(token)
@@ -349,3 +380,12 @@ class IsoMoELayer(MoELayer):
         if shared_expert_output is not None:
             output = output + shared_expert_output.float()
         return output.to(self.token_dispatcher.hidden_dtype)
+
+
+class IsoMoETransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer for layers with an MoE MLP: a forward outside the model call (activation
+    recompute) runs under :func:`recomputed_static_shapes`, so its experts take the model call's path."""
+
+    def forward(self, *args, packed_seq_params=None, **kwargs):
+        with recomputed_static_shapes(packed_seq_params):
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)

@@ -30,7 +30,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron_iso.contract.registry import PROFILES, Profile
 from megatron_iso.models.gdn import GatedRMSNorm, IsoGatedDeltaNet
 from megatron_iso.models.modules import CachedSelfAttention, IsoMLP, IsoRMSNorm, PackedCoreAttention
-from megatron_iso.models.moe import IsoMoELayer, IsoSequentialExperts, IsoSharedExpertMLP, IsoTopKRouter
+from megatron_iso.models.moe import (
+    IsoMoELayer,
+    IsoMoETransformerLayer,
+    IsoSequentialExperts,
+    IsoSharedExpertMLP,
+    IsoTopKRouter,
+)
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 
 
@@ -102,8 +108,10 @@ def gdn_spec(kit: LayerKit) -> ModuleSpec:
 
 
 def _layer_spec(kit: LayerKit, mlp: ModuleSpec, mixer: ModuleSpec | None = None) -> ModuleSpec:
+    # An MoE layer re-enters its model call's static-shape path when activation recompute reruns it (models.moe).
+    moe = mlp.module in (IsoMoELayer, MoELayer)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=IsoMoETransformerLayer if moe else TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=kit.norm,
             self_attention=mixer or attention_spec(kit),

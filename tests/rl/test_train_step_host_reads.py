@@ -118,6 +118,10 @@ def _expected(model: str, layers: int, passes: int) -> dict[Place, int]:
     return dict(+out)  # + drops the places a model has none of
 
 
+def _beyond_cpu_only(got: dict[Place, int]) -> dict[Place, int]:
+    return {p: n for p, n in got.items() if p not in CPU_ONLY}
+
+
 def _seed(counter: HostReadCounter, trainer: Trainer) -> None:
     """What a CUDA run holds on the device: the weights, their grad buffers and the optimizer's state (torch's
     Adam keeps its step counts on the host unless capturable: left out)."""
@@ -148,9 +152,13 @@ def _advantages(n: int) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, n)
 
 
-def _step_reads(tmp_path, model: str, layers: int) -> dict[int, dict[Place, int]]:
-    """The reads of one train_on per micro-batch count (after a first step that builds the optimizer state)."""
-    cfg = load_config([*BASE, f"model={model}", f"model.num_layers={layers}", f"out_dir={tmp_path / model}"])
+def _step_reads(
+    tmp_path, model: str, layers: int, extra: tuple[str, ...] = (), results: list | None = None
+) -> dict[int, dict[Place, int]]:
+    """The reads of one train_on per micro-batch count (after a first step that builds the optimizer state).
+    ``extra``: more overrides; ``results``: gets each step's logprobs, loss and grad norm, then the weights."""
+    overrides = [*BASE, f"model={model}", f"model.num_layers={layers}", f"out_dir={tmp_path / model}", *extra]
+    cfg = load_config(overrides)
     _clear_moe_tracker()
     out = {}
     with config_world(cfg) as rank:
@@ -158,13 +166,16 @@ def _step_reads(tmp_path, model: str, layers: int) -> dict[int, dict[Place, int]
         trainer = Trainer(cfg, rank)
         samples = _samples(trainer)
         assert len(samples) == SAMPLES
-        trainer.train_on(samples, _advantages(SAMPLES))
+        steps = [trainer.train_on(samples, _advantages(SAMPLES))]
         for size, passes in ((SAMPLES, 1), (3, 2), (2, 3)):
             trainer.micro_batch_seqs = size
             with HostReadCounter() as counter:
                 _seed(counter, trainer)
-                trainer.train_on(samples, _advantages(SAMPLES))
+                steps.append(trainer.train_on(samples, _advantages(SAMPLES)))
                 out[passes] = _places(counter.summary())
+        if results is not None:
+            results += [[step[k] for k in ("trainer_logp", "loss", "grad_norm")] for step in steps]
+            results.append([p.detach().clone() for p in trainer.model.parameters()])
     return out
 
 
@@ -178,14 +189,56 @@ def test_train_step_host_reads(tmp_path, model):
             assert got == _expected(model, layers, passes), (layers, passes)
 
     # Beside the CPU-only reference code, nothing depends on the layers.
-    def beyond_cpu_only(got: dict[Place, int]) -> dict[Place, int]:
-        return {p: n for p, n in got.items() if p not in CPU_ONLY}
-
     for passes in (1, 2, 3):
-        assert beyond_cpu_only(reads[few][passes]) == beyond_cpu_only(reads[many][passes]), passes
+        assert _beyond_cpu_only(reads[few][passes]) == _beyond_cpu_only(reads[many][passes]), passes
     # Each micro-batch adds the same reads: none of the step's (PER_STEP) repeats per pass.
     one, two, three = (Counter(reads[few][p]) for p in (1, 2, 3))
     assert two - one == three - two and not (two - one).keys() & PER_STEP.keys()
+
+
+RECOMPUTE = {
+    "full_uniform": ("rl.recompute_granularity=full", "rl.recompute_method=uniform", "rl.recompute_num_layers=1"),
+    "full_block": ("rl.recompute_granularity=full", "rl.recompute_method=block", "rl.recompute_num_layers=1"),
+}
+
+
+# Every layer recomputed (no expert GEMM of the forward under autograd), and the first layer only (GDN + MoE; the
+# copy then holds a recomputed layer's counts and the autograd ones of the others).
+@pytest.mark.parametrize(("model", "recompute"), [("tiny_moe", "full_uniform"), ("tiny_hybrid_moe", "full_block")])
+def test_a_recomputing_step_reads_what_a_plain_step_reads(tmp_path, monkeypatch, model, recompute):
+    """Activation recompute reruns layers in the backward, outside the model call's static_shapes: their MoE layers
+    take the static path there too and their expert GEMMs the forward's one copy of the counts
+    (models.moe.recomputed_static_shapes), so a recomputing step reads what a plain step reads (the eager dispatch
+    read the routing back in every recomputed MoE layer), beside the CPU-only GDN reference scan, which a recomputed
+    GDN layer runs again; the same bits."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    reran = []
+    backward = mrandom.CheckpointFunction.backward
+    monkeypatch.setattr(
+        mrandom.CheckpointFunction, "backward", staticmethod(lambda ctx, *g: reran.append(1) or backward(ctx, *g))
+    )
+    layers = MODELS[model][0]
+    plain_out: list = []
+    plain = _step_reads(tmp_path / "plain", model, layers, results=plain_out)
+    assert not reran
+    recomputing_out: list = []
+    recomputing = _step_reads(tmp_path / recompute, model, layers, RECOMPUTE[recompute], recomputing_out)
+    assert reran  # the backward reran checkpointed layers
+    for passes, got in recomputing.items():
+        print(f"{model} {recompute}, {passes} micro-batches: {sum(got.values())} reads {got}")
+    assert {p: _beyond_cpu_only(g) for p, g in recomputing.items()} == {
+        p: _beyond_cpu_only(g) for p, g in plain.items()
+    }
+    reran_scans = {p: Counter(recomputing[p]) - Counter(plain[p]) for p in plain}
+    assert all(
+        set(more) <= {("boolean_index:index", "megatron_iso/ops/gdn/reference.py", "_scan")}
+        for more in reran_scans.values()
+    )
+    assert all(not Counter(plain[p]) - Counter(recomputing[p]) for p in plain)
+    for step, (a, b) in enumerate(zip(plain_out, recomputing_out, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(bits(torch.as_tensor(x)), bits(torch.as_tensor(y))), step
 
 
 def test_gdn_plan_reads_once() -> None:

@@ -29,7 +29,10 @@ applied to each expert's rows (library GEMMs whose bits depend on the row count,
 host). It needs the counts on the host. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
 counts of every grouped call of the forward are copied to the host together, once, without waiting, when the
 forward ends, and each backward takes its own from that copy (it waits for the copy, which by then has long
-completed); outside, a backward reads its counts itself (one sync per call).
+completed); outside, a backward reads its counts itself (one sync per call). Activation recompute runs a layer's
+forward twice: first without autograd (its calls are kept in the copy when the forward asks for it,
+``counts_read_once(keep_no_grad=True)``), then again in the backward, where :func:`counts_replayed` gives each call
+its first run's counts from that copy (the same inputs, so the same counts): no read of its own.
 """
 
 from __future__ import annotations
@@ -162,25 +165,30 @@ def grouped_native(x: torch.Tensor, weights: Weights, counts: torch.Tensor, leav
     return grouped_by_expert(native_linear, x, weights, counts, DEFAULT_LEAVES if leaves is None else leaves)
 
 
-class _HostCounts:
+class HostCounts:
     """The counts of a forward's grouped calls, copied to the host in one non-blocking copy at its end.
 
-    ``add`` registers a call's counts (the fc1 and fc2 calls of a layer pass the same tensor: one entry) and
-    returns its place; ``close`` starts the copy of all of them; ``sizes`` gives one call's counts as ints,
-    waiting for the copy first (a backward runs after the forward: the copy is done by then)."""
+    ``add`` registers a call's counts under its call site (``site``: the first expert weight's ``id``; the fc1
+    and fc2 calls of a layer pass the same tensor: one entry) and returns its place; ``close`` starts the copy of
+    all of them; ``sizes`` gives one call's counts as ints, waiting for the copy first (a backward runs after the
+    forward: the copy is done by then). ``keep_no_grad``: calls made without autograd (a checkpointed region's
+    first run) are kept too, for the region's recomputation (:func:`counts_replayed`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_no_grad: bool = False) -> None:
+        self.keep_no_grad = keep_no_grad
         self.pending: list[torch.Tensor] = []
+        self.sites: dict[int, int] = {}  # call site -> place in pending
         self.host: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None
         self.lists: list[list[int]] | None = None
 
-    def add(self, counts: torch.Tensor) -> int | None:
-        if self.host is not None:  # closed: a call after the forward (e.g. a recomputation) reads its own
-            return None
+    def add(self, counts: torch.Tensor, site: int) -> int | None:
+        if self.host is not None:  # closed: a recomputation takes the site's first run; any other call reads its own
+            return self.sites.get(site)
         if not self.pending or self.pending[-1] is not counts:
             self.pending.append(counts)
-        return len(self.pending) - 1
+        self.sites[site] = len(self.pending) - 1
+        return self.sites[site]
 
     def close(self) -> None:
         if self.host is not None or not self.pending:
@@ -204,21 +212,34 @@ class _HostCounts:
         return self.lists[index]
 
 
-_HOST_COUNTS: contextvars.ContextVar[_HostCounts | None] = contextvars.ContextVar("iso_grouped_counts", default=None)
+_HOST_COUNTS: contextvars.ContextVar[HostCounts | None] = contextvars.ContextVar("iso_grouped_counts", default=None)
 
 
 @contextlib.contextmanager
-def counts_read_once() -> Iterator[None]:
+def counts_read_once(*, keep_no_grad: bool = False) -> Iterator[HostCounts]:
     """Inside (a model forward): the backward of every grouped call made here takes its counts from one
     non-blocking device-to-host copy of all of them, started on exit, instead of a sync per call (module
-    docstring). The same counts, so the same bits."""
-    batch = _HostCounts()
+    docstring). The same counts, so the same bits. ``keep_no_grad`` (a training forward that activation
+    recompute may rerun): calls without autograd are copied too, for :func:`counts_replayed`."""
+    batch = HostCounts(keep_no_grad)
     token = _HOST_COUNTS.set(batch)
+    try:
+        yield batch
+    finally:
+        _HOST_COUNTS.reset(token)
+        batch.close()
+
+
+@contextlib.contextmanager
+def counts_replayed(first: HostCounts) -> Iterator[None]:
+    """Inside (a recomputation of part of the forward that ``first`` recorded, after it closed): each grouped call
+    takes the counts its call site had in that forward from its copy, reading nothing itself; a call site the
+    forward did not record reads its own in its backward."""
+    token = _HOST_COUNTS.set(first)
     try:
         yield
     finally:
         _HOST_COUNTS.reset(token)
-        batch.close()
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -228,7 +249,7 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, counts, leaves, kernel, *ws):  # type: ignore[override]
         ctx.save_for_backward(x, counts, *ws)
         batch = _HOST_COUNTS.get()
-        index = None if batch is None else batch.add(counts)
+        index = None if batch is None else batch.add(counts, id(ws[0]))
         ctx.host_counts = None if index is None else (batch, index)
         return kernel(x, list(ws), counts, leaves)
 
@@ -290,6 +311,9 @@ def grouped_linear(
     check_inputs(x, ws, counts, leaves, read_counts=not static)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
         return _GroupedLinear.apply(x, counts, leaves, kernel, *ws)
+    kept = _HOST_COUNTS.get()
+    if kept is not None and kept.keep_no_grad:  # a checkpointed region's first run: its recomputation takes these
+        kept.add(counts, id(ws[0]))
     return kernel(x, ws, counts, leaves)
 
 
@@ -349,7 +373,9 @@ for _device in ("cpu", "cuda"):
 
 __all__ = [
     "OP",
+    "HostCounts",
     "counts_read_once",
+    "counts_replayed",
     "expert_weights",
     "grouped_by_expert",
     "grouped_linear",
