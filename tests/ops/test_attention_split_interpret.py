@@ -129,6 +129,8 @@ def test_split_schedule_choice() -> None:
     assert at.split_schedule(8, 32, True, 132) == 32  # batch 1, 8 kv heads, 4096 keys: one segment each
     assert at.split_schedule(8, 256, True, 132) == 33  # about two waves; programs walk several segments
     assert at.split_schedule(132, 32, True, 132) == 0  # the machine is full already
+    assert at.split_schedule(128, 32, True, 132) == 0  # batch 16: most SMs busy already (split measured slower)
+    assert at.split_schedule(33, 32, True, 132) == 8  # a quarter of the SMs: still split, two waves
     assert at.split_schedule(8, 1, True, 132) == 0  # one segment: nothing to split
     assert at.split_schedule(8, 32, False, 132) == 0  # prefill / training: one launch unless forced
     assert at.split_schedule(8, 32, False, 132, split=True) == 32
