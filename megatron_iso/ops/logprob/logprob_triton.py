@@ -46,6 +46,17 @@ NUM_WARPS = 4  # a schedule choice: the lane tree's order does not depend on it
 
 
 @triton.jit
+def _scaled(x, temp):
+    # x / 1 is x exactly (signed zeros and infinities too): skip the IEEE division. An if statement, a branch in
+    # the kernel: a conditional expression would be a select that still divides.
+    if temp == 1.0:  # noqa: SIM108
+        z = x
+    else:
+        z = tl.math.div_rn(x, temp)
+    return z
+
+
+@triton.jit
 def _leaf_kernel(
     x_ptr, t_ptr, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
     BLOCK: tl.constexpr,
@@ -61,17 +72,22 @@ def _leaf_kernel(
     offs = tl.arange(0, BLOCK)[None, :]
     m = tl.full((1,), float("-inf"), tl.float32)
     acc = tl.zeros((1, BLOCK), tl.float32)
-    for start in range(0, LEAF, BLOCK):
-        idx = start + offs
-        ok = (idx < LEAF) & (first + idx < VALID)
-        x = tl.load(base + idx, mask=ok, other=0.0).to(tl.float32)
-        if temp == 1.0:  # x / 1 is x exactly (signed zeros and infinities too): skip the IEEE division
-            z = x
-        else:
-            z = tl.math.div_rn(x, temp)
-        z = tl.where(ok, z, float("-inf"))
+    # Slices wholly inside the leaf's real vocab ids run without masks (the selects below would be identities
+    # there: the same bits); the rest (a partial slice, padding ids) take the masked loop.
+    n_full = (tl.maximum(tl.minimum(LEAF, VALID - first), 0) // BLOCK) * BLOCK
+    for start in range(0, n_full, BLOCK):
+        z = _scaled(tl.load(base + start + offs).to(tl.float32), temp)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
+        acc = acc * scale[:, None] + tl.exp(z - m_new[:, None])
+        m = m_new
+    for start in range(n_full, LEAF, BLOCK):
+        idx = start + offs
+        ok = (idx < LEAF) & (first + idx < VALID)
+        z = _scaled(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
+        z = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
         acc = acc * scale[:, None] + tl.where(ok, tl.exp(z - m_new[:, None]), 0.0)
         m = m_new
     out = out_ptr + (pr * tl.num_programs(1) + leaf) * 2 + tl.arange(0, 1)
