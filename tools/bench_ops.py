@@ -9,6 +9,7 @@ median), so launch overhead of the Python wrappers is not what is measured: deco
     python tools/bench_ops.py --out bench.json            # full table (M x N x K grid)
     python tools/bench_ops.py --sweep --out sweep.json    # tile/park variants of the G=8 GEMM
     python tools/bench_ops.py --tiles --attention --skip-gemm --skip-mem   # tile equivalence, attention
+    python tools/bench_ops.py --decode-tiles --skip-gemm --skip-mem        # tiles of the models' decode GEMMs
     python tools/bench_ops.py --attention-split --skip-gemm --skip-mem     # batch-1 decode: split vs unsplit
     python tools/bench_ops.py --moe --skip-gemm --skip-mem --out moe.json  # grouped expert GEMM (Qwen3-30B-A3B)
 """
@@ -258,6 +259,65 @@ def gemm_candidates() -> list[dict[str, Any]]:
                     rows.append({"M": M, "N": N, "K": K, "G": G, "cfg": name, "ratio": cub / ms, "ms": ms,
                                  "spills": spills})  # fmt: skip
                     print(f"cand M={M} N={N} K={K} G={G} {name}: {cub / ms:.2f}x of cuBLAS", flush=True)
+    return rows
+
+
+# Decode-sized GEMMs of the bundled models: (model, linear, M, N, K, leaves). Qwen3-0.6B at batch 1, Qwen3-8B at
+# batch 64; column-parallel layers (QKV, gate/up, LM head) run one leaf, row-parallel ones (out, down) eight.
+DECODE_GEMMS = (
+    ("qwen3_0p6b", "qkv", 1, 4096, 1024, 1), ("qwen3_0p6b", "out", 1, 1024, 2048, 8),
+    ("qwen3_0p6b", "gate_up", 1, 6144, 1024, 1), ("qwen3_0p6b", "down", 1, 1024, 3072, 8),
+    ("qwen3_0p6b", "lm_head", 1, 151936, 1024, 1),
+    ("qwen3_8b", "qkv", 64, 6144, 4096, 1), ("qwen3_8b", "out", 64, 4096, 4096, 8),
+    ("qwen3_8b", "gate_up", 64, 24576, 4096, 1), ("qwen3_8b", "down", 64, 4096, 12288, 8),
+    ("qwen3_8b", "lm_head", 64, 151936, 4096, 1),
+)  # fmt: skip
+
+
+def decode_tile_sweep() -> list[dict[str, Any]]:
+    """Every 16- and 64-row candidate tile (and, for 8 leaves, programs per tile) on the decode GEMMs above: its bits
+    against the default tile's, its time against cuBLAS and against the tile ``select_config`` picks."""
+    from megatron_iso.ops.gemm import gemm_triton as gt
+    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
+
+    cands = {
+        f"{bm}x{bn}_w{w}_s{st}": C(bm, bn, 64, w, st)
+        for bm in (16, 64)
+        for bn in (16, 32, 64, 128)
+        for w in ((2, 4) if bm == 16 else (4,))
+        for st in (4, 8)
+    }
+    rows: list[dict[str, Any]] = []
+    for model, name, M, N, K, G in DECODE_GEMMS:
+        x, w = _rand((M, K), torch.bfloat16, 1), _rand((N, K), torch.bfloat16, 2)
+        base = gt.leaf_tree_linear_triton(x, w, G, parallel=1, config=gt.CONFIGS[torch.bfloat16])
+        cub = _time_ms(lambda x=x, w=w: x @ w.t())
+        picked = _time_ms(lambda x=x, w=w, G=G: gt.leaf_tree_linear_triton(x, w, G))
+        head = {"model": model, "linear": name, "M": M, "N": N, "K": K, "G": G, "cublas_us": cub * 1e3}
+        rows.append({**head, "cfg": "selected", "us": picked * 1e3, "ratio": cub / picked})
+        best = None
+        for cname, cfg in cands.items():
+            for par in (None,) if G == 1 else (None, 1, 8):
+                try:
+                    ok = _bits_equal(gt.leaf_tree_linear_triton(x, w, G, parallel=par, config=cfg), base)
+                    ms = _time_ms(
+                        lambda x=x, w=w, G=G, par=par, cfg=cfg: gt.leaf_tree_linear_triton(
+                            x, w, G, parallel=par, config=cfg
+                        )
+                    )
+                except Exception as exc:  # a candidate that does not compile is a result too
+                    rows.append({**head, "cfg": cname, "parallel": par, "error": repr(exc)[:200]})
+                    continue
+                rows.append({**head, "cfg": cname, "parallel": par, "us": ms * 1e3, "bits": ok, "ratio": cub / ms})
+                if not ok:
+                    print(f"  {model} {name} {cname} parallel={par}: BITS DIFFER", flush=True)
+                elif best is None or ms < best[0]:
+                    best = (ms, cname, par)
+        print(
+            f"{model} {name} M={M} N={N} K={K} G={G}: cuBLAS {cub * 1e3:.1f} us, selected {picked * 1e3:.1f} us"
+            + (f", best {best[1]} (parallel {best[2]}) {best[0] * 1e3:.1f} us" if best else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -650,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-gemm", action="store_true")
     ap.add_argument("--sweep-large-only", action="store_true", help="with --sweep: skip the small-M schedules")
     ap.add_argument("--tiles", action="store_true", help="tile-equivalence experiment and G=1 tile candidates")
+    ap.add_argument("--decode-tiles", action="store_true", help="tile candidates on the models' decode GEMMs")
     ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA, decode split")
     ap.add_argument("--attention-split", action="store_true", help="only the batch-1 decode split vs unsplit rows")
     ap.add_argument("--attention-backward", action="store_true", help="training attention backward vs SDPA")
@@ -713,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiles:
         res["tile_equivalence"] = gemm_tile_equivalence()
         res["gemm_candidates"] = gemm_candidates()
+    if args.decode_tiles:
+        res["decode_tile_sweep"] = decode_tile_sweep()
     if args.sweep:
         res["sweep"] = gemm_sweep(not args.sweep_large_only)
     if not args.skip_gemm:
