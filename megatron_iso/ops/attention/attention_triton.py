@@ -76,6 +76,7 @@ from megatron_iso.ops.attention.reference import (
     _check_qkv,
     _scale,
 )
+from megatron_iso.ops.common.sm_count import sm_count
 from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
 
 IMPL_ID = "attention.triton"
@@ -125,7 +126,6 @@ INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
 # Key blocks per segment: softmax state restarts at each segment and segments merge in ascending order
 # (module docstring). Part of the arithmetic (contract constants), so training and decode use the same.
 SEG_BLOCKS = 2
-CPU_SM_COUNT = 8  # what the split schedule assumes off CUDA (the interpreter): a schedule input, never arithmetic
 # The auto schedule splits only while the fp32 scratch (rows x capacity segments x (head dim + 2)) stays below
 # this: e.g. 16 rows of Qwen3-0.6B at a 32k-key capacity take 34 MB, 32 rows of Qwen3-30B-A3B 136 MB.
 SPLIT_SCRATCH_BYTES = 64 << 20
@@ -432,18 +432,6 @@ def _tables(
     return tile_seq, tile_row, meta
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (:data:`CPU_SM_COUNT` off CUDA): input to a schedule choice only."""
-    if device.type != "cuda":
-        return CPU_SM_COUNT
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def split_schedule(
     programs: int, segments: int, decode: bool, sm_count: int, split: bool | None = None, scratch_bytes: int = 0
 ) -> int:
@@ -540,7 +528,7 @@ def prepare(
         progs = segment_programs
     else:
         scratch = T * hq * seg_max * (dim + 2) * 4
-        progs = split_schedule(n_tiles * hkv, seg_max, decode, _sm_count(q.device), split, scratch)
+        progs = split_schedule(n_tiles * hkv, seg_max, decode, sm_count(q.device), split, scratch)
     tile_args = (tile_seq, tile_row, *(meta[:2] if seq_meta is None else seq_meta), meta[2])
     bt = meta[2] if block_tables is None else block_tables
     shape = dict(

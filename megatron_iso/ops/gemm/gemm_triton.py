@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.ops.common.sm_count import sm_count
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
 
 IMPL_ID = "leaf_tree_gemm.triton"
@@ -365,18 +366,8 @@ def _tree_combine_kernel(p_ptr, out_ptr, numel, stride_p, PARTS: tl.constexpr, B
     tl.store(out_ptr + offs, v, mask=mask)
 
 
-_SM_COUNT: dict[int, int] = {}
 # The last compiled leaf kernel (registers / spills are read off it by tools/bench_ops.py).
 LAST_COMPILED = None
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def auto_parallel(M: int, N: int, leaves: int, cfg: GemmTileConfig, sm_count: int) -> int:
@@ -419,7 +410,7 @@ def leaf_tree_linear_triton(
     if M == 0 or N == 0:
         return out
     if parallel is None:
-        parallel = auto_parallel(M, N, leaves, cfg, _sm_count(x.device))
+        parallel = auto_parallel(M, N, leaves, cfg, sm_count(x.device))
     if parallel < 1 or parallel & (parallel - 1) or parallel > min(leaves, 8):
         raise ValueError(f"leaf_tree_linear_triton: parallel={parallel} must be a power of two <= min(leaves, 8)")
     per_prog = leaves // parallel
