@@ -40,6 +40,13 @@ def at():
     return attention_triton
 
 
+@pytest.fixture(scope="module")
+def launch():
+    from megatron_iso.ops.attention import forward_launch_triton
+
+    return forward_launch_triton
+
+
 def _cache(slots, max_len, dtype, hkv=HKV, d=D):
     # NaN-poisoned: keys past a sequence's length must never reach a product.
     return [torch.full((slots, max_len, hkv, d), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
@@ -234,7 +241,7 @@ def _max_stages(dtype: torch.dtype, d: int) -> int:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "d"), [(1, 128), (2, 128), (4, 128), (8, 64), (4, 256)])
-def test_tile_config_moves_no_bit(at, dtype, group, d):
+def test_tile_config_moves_no_bit(at, launch, dtype, group, d):
     """The whole forward (every row of a pack) and a decode step are the same bits under every tile
     config: the kernel's row sum is a fixed tree and its dots accumulate per element in the tensor
     core's K steps, so decode may run 16-row tiles while training runs 64-row ones."""
@@ -243,7 +250,7 @@ def test_tile_config_moves_no_bit(at, dtype, group, d):
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     q, k, v, _ = _qkvg(cu[-1], dtype, 7 + group + d, hq=hkv * group, hkv=hkv, d=d)
     tiles = [
-        at.AttentionTileConfig(m, w, min(s, _max_stages(dtype, d)))
+        launch.AttentionTileConfig(m, w, min(s, _max_stages(dtype, d)))
         for m, w, s in _TILES
         if m * d * dtype.itemsize <= 32768
     ]
@@ -254,7 +261,7 @@ def test_tile_config_moves_no_bit(at, dtype, group, d):
     dec_q = q[last].contiguous()
     for tile in [None, *tiles]:
         for split in (None, False, True):
-            call, out = at.prepare(
+            call, out = launch.prepare(
                 dec_q, k, v, None, list(range(len(lens) + 1)), [n - 1 for n in lens], cu[:-1], d**-0.5, 64, tile,
                 split=split,
             )  # fmt: skip
@@ -290,7 +297,7 @@ def _paged_layer(k, v, cu, lens, slots, page, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_decode_equals_unsplit_and_varlen(at, dtype):
+def test_split_decode_equals_unsplit_and_varlen(at, launch, dtype):
     """A decode step split over key segments (forced, and the auto schedule) == the one-launch step == the
     training forward at each sequence's last position, at Qwen3-0.6B heads: a batch mixing the lengths, each
     sequence alone (batch 1: the auto schedule splits), from a contiguous cache and from paged pools with
@@ -303,8 +310,8 @@ def test_split_decode_equals_unsplit_and_varlen(at, dtype):
     q, k, v, gate = _qkvg(cu[-1], dtype, 21, hq, hkv, d)
     train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=False)
     for progs in (None, 3):  # prefill tiles: rows of one tile end in different segments
-        call, split_train = at.prepare(q, k, v, gate, cu, [0] * n, cu[:-1], 1 / math.sqrt(d), 64, None,
-                                       split=True, segment_programs=progs)  # fmt: skip
+        call, split_train = launch.prepare(q, k, v, gate, cu, [0] * n, cu[:-1], 1 / math.sqrt(d), 64, None,
+                                           split=True, segment_programs=progs)  # fmt: skip
         call()
         assert _same(split_train, train), progs
     last = [c - 1 for c in cu[1:]]

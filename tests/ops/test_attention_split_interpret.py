@@ -35,13 +35,14 @@ SCRIPT = textwrap.dedent(
 
     import torch
     from megatron_iso.ops.attention import attention_triton as at
+    from megatron_iso.ops.attention import forward_launch_triton as launch
     from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
     from megatron_iso.testing.bits import bit_difference, same_bits
 
     GROUP, HKV, GATE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     LENS = [1, 63, 64, 65, 127, 128, 129, 300]  # both sides of the 64-key blocks and 128-key segments
     D, N = 16, len(LENS)
-    assert at.SEG_BLOCKS * 64 == 128, "the lengths straddle 128-key segments"
+    assert launch.SEG_BLOCKS * 64 == 128, "the lengths straddle 128-key segments"
     gen = torch.Generator().manual_seed(10 * GROUP + HKV)
     cu = [0]
     for n in LENS:
@@ -75,8 +76,8 @@ SCRIPT = textwrap.dedent(
                                          slots=torch.tensor(slots), gate=gate_step, split=split)
         check(got, ("contiguous cache", split))
     # One segment program per (tile, kv head) walks all of a tile's segments.
-    call, got = at.prepare(step[0], k, v, gate_step, list(range(N + 1)), starts, cu[:-1], D**-0.5, 64, None,
-                           split=True, segment_programs=1)
+    call, got = launch.prepare(step[0], k, v, gate_step, list(range(N + 1)), starts, cu[:-1], D**-0.5, 64, None,
+                               split=True, segment_programs=1)
     call()
     check(got, "one segment program")
 
@@ -125,30 +126,30 @@ def test_split_decode_equals_unsplit_and_training(group: int, hkv: int, gate: st
 def test_split_schedule_choice() -> None:
     """Auto: split only a decode step that leaves SMs idle, spans more than one segment and whose scratch fits;
     forced either way."""
-    at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
-    assert at.split_schedule(8, 32, True, 132) == 32  # batch 1, 8 kv heads, 4096 keys: one segment each
-    assert at.split_schedule(8, 256, True, 132) == 33  # about two waves; programs walk several segments
-    assert at.split_schedule(132, 32, True, 132) == 0  # the machine is full already
-    assert at.split_schedule(128, 32, True, 132) == 0  # batch 16: most SMs busy already (split measured slower)
-    assert at.split_schedule(33, 32, True, 132) == 8  # a quarter of the SMs: still split, two waves
-    assert at.split_schedule(8, 1, True, 132) == 0  # one segment: nothing to split
-    assert at.split_schedule(8, 32, False, 132) == 0  # prefill / training: one launch unless forced
-    assert at.split_schedule(8, 32, False, 132, split=True) == 32
-    assert at.split_schedule(8, 32, True, 132, split=False) == 0
-    assert at.split_schedule(8, 32, True, 132, scratch_bytes=at.SPLIT_SCRATCH_BYTES + 1) == 0  # scratch too big
-    assert at.split_schedule(8, 32, True, 132, True, at.SPLIT_SCRATCH_BYTES + 1) == 32  # forced anyway
+    launch = pytest.importorskip("megatron_iso.ops.attention.forward_launch_triton")
+    assert launch.split_schedule(8, 32, True, 132) == 32  # batch 1, 8 kv heads, 4096 keys: one segment each
+    assert launch.split_schedule(8, 256, True, 132) == 33  # about two waves; programs walk several segments
+    assert launch.split_schedule(132, 32, True, 132) == 0  # the machine is full already
+    assert launch.split_schedule(128, 32, True, 132) == 0  # batch 16: most SMs busy already (split measured slower)
+    assert launch.split_schedule(33, 32, True, 132) == 8  # a quarter of the SMs: still split, two waves
+    assert launch.split_schedule(8, 1, True, 132) == 0  # one segment: nothing to split
+    assert launch.split_schedule(8, 32, False, 132) == 0  # prefill / training: one launch unless forced
+    assert launch.split_schedule(8, 32, False, 132, split=True) == 32
+    assert launch.split_schedule(8, 32, True, 132, split=False) == 0
+    assert launch.split_schedule(8, 32, True, 132, scratch_bytes=launch.SPLIT_SCRATCH_BYTES + 1) == 0  # scratch too big
+    assert launch.split_schedule(8, 32, True, 132, True, launch.SPLIT_SCRATCH_BYTES + 1) == 32  # forced anyway
 
 
 def test_split_arguments_refused() -> None:
     """Bad schedule arguments: a clear error naming the field (raised before any launch)."""
-    at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
+    launch = pytest.importorskip("megatron_iso.ops.attention.forward_launch_triton")
     q, k, v = torch.zeros(1, 2, 16), torch.zeros(130, 1, 16), torch.zeros(130, 1, 16)
     args = (q, k, v, None, [0, 1], [129], [0], 0.25, 64, None)
     with pytest.raises(ValueError, match="seg_blocks=0"):
-        at.prepare(*args, seg_blocks=0)
+        launch.prepare(*args, seg_blocks=0)
     with pytest.raises(ValueError, match="segment_programs=3 needs split and 1..2"):
-        at.prepare(*args, split=True, segment_programs=3)
+        launch.prepare(*args, split=True, segment_programs=3)
     with pytest.raises(ValueError, match="segment_programs=1 needs split"):
-        at.prepare(*args, split=False, segment_programs=1)
+        launch.prepare(*args, split=False, segment_programs=1)
     with pytest.raises(ValueError, match="kv_capacity=100 is below a sequence's 130 keys"):
-        at.prepare(*args, kv_capacity=100)
+        launch.prepare(*args, kv_capacity=100)

@@ -81,20 +81,21 @@ PLAN_SCRIPT = textwrap.dedent(
 
     import torch
     from megatron_iso.ops.attention import attention_triton as at
+    from megatron_iso.ops.attention import forward_launch_triton as launch
     from megatron_iso.ops.attention.kv_cache import KVStepPlan
 
     cpu = torch.device("cpu")
     # A pure-decode tile table depends on (batch, group, block_m) only: built once, the values of
     # the per-step construction (group > block_m too: two tiles per sequence, later rows first).
     for n, group, block_m in ((1, 2, 16), (5, 2, 16), (64, 8, 16), (3, 8, 4), (7, 5, 2)):
-        first = at._plan([1] * n, group, block_m, cpu)
-        assert at._plan([1] * n, group, block_m, cpu) is first, "decode table rebuilt"
-        fresh = at._build_plan([1] * n, group, block_m, cpu)
+        first = launch._plan([1] * n, group, block_m, cpu)
+        assert launch._plan([1] * n, group, block_m, cpu) is first, "decode table rebuilt"
+        fresh = launch._build_plan([1] * n, group, block_m, cpu)
         assert all(torch.equal(a, b) for a, b in zip(first, fresh)), (n, group, block_m)
-    seq, row = at._plan([1] * 3, 8, 4, cpu)
+    seq, row = launch._plan([1] * 3, 8, 4, cpu)
     assert seq.tolist() == [0, 1, 2, 0, 1, 2] and row.tolist() == [4, 4, 4, 0, 0, 0], (seq, row)
     mixed = [1, 3, 1]
-    assert at._plan(mixed, 2, 16, cpu) is not at._plan(mixed, 2, 16, cpu), "only pure-decode tables are shared"
+    assert launch._plan(mixed, 2, 16, cpu) is not launch._plan(mixed, 2, 16, cpu), "only pure-decode tables are shared"
     # A decode step of 3 sequences: the same bits with the shared table as with one built for the call.
     torch.manual_seed(1)
     hq, hkv, d = 4, 2, 16
@@ -104,13 +105,13 @@ PLAN_SCRIPT = textwrap.dedent(
     vc = torch.randn(3, 32, hkv, d)
     outs = []
     for _ in range(2):
-        at._decode_plan.cache_clear()
+        launch._decode_plan.cache_clear()
         for _ in range(2):  # cold (builds the table), then warm (reuses it)
             plan = KVStepPlan([0, 1, 2, 3], starts, [2, 0, 1])
             kk, vv = kc.clone(), vc.clone()
             outs.append(at.attention_with_kv_cache(q, k, v, kk, vv, torch.tensor(starts), torch.tensor([0, 1, 2, 3]),
                                                    slots=torch.tensor([2, 0, 1]), kv_block=16, plan=plan))
-    assert at._decode_plan.cache_info().hits >= 1
+    assert launch._decode_plan.cache_info().hits >= 1
     assert all(torch.equal(o.view(torch.int32), outs[0].view(torch.int32)) for o in outs)
     print("ok")
     """

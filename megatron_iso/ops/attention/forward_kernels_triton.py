@@ -1,0 +1,305 @@
+"""The invariant causal attention's Triton kernels (correctness profile, cuda) and their numerical policy.
+
+The host side: :mod:`megatron_iso.ops.attention.attention_triton` (the three cases, the contract
+registration) over :mod:`megatron_iso.ops.attention.forward_launch_triton` (tile configs and tables, the
+schedule choice, the launch closures).
+
+Per query position ``p`` the arithmetic is fixed (the GPU numerical policy, its own digest):
+- keys in blocks of ``kv_block`` (64) positions aligned at key 0; blocks in segments of ``SEG_BLOCKS``
+  (``forward_launch_triton.SEG_BLOCKS``) consecutive blocks (segment ``s``: blocks
+  ``[s * SEG_BLOCKS, (s + 1) * SEG_BLOCKS)``, also aligned at key 0, so the segmentation depends on key
+  positions alone);
+- inside a segment, from a fresh state (``m = -inf``, ``l = 0``, ``acc = 0``), the blocks in ascending order
+  by online softmax in fp32 (running max ``m`` in the log2 domain, sum ``l``, accumulator ``acc``);
+- scores ``dot(q, k^T)`` (fp32 accumulate; fp32 inputs use the exact ``ieee`` dot, never tf32), times
+  ``scale * log2(e)``; masked keys (``j > p``, ``j >= kv_len``) get ``-inf`` and probability exactly +0;
+  keys at or past ``kv_len`` are loaded as 0, so stale or garbage cache contents never reach a product;
+- a block in which a row sees no key leaves that row's state untouched (a select, not ``acc * 1 + 0``);
+- the block's row sum of P by one fixed pairwise tree over its ``kv_block`` columns
+  (``ops.common.tree_triton.fixed_tree_rowsum``), never ``tl.sum``, whose order follows the register layout;
+  ``l = fma(l, alpha, rowsum)``;
+- ``P.V`` with P rounded to the input dtype for bf16/fp16 (fp32 stays fp32), accumulated in fp32;
+- segments merge in ascending order into the running ``(M, L, ACC)`` (:func:`_merge_segment`): segment 0 is
+  taken as the state; then ``M' = max(M, m)``, ``a = exp2(M - M')``, ``c = exp2(m - M')``,
+  ``L' = fma(L, a, l * c)``, ``ACC' = fma(ACC, a, acc * c)``, explicit fmas; a row that sees no key of a
+  segment keeps its state (a select);
+- output ``div_rn(ACC, L)``, times ``sigmoid(gate)`` if gated, rounded once to the input dtype.
+
+Schedules (``forward_launch_triton.prepare`` / ``split_schedule``), which move no bit:
+- one launch (:func:`_attend_kernel`): a program walks all key blocks of its tile and merges each segment as
+  it ends (training, prefill, and decode steps that fill the machine);
+- split over keys (flash-decoding; :func:`_segments_kernel` then :func:`_combine_kernel`): for a decode step
+  with fewer programs (tiles x kv heads) than SMs, segment programs compute segments' ``(m, l, acc)`` into fp32
+  scratch (exact copies) and a combine program per tile merges them in ascending order with the same helper.
+  The segment axis is sized by the static key capacity (the cache's length, the block table's width x block
+  size), never by the step's positions: a captured decode graph replays one grid; segments past a tile's last
+  position run nothing, and the combine reads only those up to it, counted on the device.
+
+A program owns BLOCK_M rows of one sequence and one kv head; rows are (token, query head of the kv
+group) pairs, so GQA groups share each loaded key block. Every step of a row's arithmetic is set by
+the row alone: the max (exact), exp2 (elementwise), the row-sum tree, the merge (elementwise) and the two
+dots, whose elements accumulate over K in the tensor core's steps of 16 whether the tile runs mma (16- and
+32-row tiles) or wgmma (64 rows and more) on sm_90. So the tile config (rows, warps, stages) is a
+schedule choice, like which rows share a tile: training and prefill run 64-row tiles, a decode step
+(one new token per sequence) 16-row tiles (``forward_launch_triton.DECODE_CONFIGS``), which read the KV
+cache at several times the bandwidth of a 128-row tile holding 2-8 live rows. tests/gpu/test_attention_triton.py
+holds every config and both schedules to the same bits; the configs stay in the contract's constants (both
+sides run them) because that equality is the hardware's, measured, not a property of the code alone.
+
+Signed zeros: in the diagonal block a training forward multiplies masked (p = +0) probabilities with
+the real values of later tokens, a decode step with 0 (keys past ``kv_len``); the products are +-0 and
+change no sum unless every visible product of an output element is -0 (which needs -0 values in v).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
+
+
+@triton.jit
+def _tile_rows(
+    tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """The program's tile: BLOCK_M rows (token, query head of kv head ``hkv``'s group) of one sequence."""
+    seq = tl.load(tile_seq_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    tok0 = tl.load(cu_ptr + seq)
+    n = tl.load(cu_ptr + seq + 1) - tok0
+    start = tl.load(start_ptr + seq)  # position of the sequence's first new token
+    # PAGE == 0: token row of key 0 in k_ptr/v_ptr. PAGE > 0 (paged pool of PAGE-token blocks):
+    # offset of the sequence's block-table row in bt_ptr; key j lives in pool row
+    # bt[j // PAGE] * PAGE + j % PAGE. Only addresses differ: the same key values, tiles and order.
+    kv_off = tl.load(kv_off_ptr + seq).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = hkv * GROUP + rows % GROUP
+    row_ok = tok < n
+    last_pos = start + tl.minimum((row0 + BLOCK_M - 1) // GROUP, n - 1)  # the tile's last query position
+    return tok0, start + n, kv_off, tok, head, row_ok, start + tok, last_pos
+
+
+@triton.jit
+def _load_q(q_ptr, tok0, tok, head, row_ok, d, d_ok, stride_qt, stride_qh, CAST_F32: tl.constexpr):
+    q_off = (tok0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if CAST_F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(m, l, acc) before a segment's first key: m = -inf, l = 0, acc = 0."""
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    return m, tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+
+
+@triton.jit
+def _block_step(
+    q, m, l_sum, acc, b, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, stride_kt, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_LOWP: tl.constexpr, IEEE: tl.constexpr,
+    CAST_F32: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    """Key block ``b`` into a segment's online-softmax state (m, l, acc)."""
+    j = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_ok = j < kv_len
+    if PAGE == 0:
+        kv_row = j.to(tl.int64)
+    elif PAGE % BLOCK_N == 0:  # the tile lies in one pool block: one table read
+        blk = tl.load(bt_ptr + kv_off + (b * BLOCK_N) // PAGE).to(tl.int64)
+        kv_row = blk * PAGE + (b * BLOCK_N) % PAGE + tl.arange(0, BLOCK_N)
+    else:  # the tile may straddle pool blocks: a table read per key (keys past kv_len read entry 0)
+        blk = tl.load(bt_ptr + kv_off + j // PAGE, mask=j_ok, other=0).to(tl.int64)
+        kv_row = blk * PAGE + j % PAGE
+    kv_idx = kv_row[:, None] * stride_kt + d[None, :]
+    kv_mask = j_ok[:, None] & d_ok[None, :]
+    kb = tl.load(kv_base_k + kv_idx, mask=kv_mask, other=0.0)
+    vb = tl.load(kv_base_v + kv_idx, mask=kv_mask, other=0.0)
+    if CAST_F32:
+        kb = kb.to(tl.float32)
+        vb = vb.to(tl.float32)
+    s = tl.dot(q, tl.trans(kb), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(kb))
+    s = s * qk_scale
+    visible = (j[None, :] <= pos[:, None]) & j_ok[None, :] & row_ok[:, None]
+    s = tl.where(visible, s, float("-inf"))
+    seen = row_ok & (b * BLOCK_N <= pos)  # the row sees at least key b*BLOCK_N of this block
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.where(seen, tl.exp2(m - m_new), 1.0)
+    p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+    l_new = tl.fma(l_sum, alpha, fixed_tree_rowsum(p, BLOCK_M, BLOCK_N))
+    acc_new = acc * alpha[:, None]
+    if P_LOWP:
+        acc_new = tl.dot(p.to(vb.dtype), vb, acc_new)
+    elif IEEE:
+        acc_new = tl.dot(p, vb, acc_new, input_precision="ieee")
+    else:
+        acc_new = tl.dot(p, vb, acc_new)
+    acc = tl.where(seen[:, None], acc_new, acc)
+    l_sum = tl.where(seen, l_new, l_sum)
+    m = tl.where(seen, m_new, m)
+    return m, l_sum, acc
+
+
+@triton.jit
+def _merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg, seen, first):
+    """Segment state (m_seg, l_seg, acc_seg) into the running state: the ONE merge both schedules run
+    (in-program in :func:`_attend_kernel`, across programs in :func:`_combine_kernel`). ``first``
+    (segment 0, which every live row sees): the segment's state is taken as it is. A row that sees no
+    key of the segment (``seen`` False) keeps its state: a select, never a multiply by 1 and add of 0.
+    Explicit fmas, so no compiler contraction choice differs between the two kernels."""
+    m_new = tl.maximum(m_run, m_seg)
+    a = tl.exp2(m_run - m_new)
+    c = tl.exp2(m_seg - m_new)
+    l_new = tl.fma(l_run, a, l_seg * c)
+    acc_new = tl.fma(acc_run, a[:, None], acc_seg * c[:, None])
+    m_out = tl.where(first, m_seg, tl.where(seen, m_new, m_run))
+    l_out = tl.where(first, l_seg, tl.where(seen, l_new, l_run))
+    acc_out = tl.where(first, acc_seg, tl.where(seen[:, None], acc_new, acc_run))
+    return m_out, l_out, acc_out
+
+
+@triton.jit
+def _store_output(
+    acc, l_sum, g_ptr, o_ptr, tok0, tok, head, row_ok, d, d_ok, stride_gt, stride_gh, stride_ot, stride_oh,
+    GATED: tl.constexpr, GATE_PER_DIM: tl.constexpr,
+):  # fmt: skip
+    """``div_rn(acc, l)``, times ``sigmoid(gate)`` if gated, rounded once to the output dtype."""
+    o = tl.math.div_rn(acc, l_sum[:, None])
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if GATED:
+        if GATE_PER_DIM:
+            g_off = (tok0 + tok).to(tl.int64)[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :]
+            gv = tl.load(g_ptr + g_off, mask=out_mask, other=0.0).to(tl.float32)
+        else:
+            g_off = (tok0 + tok).to(tl.int64) * stride_gt + head * stride_gh
+            gv = tl.load(g_ptr + g_off, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        o = o * tl.math.div_rn(1.0, 1.0 + tl.exp(-gv))
+    o_off = (tok0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE: tl.constexpr):
+    if PAGE > 0:
+        return k_ptr + hkv * stride_kh, v_ptr + hkv * stride_kh
+    return k_ptr + kv_off * stride_kt + hkv * stride_kh, v_ptr + kv_off * stride_kt + hkv * stride_kh
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, o_ptr,
+    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, bt_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, STAGES: tl.constexpr,
+    GATED: tl.constexpr, GATE_PER_DIM: tl.constexpr, P_LOWP: tl.constexpr, IEEE: tl.constexpr,
+    CAST_F32: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    """One program walks every key block of its tile and merges each segment as it ends (one launch)."""
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1)
+    tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos = _tile_rows(
+        tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M
+    )
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = _load_q(q_ptr, tok0, tok, head, row_ok, d, d_ok, stride_qt, stride_qh, CAST_F32)
+    kv_base_k, kv_base_v = _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE)
+    m_run, l_run, acc_run = _fresh_state(BLOCK_M, BLOCK_D)
+    m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
+    n_blocks = last_pos // BLOCK_N + 1
+    for b in tl.range(0, n_blocks, num_stages=STAGES):
+        m, l_sum, acc = _block_step(
+            q, m, l_sum, acc, b, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, stride_kt,
+            qk_scale, BLOCK_M, BLOCK_N, P_LOWP, IEEE, CAST_F32, PAGE,
+        )  # fmt: skip
+        if ((b + 1) % SEG_BLOCKS == 0) | (b + 1 == n_blocks):  # the segment ends: merge it, start the next
+            seg = b // SEG_BLOCKS
+            seen = row_ok & (seg * (SEG_BLOCKS * BLOCK_N) <= pos)
+            m_run, l_run, acc_run = _merge_segment(m_run, l_run, acc_run, m, l_sum, acc, seen, seg == 0)
+            m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
+    _store_output(
+        acc_run, l_run, g_ptr, o_ptr, tok0, tok, head, row_ok, d, d_ok, stride_gt, stride_gh, stride_ot, stride_oh,
+        GATED, GATE_PER_DIM,
+    )  # fmt: skip
+
+
+@triton.jit
+def _segments_kernel(
+    q_ptr, k_ptr, v_ptr, seg_m_ptr, seg_l_ptr, seg_acc_ptr,
+    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, bt_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    qk_scale, HQ, SEG_MAX,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, STAGES: tl.constexpr,
+    P_LOWP: tl.constexpr, IEEE: tl.constexpr, CAST_F32: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    """Split schedule, first launch: program (tile, kv head, p) computes segments p, p + P, p + 2P, ... of
+    its tile (P = grid size on axis 2), each from a fresh state, and writes each segment's (m, l, acc) to
+    fp32 scratch ``[Hq * tokens, SEG_MAX]`` (acc ``[.., D]``). Segments past the tile's last position run
+    nothing: the loop bound is read on the device, the grid is static."""
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1)
+    tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos = _tile_rows(
+        tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M
+    )
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = _load_q(q_ptr, tok0, tok, head, row_ok, d, d_ok, stride_qt, stride_qh, CAST_F32)
+    kv_base_k, kv_base_v = _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE)
+    n_blocks = last_pos // BLOCK_N + 1
+    n_seg = tl.minimum(last_pos // (SEG_BLOCKS * BLOCK_N) + 1, SEG_MAX)  # never past the scratch
+    row_slot = ((tok0 + tok).to(tl.int64) * HQ + head) * SEG_MAX
+    for seg in range(tl.program_id(2), n_seg, tl.num_programs(2)):
+        m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
+        for b in tl.range(seg * SEG_BLOCKS, tl.minimum(seg * SEG_BLOCKS + SEG_BLOCKS, n_blocks), num_stages=STAGES):
+            m, l_sum, acc = _block_step(
+                q, m, l_sum, acc, b, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, stride_kt,
+                qk_scale, BLOCK_M, BLOCK_N, P_LOWP, IEEE, CAST_F32, PAGE,
+            )  # fmt: skip
+        slot = row_slot + seg
+        tl.store(seg_m_ptr + slot, m, mask=row_ok)
+        tl.store(seg_l_ptr + slot, l_sum, mask=row_ok)
+        tl.store(seg_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    g_ptr, o_ptr, seg_m_ptr, seg_l_ptr, seg_acc_ptr,
+    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+    stride_gt, stride_gh, stride_ot, stride_oh, HQ, SEG_MAX,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, STAGES: tl.constexpr,
+    GATED: tl.constexpr, GATE_PER_DIM: tl.constexpr,
+):  # fmt: skip
+    """Split schedule, second launch: per (tile, kv head), the tile's segments in ascending order through
+    :func:`_merge_segment`, as :func:`_attend_kernel` merges them in-program; then the same output."""
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1)
+    tok0, _, _, tok, head, row_ok, pos, last_pos = _tile_rows(
+        tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M
+    )
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    n_seg = tl.minimum(last_pos // (SEG_BLOCKS * BLOCK_N) + 1, SEG_MAX)  # never past the scratch
+    row_slot = ((tok0 + tok).to(tl.int64) * HQ + head) * SEG_MAX
+    acc_mask = row_ok[:, None] & d_ok[None, :]
+    m_run = tl.load(seg_m_ptr + row_slot, mask=row_ok, other=float("-inf"))
+    l_run = tl.load(seg_l_ptr + row_slot, mask=row_ok, other=0.0)
+    acc_run = tl.load(seg_acc_ptr + row_slot[:, None] * D + d[None, :], mask=acc_mask, other=0.0)
+    for seg in tl.range(1, n_seg, num_stages=STAGES):
+        seen = row_ok & (seg * (SEG_BLOCKS * BLOCK_N) <= pos)
+        slot = row_slot + seg
+        m = tl.load(seg_m_ptr + slot, mask=seen, other=float("-inf"))
+        l_sum = tl.load(seg_l_ptr + slot, mask=seen, other=0.0)
+        acc = tl.load(seg_acc_ptr + slot[:, None] * D + d[None, :], mask=seen[:, None] & d_ok[None, :], other=0.0)
+        m_run, l_run, acc_run = _merge_segment(m_run, l_run, acc_run, m, l_sum, acc, seen, seg == 0)
+    _store_output(
+        acc_run, l_run, g_ptr, o_ptr, tok0, tok, head, row_ok, d, d_ok, stride_gt, stride_gh, stride_ot, stride_oh,
+        GATED, GATE_PER_DIM,
+    )  # fmt: skip
