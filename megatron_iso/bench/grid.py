@@ -201,7 +201,8 @@ def _trainer(model, seqs: list[list[int]], settings: BenchSettings) -> tuple[tor
     from megatron_iso.models.scoring import score_sequences
 
     tc = model.config
-    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc))
+    # Ids checked against the vocab here, on the host: the scoring then reads none back (no sync per LM-head chunk).
+    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc), vocab_size=tc.vocab_size)
     with torch.no_grad():
         logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature, with_entropy=False)
         # The whole vocab's logits of every row: one more forward, only when the full distribution is compared.

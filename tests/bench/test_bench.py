@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_iso.bench.grid import Layout, layouts
 from megatron_iso.bench.report import markdown_table
@@ -60,6 +61,29 @@ def test_layouts_skip_sp_without_tp_and_validate():
         layouts(["fast"], [1], [1], [False])
     with pytest.raises(ValueError, match=r"bench.tp=\[0\] is invalid"):
         layouts(["correctness"], [0], [1], [False])
+
+
+def test_trainer_side_packs_ids_checked_against_the_vocab(monkeypatch):
+    """The grid's teacher-forced scoring checks the target ids once, on the host, where it packs them (so the
+    scoring reads none back per LM-head chunk); a bad id is named there."""
+    from types import SimpleNamespace
+
+    from megatron_iso.bench import grid
+    from megatron_iso.models import scoring
+
+    seen = []
+
+    def score(model, ids, batch, **kwargs):
+        seen.append(batch.ids_checked_below)
+        return torch.zeros(ids.numel()), None
+
+    monkeypatch.setattr(scoring, "score_sequences", score)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=64, sequence_parallel=False))
+    settings = grid.BenchSettings(full_vocab=False)
+    grid._trainer(model, [[1, 2, 3], [63]], settings)
+    assert seen == [64]
+    with pytest.raises(ValueError, match=r"^pack: sequence 0 holds token id 64 at position 1"):
+        grid._trainer(model, [[1, 64]], settings)
 
 
 def test_markdown_table_prints_exact_zero_and_escapes_pipes():
