@@ -432,7 +432,7 @@ PREFILL_TILE_CANDIDATE_SHAPE = (64, 8, 3)
 
 def attention_checks() -> dict[str, Any]:
     from megatron_iso.ops.attention import attention_triton as at
-    from megatron_iso.ops.attention.attention_triton import AttentionTileConfig as AC
+    from megatron_iso.ops.attention.forward_launch_triton import AttentionTileConfig as AC
 
     res: dict[str, Any] = {}
     g = torch.Generator(device="cuda").manual_seed(60)
@@ -463,8 +463,9 @@ def attention_bench() -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from megatron_iso.ops.attention import attention_triton as at
+    from megatron_iso.ops.attention import forward_launch_triton as launch
 
-    candidate = at.AttentionTileConfig(*PREFILL_TILE_CANDIDATE_SHAPE)
+    candidate = launch.AttentionTileConfig(*PREFILL_TILE_CANDIDATE_SHAPE)
     rows = []
     hq, hkv, d = 32, 8, 128
     dt = torch.bfloat16
@@ -473,11 +474,11 @@ def attention_bench() -> list[dict[str, Any]]:
         T = n_seq * L
         q, k, v = (_rand((T, h, d), dt, 70 + i) for i, h in enumerate((hq, hkv, hkv)))
         cu = [i * L for i in range(n_seq + 1)]
-        call, out = at.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, None)
+        call, out = launch.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, None)
         ms = _time_ms(call)
         # The shipped tile keeps a segment's and the running accumulator live (64 x 128 fp32 each over 4 warps):
         # a candidate with 8 warps per 64-row tile, timed beside it (the tile config moves no bit).
-        call8, out8 = at.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, candidate)
+        call8, out8 = launch.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, candidate)
         ms8 = _time_ms(call8)
         qs, ks, vs = (t.view(n_seq, L, -1, d).transpose(1, 2) for t in (q, k, v))
         sdpa = functools.partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True, enable_gqa=True)
@@ -496,8 +497,8 @@ def attention_bench() -> list[dict[str, Any]]:
         vc = _rand((B, L + 1, hkv, d), dt, 81)
         q = _rand((B, hq, d), dt, 82)
         cu = list(range(B + 1))
-        call, _ = at.prepare(q, kc.view(-1, hkv, d), vc.view(-1, hkv, d), None, cu, [L] * B,
-                             [i * (L + 1) for i in range(B)], scale, 64, None)  # fmt: skip
+        call, _ = launch.prepare(q, kc.view(-1, hkv, d), vc.view(-1, hkv, d), None, cu, [L] * B,
+                                 [i * (L + 1) for i in range(B)], scale, 64, None)  # fmt: skip
         ms = _time_ms(call)
         kn, vn = _rand((B, hkv, d), dt, 83), _rand((B, hkv, d), dt, 84)
         wrapper = functools.partial(
@@ -523,22 +524,23 @@ def attention_decode_split_rows() -> list[dict[str, Any]]:
     graph's static 32k (most segment programs then find no segment); at batch 1 for segments of 2 kv blocks (the
     contract's) and 4 and 8 (tuning candidates: another size is another arithmetic). ``auto_splits``: what the
     auto schedule takes at the 32k capacity. Bits of split == unsplit checked for each row."""
-    from megatron_iso.ops.attention import attention_triton as at
+    from megatron_iso.ops.attention import forward_launch_triton as launch
+    from megatron_iso.ops.common.sm_count import sm_count
 
     rows = []
     hq, hkv, d = 16, 8, 128
     dt = torch.bfloat16
-    sms = at._sm_count(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     for B in (1, 16):
         for L in (640, 4096):
             k_src, v_src = (_rand((B * (L + 1), hkv, d), dt, 85 + i) for i in range(2))
             q = _rand((B, hq, d), dt, 87)
             nbytes = 2 * B * (L + 1) * hkv * d * 2
-            for seg in (at.SEG_BLOCKS, 4, 8) if B == 1 else (at.SEG_BLOCKS,):
+            for seg in (launch.SEG_BLOCKS, 4, 8) if B == 1 else (launch.SEG_BLOCKS,):
                 r: dict[str, Any] = {"case": "decode_split", "B": B, "L": L, "heads": [hq, hkv, d], "seg_blocks": seg}
                 segments = -(-32768 // (seg * 64))
                 r["auto_splits"] = (
-                    at.split_schedule(B * hkv, segments, True, sms, None, B * hq * segments * (d + 2) * 4) > 0
+                    launch.split_schedule(B * hkv, segments, True, sms, None, B * hq * segments * (d + 2) * 4) > 0
                 )
                 runs = {}
                 for name, split, capacity in (
@@ -546,9 +548,9 @@ def attention_decode_split_rows() -> list[dict[str, Any]]:
                     ("split", True, None),
                     ("split_32k", True, 32768),
                 ):
-                    call, out = at.prepare(q, k_src, v_src, None, list(range(B + 1)), [L] * B,
-                                           [i * (L + 1) for i in range(B)], d**-0.5, 64, None, kv_capacity=capacity,
-                                           split=split, seg_blocks=seg)  # fmt: skip
+                    call, out = launch.prepare(q, k_src, v_src, None, list(range(B + 1)), [L] * B,
+                                               [i * (L + 1) for i in range(B)], d**-0.5, 64, None,
+                                               kv_capacity=capacity, split=split, seg_blocks=seg)  # fmt: skip
                     r[f"{name}_us"] = _time_ms(call) * 1e3
                     runs[name] = out
                 r["split_eq_unsplit"] = _bits_equal(runs["split"], runs["unsplit"])
