@@ -13,7 +13,8 @@
 # the seconds taken and the tail of the log. The script exits 0 once every step has run; read each step's rc.
 #
 # Steps (seconds are each step's limit):
-#   gputests 300    pytest tests/gpu except the GDN kernel file (GPU_TESTS="files..." names the files instead)
+#   gputests 300    pytest -v tests/gpu except the GDN kernel file (GPU_TESTS="files..." names the files instead;
+#                   on a fresh machine the whole set compiles for longer than the limit: name files)
 #   gdntests 540    pytest -v tests/gpu/test_gdn_triton.py alone (compile-bound: about 400 s on a fresh
 #                   machine; GDN_TESTS_K="expr" narrows it with pytest -k)
 #   gdn      200    bench_gdn --quick: the GDN rule vs FLA (training fwd, fwd+bwd, prefill, decode, mismatch) in the
@@ -83,7 +84,8 @@ for s in "$@"; do
   case $s in
     gputests)  # GPU_TESTS may name several files: word splitting on purpose
       # shellcheck disable=SC2086
-      step gputests 300 30 python3 -m pytest -q -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=$gdn_test_file} ;;
+      # -v: a run cut by its limit still names every test that finished (a cold machine compiles for minutes)
+      step gputests 300 30 python3 -m pytest -v -p no:warnings -rfE ${GPU_TESTS:-tests/gpu --ignore=$gdn_test_file} ;;
     gdntests)
       step gdntests 540 40 python3 -m pytest -v -p no:warnings -rfE "$gdn_test_file" ${GDN_TESTS_K:+-k "$GDN_TESTS_K"} ;;
     gdn) step gdn 200 30 python3 tools/bench_gdn.py --quick --out "$OUT/bench_gdn.json" ;;
