@@ -229,8 +229,10 @@ def test_paged_dispatch_on_cuda(at):
 
 # Tile configs the kernel must give the same bits under: the shipped ones and others that change the
 # MMA instruction (mma for 16/32 rows, wgmma from 64), the warps per tile and the pipeline depth
-# (64 x 8 warps: the training tile tools/bench_ops.py times beside the shipped one).
+# (64 x 8 warps: the training tile tools/bench_ops.py times beside the shipped one), and parked ones (the
+# one launch's running accumulator in fp32 scratch between segment merges, also timed there).
 _TILES = [(128, 8, 3), (64, 8, 3), (64, 4, 3), (32, 4, 3), (16, 4, 3), (16, 2, 3)]
+_PARKED_TILES = [(64, 4, 3), (64, 4, 2), (64, 8, 2), (16, 4, 3)]
 
 
 def _max_stages(dtype: torch.dtype, d: int) -> int:
@@ -244,14 +246,17 @@ def _max_stages(dtype: torch.dtype, d: int) -> int:
 def test_tile_config_moves_no_bit(at, launch, dtype, group, d):
     """The whole forward (every row of a pack) and a decode step are the same bits under every tile
     config: the kernel's row sum is a fixed tree and its dots accumulate per element in the tensor
-    core's K steps, so decode may run 16-row tiles while training runs 64-row ones."""
+    core's K steps, so decode may run 16-row tiles while training runs 64-row ones. A parked config (the
+    running accumulator stored to fp32 scratch and read back at each merge) too: the lengths reach 200 keys,
+    two segments, so a tile parks and reads back across the barrier."""
     hkv = 2
     lens = [1, 37, 64, 200]
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     q, k, v, _ = _qkvg(cu[-1], dtype, 7 + group + d, hq=hkv * group, hkv=hkv, d=d)
     tiles = [
-        launch.AttentionTileConfig(m, w, min(s, _max_stages(dtype, d)))
-        for m, w, s in _TILES
+        launch.AttentionTileConfig(m, w, min(s, _max_stages(dtype, d)), park=park)
+        for shapes, park in ((_TILES, False), (_PARKED_TILES, True))
+        for m, w, s in shapes
         if m * d * dtype.itemsize <= 32768
     ]
     shipped = at.attention_varlen(q, k, v, torch.tensor(cu))
@@ -301,7 +306,9 @@ def test_split_decode_equals_unsplit_and_varlen(at, launch, dtype):
     """A decode step split over key segments (forced, and the auto schedule) == the one-launch step == the
     training forward at each sequence's last position, at Qwen3-0.6B heads: a batch mixing the lengths, each
     sequence alone (batch 1: the auto schedule splits), from a contiguous cache and from paged pools with
-    real and placeholder host starts; the forced split of the training forward itself too."""
+    real and placeholder host starts; the forced split of the training forward itself too. The parked one
+    launch (running accumulator in fp32 scratch between merges) as well: the training forward in 64-row tiles
+    (up to 5 segments: 4 parks) and the paged decode step in 16-row ones."""
     from megatron_iso.ops.attention.kv_cache import KVStepPlan
 
     hq, hkv, d = QWEN3_06B
@@ -314,6 +321,12 @@ def test_split_decode_equals_unsplit_and_varlen(at, launch, dtype):
                                            split=True, segment_programs=progs)  # fmt: skip
         call()
         assert _same(split_train, train), progs
+    stages = 2 if dtype == torch.float32 else 3
+    parked = at.attention_varlen(
+        q, k, v, torch.tensor(cu), gate=gate, config=launch.AttentionTileConfig(64, 4, stages, park=True)
+    )
+    assert _same(parked, train), "parked training forward"
+    parked_decode = launch.AttentionTileConfig(16, 4, stages, park=True)
     last = [c - 1 for c in cu[1:]]
     want = train[last]
     sq, sk, sv, sg = (t[last].contiguous() for t in (q, k, v, gate))
@@ -339,23 +352,26 @@ def test_split_decode_equals_unsplit_and_varlen(at, launch, dtype):
     meta = (torch.tensor(starts, device="cuda"), torch.arange(n + 1, device="cuda"))
     for page in (16, 64):
         layer = _paged_layer(k, v, cu, lens, slots, page, -(-(max(lens) + 200) // page))
-        for split in (False, True, None):
+        for split, config in ((False, None), (True, None), (None, None), (False, parked_decode)):
             for placeholder in (False, True):  # placeholder: a captured step's plan, positions on the device only
                 plan = KVStepPlan(list(range(n + 1)), [0] * n if placeholder else starts, slots, placeholder)
                 got = at.attention_with_paged_kv_cache(
-                    sq, sk, sv, layer, *meta, slots=torch.tensor(slots), gate=sg, plan=plan, split=split
-                )
-                assert torch.isfinite(got.float()).all(), (page, split, placeholder)
-                assert _same(got, want), (page, split, placeholder)
+                    sq, sk, sv, layer, *meta, slots=torch.tensor(slots), gate=sg, plan=plan, split=split,
+                    config=config,
+                )  # fmt: skip
+                assert torch.isfinite(got.float()).all(), (page, split, config, placeholder)
+                assert _same(got, want), (page, split, config, placeholder)
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_split_decode_replays_from_a_cuda_graph(at, split):
+@pytest.mark.parametrize(("split", "park"), [(True, False), (False, False), (False, True)])
+def test_split_decode_replays_from_a_cuda_graph(at, launch, split, park):
     """A decode step captured once (placeholder host starts, block-table capacity 1024 keys) and replayed with
     new positions written into its device inputs, crossing block and segment boundaries: the training
     forward's bits at every replay, split or not (the split grid is the capacity's, the live segments are
-    counted on the device)."""
+    counted on the device), and parked (its scratch allocated in the capture's pool)."""
     from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
+
+    config = launch.AttentionTileConfig(16, 4, 3, park=True) if park else None
 
     hq, hkv, d = QWEN3_06B
     length, n, page, width = 700, 2, 16, 64
@@ -372,8 +388,9 @@ def test_split_decode_replays_from_a_cuda_graph(at, split):
 
     def step() -> torch.Tensor:
         return at.attention_with_paged_kv_cache(
-            sq, sk, sv, layer, starts_t, cu_t, slots=torch.tensor([0, 1]), gate=sg, plan=plan, split=split
-        )
+            sq, sk, sv, layer, starts_t, cu_t, slots=torch.tensor([0, 1]), gate=sg, plan=plan, split=split,
+            config=config,
+        )  # fmt: skip
 
     def place(positions: list[int]) -> list[int]:
         rows = [a + p for a, p in zip(cu, positions, strict=False)]

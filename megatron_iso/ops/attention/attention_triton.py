@@ -323,12 +323,20 @@ def _constants() -> dict[str, object]:
     for dt in CONFIGS:
         name = str(dt).removeprefix("torch.")
         for label, table in tables:
-            cfg = table[dt]
-            c[f"{name}_{label}"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
+            c[f"{name}_{label}"] = _tile_record(table[dt])
         for label, table in wide_tables:
-            cfg = table[dt]
-            c[f"{name}_{label}_head_dim_gt_{WIDE_HEAD_DIM}"] = [cfg.block_m, cfg.num_warps, cfg.num_stages]
+            c[f"{name}_{label}_head_dim_gt_{WIDE_HEAD_DIM}"] = _tile_record(table[dt])
     return c
+
+
+def _tile_record(cfg: AttentionTileConfig) -> list[object]:
+    """A table's tile config as the contract records it: [rows, warps, stages], then "park" for a parked one.
+
+    ``park`` is a schedule choice like warps and stages (the same merges of the same floats), so it joins the
+    tile's record and nothing else (no numerical-policy entry of its own): a table that switches to a parked tile
+    is a new schedule on record, as a change of warps is. Recorded only when set, so the unparked tables' records,
+    and the digests, are those from before the field existed."""
+    return [cfg.block_m, cfg.num_warps, cfg.num_stages, *(["park"] if cfg.park else [])]
 
 
 _NOTE = (

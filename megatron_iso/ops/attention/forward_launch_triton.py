@@ -5,7 +5,9 @@ of the kernels in :mod:`megatron_iso.ops.attention.forward_kernels_triton` as a 
 (:func:`_config`: :data:`CONFIGS`, :data:`DECODE_CONFIGS` and their wide-head twins), the tile table
 (:func:`_plan`) and the schedule (:func:`split_schedule`: one launch, or split over key segments). None of
 them moves a bit (that module's docstring holds the numerical policy and why); the configs and
-:data:`SEG_BLOCKS` are contract constants all the same (``attention_triton._constants``).
+:data:`SEG_BLOCKS` are contract constants all the same (``attention_triton._constants``). A config's ``park``
+(the one launch's running accumulator in fp32 scratch between merges, not registers) is a variant no table
+selects yet; the split schedule never parks (its segment programs hold one accumulator).
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ class AttentionTileConfig:
     block_m: int  # rows (token x group head) per program
     num_warps: int
     num_stages: int
+    # One launch only: park the running accumulator in an fp32 scratch tile per program between segment merges
+    # instead of holding it in registers through the key loop (forward_kernels_triton._walk_parked). The same
+    # bits; fewer registers live in the loop, an fp32 tile stored and reloaded (hot in L2) per segment.
+    park: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.park, bool):
+            raise ValueError(f"AttentionTileConfig: park={self.park!r} must be a bool (True or False)")
 
 
 # Per input dtype and head width, and whether the launch is a decode step (one new token per sequence):
@@ -236,11 +246,16 @@ def prepare(
     gating = dict(GATED=gated, GATE_PER_DIM=gated and gate.shape[-1] != 1)
     qk_scale = float(scale) * _LOG2E
     if not progs:
+        # A parked config's fp32 scratch: one [BLOCK_M, BLOCK_D] tile per program, read only by that program
+        # (allocated per launch: under a CUDA graph capture it lives in the graph's pool). Else never read.
+        park = out
+        if cfg.park:
+            park = torch.empty(n_tiles * hkv * cfg.block_m * shape["BLOCK_D"], device=q.device, dtype=torch.float32)
         return functools.partial(
             _attend_kernel[(n_tiles, hkv)],
-            q, k_src, v_src, g, out, *tile_args, bt,
+            q, k_src, v_src, g, out, park, *tile_args, bt,
             q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), g.stride(0), g.stride(1),
-            out.stride(0), out.stride(1), qk_scale, **shape, **numerics, **gating,
+            out.stride(0), out.stride(1), qk_scale, **shape, **numerics, **gating, PARK=cfg.park, SYNC=not _INTERPRET,
         ), out  # fmt: skip
     # fp32 scratch: each (token, query head) row's (m, l, acc) per segment; a segment no program reaches is
     # never read (the combine walks the tile's segments up to its last position only).
