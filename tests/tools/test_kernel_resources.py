@@ -1,0 +1,46 @@
+"""tools/kernel_resources.py on a CPU machine: the attention forward compiled for sm_90 (Triton's code generator, its
+bundled ptxas and cuobjdump) through the launch's own binding. The parked tile is the variant whose point is a key
+loop without spills; if a compiler change brings spills back into its loop, this fails here rather than only in a
+GPU timing."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for the GPU: not under TRITON_INTERPRET=1", allow_module_level=True)
+
+_spec = importlib.util.spec_from_file_location(
+    "kernel_resources", Path(__file__).parents[2] / "tools" / "kernel_resources.py"
+)
+kr = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = kr  # its dataclass looks its module up there
+_spec.loader.exec_module(kr)
+
+
+def test_parked_prefill_tile_has_no_spill_in_its_key_loop() -> None:
+    from megatron_iso.ops.attention.forward_launch_triton import AttentionTileConfig
+
+    r = kr.attention_resources("bf16", 128, AttentionTileConfig(64, 4, 2, park=True))
+    assert 0 < r.registers <= 255 and r.num_warps == 4, r
+    assert r.spill_ops_in_loops == 0, r
+    assert 0 < r.shared_bytes <= kr.SM90_SHARED_PER_BLOCK and r.programs_per_sm() >= 1, r
+
+
+def test_programs_per_sm_and_tile_parsing() -> None:
+    two = kr.KernelResources(255, 0, 114688, 0, 0, 4)  # 256 regs x 128 threads, 113 KB: two programs
+    assert two.programs_per_sm() == 2
+    assert kr.KernelResources(255, 0, 147456, 0, 0, 4).programs_per_sm() == 1  # shared memory bound
+    assert kr.KernelResources(253, 0, 115200, 0, 0, 8).programs_per_sm() == 1  # register bound
+    assert kr.KernelResources(32, 0, 240 * 1024, 0, 0, 4).programs_per_sm() == 0  # over a block's limit
+    dtype, dim, cfg = kr._parse_tile("bf16:256:64,8,2,park")
+    assert (dtype, dim, cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.park) == ("bf16", 256, 64, 8, 2, True)
+    assert not kr._parse_tile("fp32:64:16,4,1")[2].park
+    for bad in ("bf16:128:64,4", "bf16:128:64,4,3,parked", "bf16:128"):
+        with pytest.raises(SystemExit, match="expected DTYPE:HEAD_DIM:ROWS,WARPS,STAGES"):
+            kr._parse_tile(bad)
