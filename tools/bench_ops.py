@@ -426,8 +426,11 @@ def _moe_one_gemm(name: str, K: int, N: int, leaves_list, tokens_list) -> list[d
 
 
 # ---------------------------------------------------------------- attention
-# (rows, warps, stages): the training tile timed beside the shipped one (attention_bench's prefill rows).
-PREFILL_TILE_CANDIDATE_SHAPE = (64, 8, 3)
+# (rows, warps, stages, park): training tiles timed beside the shipped one (attention_bench's prefill rows). The
+# shipped 64-row, 4-warp tile keeps a segment's and the running accumulator live (64 x 128 fp32 each) and spills;
+# 8 warps per 64 rows, or the running accumulator parked in fp32 scratch between merges (at 3 stages a program
+# takes 144 KB of shared memory, one per SM; at 2 stages 112 KB, two per SM like the shipped tile).
+PREFILL_TILE_CANDIDATES = ((64, 8, 3, False), (64, 4, 3, True), (64, 4, 2, True))
 
 
 def attention_checks() -> dict[str, Any]:
@@ -465,7 +468,7 @@ def attention_bench() -> list[dict[str, Any]]:
     from megatron_iso.ops.attention import attention_triton as at
     from megatron_iso.ops.attention import forward_launch_triton as launch
 
-    candidate = launch.AttentionTileConfig(*PREFILL_TILE_CANDIDATE_SHAPE)
+    candidates = [launch.AttentionTileConfig(*shape) for shape in PREFILL_TILE_CANDIDATES]
     rows = []
     hq, hkv, d = 32, 8, 128
     dt = torch.bfloat16
@@ -476,22 +479,25 @@ def attention_bench() -> list[dict[str, Any]]:
         cu = [i * L for i in range(n_seq + 1)]
         call, out = launch.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, None)
         ms = _time_ms(call)
-        # The shipped tile keeps a segment's and the running accumulator live (64 x 128 fp32 each over 4 warps):
-        # a candidate with 8 warps per 64-row tile, timed beside it (the tile config moves no bit).
-        call8, out8 = launch.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, candidate)
-        ms8 = _time_ms(call8)
+        flop = 4 * n_seq * hq * d * L * L / 2
+        # Candidate tiles timed beside the shipped one; the tile config (park included) moves no bit, checked.
+        tried = []
+        for cfg in candidates:
+            call_c, out_c = launch.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, cfg)
+            ms_c = _time_ms(call_c)
+            tried.append({"tile": dataclasses.astuple(cfg), "ms": ms_c, "tflops": flop / ms_c / 1e9,
+                          "same_bits": _bits_equal(out_c, out)})  # fmt: skip
+            del out_c
         qs, ks, vs = (t.view(n_seq, L, -1, d).transpose(1, 2) for t in (q, k, v))
         sdpa = functools.partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True, enable_gqa=True)
         ms_sdpa = _time_ms(sdpa)
-        flop = 4 * n_seq * hq * d * L * L / 2
-        r = {"case": "prefill", "n_seq": n_seq, "L": L, "ms": ms, "tflops": flop / ms / 1e9, "sdpa_ms": ms_sdpa,
-             "sdpa_tflops": flop / ms_sdpa / 1e9, "ratio_to_sdpa": ms_sdpa / ms,
-             "candidate_tile": dataclasses.astuple(candidate), "candidate_ms": ms8,
-             "candidate_tflops": flop / ms8 / 1e9, "candidate_same_bits": _bits_equal(out8, out)}  # fmt: skip
+        r = {"case": "prefill", "n_seq": n_seq, "L": L, "tile": dataclasses.astuple(launch.CONFIGS[dt]),
+             "ms": ms, "tflops": flop / ms / 1e9, "sdpa_ms": ms_sdpa, "sdpa_tflops": flop / ms_sdpa / 1e9,
+             "ratio_to_sdpa": ms_sdpa / ms, "candidates": tried}  # fmt: skip
         rows.append(r)
-        print(f"attn prefill {n_seq}x{L}: ours {r['tflops']:.0f} TFLOP/s (tile {r['candidate_tile']}: "
-              f"{r['candidate_tflops']:.0f}, same bits {r['candidate_same_bits']}), sdpa {r['sdpa_tflops']:.0f} "
-              f"({r['ratio_to_sdpa']:.2f}x)", flush=True)  # fmt: skip
+        cands = ", ".join(f"{c['tile']}: {c['tflops']:.0f} (same bits {c['same_bits']})" for c in tried)
+        print(f"attn prefill {n_seq}x{L}: ours {r['tflops']:.0f} TFLOP/s (tile {r['tile']}); {cands}; sdpa "
+              f"{r['sdpa_tflops']:.0f} ({r['ratio_to_sdpa']:.2f}x)", flush=True)  # fmt: skip
     for B, L in ((1, 4096), (32, 4096), (128, 2048), (8, 32768)):
         kc = _rand((B, L + 1, hkv, d), dt, 80)
         vc = _rand((B, L + 1, hkv, d), dt, 81)
