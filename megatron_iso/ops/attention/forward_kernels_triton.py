@@ -63,11 +63,14 @@ from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
 
 
 @triton.jit
-def _tile_rows(
-    tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _program_rows(
+    tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """The program's tile: BLOCK_M rows (token, query head of kv head ``hkv``'s group) of one sequence."""
+    """The program's tile (grid axis 0) and kv head ``hkv`` (axis 1): BLOCK_M rows (token, query head of ``hkv``'s
+    group) of one sequence, and the head-dim lanes ``d`` (``d_ok``: below D). Every kernel starts here."""
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)
     tok0 = tl.load(cu_ptr + seq)
@@ -82,7 +85,8 @@ def _tile_rows(
     head = hkv * GROUP + rows % GROUP
     row_ok = tok < n
     last_pos = start + tl.minimum((row0 + BLOCK_M - 1) // GROUP, n - 1)  # the tile's last query position
-    return tok0, start + n, kv_off, tok, head, row_ok, start + tok, last_pos
+    d = tl.arange(0, BLOCK_D)
+    return tile, hkv, tok0, start + n, kv_off, tok, head, row_ok, start + tok, last_pos, d, d < D
 
 
 @triton.jit
@@ -193,6 +197,25 @@ def _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE: tl.constexp
 
 
 @triton.jit
+def _program_kv(
+    q_ptr, k_ptr, v_ptr, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAST_F32: tl.constexpr, PAGE: tl.constexpr,
+):  # fmt: skip
+    """The start of a program that walks keys (:func:`_attend_kernel`, :func:`_segments_kernel`): its rows
+    (:func:`_program_rows`), their q, its kv head's key/value bases and the key blocks up to the tile's last
+    position."""
+    tile, hkv, tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos, d, d_ok = _program_rows(
+        tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M, D, BLOCK_D
+    )
+    q = _load_q(q_ptr, tok0, tok, head, row_ok, d, d_ok, stride_qt, stride_qh, CAST_F32)
+    kv_base_k, kv_base_v = _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE)
+    n_blocks = last_pos // BLOCK_N + 1
+    return tile, hkv, tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos, d, d_ok, q, kv_base_k, kv_base_v, n_blocks
+
+
+@triton.jit
 def _cta_barrier(x, ASM: tl.constexpr):
     """Every thread of the program waits here (``bar.sync 0``), and earlier global stores of any of its threads
     are visible to all of them after it; returns int32 0 to add to an address that must be read after it.
@@ -268,16 +291,12 @@ def _attend_kernel(
     the running ACC lives in the program's tile of ``park_ptr`` (fp32 ``[programs, BLOCK_M, BLOCK_D]``, program
     ``tile * kv heads + kv head``) between merges (:func:`_walk_parked`; ``SYNC``: its barrier is real, False
     only under the interpreter); else ``park_ptr`` is never read."""
-    tile = tl.program_id(0)
-    hkv = tl.program_id(1)
-    tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos = _tile_rows(
-        tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M
-    )
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = _load_q(q_ptr, tok0, tok, head, row_ok, d, d_ok, stride_qt, stride_qh, CAST_F32)
-    kv_base_k, kv_base_v = _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE)
-    n_blocks = last_pos // BLOCK_N + 1
+    (
+        tile, hkv, tok0, kv_len, kv_off, tok, head, row_ok, pos, _, d, d_ok, q, kv_base_k, kv_base_v, n_blocks
+    ) = _program_kv(
+        q_ptr, k_ptr, v_ptr, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, GROUP, BLOCK_M, D, BLOCK_D, BLOCK_N, CAST_F32, PAGE,
+    )  # fmt: skip
     if PARK:
         park = park_ptr + (tile * tl.num_programs(1) + hkv).to(tl.int64) * (BLOCK_M * BLOCK_D)
         park += tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + d[None, :]
@@ -318,16 +337,12 @@ def _segments_kernel(
     its tile (P = grid size on axis 2), each from a fresh state, and writes each segment's (m, l, acc) to
     fp32 scratch ``[Hq * tokens, SEG_MAX]`` (acc ``[.., D]``). Segments past the tile's last position run
     nothing: the loop bound is read on the device, the grid is static."""
-    tile = tl.program_id(0)
-    hkv = tl.program_id(1)
-    tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos = _tile_rows(
-        tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M
-    )
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = _load_q(q_ptr, tok0, tok, head, row_ok, d, d_ok, stride_qt, stride_qh, CAST_F32)
-    kv_base_k, kv_base_v = _kv_bases(k_ptr, v_ptr, hkv, kv_off, stride_kt, stride_kh, PAGE)
-    n_blocks = last_pos // BLOCK_N + 1
+    (
+        _, _, tok0, kv_len, kv_off, tok, head, row_ok, pos, last_pos, d, d_ok, q, kv_base_k, kv_base_v, n_blocks
+    ) = _program_kv(
+        q_ptr, k_ptr, v_ptr, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, GROUP, BLOCK_M, D, BLOCK_D, BLOCK_N, CAST_F32, PAGE,
+    )  # fmt: skip
     n_seg = tl.minimum(last_pos // (SEG_BLOCKS * BLOCK_N) + 1, SEG_MAX)  # never past the scratch
     row_slot = ((tok0 + tok).to(tl.int64) * HQ + head) * SEG_MAX
     for seg in range(tl.program_id(2), n_seg, tl.num_programs(2)):
@@ -354,13 +369,9 @@ def _combine_kernel(
 ):  # fmt: skip
     """Split schedule, second launch: per (tile, kv head), the tile's segments in ascending order through
     :func:`_merge_segment`, as :func:`_attend_kernel` merges them in-program; then the same output."""
-    tile = tl.program_id(0)
-    hkv = tl.program_id(1)
-    tok0, _, _, tok, head, row_ok, pos, last_pos = _tile_rows(
-        tile, hkv, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M
+    _, _, tok0, _, _, tok, head, row_ok, pos, last_pos, d, d_ok = _program_rows(
+        tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr, GROUP, BLOCK_M, D, BLOCK_D
     )
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
     n_seg = tl.minimum(last_pos // (SEG_BLOCKS * BLOCK_N) + 1, SEG_MAX)  # never past the scratch
     row_slot = ((tok0 + tok).to(tl.int64) * HQ + head) * SEG_MAX
     acc_mask = row_ok[:, None] & d_ok[None, :]
