@@ -33,73 +33,28 @@ SCRIPT = textwrap.dedent(
     import torch
     from megatron_iso.ops.attention import attention_triton as at
     from megatron_iso.ops.attention import forward_launch_triton as launch
-    from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
+    from megatron_iso.testing.attention_cases import DecodeCase
     from megatron_iso.testing.bits import bit_difference, same_bits
 
     GROUP, HKV, GATE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    LENS = [1, 63, 64, 65, 127, 128, 129, 300]  # both sides of the 64-key blocks and 128-key segments
-    D, N = 24, len(LENS)  # head dim 24 in a 32-wide tile: the park holds padded columns too
-    assert launch.SEG_BLOCKS * 64 == 128, "the lengths straddle 128-key segments"
+    # head dim 24 in a 32-wide tile: the park holds padded columns too
+    case = DecodeCase(GROUP, HKV, GATE, d=24, seed=100 * GROUP + HKV)
     PARK16 = launch.AttentionTileConfig(16, 4, 1, park=True)
     PARK32 = launch.AttentionTileConfig(32, 4, 1, park=True)
-    gen = torch.Generator().manual_seed(100 * GROUP + HKV)
-    cu = [0]
-    for n in LENS:
-        cu.append(cu[-1] + n)
-    T, HQ = cu[-1], GROUP * HKV
-    q, k, v = (torch.randn(T, h, D, generator=gen) for h in (HQ, HKV, HKV))
-    gate = {"none": None, "dim": torch.randn(T, HQ, D, generator=gen),
-            "head": torch.randn(T, HQ, 1, generator=gen)}[GATE]
-    train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=False)
-    assert not torch.isnan(train).any()
-    parked = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, config=PARK16)
-    assert same_bits(parked, train), bit_difference(parked, train)
+    cu = torch.tensor(case.cu)
+    parked = at.attention_varlen(case.q, case.k, case.v, cu, gate=case.gate, config=PARK16)
+    assert same_bits(parked, case.train), bit_difference(parked, case.train)
     if GATE == "none":  # against the register form of the same 32-row tile: numpy's matmul (the interpreter's
         # dot) gives other bits at 32 rows than at 16, which the compiled kernel's per-element dots do not
-        regs32 = at.attention_varlen(q, k, v, torch.tensor(cu), config=launch.AttentionTileConfig(32, 4, 1))
-        parked = at.attention_varlen(q, k, v, torch.tensor(cu), config=PARK32)
+        regs32 = at.attention_varlen(case.q, case.k, case.v, cu, config=launch.AttentionTileConfig(32, 4, 1))
+        parked = at.attention_varlen(case.q, case.k, case.v, cu, config=PARK32)
         assert same_bits(parked, regs32), bit_difference(parked, regs32)
-    last = [c - 1 for c in cu[1:]]
-    want = train[last]
 
-    def check(got, what):
-        assert same_bits(got, want), (what, bit_difference(got, want))
-
-    step = [t[last].contiguous() for t in (q, k, v)]
-    gate_step = None if gate is None else gate[last].contiguous()
-    starts = [n - 1 for n in LENS]
-    slots = torch.randperm(N, generator=gen).tolist()
-    cu_step = torch.arange(N + 1)
-
-    kc = torch.full((N, 320, HKV, D), float("nan"))
-    vc = kc.clone()
-    for i, (a, n) in enumerate(zip(cu, LENS)):
-        kc[slots[i], : n - 1] = k[a : a + n - 1]
-        vc[slots[i], : n - 1] = v[a : a + n - 1]
     for cfg, split in ((PARK16, False), (None, True)):  # parked one launch, and the split decode it must equal
-        got = at.attention_with_kv_cache(*step, kc.clone(), vc.clone(), torch.tensor(starts), cu_step,
-                                         slots=torch.tensor(slots), gate=gate_step, config=cfg, split=split)
-        check(got, ("contiguous cache", cfg, split))
-
-    page = 16
-    width = -(-512 // page)
-    blocks = width * N + 2
-    table = torch.randperm(blocks, generator=gen)[: width * N].view(N, width).contiguous()
-    kp = torch.full((blocks, page, HKV, D), float("nan"))
-    vp = kp.clone()
-    write = []
-    for i, (a, n) in enumerate(zip(cu, LENS)):
-        j = torch.arange(n)
-        rows = table[slots[i]][j // page] * page + j % page
-        kp.view(-1, HKV, D)[rows[:-1]] = k[a : a + n - 1]
-        vp.view(-1, HKV, D)[rows[:-1]] = v[a : a + n - 1]
-        write.append(int(rows[-1]))
-    layer = PagedKVLayer(kp, vp, table, torch.tensor(write))
+        case.check(case.contiguous(cfg, split), ("contiguous cache", cfg, split))
+    layer = case.paged_layer(16)
     for placeholder in (False, True):
-        plan = KVStepPlan(list(range(N + 1)), [0] * N if placeholder else starts, slots, device_positions=placeholder)
-        got = at.attention_with_paged_kv_cache(*step, layer, torch.tensor(starts), cu_step, slots=torch.tensor(slots),
-                                               gate=gate_step, plan=plan, config=PARK16, split=False)
-        check(got, ("paged", placeholder))
+        case.check(case.paged(layer, placeholder, PARK16, split=False), ("paged", placeholder))
     print("ok")
     """
 )

@@ -36,78 +36,30 @@ SCRIPT = textwrap.dedent(
     import torch
     from megatron_iso.ops.attention import attention_triton as at
     from megatron_iso.ops.attention import forward_launch_triton as launch
-    from megatron_iso.ops.attention.kv_cache import KVStepPlan, PagedKVLayer
+    from megatron_iso.testing.attention_cases import DecodeCase
     from megatron_iso.testing.bits import bit_difference, same_bits
 
     GROUP, HKV, GATE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    LENS = [1, 63, 64, 65, 127, 128, 129, 300]  # both sides of the 64-key blocks and 128-key segments
-    D, N = 16, len(LENS)
-    assert launch.SEG_BLOCKS * 64 == 128, "the lengths straddle 128-key segments"
-    gen = torch.Generator().manual_seed(10 * GROUP + HKV)
-    cu = [0]
-    for n in LENS:
-        cu.append(cu[-1] + n)
-    T, HQ = cu[-1], GROUP * HKV
-    q, k, v = (torch.randn(T, h, D, generator=gen) for h in (HQ, HKV, HKV))
-    gate = {"none": None, "dim": torch.randn(T, HQ, D, generator=gen),
-            "head": torch.randn(T, HQ, 1, generator=gen)}[GATE]
-    train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=False)
-    assert not torch.isnan(train).any()
-    last = [c - 1 for c in cu[1:]]
-    want = train[last]
+    D = 16
+    case = DecodeCase(GROUP, HKV, GATE, d=D, seed=10 * GROUP + HKV)
 
-    def check(got, what):
-        assert same_bits(got, want), (what, bit_difference(got, want))
-
-    step = [t[last].contiguous() for t in (q, k, v)]
-    gate_step = None if gate is None else gate[last].contiguous()
-    starts = [n - 1 for n in LENS]
-    slots = torch.randperm(N, generator=gen).tolist()  # cache rows in another order than the sequences
-    cu_step = torch.arange(N + 1)
-
-    # Contiguous cache: each sequence's earlier keys in its slot, NaN past them.
-    kc = torch.full((N, 320, HKV, D), float("nan"))
-    vc = kc.clone()
-    for i, (a, n) in enumerate(zip(cu, LENS)):
-        kc[slots[i], : n - 1] = k[a : a + n - 1]
-        vc[slots[i], : n - 1] = v[a : a + n - 1]
     for split in (False, True):
-        got = at.attention_with_kv_cache(*step, kc.clone(), vc.clone(), torch.tensor(starts), cu_step,
-                                         slots=torch.tensor(slots), gate=gate_step, split=split)
-        check(got, ("contiguous cache", split))
+        case.check(case.contiguous(split=split), ("contiguous cache", split))
     # One segment program per (tile, kv head) walks all of a tile's segments.
-    call, got = launch.prepare(step[0], k, v, gate_step, list(range(N + 1)), starts, cu[:-1], D**-0.5, 64, None,
-                               split=True, segment_programs=1)
+    call, got = launch.prepare(case.step[0], case.k, case.v, case.gate_step, list(range(case.n + 1)), case.starts,
+                               case.cu[:-1], D**-0.5, 64, None, split=True, segment_programs=1)
     call()
-    check(got, "one segment program")
+    case.check(got, "one segment program")
 
-    # Paged pool, shuffled blocks; a table wider than the longest sequence (a static capacity).
     for page in (16, 64):
-        width = -(-512 // page)
-        blocks = width * N + 2
-        table = torch.randperm(blocks, generator=gen)[: width * N].view(N, width).contiguous()
-        kp = torch.full((blocks, page, HKV, D), float("nan"))
-        vp = kp.clone()
-        write = []
-        for i, (a, n) in enumerate(zip(cu, LENS)):
-            j = torch.arange(n)
-            rows = table[slots[i]][j // page] * page + j % page
-            kp.view(-1, HKV, D)[rows[:-1]] = k[a : a + n - 1]
-            vp.view(-1, HKV, D)[rows[:-1]] = v[a : a + n - 1]
-            write.append(int(rows[-1]))
-        layer = PagedKVLayer(kp, vp, table, torch.tensor(write))
+        layer = case.paged_layer(page)
         for split in (False, True, None):
             for placeholder in (False, True):
-                plan = KVStepPlan(list(range(N + 1)), [0] * N if placeholder else starts, slots,
-                                  device_positions=placeholder)
-                got = at.attention_with_paged_kv_cache(*step, layer, torch.tensor(starts), cu_step,
-                                                       slots=torch.tensor(slots), gate=gate_step, plan=plan,
-                                                       split=split)
-                check(got, ("paged", page, split, placeholder))
+                case.check(case.paged(layer, placeholder, split=split), ("paged", page, split, placeholder))
 
     if GATE == "none":  # the forced split of a training forward: prefill tiles, rows ending in other segments
-        split_train = at.attention_varlen(q, k, v, torch.tensor(cu), gate=gate, split=True)
-        assert same_bits(split_train, train), bit_difference(split_train, train)
+        split_train = at.attention_varlen(case.q, case.k, case.v, torch.tensor(case.cu), gate=case.gate, split=True)
+        assert same_bits(split_train, case.train), bit_difference(split_train, case.train)
     print("ok")
     """
 )
