@@ -26,7 +26,6 @@ import gc
 import importlib.metadata
 import json
 import math
-import subprocess
 import sys
 import time
 import traceback
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from megatron_iso.bench.profiling import module_ranges, print_summary, ranged, summarize
+from megatron_iso.bench.provenance import code_identity
 
 ENGINES = ("iso", "native", "hf")
 PROFILES = {"iso": "correctness", "native": "performance"}
@@ -423,14 +423,6 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None  # the device machine's copy of the tree may have no .git
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny_dense", help="megatron_iso/conf/model name (qwen3_0p6b on the GPU)")
@@ -483,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, str] = {}
 
     args.copy_bw = copy_bandwidth()
-    meta = {"device": device, "torch": torch.__version__, "transformers": _version("transformers"), "commit": _commit()}
+    meta = {"device": device, "torch": torch.__version__, "transformers": _version("transformers"), **code_identity()}
     meta["copy_bandwidth_gbs"] = None if args.copy_bw is None else args.copy_bw / 1e9
 
     def save() -> None:

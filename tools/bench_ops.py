@@ -731,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
+    from megatron_iso.bench.provenance import code_identity
     from megatron_iso.ops.gemm import gemm_triton as gt
 
     t0 = time.time()
@@ -740,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "command": " ".join(sys.argv),
+        **code_identity(),
         "gemm_config_bf16": dataclasses.asdict(gt.CONFIGS[torch.bfloat16]),
         "gemm_selectable_tiles_bf16": [dataclasses.asdict(c) for c in gt.selectable_tiles(torch.bfloat16)],
     }

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron_iso.bench.profiling import module_ranges, print_summary, ranged, summarize
+from megatron_iso.bench.provenance import code_identity
 
 # torchrun's rank (0 without torchrun): rank 0 alone prints and writes; every rank runs every step.
 RANK = int(os.environ.get("RANK", "0"))
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if {"correctness", "performance"} <= by.keys():
         ratio = by["correctness"]["step_s"] / by["performance"]["step_s"]
         print(f"iso/native full step time: {ratio:.3f}")
-    args.out.write_text(json.dumps({"model": args.model, "device": device, "args": vars(args) | {"out": str(args.out)},
+    args.out.write_text(json.dumps({"model": args.model, "device": device, **code_identity(),
+                                    "args": vars(args) | {"out": str(args.out)},
                                     "results": results, "failures": failures}, indent=1))  # fmt: skip
     return 1 if failures else 0
 

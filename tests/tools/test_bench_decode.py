@@ -26,6 +26,9 @@ def test_bench_decode_tiny(tmp_path, capsys):
     assert _tool().main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["failures"] == {}
+    from megatron_iso.bench.provenance import source_digest
+
+    assert report["source_sha256"] == source_digest()  # the code that ran, wherever its tree came from
     cells = {(c["engine"], c["batch"]): c for c in report["cells"]}
     assert set(cells) == {(e, b) for e in ("iso", "native", "hf") for b in (1, 3)}
     for (engine, batch), c in cells.items():
