@@ -7,6 +7,10 @@ program takes, and so how many programs an sm_90 SM holds at once. What it canno
 
     python tools/kernel_resources.py                       # the attention forward's prefill tiles, register vs park
     python tools/kernel_resources.py --tile bf16:128:64,4,3 --tile bf16:128:64,4,2,park --gate dim
+    python tools/kernel_resources.py --sass-dir /tmp/sass_a   # then the same in another tree, and diff -r the two
+
+``--sass-dir``: each tile's SASS (``cuobjdump -sass``) as a file, the proof a kernel refactor meant to change no
+instruction carries: equal files before and after, encodings included.
 
 ``--tile DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park]``: the one-launch attention forward
 (``forward_launch_triton.prepare``, a training pack) under that tile config. :func:`compiled_launches` does the
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ class KernelResources:
     spill_ops_in_loops: int  # local loads/stores (LDL/STL) inside the kernel's loops, in the SASS
     spill_ops: int  # all of them
     num_warps: int
+    sass: str = field(default="", repr=False, compare=False)  # cuobjdump -sass of the cubin
 
     def programs_per_sm(self) -> int:
         """Programs of this kernel one sm_90 SM holds at once (shared memory, registers and threads)."""
@@ -62,9 +67,8 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _spill_ops(cubin: Path) -> tuple[int, int]:
-    """(local loads/stores inside loops, all of them) in the cubin's SASS; a loop is a backward branch's range."""
-    sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+def _spill_ops(sass: str) -> tuple[int, int]:
+    """(local loads/stores inside loops, all of them) in a cubin's SASS; a loop is a backward branch's range."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     spills = [a for a, i in ins if re.search(r"\b(LDL|STL)\b", i)]
     loops = []
@@ -83,8 +87,9 @@ def _resources(cubin_bytes: bytes, shared: int, num_warps: int) -> KernelResourc
         m = re.search(r"REG:(\d+) STACK:(\d+)", res.stdout)
         if m is None:
             raise RuntimeError(f"kernel_resources: no resource line in cuobjdump's output:\n{res.stdout}")
-        in_loops, total = _spill_ops(cubin)
-    return KernelResources(int(m.group(1)), int(m.group(2)), shared, in_loops, total, num_warps)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+        in_loops, total = _spill_ops(sass.stdout)
+    return KernelResources(int(m.group(1)), int(m.group(2)), shared, in_loops, total, num_warps, sass.stdout)
 
 
 @contextlib.contextmanager
@@ -178,12 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile", action="append", help="DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park] (repeatable)")
     ap.add_argument("--gate", default="none", choices=("none", "dim", "head"))
     ap.add_argument("--group", type=int, default=4, help="query heads per kv head (default 4, as Qwen3-8B)")
+    ap.add_argument("--sass-dir", type=Path, help="write each tile's SASS to DIR/<tile>.sass (diff two trees' dirs)")
     args = ap.parse_args(argv)
+    if args.sass_dir:
+        args.sass_dir.mkdir(parents=True, exist_ok=True)
     print(f"attention one-launch forward, sm_90, gate={args.gate}, group={args.group}")
     print(f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'all':>6}{'shared B':>10}{'per SM':>8}")
     for spec in args.tile or DEFAULT_TILES:
         dtype, dim, cfg = _parse_tile(spec)
         r = attention_resources(dtype, dim, cfg, gate=args.gate, group=args.group)
+        if args.sass_dir:
+            (args.sass_dir / (re.sub(r"[^A-Za-z0-9]+", "_", spec) + ".sass")).write_text(r.sass)
         print(
             f"{spec:<24}{r.registers:>6}{r.stack_bytes:>9}{r.spill_ops_in_loops:>20}{r.spill_ops:>6}"
             f"{r.shared_bytes:>10}{r.programs_per_sm():>8}",

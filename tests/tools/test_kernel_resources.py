@@ -30,6 +30,13 @@ def test_parked_prefill_tile_has_no_spill_in_its_key_loop() -> None:
     assert 0 < r.registers <= 255 and r.num_warps == 4, r
     assert r.spill_ops_in_loops == 0, r
     assert 0 < r.shared_bytes <= kr.SM90_SHARED_PER_BLOCK and r.programs_per_sm() >= 1, r
+    assert "EXIT" in r.sass and "GMMA" in r.sass  # the SASS comes with it (wgmma dots in a 64-row bf16 tile)
+
+
+def test_sass_dir_writes_each_tiles_sass(tmp_path: Path) -> None:
+    assert kr.main(["--tile", "bf16:128:16,4,2", "--sass-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.iterdir()
+    assert path.name == "bf16_128_16_4_2.sass" and "EXIT" in path.read_text()
 
 
 def test_programs_per_sm_and_tile_parsing() -> None:
