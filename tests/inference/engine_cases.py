@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_iso.testing.bits import bits
+
 # (request id, prompt length, sampling params): mixed lengths across block boundaries, greedy and
 # sampled, top-k/top-p, several samples per prompt.
 SPECS = [
@@ -44,8 +46,10 @@ def requests(vocab: int, specs=SPECS, max_new_tokens: int = 6, **extra):
     return out
 
 
-def trainer_scores(model, reqs, outs) -> dict:
-    """(request id, sample) -> trainer logprobs of the generated tokens (teacher forced, one pack)."""
+def trainer_scores(model, reqs, outs, pad_to_multiple: int = 1) -> dict:
+    """(request id, sample) -> trainer logprobs of the generated tokens (teacher forced, one pack).
+    ``pad_to_multiple``: the trainer's row padding (``row_multiple``: a filler sequence, so the row count divides
+    by TP under SP), its rows scored at temperature 1."""
     from megatron_iso.models.batch import pack
     from megatron_iso.models.scoring import score_sequences
 
@@ -56,11 +60,21 @@ def trainer_scores(model, reqs, outs) -> dict:
             seqs.append(list(r.prompt) + s.tokens)
             temps += [t] * len(seqs[-1])
             keys.append((r.request_id, s.index, len(r.prompt), len(s.tokens)))
-    ids, batch = pack(seqs)
+    ids, batch = pack(seqs, pad_to_multiple=pad_to_multiple)
+    temps += [1.0] * (ids.shape[1] - len(temps))
     with torch.no_grad():
         logp, _ = score_sequences(model, ids, batch, temperature=torch.tensor(temps).unsqueeze(-1))
     cu = batch.cu_seqlens_q.tolist()
     return {(rid, i): logp[cu[j] + p - 1 : cu[j] + p - 1 + g] for j, (rid, i, p, g) in enumerate(keys)}
+
+
+def assert_same_outputs(a: dict, b: dict, what: str) -> None:
+    """Two :func:`summary` results: the same keys, tokens and finish reasons, logprobs equal bit for bit."""
+    assert a.keys() == b.keys(), what
+    for key, (tok, lp, reason) in a.items():
+        tok2, lp2, reason2 = b[key]
+        assert tok == tok2 and reason == reason2, (what, key)
+        assert torch.equal(bits(lp), bits(lp2)), (what, key)
 
 
 def summary(outs) -> dict:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_iso.testing.harness import run_on_ranks
+from tests.inference import engine_cases
 
 ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]  # the step before which each request joins
 MODELS = {
@@ -31,7 +32,6 @@ def _generate(overrides: list[str], buckets: list[int] | None, *, static: bool) 
     """The SPECS requests (sequences leaving at different steps, staggered arrivals) on one engine: the outputs'
     summary, the engine's steps and the decode steps served from bucket buffers."""
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from tests.inference import engine_cases
 
     tc, model = engine_cases.setup(overrides)
     with engine_cases.paged_reads_as_on_cuda():
@@ -55,14 +55,6 @@ def _runs(overrides: list[str], static: bool) -> dict:
     return runs
 
 
-def _same_bits(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for key, (tok, lp, reason) in a.items():
-        tok2, lp2, reason2 = b[key]
-        assert tok == tok2 and reason == reason2, (what, key)
-        assert torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), (what, key)
-
-
 @pytest.mark.parametrize("model", list(MODELS))
 def test_tp2_bucket_decode_steps_give_the_eager_and_tp1_bits(model: str) -> None:
     over = MODELS[model]
@@ -70,11 +62,13 @@ def test_tp2_bucket_decode_steps_give_the_eager_and_tp1_bits(model: str) -> None
     tp2 = run_on_ranks(_runs, 2, tp=2, args=([*over, "parallel.tp=2"], True))
     assert len(tp1) >= 8
     for rank, runs in enumerate(tp2):
-        _same_bits(tp1, runs["eager"][0], f"{model} rank {rank}: eager TP 2 vs TP 1")
+        engine_cases.assert_same_outputs(tp1, runs["eager"][0], f"{model} rank {rank}: eager TP 2 vs TP 1")
         assert runs["eager"][2] == 0
         for name in ("static", "padded"):
             summary, steps, static_steps = runs[name]
-            _same_bits(runs["eager"][0], summary, f"{model} rank {rank}: {name} TP 2 vs eager TP 2")
+            engine_cases.assert_same_outputs(
+                runs["eager"][0], summary, f"{model} rank {rank}: {name} TP 2 vs eager TP 2"
+            )
             # Every step but the (at most 8, one per request) prefill steps came from bucket buffers.
             assert static_steps >= steps - 8 > 0, (model, rank, name, static_steps, steps)
 
@@ -86,7 +80,6 @@ def _bucket_step_reads(overrides: list[str]) -> dict:
     from megatron_iso.models import modules
     from megatron_iso.parallel.tree_collectives import gather_along, tree_all_reduce
     from megatron_iso.testing.host_reads import HostReadCounter
-    from tests.inference import engine_cases
 
     tc, model = engine_cases.setup(overrides)
     standin = engine_cases.paged_kernel_standin([])

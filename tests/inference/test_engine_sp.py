@@ -18,6 +18,7 @@ import torch
 
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
+from tests.inference import engine_cases
 
 ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]  # the step before which each request joins
 MODELS = {
@@ -33,7 +34,7 @@ def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool
     counts of its bucket steps, and the trainer's scores. ``paged``: attention reads the pool in place (the
     kernel's stand-in, as on CUDA), else the CPU's staged views."""
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from tests.inference import engine_cases
+    from megatron_iso.models.batch import row_multiple
 
     counts: dict = {"eager": [], "bucket": []}
     with engine_cases.paged_reads_as_on_cuda(active=paged):
@@ -52,32 +53,10 @@ def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool
             graphs.decode_step = lambda starts, *a: counts["bucket"].append(len(starts)) or step(starts, *a)
         outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
     summary = engine_cases.summary(outs)
-    return summary, counts, _trainer_scores(model, tc, reqs, outs)
-
-
-def _trainer_scores(model, tc, reqs, outs) -> dict:
-    """(request id, sample) -> the trainer's teacher-forced logprobs of the generated tokens, packed with the
-    trainer's padding (a filler sequence, so the row count divides by TP under SP)."""
-    from megatron_iso.models.batch import pack, row_multiple
-    from megatron_iso.models.scoring import score_sequences
-
-    seqs, temps, keys = [], [], []
-    for r, o in zip(reqs, outs, strict=True):
-        t = r.params.temperature if r.params.temperature > 0 else 1.0
-        for s in o.samples:
-            seqs.append(list(r.prompt) + s.tokens)
-            temps += [t] * len(seqs[-1])
-            keys.append((r.request_id, s.index, len(r.prompt), len(s.tokens)))
-    ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc))
-    temps += [1.0] * (ids.shape[1] - len(temps))
-    with torch.no_grad():
-        logp, _ = score_sequences(model, ids, batch, temperature=torch.tensor(temps).unsqueeze(-1))
-    cu = batch.cu_seqlens_q.tolist()
-    return {(rid, i): logp[cu[j] + p - 1 : cu[j] + p - 1 + g] for j, (rid, i, p, g) in enumerate(keys)}
+    return summary, counts, engine_cases.trainer_scores(model, reqs, outs, pad_to_multiple=row_multiple(tc))
 
 
 def _tp1(names: list[str]) -> dict:
-    from tests.inference import engine_cases
 
     out = {}
     for name in names:
@@ -89,7 +68,6 @@ def _tp1(names: list[str]) -> dict:
 def _tp2(name: str) -> dict:
     """TP 2 without SP (eager), and with SP: eager (paged and staged KV reads), default buckets (2, 4, 6) and
     buckets 4, 6 (more padding)."""
-    from tests.inference import engine_cases
 
     tc, model = engine_cases.setup([*MODELS[name], "parallel.tp=2"])
     runs = {"no_sp": _generate(model, tc, None, static=False)}
@@ -102,14 +80,6 @@ def _tp2(name: str) -> dict:
     return runs
 
 
-def _same_bits(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for key, (tok, lp, reason) in a.items():
-        tok2, lp2, reason2 = b[key]
-        assert tok == tok2 and reason == reason2, (what, key)
-        assert torch.equal(bits(lp), bits(lp2)), (what, key)
-
-
 @pytest.fixture(scope="module")
 def tp1() -> dict:
     return run_on_ranks(_tp1, 1, args=(list(MODELS),))[0]
@@ -120,10 +90,10 @@ def test_tp2_sp_engine_gives_the_tp1_and_no_sp_bits(tp1: dict, model: str) -> No
     ref = tp1[model]
     assert len(ref) >= 8
     for rank, runs in enumerate(run_on_ranks(_tp2, 2, tp=2, args=(model,))):
-        _same_bits(ref, runs["no_sp"][0], f"{model} rank {rank}: TP 2 without SP vs TP 1")
+        engine_cases.assert_same_outputs(ref, runs["no_sp"][0], f"{model} rank {rank}: TP 2 without SP vs TP 1")
         for name in ("sp_eager", "sp_staged", "sp_static", "sp_padded"):
             summary, counts, trainer = runs[name]
-            _same_bits(ref, summary, f"{model} rank {rank}: {name} vs TP 1")
+            engine_cases.assert_same_outputs(ref, summary, f"{model} rank {rank}: {name} vs TP 1")
             for key, (_, lp, _) in summary.items():  # the rollout's logprobs are the trainer's recompute
                 assert torch.equal(bits(lp), bits(trainer[key])), (model, rank, name, key)
             # Odd token counts did reach the forward: prefill steps always, decode steps in the eager run.
@@ -136,7 +106,6 @@ def test_tp2_sp_engine_gives_the_tp1_and_no_sp_bits(tp1: dict, model: str) -> No
 
 def _bucket_sizes() -> dict:
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from tests.inference import engine_cases
 
     _, model = engine_cases.setup(["profile=correctness", *SP])
     eng = RolloutEngine(model, EngineConfig(max_num_seqs=7, kv_cache_bytes=1 << 20, block_size=4))
