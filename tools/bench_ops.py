@@ -427,10 +427,10 @@ def _moe_one_gemm(name: str, K: int, N: int, leaves_list, tokens_list) -> list[d
 
 # ---------------------------------------------------------------- attention
 # (rows, warps, stages, park): training tiles timed beside the shipped one (attention_bench's prefill rows). The
-# shipped 64-row, 4-warp tile keeps a segment's and the running accumulator live (64 x 128 fp32 each) and spills;
-# 8 warps per 64 rows, or the running accumulator parked in fp32 scratch between merges (at 3 stages a program
-# takes 144 KB of shared memory, one per SM; at 2 stages 112 KB, two per SM like the shipped tile).
-PREFILL_TILE_CANDIDATES = ((64, 8, 3, False), (64, 4, 3, True), (64, 4, 2, True))
+# shipped tile parks the running accumulator in fp32 scratch between merges (2 stages: 112 KB of shared memory, two
+# programs per SM). Unparked, the 64-row, 4-warp tile keeps a segment's and the running accumulator live (64 x 128
+# fp32 each) and spills; 8 warps per 64 rows do not spill; parked at 3 stages a program takes 144 KB, one per SM.
+PREFILL_TILE_CANDIDATES = ((64, 4, 3, False), (64, 8, 3, False), (64, 4, 3, True))
 
 
 def attention_checks() -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -72,13 +73,15 @@ def test_parked_forward_equals_register_form_and_split_decode(group: int, hkv: i
 
 def test_park_field_and_contract_record() -> None:
     """``park`` must be a bool; the contract records a table's tile as [rows, warps, stages] and appends "park"
-    only for a parked one, so the registered (unparked) tables keep their records and digests."""
+    only for a parked one (the bf16/fp16 training tile), so the unparked tables keep their records and digests."""
     launch = pytest.importorskip("megatron_iso.ops.attention.forward_launch_triton")
     at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
     with pytest.raises(ValueError, match="park=1 must be a bool"):
         launch.AttentionTileConfig(64, 4, 3, park=1)
-    assert not any(cfg.park for table in (launch.CONFIGS, launch.DECODE_CONFIGS) for cfg in table.values())
+    parked = {(dt, cfg.park) for dt, cfg in launch.CONFIGS.items()}
+    assert parked == {(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)}
+    assert not any(cfg.park for cfg in launch.DECODE_CONFIGS.values())
     assert at._tile_record(launch.AttentionTileConfig(64, 4, 3)) == [64, 4, 3]
     assert at._tile_record(launch.AttentionTileConfig(64, 4, 2, park=True)) == [64, 4, 2, "park"]
     consts = at._constants()
-    assert consts["bfloat16_tile"] == [64, 4, 3] and consts["float32_decode_tile"] == [16, 4, 2]
+    assert consts["bfloat16_tile"] == [64, 4, 2, "park"] and consts["float32_decode_tile"] == [16, 4, 2]

@@ -6,8 +6,8 @@ of the kernels in :mod:`megatron_iso.ops.attention.forward_kernels_triton` as a 
 (:func:`_plan`) and the schedule (:func:`split_schedule`: one launch, or split over key segments). None of
 them moves a bit (that module's docstring holds the numerical policy and why); the configs and
 :data:`SEG_BLOCKS` are contract constants all the same (``attention_triton._constants``). A config's ``park``
-(the one launch's running accumulator in fp32 scratch between merges, not registers) is a variant no table
-selects yet; the split schedule never parks (its segment programs hold one accumulator).
+(the one launch's running accumulator in fp32 scratch between merges, not registers) is the bf16/fp16 training
+tile's; the split schedule never parks (its segment programs hold one accumulator).
 """
 
 from __future__ import annotations
@@ -48,9 +48,12 @@ class AttentionTileConfig:
 # Per input dtype and head width, and whether the launch is a decode step (one new token per sequence):
 # never chosen from the batch size. The tile config moves no bit (forward_kernels_triton), so decode takes
 # 16-row tiles (a GQA group's 2-8 live rows, not 128 of which 2 are live) and many more programs.
+# bf16/fp16 training and prefill park the running accumulator (two fp32 64 x 128 accumulators in registers spill
+# at 4 warps; 8 warps per 64 rows run slower still); at 2 stages a parked program takes 112 KB of shared memory, so
+# two fit an SM. tools/bench_ops.py --attention times the unparked tiles beside it.
 CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
-    torch.bfloat16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=3),
-    torch.float16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=3),
+    torch.bfloat16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2, park=True),
+    torch.float16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2, park=True),
     torch.float32: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2),
 }
 DECODE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {

@@ -42,7 +42,9 @@ from megatron_iso.ops.logprob.reference import (
 )
 
 BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
-NUM_WARPS = 4  # a schedule choice: the lane tree's order does not depend on it
+# A schedule choice (the lane tree's order does not depend on it): with fewer warps per program a slice's max
+# needs fewer cross-warp steps, and more programs share an SM (tools/bench_ops.py times the logprob row).
+NUM_WARPS = 2
 
 
 @triton.jit
@@ -74,9 +76,14 @@ def _leaf_kernel(
     acc = tl.zeros((1, BLOCK), tl.float32)
     # Slices wholly inside the leaf's real vocab ids run without masks (the selects below would be identities
     # there: the same bits); the rest (a partial slice, padding ids) take the masked loop.
+    # Each slice is loaded one iteration ahead (into registers): the next read is in flight while this one's exps
+    # run. Only the schedule of the loads changes, not an operation on a value.
     n_full = (tl.maximum(tl.minimum(LEAF, VALID - first), 0) // BLOCK) * BLOCK
+    ahead = tl.load(base + offs, mask=offs < n_full, other=0.0)
     for start in range(0, n_full, BLOCK):
-        z = _scaled(tl.load(base + start + offs).to(tl.float32), temp)
+        x = ahead
+        ahead = tl.load(base + start + BLOCK + offs, mask=start + BLOCK + offs < n_full, other=0.0)
+        z = _scaled(x.to(tl.float32), temp)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
         acc = acc * scale[:, None] + tl.exp(z - m_new[:, None])
