@@ -1,7 +1,8 @@
 """Which code a benchmark ran: the git commit of the checkout and a digest of the package's sources.
 
 A benchmark's JSON is evidence for a table in docs/PERFORMANCE.md. The commit alone can mislead: a tree copied
-onto a GPU machine may carry a stale ``.git`` (or none), and uncommitted edits do not show in it. The digest of
+onto a GPU machine may carry a stale ``.git`` (or none), and uncommitted edits do not show in HEAD, so the commit is
+marked ``+dirty`` when the package differs from it and left out when the checkout does not track the package. The digest of
 every ``*.py`` file under the package (paths and bytes, in sorted order) names the code that actually ran: equal
 digests, equal sources, wherever the tree came from.
 """
@@ -27,15 +28,24 @@ def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
     return h.hexdigest()
 
 
-def git_commit(where: Path = PACKAGE_DIR) -> str | None:
-    """Short HEAD of the checkout holding ``where`` (None without git or outside a checkout)."""
+def _git(where: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
+        out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip()
+
+
+def git_commit(where: Path = PACKAGE_DIR) -> str | None:
+    """Short HEAD of the checkout holding ``where``, claimed only for sources that checkout tracks: ``SHA`` when
+    ``where`` matches HEAD, ``SHA+dirty`` when a file under it differs from HEAD or is untracked, None without git,
+    outside a checkout, or when the checkout does not track ``where`` (a copy of the package inside another
+    repository's ignored folder would otherwise be credited to that repository's HEAD)."""
+    head = _git(where, "rev-parse", "--short", "HEAD")
+    if not head or not _git(where, "ls-files", "--", "."):
+        return None
+    changed = _git(where, "status", "--porcelain", "--", ".")
+    return head if changed == "" else f"{head}+dirty"
 
 
 def code_identity(package_dir: Path = PACKAGE_DIR) -> dict[str, str | None]:
