@@ -269,15 +269,25 @@ def _sharded_sizes(model: Mapping[str, Any], axis: str) -> dict[str, int]:
     return {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
+def _shards_at(sizes: Mapping[str, int], degree: int) -> bool:
+    """Whether Megatron can shard a model whose sizes split by an axis are ``sizes`` (:func:`_sharded_sizes`) at
+    ``degree``: one dividing every size; with none of them (a dense model's EP) degree 1 only. The one rule behind
+    the layout check (:func:`check_shardable`) and the contract's invariance domains (:func:`shard_degrees`), so a
+    contract claims no layout the trainer refuses."""
+    if not sizes:
+        return degree == 1
+    return all(size % degree == 0 for size in sizes.values())
+
+
 def shard_degrees(model: Mapping[str, Any], axis: str, candidates: Sequence[int] | None = None) -> list[int]:
     """The degrees of ``parallel.<axis>`` among ``candidates`` (default: 1 up to the smallest sharded size) at which
-    Megatron can shard ``model``: those dividing every size :data:`SHARDED_BY` names for the axis. An axis that splits
-    none of the model's sizes (EP of a dense model) keeps every candidate: the contract's invariance domain of that
-    axis, which its digest pins, stays the profile's; a layout at a degree > 1 is refused by :func:`check_shardable`."""
+    Megatron can shard ``model`` (:func:`_shards_at`): those dividing every size :data:`SHARDED_BY` names for the
+    axis. An axis that splits none of the model's sizes (EP of a dense model) keeps degree 1 only, as
+    :func:`check_shardable` refuses any other: the contract's invariance domain of that axis is ``[1]``."""
     sizes = _sharded_sizes(model, axis)
     if candidates is None:
         candidates = range(1, min(sizes.values(), default=1) + 1)
-    return [d for d in candidates if all(size % d == 0 for size in sizes.values())]
+    return [d for d in candidates if _shards_at(sizes, d)]
 
 
 def check_shardable(
@@ -287,25 +297,26 @@ def check_shardable(
     field_name: str | None = None,
     candidates: Sequence[int] | None = None,
 ) -> None:
-    """Refuse a ``parallel.<axis>`` degree (a positive int) that does not divide a size Megatron splits by it: the one
-    sharding check of the trainer's layout (:func:`resolve_parallel`), the rollout's (``rollout.parallel.tp``) and
-    the contract's invariance domains (:func:`shard_degrees`). The error names ``field_name`` (default
-    ``parallel.<axis>``), the sizes it does not divide and the allowed degrees among ``candidates``. A model with
-    none of the sizes the axis splits (a dense model's EP) takes degree 1 only."""
+    """Refuse a ``parallel.<axis>`` degree (a positive int) at which Megatron cannot shard ``model``
+    (:func:`_shards_at`): the one sharding check of the trainer's layout (:func:`resolve_parallel`) and the
+    rollout's (``rollout.parallel.tp``), whose rule also narrows the contract's invariance domains
+    (:func:`shard_degrees`). The error names ``field_name`` (default ``parallel.<axis>``), the sizes the degree does
+    not divide and the allowed degrees among ``candidates``. A model with none of the sizes the axis splits (a dense
+    model's EP) takes degree 1 only."""
     sizes = _sharded_sizes(model, axis)
-    if not sizes and degree != 1:
+    if _shards_at(sizes, degree):
+        return
+    if not sizes:
         names = ", ".join(f"model.{k}" for k in SHARDED_BY.get(axis, ()))
         what = _NOTHING_TO_SHARD.get(axis, f"this model: it sets none of {names}")
         raise SettingsError(
             f"{field_name or f'parallel.{axis}'}={degree} does not apply to {what}; allowed values: [1]"
         )
-    blockers = {k: v for k, v in sizes.items() if v % degree}
-    if blockers:
-        shown = ", ".join(f"model.{k}={v}" for k, v in blockers.items())
-        raise SettingsError(
-            f"{field_name or f'parallel.{axis}'}={degree} does not divide {shown}: Megatron cannot shard this model "
-            f"that way; allowed values: {shard_degrees(model, axis, candidates)}"
-        )
+    shown = ", ".join(f"model.{k}={v}" for k, v in sizes.items() if v % degree)
+    raise SettingsError(
+        f"{field_name or f'parallel.{axis}'}={degree} does not divide {shown}: Megatron cannot shard this model "
+        f"that way; allowed values: {shard_degrees(model, axis, candidates)}"
+    )
 
 
 @dataclass

@@ -191,6 +191,31 @@ def test_invariance_domain_is_narrowed_to_layouts_the_model_can_run(cfg_for):
     assert dense["tp"]["domain"] == [1, 2, 4]  # tiny_dense: 4 KV groups
 
 
+@pytest.mark.parametrize(
+    ("overrides", "ep_domain"),
+    [
+        ([], [1]),  # tiny_dense: no routed experts, parallel.ep > 1 refused
+        (["model=qwen3_0p6b"], [1]),
+        (["model=tiny_moe"], [1, 2, 4, 8]),
+        (["model=tiny_moe", "model.num_experts=6"], [1, 2]),
+    ],
+)
+def test_contract_claims_only_the_ep_degrees_the_trainer_accepts(cfg_for, overrides, ep_domain):
+    """The claimed EP domain is the profile's degrees the layout check accepts, no more: a dense model claims
+    EP 1 only, an MoE model the degrees that divide its experts. Every claimed degree passes check_config, every
+    profile degree left out is refused by it."""
+    from megatron_iso.settings import check_config
+
+    claims = contract_of(cfg_for(*overrides)).to_dict()["numerical_policy"]["claims"]["axes"]
+    assert claims["ep"]["domain"] == ep_domain
+    for ep in [1, 2, 4, 8]:
+        if ep in ep_domain:
+            check_config(cfg_for(*overrides, f"parallel.ep={ep}"))
+        else:
+            with pytest.raises(SettingsError, match=rf"^parallel\.ep={ep} does not"):
+                check_config(cfg_for(*overrides, f"parallel.ep={ep}"))
+
+
 def test_register_refuses_a_constant_the_contract_cannot_record() -> None:
     """A constant of a type the contract cannot canonicalise fails at registration (module import), naming the
     constant, so it cannot first surface when a GPU run builds its contract."""
