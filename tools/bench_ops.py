@@ -106,18 +106,22 @@ def gemm_checks(leaves_list=(1, 2, 8), dtype=torch.bfloat16, config=None) -> dic
     return out
 
 
-def _gemm_time(M, N, K, G, dtype=torch.bfloat16, parallel=None, config=None):
+def _gemm_time(M, N, K, G, dtype=torch.bfloat16, parallel=None, config=None, same_as=None):
+    """(ms, registers, spills) of one leaf-tree GEMM launch; with ``same_as`` (a config) also whether its output
+    has that config's bits on the same inputs."""
     from megatron_iso.ops.gemm import gemm_triton as gt
 
     x = _rand((M, K), dtype, 10)
     w = _rand((N, K), dtype, 11)
     fn = lambda: gt.leaf_tree_linear_triton(x, w, G, parallel=parallel, config=config)  # noqa: E731
-    fn()
+    out = fn()
     ck = gt.LAST_COMPILED
     regs = getattr(ck, "n_regs", None)
     spills = getattr(ck, "n_spills", None)
     ms = _time_ms(fn)
-    return ms, regs, spills
+    if same_as is None:
+        return ms, regs, spills
+    return ms, regs, spills, _bits_equal(out, gt.leaf_tree_linear_triton(x, w, G, parallel=1, config=same_as))
 
 
 def _cublas_ms(M, N, K, dtype=torch.bfloat16):
@@ -136,9 +140,22 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         "f_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="flat"),
         "f_128x256_w8_s2_p0": C(128, 256, 64, 8, 2, park_from=0, loop="flat"),
         "f_128x128_w4_s4_p0": C(128, 128, 64, 4, 4, park_from=0, loop="flat"),
+        # TMA loads, a pipelined K loop per leaf (ops/gemm/gemm_tma_triton.py)
+        "t_128x128_w8_s4_p0": C(128, 128, 64, 8, 4, park_from=0, loop="tma"),
+        "t_128x128_w8_s3_p1": C(128, 128, 64, 8, 3, park_from=1, loop="tma"),
+        "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
+        "t_128x64_w8_s4_p1": C(128, 64, 64, 8, 4, park_from=1, loop="tma"),
+        "t_128x64_w4_s4_p1": C(128, 64, 64, 4, 4, park_from=1, loop="tma"),
+        "t_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="tma"),
     }
+    default = C(128, 128, 64, 8, 4)  # the shipped 8-leaf tile (CONFIGS[bf16]): every variant's bits against it
     rows = []
-    shapes = [(4096, 4096, 4096), (4096, 8192, 8192), (4096, 4096, 14336)]
+    shapes = [
+        (4096, 4096, 4096),
+        (16384, 4096, 4096),
+        (4096, 4096, 12288),
+        (16384, 4096, 12288),
+    ]  # Qwen3-8B row-parallel
     for M, N, K in shapes:
         cub = _cublas_ms(M, N, K)
         tf = lambda ms, M=M, N=N, K=K: 2 * M * N * K / ms / 1e9  # noqa: E731
@@ -146,15 +163,16 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         for name, cfg in variants.items():
             for G in (8,):
                 try:
-                    ms, regs, spills = _gemm_time(M, N, K, G, config=cfg, parallel=1)
+                    ms, regs, spills, same = _gemm_time(M, N, K, G, config=cfg, parallel=1, same_as=default)
                 except Exception as exc:  # a variant that does not compile is a result too
                     rows.append({"variant": name, "M": M, "N": N, "K": K, "G": G, "error": repr(exc)[:300]})
                     print(f"  {name} G={G}: ERROR {exc!r}"[:200], flush=True)
                     continue
-                r = {"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": ms, "tflops": tf(ms),
-                     "ratio": cub / ms, "regs": regs, "spills": spills, "cublas_tflops": tf(cub)}  # fmt: skip
+                r = {"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": ms, "tflops": tf(ms), "ratio": cub / ms,
+                     "regs": regs, "spills": spills, "cublas_tflops": tf(cub), "same_bits_as_default": same}  # fmt: skip
                 rows.append(r)
-                print(f"  {name} G={G}: {tf(ms):.0f} TFLOP/s  {cub / ms:.2f}x  regs={regs} spills={spills}", flush=True)
+                print(f"  {name} G={G}: {tf(ms):.0f} TFLOP/s  {cub / ms:.2f}x  regs={regs} spills={spills} "
+                      f"same bits {same}", flush=True)  # fmt: skip
     # small M: schedules (programs per tile) of the default config
     for N, K in NKS if small_m else ():
         for M in (1, 16, 64, 256):

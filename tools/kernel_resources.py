@@ -8,6 +8,8 @@ program takes, and so how many programs an sm_90 SM holds at once. What it canno
     python tools/kernel_resources.py                       # the attention forward's prefill tiles, register vs park
     python tools/kernel_resources.py --tile bf16:128:64,4,3 --tile bf16:128:64,4,2,park --gate dim
     python tools/kernel_resources.py --sass-dir /tmp/sass_a   # then the same in another tree, and diff -r the two
+    python tools/kernel_resources.py --gemm                   # the 8-leaf GEMM's loops: flat vs TMA tiles
+    python tools/kernel_resources.py --gemm-tile 128x64,8,4,tma,p1 --gemm-shape 16384,4096,12288,8
 
 ``--sass-dir``: each tile's SASS (``cuobjdump -sass``) as a file, the proof a kernel refactor meant to change no
 instruction carries: equal files before and after, encodings included.
@@ -178,15 +180,74 @@ DEFAULT_TILES = (
 )
 
 
+def gemm_resources(m: int, n: int, k: int, leaves: int, cfg: Any) -> KernelResources:
+    """The leaf-tree GEMM kernel ``leaf_tree_linear_triton`` launches for bf16 ``[m, k] @ [n, k].T`` in ``leaves``
+    leaves under tile config ``cfg`` (one program per output tile)."""
+    from megatron_iso.ops.gemm import gemm_triton as gt
+
+    x, w = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+    with compiled_launches() as found:
+        gt.leaf_tree_linear_triton(x, w, leaves, parallel=1, config=cfg)
+    (res,) = found.values()
+    return res
+
+
+def wgmma_waits(sass: str) -> str:
+    """The distinct ``WARPGROUP.DEPBAR.LE gsb0, N`` waits: only 0 means every wgmma is waited for before the next
+    (no tensor-core work overlaps the loop's other instructions); 1 keeps one in flight."""
+    return ",".join(sorted(set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", sass)))) or "-"
+
+
+def _parse_gemm_tile(spec: str) -> Any:
+    from megatron_iso.ops.gemm.gemm_triton import LOOPS, GemmTileConfig
+    from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
+
+    try:
+        tile, warps, stages, loop, *park = spec.split(",")
+        bm, bn = map(int, tile.split("x"))
+        if loop not in LOOPS or len(park) > 1 or (park and not park[0].startswith("p")):
+            raise ValueError
+        park_from = int(park[0][1:]) if park else 0
+        return GemmTileConfig(bm, bn, TRITON_BLOCK_K["bf16"], int(warps), int(stages), park_from=park_from, loop=loop)
+    except ValueError:
+        raise SystemExit(
+            f"--gemm-tile {spec!r}: expected BMxBN,WARPS,STAGES,LOOP[,pPARK_FROM] (LOOP: {LOOPS})"
+        ) from None
+
+
+DEFAULT_GEMM_TILES = ("128x128,8,4,flat,p0", "128x128,8,4,tma,p0", "128x128,8,3,tma,p1", "128x64,8,4,tma,p1")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tile", action="append", help="DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park] (repeatable)")
     ap.add_argument("--gate", default="none", choices=("none", "dim", "head"))
     ap.add_argument("--group", type=int, default=4, help="query heads per kv head (default 4, as Qwen3-8B)")
     ap.add_argument("--sass-dir", type=Path, help="write each tile's SASS to DIR/<tile>.sass (diff two trees' dirs)")
+    ap.add_argument(
+        "--gemm-tile", action="append", help="the bf16 leaf-tree GEMM instead: BMxBN,WARPS,STAGES,LOOP[,pN]"
+    )
+    ap.add_argument("--gemm", action="store_true", help="the leaf-tree GEMM's default candidate tiles")
+    ap.add_argument("--gemm-shape", default="4096,4096,4096,8", help="M,N,K,LEAVES of the GEMM (default 4096^3, 8)")
     args = ap.parse_args(argv)
     if args.sass_dir:
         args.sass_dir.mkdir(parents=True, exist_ok=True)
+    if args.gemm or args.gemm_tile:
+        m, n, k, leaves = map(int, args.gemm_shape.split(","))
+        print(f"leaf-tree GEMM, bf16, {m} x {n} x {k}, {leaves} leaves, sm_90")
+        print(
+            f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'shared B':>10}{'per SM':>8}  wgmma waits"
+        )
+        for spec in args.gemm_tile or DEFAULT_GEMM_TILES:
+            r = gemm_resources(m, n, k, leaves, _parse_gemm_tile(spec))
+            if args.sass_dir:
+                (args.sass_dir / (re.sub(r"[^A-Za-z0-9]+", "_", spec) + ".sass")).write_text(r.sass)
+            print(
+                f"{spec:<24}{r.registers:>6}{r.stack_bytes:>9}{r.spill_ops_in_loops:>20}{r.shared_bytes:>10}"
+                f"{r.programs_per_sm():>8}  {wgmma_waits(r.sass)}",
+                flush=True,
+            )
+        return 0
     print(f"attention one-launch forward, sm_90, gate={args.gate}, group={args.group}")
     print(f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'all':>6}{'shared B':>10}{'per SM':>8}")
     for spec in args.tile or DEFAULT_TILES:

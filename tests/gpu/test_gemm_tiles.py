@@ -47,6 +47,27 @@ def test_tiles_with_same_block_k_give_same_bits(dtype, leaves):
         assert torch.equal(f(x, w, leaves, parallel=1, config=cfg).view(torch.int32), base), cfg
 
 
+# The TMA loop (ops/gemm/gemm_tma_triton.py): candidates for large M, held to the pointer loops' bits.
+TMA_TILES = [(128, 128, 8, 4, 0), (128, 128, 8, 3, 1), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("leaves", [1, 2, 8])
+def test_tma_loop_gives_the_pointer_loops_bits(dtype, leaves):
+    from megatron_iso.ops.gemm.gemm_triton import CONFIGS
+    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton as f
+
+    x, w = _rand((300, 2048), dtype, 47), _rand((640, 2048), dtype, 48)  # partial tiles in M and N
+    base = f(x, w, leaves, parallel=1, config=CONFIGS[dtype]).view(torch.int32)
+    bk = CONFIGS[dtype].block_k
+    for bm, bn, warps, stages, park_from in TMA_TILES:
+        cfg = C(bm, bn, bk, warps, stages if dtype != torch.float32 else 2, park_from=park_from, loop="tma")
+        for parallel in {1, min(leaves, 2)}:
+            got = f(x, w, leaves, parallel=parallel, config=cfg).view(torch.int32)
+            assert torch.equal(got, base), (cfg, parallel)
+
+
 def test_selected_configs_row_bits_independent_of_m():
     from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton as f
 

@@ -51,3 +51,20 @@ def test_programs_per_sm_and_tile_parsing() -> None:
     for bad in ("bf16:128:64,4", "bf16:128:64,4,3,parked", "bf16:128"):
         with pytest.raises(SystemExit, match="expected DTYPE:HEAD_DIM:ROWS,WARPS,STAGES"):
             kr._parse_tile(bad)
+
+
+def test_tma_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
+    """The leaf-tree GEMM's TMA loop: at 128 x 64 x 64 with 8 warps no spill at all and one wgmma kept in flight
+    in the K loop (a wait of 1); the flat loop it is meant to replace waits for every wgmma (only 0)."""
+    tma = kr.gemm_resources(1024, 512, 1024, 8, kr._parse_gemm_tile("128x64,8,4,tma,p1"))
+    assert tma.stack_bytes == 0 and tma.spill_ops_in_loops == 0, tma
+    assert "1" in kr.wgmma_waits(tma.sass).split(","), kr.wgmma_waits(tma.sass)
+    flat = kr.gemm_resources(1024, 512, 1024, 8, kr._parse_gemm_tile("128x128,8,4,flat,p0"))
+    assert kr.wgmma_waits(flat.sass) == "0"
+    cfg = kr._parse_gemm_tile("64x128,4,3,static")
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.loop, cfg.park_from) == (
+        64, 128, 4, 3, "static", 0
+    )  # fmt: skip
+    for bad in ("128x64,8,4", "128x64,8,4,tiled", "128x64,8,4,tma,q1"):
+        with pytest.raises(SystemExit, match="expected BMxBN,WARPS,STAGES,LOOP"):
+            kr._parse_gemm_tile(bad)

@@ -58,10 +58,18 @@ class GemmTileConfig:
     # Tree levels at or above this are parked in fp32 global scratch; below it they stay in registers.
     park_from: int = 0
     # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
-    # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf).
+    # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
+    # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py).
     loop: str = "flat"
     # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
     fp32_precision: str = "ieee"
+
+    def __post_init__(self) -> None:
+        if self.loop not in LOOPS:
+            raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
+
+
+LOOPS = ("static", "flat", "tma")
 
 
 # The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise
@@ -417,25 +425,31 @@ def leaf_tree_linear_triton(
     log2 = per_prog.bit_length() - 1
     if log2 > 4:
         raise ValueError(f"leaf_tree_linear_triton: at most 16 leaves per program, got {per_prog}")
-    n_park = max(0, log2 - cfg.park_from) if cfg.loop == "static" else max(0, log2 - min(cfg.park_from, 1))
+    # The static loop keeps levels below park_from in registers; the flat and TMA loops at most level 0.
+    park_from = cfg.park_from if cfg.loop == "static" else min(cfg.park_from, 1)
+    n_park = max(0, log2 - park_from)
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.
     park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32) if n_park else target
-    kernel = _leaf_tree_static_kernel if (cfg.loop == "static" or per_prog == 1) else _leaf_tree_flat_kernel
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
     global LAST_COMPILED
-    LAST_COMPILED = kernel[grid](
-        x, weight, target, park,
-        M, N,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        M * N if parallel > 1 else 0, N, M * N, n_park * M * N,
-        LEAF_K=leaf_k, LEAVES=per_prog, LOG2_LEAVES=log2,
-        PARK_FROM=cfg.park_from if cfg.loop == "static" else min(cfg.park_from, 1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, CAST_F32=_INTERPRET and x.dtype != torch.float32,
-        IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
-        num_warps=cfg.num_warps,
-    )  # fmt: skip
+    if cfg.loop == "tma":
+        from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma
+
+        LAST_COMPILED = launch_tma(x, weight, target, park, cfg, leaf_k, per_prog, parallel, park_from, n_park)
+    else:
+        kernel = _leaf_tree_static_kernel if (cfg.loop == "static" or per_prog == 1) else _leaf_tree_flat_kernel
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
+        LAST_COMPILED = kernel[grid](
+            x, weight, target, park,
+            M, N,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            M * N if parallel > 1 else 0, N, M * N, n_park * M * N,
+            LEAF_K=leaf_k, LEAVES=per_prog, LOG2_LEAVES=log2, PARK_FROM=park_from,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            STAGES=cfg.num_stages, CAST_F32=_INTERPRET and x.dtype != torch.float32,
+            IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
     if parallel > 1:
         numel = M * N
         block = 1024

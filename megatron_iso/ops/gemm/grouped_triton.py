@@ -173,6 +173,8 @@ def grouped_leaf_tree_linear_triton(
             f"grouped_leaf_tree_linear_triton: config.block_k={cfg.block_k} differs from the dense kernel's "
             f"{CONFIGS[x.dtype].block_k} for {x.dtype}: the result would not be the dense leaf tree's"
         )
+    if cfg.loop not in ("static", "flat"):
+        raise ValueError(f"grouped_leaf_tree_linear_triton: config.loop={cfg.loop!r} must be 'static' or 'flat'")
     leaf_k = k // leaves
     if leaf_k % cfg.block_k:
         raise ValueError(
