@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,6 +24,8 @@ SPECS = [
     (107, 2, {"temperature": 1.0}),
     (108, 7, {"temperature": 0.9, "top_k": 50}),
 ]
+# Staggered arrivals: the step before which each SPECS request joins (:func:`run_schedule`).
+STAGGERED_ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]
 
 
 def setup(overrides: list[str], seed: int = 7):
@@ -114,7 +117,7 @@ def matrix(overrides: list[str], batch_sizes: tuple[int, ...] = (1, 3, 8)) -> di
                 outs += eng.generate(reqs[a : a + bs])
             runs[f"bs{bs}_prefix{prefix}"] = (summary(outs), trainer_scores(model, reqs, outs))
     eng = RolloutEngine(model, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4))
-    outs = run_schedule(eng, reqs[::-1], [0, 0, 1, 3, 4, 4, 6, 9])
+    outs = run_schedule(eng, reqs[::-1], STAGGERED_ARRIVALS)
     runs["staggered"] = (summary(outs), trainer_scores(model, reqs[::-1], outs))
     return runs
 
@@ -264,6 +267,64 @@ def native_gap(overrides: list[str]) -> float:
 def staggered_specs() -> list:
     """:data:`SPECS` with max_new_tokens 3 to 6: sequences leave the batch at different steps."""
     return [(rid, n, {**kw, "max_new_tokens": 3 + i % 4}) for i, (rid, n, kw) in enumerate(SPECS)]
+
+
+class StaggeredRun(NamedTuple):
+    """One :func:`staggered_run`: the engine after the run, the requests, their outputs (request order), and
+    ``graphs_off``: why the engine as built served no decode graphs (its ``decode_graphs_off`` before the run
+    enabled any)."""
+
+    engine: Any
+    requests: list
+    outputs: list
+    graphs_off: str | None
+
+    @property
+    def summary(self) -> dict:
+        """:func:`summary` of the outputs."""
+        return summary(self.outputs)
+
+    @property
+    def static_steps(self) -> int:
+        """Decode steps served from bucket buffers (0 for an eager run)."""
+        graphs = self.engine.decode_graphs
+        return 0 if graphs is None else graphs.steps
+
+
+def staggered_run(
+    model,
+    *,
+    static: bool,
+    buckets: list[int] | None = None,
+    paged: bool = True,
+    writes: list | None = None,
+    watch: Callable[[Any], None] | None = None,
+) -> StaggeredRun:
+    """The decode-graph tests' staggered-engine run on CPU: the :func:`staggered_specs` requests (sequences leave
+    the batch at different steps) on one engine (``max_num_seqs=6``, a 1 MiB KV cache in blocks of 4), request i
+    joining before step ``STAGGERED_ARRIVALS[i]``, until all finish.
+
+    ``static``: decode steps from the bucket buffers, run eagerly (``enable_decode_graphs(capture=False)``), with
+    bucket sizes ``buckets`` in place of the default ones; else every step is eager (the engine built no decode
+    graphs of its own, checked). ``paged``: attention reads the paged KV pool in place as on CUDA, through
+    :func:`paged_reads_as_on_cuda` (its write indices appended to ``writes``); else the model's own attention.
+    ``watch(engine)`` runs once the engine is set up, before the first request joins: where a test wraps the
+    engine's or its graphs' methods to record what they do."""
+    from megatron_iso.inference import EngineConfig, RolloutEngine
+
+    with paged_reads_as_on_cuda(writes, active=paged):
+        reqs = requests(model.config.vocab_size, staggered_specs())
+        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
+        assert eng.decode_graphs is None, f"the engine built decode graphs of its own: {eng.decode_graphs_status()}"
+        graphs_off = eng.decode_graphs_off
+        if static:
+            graphs = eng.enable_decode_graphs(capture=False)
+            if buckets is not None:
+                graphs.buckets = buckets
+        if watch is not None:
+            watch(eng)
+        outs = run_schedule(eng, reqs, STAGGERED_ARRIVALS)
+    return StaggeredRun(eng, reqs, outs, graphs_off)
 
 
 def paged_kernel_standin(writes: list):

@@ -20,45 +20,39 @@ import pytest
 import torch
 
 from megatron_iso.testing.harness import run_on_ranks
+from tests.inference import engine_cases
 
 
 def _run(static: bool, buckets: list[int] | None, profile: str = "correctness") -> dict:
-    from megatron_iso.inference import EngineConfig, RolloutEngine
-    from tests.inference import engine_cases
-
-    tc, model = engine_cases.setup([f"profile={profile}"])
+    """:func:`engine_cases.staggered_run` of the dense model, recording the scratch block, every block a sequence
+    ever holds and (correctness profile) every KV write index."""
+    _, model = engine_cases.setup([f"profile={profile}"])
     writes: list[torch.Tensor] = []
-    # The performance profile stages on CUDA too: its own kernels run here.
-    with engine_cases.paged_reads_as_on_cuda(writes, active=profile == "correctness"):
-        # Different max_new_tokens: sequences leave the batch at different steps.
-        specs = engine_cases.staggered_specs()
-        reqs = engine_cases.requests(tc.vocab_size, specs)
-        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
-        assert eng.decode_graphs is None and "CUDA" in eng.decode_graphs_off
-        scratch = None
-        if static:
-            graphs = eng.enable_decode_graphs(capture=False)
-            if buckets is not None:
-                graphs.buckets = buckets
-            scratch = graphs.scratch
-        held: set[int] = set()
+    held: set[int] = set()
+
+    def watch(eng) -> None:
         real_prepare = eng.kv.prepare_append
 
-        def watch(seq_id, start, count):  # every block a sequence ever holds
+        def prepare(seq_id, start, count):  # every block a sequence ever holds
             real_prepare(seq_id, start, count)
             held.update(eng.kv.tables[seq_id])
 
-        eng.kv.prepare_append = watch
-        outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+        eng.kv.prepare_append = prepare
+
+    # The performance profile stages on CUDA too: its own kernels run here.
+    paged = profile == "correctness"
+    run = engine_cases.staggered_run(model, static=static, buckets=buckets, paged=paged, writes=writes, watch=watch)
+    eng = run.engine
+    assert "CUDA" in run.graphs_off, run.graphs_off
     return {
-        "summary": engine_cases.summary(outs),
+        "summary": run.summary,
         "steps": eng.stats.steps,
-        "scratch": scratch,
+        "scratch": eng.decode_graphs.scratch if static else None,
         "held": held,
         "writes": writes,
         "block_size": eng.kv.block_size,
         "num_decode_rows": eng.stats.decode_tokens,
-        "static_steps": 0 if eng.decode_graphs is None else eng.decode_graphs.steps,
+        "static_steps": run.static_steps,
     }
 
 
@@ -81,12 +75,7 @@ def test_static_decode_steps_give_the_eager_bits(runs) -> None:
     eager = runs["eager"]["summary"]
     assert len(eager) >= 8
     for name in ("static", "padded"):
-        got = runs[name]["summary"]
-        assert got.keys() == eager.keys(), name
-        for key, (tok, lp, reason) in eager.items():
-            tok2, lp2, reason2 = got[key]
-            assert tok == tok2 and reason == reason2, (name, key)
-            assert torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), (name, key)
+        engine_cases.assert_same_outputs(eager, runs[name]["summary"], f"{name} vs eager")
         # Every step but the (at most 8, one per request) prefill steps came from bucket buffers.
         assert runs[name]["static_steps"] >= runs[name]["steps"] - 8 > 0, (
             runs[name]["static_steps"],
@@ -98,6 +87,7 @@ def test_static_decode_steps_give_the_eager_bits(runs) -> None:
 def test_padding_rows_write_only_the_scratch_block(runs) -> None:
     for name in ("static", "padded"):
         r = runs[name]
+        assert r["held"], "the watcher saw no block handed to a sequence"
         assert r["scratch"] not in r["held"], "the scratch block was handed to a sequence"
         bs, scratch = r["block_size"], r["scratch"]
         padded_writes = sum(int((w // bs == scratch).sum()) for w in r["writes"])
@@ -134,7 +124,6 @@ def test_warm_prepares_every_bucket_a_batch_walks_down() -> None:
 
 def _warmed_buckets() -> tuple[list[int], ...]:
     from megatron_iso.inference import EngineConfig, RolloutEngine
-    from tests.inference import engine_cases
 
     _, model = engine_cases.setup(["profile=correctness"])
     eng = RolloutEngine(model, EngineConfig(max_num_seqs=24, kv_cache_bytes=8 << 20, block_size=16))
@@ -179,7 +168,6 @@ def _native_long(static: bool, fail_first_run: bool = False) -> list:
     (what a capture-unsafe op does inside ``_capture``), and the step is then served eagerly."""
     from megatron_iso.inference import EngineConfig, Request, RolloutEngine, SamplingParams
     from megatron_iso.models import modules
-    from tests.inference import engine_cases
 
     tc, model = engine_cases.setup(["profile=performance"])
     eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=8 << 20, block_size=16))

@@ -20,7 +20,6 @@ import torch
 from megatron_iso.testing.harness import run_on_ranks
 from tests.inference import engine_cases
 
-ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]  # the step before which each request joins
 MODELS = {
     "tiny_dense": ["profile=correctness"],
     "tiny_hybrid": ["profile=correctness", "model=tiny_hybrid", "profile.gdn_chunk=4"],
@@ -29,21 +28,11 @@ MODELS = {
 
 
 def _generate(overrides: list[str], buckets: list[int] | None, *, static: bool) -> tuple[dict, int, int]:
-    """The SPECS requests (sequences leaving at different steps, staggered arrivals) on one engine: the outputs'
-    summary, the engine's steps and the decode steps served from bucket buffers."""
-    from megatron_iso.inference import EngineConfig, RolloutEngine
-
-    tc, model = engine_cases.setup(overrides)
-    with engine_cases.paged_reads_as_on_cuda():
-        specs = engine_cases.staggered_specs()
-        reqs = engine_cases.requests(tc.vocab_size, specs)
-        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
-        if static:
-            graphs = eng.enable_decode_graphs(capture=False)
-            if buckets is not None:
-                graphs.buckets = buckets
-        outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
-    return engine_cases.summary(outs), eng.stats.steps, 0 if eng.decode_graphs is None else eng.decode_graphs.steps
+    """:func:`engine_cases.staggered_run` of the model: the outputs' summary, the engine's steps and the decode steps
+    served from bucket buffers."""
+    _, model = engine_cases.setup(overrides)
+    run = engine_cases.staggered_run(model, static=static, buckets=buckets)
+    return run.summary, run.engine.stats.steps, run.static_steps
 
 
 def _runs(overrides: list[str], static: bool) -> dict:

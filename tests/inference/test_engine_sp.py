@@ -20,7 +20,6 @@ from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 from tests.inference import engine_cases
 
-ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]  # the step before which each request joins
 MODELS = {
     "tiny_dense": ["profile=correctness"],
     "tiny_hybrid": ["profile=correctness", "model=tiny_hybrid", "profile.gdn_chunk=4"],
@@ -30,30 +29,26 @@ SP = ["parallel.tp=2", "parallel.sp=true"]
 
 
 def _generate(model, tc, buckets: list[int] | None, *, static: bool, paged: bool = True) -> tuple[dict, dict, dict]:
-    """The SPECS requests on one engine: the outputs' summary, the token counts of its eager forwards and the row
-    counts of its bucket steps, and the trainer's scores. ``paged``: attention reads the pool in place (the
-    kernel's stand-in, as on CUDA), else the CPU's staged views."""
-    from megatron_iso.inference import EngineConfig, RolloutEngine
+    """:func:`engine_cases.staggered_run` of the model: the outputs' summary, the token counts of its eager forwards
+    and the row counts of its bucket steps, and the trainer's scores. ``paged``: attention reads the pool in place
+    (the kernel's stand-in, as on CUDA), else the CPU's staged views."""
     from megatron_iso.models.batch import row_multiple
 
     counts: dict = {"eager": [], "bucket": []}
-    with engine_cases.paged_reads_as_on_cuda(active=paged):
-        specs = engine_cases.staggered_specs()
-        reqs = engine_cases.requests(tc.vocab_size, specs)
-        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
+
+    def watch(eng) -> None:
         forward = eng._forward
         eng._forward = lambda seqs, case, starts, chunks, n, ids: (
             counts["eager"].append(sum(n)) or forward(seqs, case, starts, chunks, n, ids)
         )
         if static:
-            graphs = eng.enable_decode_graphs(capture=False)
-            if buckets is not None:
-                graphs.buckets = buckets
+            graphs = eng.decode_graphs
             step = graphs.decode_step
             graphs.decode_step = lambda starts, *a: counts["bucket"].append(len(starts)) or step(starts, *a)
-        outs = engine_cases.run_schedule(eng, reqs, ARRIVALS)
-    summary = engine_cases.summary(outs)
-    return summary, counts, engine_cases.trainer_scores(model, reqs, outs, pad_to_multiple=row_multiple(tc))
+
+    run = engine_cases.staggered_run(model, static=static, buckets=buckets, paged=paged, watch=watch)
+    trainer = engine_cases.trainer_scores(model, run.requests, run.outputs, pad_to_multiple=row_multiple(tc))
+    return run.summary, counts, trainer
 
 
 def _tp1(names: list[str]) -> dict:

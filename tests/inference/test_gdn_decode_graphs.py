@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_iso.testing.harness import run_on_ranks
+from tests.inference import engine_cases
 
 OVERRIDES = ["model=tiny_hybrid", "profile=correctness", "profile.gdn_chunk=4"]
 
@@ -38,23 +39,16 @@ def _touched(before: dict, state) -> set[int]:
 
 
 def _run(static: bool, buckets: list[int] | None) -> dict:
-    from megatron_iso.inference import EngineConfig, RolloutEngine
-    from tests.inference import engine_cases
-
-    tc, model = engine_cases.setup(OVERRIDES)
+    """:func:`engine_cases.staggered_run` of tiny_hybrid (n = 2 and 3 samples fork shared prompts), recording per
+    graphed step its rows' state slots and the slots it changed, and every slot a sequence is ever given."""
+    _, model = engine_cases.setup(OVERRIDES)
     steps: list[tuple[list[int], set[int], int]] = []  # per graphed step: its rows' slots, slots touched, rows
     handed: set[int] = set()
-    with engine_cases.paged_reads_as_on_cuda():
-        # Different max_new_tokens: sequences leave at different steps; n = 2 and 3 samples fork shared prompts.
-        specs = engine_cases.staggered_specs()
-        reqs = engine_cases.requests(tc.vocab_size, specs)
-        eng = RolloutEngine(model, EngineConfig(max_num_seqs=6, kv_cache_bytes=1 << 20, block_size=4))
-        assert eng.decode_graphs is None and "CUDA" in eng.decode_graphs_off
+
+    def watch(eng) -> None:
         gdn = eng.gdn
         if static:
-            graphs = eng.enable_decode_graphs(capture=False)
-            if buckets is not None:
-                graphs.buckets = buckets
+            graphs = eng.decode_graphs
             real_step = graphs.decode_step
 
             def watched(starts, tables, ids, plan=None, gdn_slots=None):
@@ -68,19 +62,22 @@ def _run(static: bool, buckets: list[int] | None) -> dict:
             graphs.decode_step = watched
         real_prepare = gdn.prepare_append
 
-        def watch(seq_id, start, count):  # every slot a sequence is ever given
+        def prepare(seq_id, start, count):  # every slot a sequence is ever given
             real_prepare(seq_id, start, count)
             handed.add(gdn.slot_of[seq_id])
 
-        gdn.prepare_append = watch
-        outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+        gdn.prepare_append = prepare
+
+    run = engine_cases.staggered_run(model, static=static, buckets=buckets, watch=watch)
+    eng = run.engine
+    assert "CUDA" in run.graphs_off, run.graphs_off
     return {
-        "summary": engine_cases.summary(outs),
+        "summary": run.summary,
         "steps": eng.stats.steps,
         "graphed": steps,
         "handed": handed,
-        "scratch": gdn.scratch,
-        "num_slots": gdn.num_slots,
+        "scratch": eng.gdn.scratch,
+        "num_slots": eng.gdn.num_slots,
         "buckets": sorted(rows for rows, _ in eng.decode_graphs._buckets) if static else [],
     }
 
@@ -98,12 +95,7 @@ def test_hybrid_static_decode_steps_give_the_eager_bits(runs) -> None:
     eager = runs["eager"]["summary"]
     assert len(eager) == 12  # 8 requests, 12 samples
     for name in ("static", "padded"):
-        got = runs[name]["summary"]
-        assert got.keys() == eager.keys(), name
-        for key, (tok, lp, reason) in eager.items():
-            tok2, lp2, reason2 = got[key]
-            assert tok == tok2 and reason == reason2, (name, key)
-            assert torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), (name, key)
+        engine_cases.assert_same_outputs(eager, runs[name]["summary"], f"{name} vs eager")
         # Every step but the (at most 8, one per request) prefill steps came from bucket buffers.
         graphed = len(runs[name]["graphed"])
         assert graphed >= runs[name]["steps"] - 8 > 0, (graphed, runs[name]["steps"])
