@@ -48,41 +48,18 @@ def _leaf_tree_tma_kernel(
     leaf_tiles = LEAF_K // BLOCK_K
     first_tile = sub * LEAVES * leaf_tiles
     s0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    v = s0
     for i in tl.range(0, LEAVES):
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for t in tl.range(0, leaf_tiles, num_stages=STAGES):
             k = (first_tile + i * leaf_tiles + t) * BLOCK_K
             acc = gt._dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc, CAST_F32, IEEE)
-        # The tree step (as _flat_tile's): leaf i closes one subtree per trailing one bit of i + 1.
         rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         rn = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         o_off = rm[:, None] * stride_om + rn[None, :]
         park = park_ptr + sub * stride_ps + o_off
-        v = acc
-        if PARK_FROM >= 1:  # noqa: SIM102 - compile-time test outside, run-time test inside
-            if i % 2 == 1:
-                v = s0 + v
-        for lvl in tl.static_range(PARK_FROM, LOG2_LEAVES):
-            if (i + 1) % (2 << lvl) == 0:
-                v = tl.load(park + (lvl - PARK_FROM) * stride_pl, mask=omask) + v
-        if i < LEAVES - 1:
-            lvl_park = 0  # the level v parks at: the trailing ones of i
-            for lvl in tl.static_range(1, LOG2_LEAVES):
-                if (i + 1) % (1 << lvl) == 0:
-                    lvl_park = lvl
-            if PARK_FROM >= 1:
-                if lvl_park == 0:
-                    s0 = v
-                else:
-                    tl.store(park + (lvl_park - PARK_FROM) * stride_pl, v, mask=omask)
-            else:
-                tl.store(park + lvl_park * stride_pl, v, mask=omask)
-    rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
-    rn = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
-    omask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + sub * stride_op + rm[:, None] * stride_om + rn[None, :], v, mask=omask)
+        out = out_ptr + sub * stride_op + o_off
+        s0 = gt._tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
 
 
 def tma_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:

@@ -254,6 +254,38 @@ def _static_tile(
 
 
 @triton.jit
+def _tree_step(
+    v, s0, i, park, out, omask, stride_pl, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr
+):  # fmt: skip
+    """Leaf ``i``'s fp32 result ``v`` into the stack evaluation of the balanced tree, for loops whose leaf index is a
+    run-time value (flat, TMA): leaf i closes one subtree per trailing one bit of i + 1, adding the lower nodes
+    (level 0 from ``s0`` when ``PARK_FROM >= 1``, higher levels from the fp32 scratch ``park``) on the left; the
+    last leaf stores the root at ``out``, any other parks the node it closed at the level of i's trailing ones.
+    Returns the level-0 slot ``s0``."""
+    if PARK_FROM >= 1:  # noqa: SIM102 - compile-time test outside, run-time test inside
+        if i % 2 == 1:
+            v = s0 + v
+    for lvl in tl.static_range(PARK_FROM, LOG2_LEAVES):
+        if (i + 1) % (2 << lvl) == 0:
+            v = tl.load(park + (lvl - PARK_FROM) * stride_pl, mask=omask) + v
+    if i == LEAVES - 1:
+        tl.store(out, v, mask=omask)
+    else:
+        lvl_park = 0  # the level v parks at: the trailing ones of i
+        for lvl in tl.static_range(1, LOG2_LEAVES):
+            if (i + 1) % (1 << lvl) == 0:
+                lvl_park = lvl
+        if PARK_FROM >= 1:
+            if lvl_park == 0:
+                s0 = v
+            else:
+                tl.store(park + (lvl_park - PARK_FROM) * stride_pl, v, mask=omask)
+        else:
+            tl.store(park + lvl_park * stride_pl, v, mask=omask)
+    return s0
+
+
+@triton.jit
 def _flat_tile(
     x_ptr, w_ptr, out_ptr, park_ptr,
     M, N, pid_m, pid_n, sub,
@@ -291,28 +323,7 @@ def _flat_tile(
             o_off = rm[:, None] * stride_om + rn[None, :]
             park = park_ptr + sub * stride_ps + o_off
             out = out_ptr + sub * stride_op + o_off
-            v = acc
-            if PARK_FROM >= 1:  # noqa: SIM102 - compile-time test outside, run-time test inside
-                if i % 2 == 1:
-                    v = s0 + v
-            for lvl in tl.static_range(PARK_FROM, LOG2_LEAVES):
-                if (i + 1) % (2 << lvl) == 0:
-                    v = tl.load(park + (lvl - PARK_FROM) * stride_pl, mask=omask) + v
-            if i == LEAVES - 1:
-                tl.store(out, v, mask=omask)
-            else:
-                # level to park at = trailing ones of i
-                lvl_park = 0
-                for lvl in tl.static_range(1, LOG2_LEAVES):
-                    if (i + 1) % (1 << lvl) == 0:
-                        lvl_park = lvl
-                if PARK_FROM >= 1:
-                    if lvl_park == 0:
-                        s0 = v
-                    else:
-                        tl.store(park + (lvl_park - PARK_FROM) * stride_pl, v, mask=omask)
-                else:
-                    tl.store(park + lvl_park * stride_pl, v, mask=omask)
+            s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
 
 
