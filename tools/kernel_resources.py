@@ -235,29 +235,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.gemm or args.gemm_tile:
         m, n, k, leaves = map(int, args.gemm_shape.split(","))
         print(f"leaf-tree GEMM, bf16, {m} x {n} x {k}, {leaves} leaves, sm_90")
-        print(
-            f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'shared B':>10}{'per SM':>8}  wgmma waits"
-        )
-        for spec in args.gemm_tile or DEFAULT_GEMM_TILES:
-            r = gemm_resources(m, n, k, leaves, _parse_gemm_tile(spec))
-            if args.sass_dir:
-                (args.sass_dir / (re.sub(r"[^A-Za-z0-9]+", "_", spec) + ".sass")).write_text(r.sass)
-            print(
-                f"{spec:<24}{r.registers:>6}{r.stack_bytes:>9}{r.spill_ops_in_loops:>20}{r.shared_bytes:>10}"
-                f"{r.programs_per_sm():>8}  {wgmma_waits(r.sass)}",
-                flush=True,
-            )
-        return 0
-    print(f"attention one-launch forward, sm_90, gate={args.gate}, group={args.group}")
-    print(f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'all':>6}{'shared B':>10}{'per SM':>8}")
-    for spec in args.tile or DEFAULT_TILES:
-        dtype, dim, cfg = _parse_tile(spec)
-        r = attention_resources(dtype, dim, cfg, gate=args.gate, group=args.group)
+        specs = args.gemm_tile or DEFAULT_GEMM_TILES
+        kernels = {s: lambda s=s: gemm_resources(m, n, k, leaves, _parse_gemm_tile(s)) for s in specs}
+    else:
+        print(f"attention one-launch forward, sm_90, gate={args.gate}, group={args.group}")
+        kernels = {
+            s: lambda s=s: attention_resources(*_parse_tile(s), gate=args.gate, group=args.group)
+            for s in args.tile or DEFAULT_TILES
+        }
+    print(
+        f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'all':>6}{'shared B':>10}{'per SM':>8}"
+        "  wgmma waits"
+    )
+    for spec, compile_kernel in kernels.items():
+        r = compile_kernel()
         if args.sass_dir:
             (args.sass_dir / (re.sub(r"[^A-Za-z0-9]+", "_", spec) + ".sass")).write_text(r.sass)
         print(
             f"{spec:<24}{r.registers:>6}{r.stack_bytes:>9}{r.spill_ops_in_loops:>20}{r.spill_ops:>6}"
-            f"{r.shared_bytes:>10}{r.programs_per_sm():>8}",
+            f"{r.shared_bytes:>10}{r.programs_per_sm():>8}  {wgmma_waits(r.sass)}",
             flush=True,
         )
     return 0
