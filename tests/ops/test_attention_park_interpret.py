@@ -1,7 +1,7 @@
 """The parked form of the one-launch Triton attention under TRITON_INTERPRET=1 (skipped without triton).
 
 A tile config with ``park=True`` keeps the running accumulator in an fp32 scratch tile per program between segment
-merges instead of registers (``forward_kernels_triton._walk_parked``): the same merges of the same floats. Claimed
+merges instead of registers (``forward_kernels_triton._walk``, ``PARK``): the same merges of the same floats. Claimed
 and checked here bit for bit (bit patterns): the parked training forward == the register form for every row of a
 pack whose lengths straddle the 64-key blocks and 128-key segments (1 .. 300 keys: up to three segments, two
 parks), GQA groups 1, 2 and 4, ungated and gated (per dim, per head), a head dim below its power-of-two tile width

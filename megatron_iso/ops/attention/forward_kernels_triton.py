@@ -26,10 +26,10 @@ Per query position ``p`` the arithmetic is fixed (the GPU numerical policy, its 
 - output ``div_rn(ACC, L)``, times ``sigmoid(gate)`` if gated, rounded once to the input dtype.
 
 Schedules (``forward_launch_triton.prepare`` / ``split_schedule``), which move no bit:
-- one launch (:func:`_attend_kernel`): a program walks all key blocks of its tile and merges each segment as
-  it ends (training, prefill, and decode steps that fill the machine). The running ``(M, L, ACC)`` stays in
-  registers through the key loop, or (a tile config with ``park``, :func:`_walk_parked`) ``ACC`` is parked in
-  an fp32 scratch tile of the program between merges, so only the segment's accumulator is live in the loop:
+- one launch (:func:`_attend_kernel`, one key walk :func:`_walk`): a program walks all key blocks of its tile
+  and merges each segment as it ends (training, prefill, and decode steps that fill the machine). The running
+  ``(M, L, ACC)`` stays in registers through the key loop, or (a tile config with ``park``) ``ACC`` is parked
+  in an fp32 scratch tile of the program between merges, so only the segment's accumulator is live in the loop:
   the same merges on the same floats (an fp32 store and load are exact copies), fewer registers;
 - split over keys (flash-decoding; :func:`_segments_kernel` then :func:`_combine_kernel`): for a decode step
   with fewer programs (tiles x kv heads) than SMs, segment programs compute segments' ``(m, l, acc)`` into fp32
@@ -230,50 +230,66 @@ def _cta_barrier(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _merge_parked(
-    park, m_run, l_run, m, l_sum, acc, seg, row_ok, pos,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, SYNC: tl.constexpr,
+def _merge_running(
+    park, m_run, l_run, acc_run, m, l_sum, acc, seg, row_ok, pos,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, PARK: tl.constexpr, SYNC: tl.constexpr,
 ):  # fmt: skip
-    """Segment ``seg``'s state into the running state whose ACC is parked at ``park``: read back (after a barrier:
-    other threads of the program may have stored the elements this thread reads) and merged by
-    :func:`_merge_segment`. Segment 0 reads nothing (the merge takes the segment's state as it is)."""
+    """Segment ``seg``'s state (m, l_sum, acc) into the running state by :func:`_merge_segment`. ``PARK``: the
+    running ACC is not ``acc_run`` but parked at ``park``, read back after a barrier (other threads of the program
+    may have stored the elements this thread reads); segment 0 reads nothing (the merge takes the segment's state
+    as it is)."""
     seen = row_ok & (seg * (SEG_BLOCKS * BLOCK_N) <= pos)
-    z = _cta_barrier(seg, SYNC)
-    acc_run = tl.load(park + z * BLOCK_D, mask=seg > 0, other=0.0)
+    if PARK:
+        z = _cta_barrier(seg, SYNC)
+        acc_run = tl.load(park + z * BLOCK_D, mask=seg > 0, other=0.0)
     return _merge_segment(m_run, l_run, acc_run, m, l_sum, acc, seen, seg == 0)
 
 
 @triton.jit
-def _walk_parked(
+def _walk(
     q, park, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, n_blocks, stride_kt, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
     STAGES: tl.constexpr, P_LOWP: tl.constexpr, IEEE: tl.constexpr, CAST_F32: tl.constexpr, PAGE: tl.constexpr,
-    SYNC: tl.constexpr,
+    PARK: tl.constexpr, SYNC: tl.constexpr,
 ):  # fmt: skip
-    """The one-launch walk of :func:`_attend_kernel` with the running ACC parked in the program's fp32 scratch tile
-    ``park`` ([BLOCK_M, BLOCK_D] addresses) between merges, so only the segment's accumulator is live through
-    the key loop (the register form keeps both: a 64-row, 4-warp bf16 tile at head dim 128 spills). Each
-    segment but the last is merged as it ends and the result stored; the last is merged after the loop and
-    stays in registers for the output. The same merges, in the same order, of the same floats as the register
-    form: a stored and reloaded fp32 is the same float. m and l (a float per row) stay in registers."""
-    m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_run = tl.zeros((BLOCK_M,), tl.float32)
+    """The one-launch walk of :func:`_attend_kernel`: every key block in ascending order into the segment's state,
+    each segment merged into the running ``(M, L, ACC)`` as it ends; returns the running state.
+
+    ``PARK`` chooses where ACC lives between merges. False: in registers, carried through the key loop with the
+    segment's accumulator, and every segment, the last included, merges in the loop. True: in the program's fp32
+    scratch tile ``park`` ([BLOCK_M, BLOCK_D] addresses), so only the segment's accumulator is live through the
+    key loop (the register form holds both: a 64-row, 4-warp bf16 tile at head dim 128 spills); each segment but
+    the last is merged as it ends and the result stored, the last is merged after the loop and stays in registers
+    for the output. The same merges, in the same order, of the same floats: a stored and reloaded fp32 is the
+    same float. M and L (a float per row) stay in registers either way."""
+    m_run, l_run, acc_run = _fresh_state(BLOCK_M, BLOCK_D)
     m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
     for b in tl.range(0, n_blocks, num_stages=STAGES):
         m, l_sum, acc = _block_step(
             q, m, l_sum, acc, b, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, stride_kt,
             qk_scale, BLOCK_M, BLOCK_N, P_LOWP, IEEE, CAST_F32, PAGE,
         )  # fmt: skip
-        if ((b + 1) % SEG_BLOCKS == 0) & (b + 1 < n_blocks):  # a segment ends, not the last: merge and park
-            m_run, l_run, acc_run = _merge_parked(
-                park, m_run, l_run, m, l_sum, acc, b // SEG_BLOCKS, row_ok, pos, BLOCK_D, BLOCK_N, SEG_BLOCKS, SYNC
-            )
-            tl.store(park, acc_run)
+        seg_ends = (b + 1) % SEG_BLOCKS == 0
+        if PARK:  # noqa: SIM108 - a constexpr branch. Parked, the last segment merges after the loop
+            seg_ends = seg_ends & (b + 1 < n_blocks)
+        else:
+            seg_ends = seg_ends | (b + 1 == n_blocks)
+        if seg_ends:  # merge the segment, start the next
+            m_run, l_run, acc_new = _merge_running(
+                park, m_run, l_run, acc_run, m, l_sum, acc, b // SEG_BLOCKS, row_ok, pos, BLOCK_D, BLOCK_N,
+                SEG_BLOCKS, PARK, SYNC,
+            )  # fmt: skip
+            if PARK:  # acc_run is never assigned in the loop, so not carried through it
+                tl.store(park, acc_new)
+            else:
+                acc_run = acc_new
             m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
-    return _merge_parked(
-        park, m_run, l_run, m, l_sum, acc, (n_blocks - 1) // SEG_BLOCKS, row_ok, pos, BLOCK_D, BLOCK_N, SEG_BLOCKS,
-        SYNC,
-    )  # fmt: skip
+    if PARK:  # the last segment: its merge stays in registers for the output
+        m_run, l_run, acc_run = _merge_running(
+            park, m_run, l_run, acc_run, m, l_sum, acc, (n_blocks - 1) // SEG_BLOCKS, row_ok, pos, BLOCK_D, BLOCK_N,
+            SEG_BLOCKS, PARK, SYNC,
+        )  # fmt: skip
+    return m_run, l_run, acc_run
 
 
 @triton.jit
@@ -287,36 +303,24 @@ def _attend_kernel(
     GATED: tl.constexpr, GATE_PER_DIM: tl.constexpr, P_LOWP: tl.constexpr, IEEE: tl.constexpr,
     CAST_F32: tl.constexpr, PAGE: tl.constexpr, PARK: tl.constexpr, SYNC: tl.constexpr,
 ):  # fmt: skip
-    """One program walks every key block of its tile and merges each segment as it ends (one launch). ``PARK``:
-    the running ACC lives in the program's tile of ``park_ptr`` (fp32 ``[programs, BLOCK_M, BLOCK_D]``, program
-    ``tile * kv heads + kv head``) between merges (:func:`_walk_parked`; ``SYNC``: its barrier is real, False
-    only under the interpreter); else ``park_ptr`` is never read."""
+    """One program walks every key block of its tile and merges each segment as it ends (one launch, :func:`_walk`).
+    ``PARK``: the running ACC lives in the program's tile of ``park_ptr`` (fp32 ``[programs, BLOCK_M, BLOCK_D]``,
+    program ``tile * kv heads + kv head``) between merges (``SYNC``: its barrier is real, False only under the
+    interpreter); else ``park_ptr`` is never read."""
     (
         tile, hkv, tok0, kv_len, kv_off, tok, head, row_ok, pos, _, d, d_ok, q, kv_base_k, kv_base_v, n_blocks
     ) = _program_kv(
         q_ptr, k_ptr, v_ptr, tile_seq_ptr, tile_row_ptr, cu_ptr, start_ptr, kv_off_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, GROUP, BLOCK_M, D, BLOCK_D, BLOCK_N, CAST_F32, PAGE,
     )  # fmt: skip
+    park = park_ptr
     if PARK:
         park = park_ptr + (tile * tl.num_programs(1) + hkv).to(tl.int64) * (BLOCK_M * BLOCK_D)
         park += tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + d[None, :]
-        m_run, l_run, acc_run = _walk_parked(
-            q, park, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, n_blocks, stride_kt,
-            qk_scale, BLOCK_M, BLOCK_D, BLOCK_N, SEG_BLOCKS, STAGES, P_LOWP, IEEE, CAST_F32, PAGE, SYNC,
-        )  # fmt: skip
-    else:
-        m_run, l_run, acc_run = _fresh_state(BLOCK_M, BLOCK_D)
-        m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
-        for b in tl.range(0, n_blocks, num_stages=STAGES):
-            m, l_sum, acc = _block_step(
-                q, m, l_sum, acc, b, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, stride_kt,
-                qk_scale, BLOCK_M, BLOCK_N, P_LOWP, IEEE, CAST_F32, PAGE,
-            )  # fmt: skip
-            if ((b + 1) % SEG_BLOCKS == 0) | (b + 1 == n_blocks):  # the segment ends: merge it, start the next
-                seg = b // SEG_BLOCKS
-                seen = row_ok & (seg * (SEG_BLOCKS * BLOCK_N) <= pos)
-                m_run, l_run, acc_run = _merge_segment(m_run, l_run, acc_run, m, l_sum, acc, seen, seg == 0)
-                m, l_sum, acc = _fresh_state(BLOCK_M, BLOCK_D)
+    _, l_run, acc_run = _walk(
+        q, park, kv_base_k, kv_base_v, bt_ptr, kv_off, kv_len, pos, row_ok, d, d_ok, n_blocks, stride_kt, qk_scale,
+        BLOCK_M, BLOCK_D, BLOCK_N, SEG_BLOCKS, STAGES, P_LOWP, IEEE, CAST_F32, PAGE, PARK, SYNC,
+    )  # fmt: skip
     _store_output(
         acc_run, l_run, g_ptr, o_ptr, tok0, tok, head, row_ok, d, d_ok, stride_gt, stride_gh, stride_ot, stride_oh,
         GATED, GATE_PER_DIM,
