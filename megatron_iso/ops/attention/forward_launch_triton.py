@@ -36,7 +36,7 @@ class AttentionTileConfig:
     num_warps: int
     num_stages: int
     # One launch only: park the running accumulator in an fp32 scratch tile per program between segment merges
-    # instead of holding it in registers through the key loop (forward_kernels_triton._walk_parked). The same
+    # instead of holding it in registers through the key loop (forward_kernels_triton._walk). The same
     # bits; fewer registers live in the loop, an fp32 tile stored and reloaded (hot in L2) per segment.
     park: bool = False
 
