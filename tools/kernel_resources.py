@@ -199,8 +199,7 @@ def wgmma_waits(sass: str) -> str:
 
 
 def _parse_gemm_tile(spec: str) -> Any:
-    from megatron_iso.ops.gemm.gemm_triton import LOOPS, GemmTileConfig
-    from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
+    from megatron_iso.ops.gemm.tiles import LOOPS, TRITON_BLOCK_K, GemmTileConfig
 
     try:
         tile, warps, stages, loop, *park = spec.split(",")

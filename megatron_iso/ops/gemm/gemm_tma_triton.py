@@ -21,11 +21,16 @@ TMA needs 16-byte aligned row strides: K * element size a multiple of 16 (:func:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gemm import gemm_triton as gt
+from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
+from megatron_iso.ops.gemm.tiles import GemmTileConfig
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -41,7 +46,7 @@ def _leaf_tree_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     STAGES: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = gt._tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     sub = tl.program_id(1)  # the aligned subtree of LEAVES leaves this program evaluates
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -52,14 +57,14 @@ def _leaf_tree_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for t in tl.range(0, leaf_tiles, num_stages=STAGES):
             k = (first_tile + i * leaf_tiles + t) * BLOCK_K
-            acc = gt._dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc, CAST_F32, IEEE)
+            acc = _dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc, CAST_F32, IEEE)
         rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         rn = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         o_off = rm[:, None] * stride_om + rn[None, :]
         park = park_ptr + sub * stride_ps + o_off
         out = out_ptr + sub * stride_op + o_off
-        s0 = gt._tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
+        s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
 
 
 def tma_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -77,7 +82,7 @@ def launch_tma(
     weight: torch.Tensor,
     target: torch.Tensor,
     park: torch.Tensor,
-    cfg: gt.GemmTileConfig,
+    cfg: GemmTileConfig,
     leaf_k: int,
     per_prog: int,
     parallel: int,
@@ -98,7 +103,7 @@ def launch_tma(
         M, N, M * N if parallel > 1 else 0, N, M * N, n_park * M * N,
         LEAF_K=leaf_k, LEAVES=per_prog, LOG2_LEAVES=per_prog.bit_length() - 1, PARK_FROM=park_from,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, CAST_F32=gt._INTERPRET and x.dtype != torch.float32,
+        STAGES=cfg.num_stages, CAST_F32=_INTERPRET and x.dtype != torch.float32,
         IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee", num_warps=cfg.num_warps,
     )  # fmt: skip
 

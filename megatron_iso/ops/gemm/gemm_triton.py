@@ -30,7 +30,7 @@ result is a node of the G-leaf tree, and adding the rank nodes with the same tre
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import triton
@@ -38,38 +38,13 @@ import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.sm_count import sm_count
-from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K
+from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma
+from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
+from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
 
 IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "3"  # 3: a 16-row tile bucket (M <= 16); tiles chosen among bitwise-equivalent ones since 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@dataclass(frozen=True)
-class GemmTileConfig:
-    """Everything that fixes the instruction sequence of one leaf (keyed into the contract)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
-    # Tree levels at or above this are parked in fp32 global scratch; below it they stay in registers.
-    park_from: int = 0
-    # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
-    # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
-    # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py).
-    loop: str = "flat"
-    # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
-    fp32_precision: str = "ieee"
-
-    def __post_init__(self) -> None:
-        if self.loop not in LOOPS:
-            raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
-
-
-LOOPS = ("static", "flat", "tma")
 
 
 # The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise
@@ -155,34 +130,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> tuple[int, int
 
 
 @triton.jit
-def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped tile order so that consecutive programs share weight tiles in L2; it changes only
-    # which program computes a tile, never how.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * grid_n
-    group = pid // in_group
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
-    if CAST_F32:
-        # The interpreter's bf16 dot is wrong; products of bf16 values are exact in fp32 anyway.
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _static_tile(
     x_ptr, w_ptr, out_ptr, park_ptr,
     M, N, pid_m, pid_n, sub,
@@ -251,38 +198,6 @@ def _static_tile(
                         s2 = v
                     else:
                         s3 = v
-
-
-@triton.jit
-def _tree_step(
-    v, s0, i, park, out, omask, stride_pl, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr
-):  # fmt: skip
-    """Leaf ``i``'s fp32 result ``v`` into the stack evaluation of the balanced tree, for loops whose leaf index is a
-    run-time value (flat, TMA): leaf i closes one subtree per trailing one bit of i + 1, adding the lower nodes
-    (level 0 from ``s0`` when ``PARK_FROM >= 1``, higher levels from the fp32 scratch ``park``) on the left; the
-    last leaf stores the root at ``out``, any other parks the node it closed at the level of i's trailing ones.
-    Returns the level-0 slot ``s0``."""
-    if PARK_FROM >= 1:  # noqa: SIM102 - compile-time test outside, run-time test inside
-        if i % 2 == 1:
-            v = s0 + v
-    for lvl in tl.static_range(PARK_FROM, LOG2_LEAVES):
-        if (i + 1) % (2 << lvl) == 0:
-            v = tl.load(park + (lvl - PARK_FROM) * stride_pl, mask=omask) + v
-    if i == LEAVES - 1:
-        tl.store(out, v, mask=omask)
-    else:
-        lvl_park = 0  # the level v parks at: the trailing ones of i
-        for lvl in tl.static_range(1, LOG2_LEAVES):
-            if (i + 1) % (1 << lvl) == 0:
-                lvl_park = lvl
-        if PARK_FROM >= 1:
-            if lvl_park == 0:
-                s0 = v
-            else:
-                tl.store(park + (lvl_park - PARK_FROM) * stride_pl, v, mask=omask)
-        else:
-            tl.store(park + lvl_park * stride_pl, v, mask=omask)
-    return s0
 
 
 @triton.jit
@@ -444,8 +359,6 @@ def leaf_tree_linear_triton(
     park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32) if n_park else target
     global LAST_COMPILED
     if cfg.loop == "tma":
-        from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma
-
         LAST_COMPILED = launch_tma(x, weight, target, park, cfg, leaf_k, per_prog, parallel, park_from, n_park)
     else:
         kernel = _leaf_tree_static_kernel if (cfg.loop == "static" or per_prog == 1) else _leaf_tree_flat_kernel
