@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.inference.engine_cases import requests, run_schedule, setup, summary, trainer_scores
+from tests.inference.engine_cases import STAGGERED_ARRIVALS, requests, run_schedule, setup, summary, trainer_scores
 
 # GDN chunk 4: the SPECS prompts (1 to 17 tokens) and their 5 generated tokens cross chunk boundaries
 # at every alignment (C-1, C, C+1, 2C+3, ...), in prefill and in decode.
@@ -33,7 +33,7 @@ def schedules(overrides: list[str], batch_sizes: tuple[int, ...] = (1, 3, 8), st
             runs[f"bs{bs}_prefix{prefix}"] = (summary(outs), trainer_scores(model, reqs, outs))
     if staggered:
         eng = _engine(model, max_num_seqs=4)
-        outs = run_schedule(eng, reqs[::-1], [0, 0, 1, 3, 4, 4, 6, 9])
+        outs = run_schedule(eng, reqs[::-1], STAGGERED_ARRIVALS)
         runs["staggered"] = (summary(outs), trainer_scores(model, reqs[::-1], outs))
     return runs
 

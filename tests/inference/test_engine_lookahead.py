@@ -25,7 +25,7 @@ def _run(lookahead: bool, kv_cache_bytes: int, stop: bool) -> dict:
     reqs = engine_cases.requests(tc.vocab_size, max_new_tokens=9, **extra)
     cfg = EngineConfig(kv_cache_bytes=kv_cache_bytes, block_size=4, max_num_seqs=8, lookahead=lookahead)
     eng = RolloutEngine(model, cfg)
-    outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+    outs = engine_cases.run_schedule(eng, reqs, engine_cases.STAGGERED_ARRIVALS)
     return {"bits": _bits(outs), "generated": eng.stats.generated_tokens, "steps": eng.stats.steps}
 
 

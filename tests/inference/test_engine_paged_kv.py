@@ -66,7 +66,7 @@ def _run(paged: bool, engine_allows: bool = True) -> tuple[dict, int, int, int]:
         reqs = engine_cases.requests(tc.vocab_size, max_new_tokens=5)
         knobs = {"kv_cache_bytes": 1 << 20, "block_size": 4, "paged_kv_reads": engine_allows}
         eng = RolloutEngine(model, EngineConfig(max_num_seqs=4, **knobs))
-        outs = engine_cases.run_schedule(eng, reqs, [0, 0, 1, 3, 4, 4, 6, 9])
+        outs = engine_cases.run_schedule(eng, reqs, engine_cases.STAGGERED_ARRIVALS)
         again = RolloutEngine(model, EngineConfig(**knobs))
         outs += again.generate(reqs[:3]) + again.generate(reqs[:3])  # the second call hits the prefix cache
         hits = again.stats.prefix_hit_tokens
