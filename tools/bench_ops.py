@@ -132,6 +132,7 @@ def _cublas_ms(M, N, K, dtype=torch.bfloat16):
 
 def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
     """Tile / park / loop variants of the 8-leaf tree at large M, and schedules at small M."""
+    from megatron_iso.ops.gemm import gemm_triton as gt
     from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
 
     variants = {
@@ -148,7 +149,7 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         "t_128x64_w4_s4_p1": C(128, 64, 64, 4, 4, park_from=1, loop="tma"),
         "t_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="tma"),
     }
-    default = C(128, 128, 64, 8, 4)  # the shipped 8-leaf tile (CONFIGS[bf16]): every variant's bits against it
+    default = gt.CONFIGS[torch.bfloat16]  # the shipped 8-leaf tile: every variant's bits against it
     rows = []
     shapes = [
         (4096, 4096, 4096),

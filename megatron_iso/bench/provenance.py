@@ -2,9 +2,9 @@
 
 A benchmark's JSON is evidence for a table in docs/PERFORMANCE.md. The commit alone can mislead: a tree copied
 onto a GPU machine may carry a stale ``.git`` (or none), and uncommitted edits do not show in HEAD, so the commit is
-marked ``+dirty`` when the package differs from it and left out when the checkout does not track the package. The digest of
-every ``*.py`` file under the package (paths and bytes, in sorted order) names the code that actually ran: equal
-digests, equal sources, wherever the tree came from.
+marked ``+dirty`` when the package differs from it and left out when the checkout does not track the package. The
+digest of every ``*.py`` file under the package (paths and bytes, in sorted order) names the code that actually
+ran: equal digests, equal sources, wherever the tree came from.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -63,8 +64,6 @@ def test_loop_names_and_what_tma_refuses() -> None:
 
     with pytest.raises(ValueError, match=r"loop='tiled' must be one of \('static', 'flat', 'tma'\)"):
         GemmTileConfig(16, 16, 8, 4, 1, loop="tiled")
-    import torch
-
     x = torch.zeros(8, 72, dtype=torch.bfloat16)
     assert tma.tma_supported(x, x) is None
     shifted = torch.zeros(8, 73, dtype=torch.bfloat16)[:, 1:]  # rows of 146 bytes, base 2 bytes past alignment

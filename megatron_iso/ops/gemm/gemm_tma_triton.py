@@ -21,16 +21,11 @@ TMA needs 16-byte aligned row strides: K * element size a multiple of 16 (:func:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
-from megatron_iso.ops.gemm.tiles import GemmTileConfig
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -82,30 +77,18 @@ def launch_tma(
     weight: torch.Tensor,
     target: torch.Tensor,
     park: torch.Tensor,
-    cfg: GemmTileConfig,
-    leaf_k: int,
-    per_prog: int,
-    parallel: int,
-    park_from: int,
-    n_park: int,
+    grid: tuple[int, int],
+    strides: tuple[int, int, int, int],
+    tree: dict[str, object],
 ) -> object:
-    """Launch :func:`_leaf_tree_tma_kernel` over the (tile, subtree) grid; the arguments as
-    ``gemm_triton.leaf_tree_linear_triton`` prepares them for its pointer loops."""
+    """Launch :func:`_leaf_tree_tma_kernel` on ``grid`` (tile, subtree) with the output / park ``strides`` and the
+    launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives its pointer loops."""
     why = tma_supported(x, weight)
     if why is not None:
         raise ValueError(f"leaf_tree_linear_triton: loop='tma' cannot run: {why}")
-    M, N = x.shape[0], weight.shape[0]
-    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
-    return _leaf_tree_tma_kernel[grid](
-        x_desc, w_desc, target, park,
-        M, N, M * N if parallel > 1 else 0, N, M * N, n_park * M * N,
-        LEAF_K=leaf_k, LEAVES=per_prog, LOG2_LEAVES=per_prog.bit_length() - 1, PARK_FROM=park_from,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, CAST_F32=_INTERPRET and x.dtype != torch.float32,
-        IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee", num_warps=cfg.num_warps,
-    )  # fmt: skip
+    x_desc = TensorDescriptor.from_tensor(x, [tree["BLOCK_M"], tree["BLOCK_K"]])
+    w_desc = TensorDescriptor.from_tensor(weight, [tree["BLOCK_N"], tree["BLOCK_K"]])
+    return _leaf_tree_tma_kernel[grid](x_desc, w_desc, target, park, x.shape[0], weight.shape[0], *strides, **tree)
 
 
 __all__ = ["launch_tma", "tma_supported"]

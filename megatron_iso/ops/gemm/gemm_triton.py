@@ -357,23 +357,35 @@ def leaf_tree_linear_triton(
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.
     park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32) if n_park else target
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
+    # Output / park strides (subtree, row, park level, park subtree), then the launch options every loop takes.
+    strides = (M * N if parallel > 1 else 0, N, M * N, n_park * M * N)
+    tree = dict(
+        LEAF_K=leaf_k, LEAVES=per_prog, LOG2_LEAVES=log2, PARK_FROM=park_from,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, CAST_F32=_INTERPRET and x.dtype != torch.float32,
+        IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
     global LAST_COMPILED
     if cfg.loop == "tma":
-        LAST_COMPILED = launch_tma(x, weight, target, park, cfg, leaf_k, per_prog, parallel, park_from, n_park)
+        LAST_COMPILED = launch_tma(x, weight, target, park, grid, strides, tree)
     else:
         kernel = _leaf_tree_static_kernel if (cfg.loop == "static" or per_prog == 1) else _leaf_tree_flat_kernel
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
         LAST_COMPILED = kernel[grid](
-            x, weight, target, park,
-            M, N,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            M * N if parallel > 1 else 0, N, M * N, n_park * M * N,
-            LEAF_K=leaf_k, LEAVES=per_prog, LOG2_LEAVES=log2, PARK_FROM=park_from,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            STAGES=cfg.num_stages, CAST_F32=_INTERPRET and x.dtype != torch.float32,
-            IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
-            num_warps=cfg.num_warps,
-        )  # fmt: skip
+            x,
+            weight,
+            target,
+            park,
+            M,
+            N,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            *strides,
+            **tree,
+        )
     if parallel > 1:
         numel = M * N
         block = 1024
