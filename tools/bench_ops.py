@@ -700,10 +700,45 @@ def logprob_bench(bw: float) -> dict[str, Any]:
                     f"torch leaf-tree reference {ref_ms * 1e3:.1f} us",
                     flush=True,
                 )
+        if T >= 4096:
+            res[f"reciprocal_{T}x{V}"] = _reciprocal_division_rows(logits, tgt, score, bw)
         full = score(logits, tgt)
         res[f"row0_bitwise_{T}x{V}"] = all(_bits_equal(score(logits[:m], tgt[:m])[0], full[0]) for m in (1, 3))
         res[f"tp2_bitwise_{T}x{V}"] = vocab_parallel_check(logits, tgt, 0.7, 8, 2)
     return res
+
+
+def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw: float) -> dict[str, Any]:
+    """t = 0.7 as a Python number (the trainer's form: a device-checked reciprocal, ``temperature_triton``)
+    against the same temperature as a tensor (div_rn per logit), both event-timed (a Python-number temperature
+    is copied to the device per call, which a CUDA graph cannot capture), and their bits."""
+    from megatron_iso.ops.logprob import LocalShards
+    from megatron_iso.ops.logprob.logprob_triton import TritonScores
+    from megatron_iso.ops.logprob.temperature_triton import reciprocal_for
+
+    out: dict[str, Any] = {}
+    for dt in (torch.bfloat16, torch.float16):
+        lg = logits.to(dt)
+
+        def by_number(lg=lg):
+            return TritonScores(lg.unsqueeze(0), LocalShards(1), temperature=0.7, leaves=8).token_logprobs(
+                tgt, ids_in_range=True
+            )
+
+        row = {"reciprocal_checked": reciprocal_for(0.7, dt, lg.device) is not None}
+        row["same_bits"] = _bits_equal(by_number(), score(lg, tgt, 0.7))
+        for form, fn in (("number", by_number), ("tensor", lambda lg=lg: score(lg, tgt, 0.7))):
+            ms = _time_events_ms(fn)
+            gbs = lg.numel() * lg.element_size() / ms / 1e6
+            row[form] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw}
+        out[str(dt)] = row
+        print(
+            f"logprob {dt} {tuple(lg.shape)} t=0.7 events: number (reciprocal, checked={row['reciprocal_checked']}) "
+            f"{row['number']['ms'] * 1e3:.1f} us ({row['number']['of_copy_bw']:.2f} of copy), tensor (div_rn) "
+            f"{row['tensor']['ms'] * 1e3:.1f} us; same bits {row['same_bits']}",
+            flush=True,
+        )
+    return out
 
 
 def entropy_bench(bw: float) -> dict[str, Any]:

@@ -4,6 +4,8 @@ and for running a check in a child process (the variable must be set before trit
 - :func:`allow_runtime_loop_bounds`: triton 3.6's interpreter cannot loop to a run-time bound with numpy
   2.x (``int()`` of a 1-element array); give the interpreter's tensors an ``__index__``. Call it in the
   interpreted process before the first launch.
+- :func:`fuse_interpreted_fma`: make the interpreter's ``tl.fma`` round once, as the GPU's does, for fp32
+  (the interpreter computes ``x * y + z`` in two roundings).
 - :func:`run_interpreted`: run ``python -c SOURCE`` or ``python SCRIPT [ARGS]`` with the interpreter on.
 - :func:`run_interpreted_concurrently`: one such child per argument list, all at once (the interpreter is
   single-threaded Python, so children of a long check share the cores instead of queueing on one).
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 
 def allow_runtime_loop_bounds() -> None:
     """Patch the interpreter's tensor type so a run-time loop bound converts to int."""
@@ -30,6 +34,39 @@ def allow_runtime_loop_bounds() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interp._patch_lang_tensor = patched
+
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a * b + c`` rounded once to fp32 (IEEE fma, ties to even) for fp32 arrays: the product is exact in
+    fp64; the fp64 sum's rounding error (TwoSum) decides the one case where rounding the fp64 sum to fp32
+    could go the other way, a sum that lands exactly on a midpoint between two fp32 neighbours."""
+    a64, b64, c64 = (np.asarray(v, dtype=np.float64) for v in (a, b, c))
+    with np.errstate(all="ignore"):
+        p = a64 * b64
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+        y = s.astype(np.float32)
+        down, up = np.nextafter(y, np.float32(-np.inf)), np.nextafter(y, np.float32(np.inf))
+        y64 = y.astype(np.float64)
+        below = (s == (y64 + down.astype(np.float64)) / 2) & (err < 0)
+        above = (s == (y64 + up.astype(np.float64)) / 2) & (err > 0)
+        exact = np.where(below, down, np.where(above, up, y))
+    return np.where(np.isfinite(s) & np.isfinite(err), exact, y).astype(np.float32)
+
+
+def fuse_interpreted_fma() -> None:
+    """Patch the interpreter's fp32 ``tl.fma`` to :func:`fma_f32` (other dtypes keep the interpreter's form)."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp.InterpreterBuilder.create_fma
+
+    def fused(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return orig(self, x, y, z)
+        return interp.TensorHandle(fma_f32(x.data, y.data, z.data), z.dtype.scalar)
+
+    interp.InterpreterBuilder.create_fma = fused
 
 
 def run_interpreted(

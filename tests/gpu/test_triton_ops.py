@@ -134,6 +134,26 @@ def test_logprob_invariance_and_accuracy(dtype):
     assert float((full.double() - ref).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [0.7, 0.6, 1.3])
+def test_logprob_reciprocal_division_is_div_rn(dtype, t):
+    """At a Python-number temperature the kernel divides by a reciprocal the device checked over every 16-bit
+    logit; the check passes on this GPU, and the scores' bits equal those of a temperature tensor (div_rn)."""
+    from megatron_iso.ops.logprob.logprob_triton import TritonScores
+    from megatron_iso.ops.logprob.reference import LocalShards
+    from megatron_iso.ops.logprob.temperature_triton import reciprocal_for
+
+    assert reciprocal_for(t, dtype, torch.device("cuda")) is not None, "the device check refused the reciprocal"
+    x = _rand((64, 151936), torch.float32, 16) * 5
+    x[0, :512] = 0.0
+    x[1] = 1.1387602e-38  # a subnormal whose slices must divide
+    x[2, ::101] = 3.0e38  # quotients that overflow
+    x = x.to(dtype).unsqueeze(0)
+    fast = TritonScores(x, LocalShards(1), temperature=t, leaves=8)
+    divided = TritonScores(x, LocalShards(1), temperature=torch.full((64, 1), t, device="cuda"), leaves=8)
+    assert _same(fast.m, divided.m) and _same(fast.lse, divided.lse)
+
+
 def test_logprob_valid_vocab_masks_padding():
     from megatron_iso.ops.logprob.logprob_triton import token_logprobs_triton
 

@@ -73,3 +73,58 @@ SCRIPT = textwrap.dedent(
 def test_triton_scores_under_interpreter():
     proc = run_interpreted(SCRIPT, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+FAST_DIVISION = textwrap.dedent(
+    """
+    import sys
+    from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds, fuse_interpreted_fma
+
+    allow_runtime_loop_bounds()
+    if sys.argv[1] == "fused":
+        fuse_interpreted_fma()
+
+    import torch
+    from megatron_iso.ops.logprob.logprob_triton import TritonScores
+    from megatron_iso.ops.logprob.reference import LocalShards
+    from megatron_iso.ops.logprob.temperature_triton import reciprocal_for
+
+    b = lambda t: t.view(torch.int32)
+    g = torch.Generator().manual_seed(5)
+    V = 8 * 2100
+    x = torch.randn(4, V, generator=g) * 6
+    x[0, :40] = 0.0
+    x[0, 40:80] = -0.0
+    x[1, 3000] = 1e-30  # a nonzero logit below TINY: its slice divides
+    x[2, ::97] = 200.0
+    # a bf16 subnormal whose quotient by 0.7 the reciprocal form gets wrong: its slices must divide, and the
+    # row's max (m) is that quotient
+    x[3] = 1.1387602e-38
+    verdicts = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        xs = x.to(dtype).unsqueeze(0)
+        for t in (0.7, 0.6, 1.3, 0.95, 2.0, 1e-3):
+            verdicts[(dtype, t)] = reciprocal_for(t, dtype, xs.device) is not None
+            fast = TritonScores(xs, LocalShards(1), temperature=t, leaves=8)
+            # a temperature tensor never takes the reciprocal form: div_rn in every slice
+            divided = TritonScores(xs, LocalShards(1), temperature=torch.full((4, 1), t), leaves=8)
+            assert torch.equal(b(fast.lse), b(divided.lse)), (dtype, t)
+            assert torch.equal(b(fast.m), b(divided.m)), (dtype, t)
+    print("VERDICTS", all(verdicts.values()))
+    """
+)
+
+
+@pytest.mark.parametrize("fma", ["fused", "interpreted"])
+def test_reciprocal_division_gives_div_rn_bits(fma):
+    """At a Python-number temperature the kernel divides by a checked reciprocal: with an IEEE fma (the GPU's) the
+    device check passes at every temperature tried and the lse's bits equal div_rn's; with the interpreter's
+    two-rounding fma the check must refuse it at some temperature, and the bits still hold (it divides)."""
+    proc = run_interpreted(FAST_DIVISION, args=[fma], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS"))
+    all_passed = line.split()[1] == "True"
+    if fma == "fused":
+        assert all_passed, line
+    else:
+        assert not all_passed, f"a two-rounding fma passed the check everywhere: the check cannot fail ({line})"

@@ -2,8 +2,9 @@
 
 One program per (row, leaf) walks the leaf once in BLOCK-wide slices from the leaf's first entry, each lane
 keeping an online max ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) * z`` of ``z = logits /
-temperature``; the lanes are then combined into the leaf's ``(m, s, u)``. A leaf's partials depend on its
-values alone (not on the shard holding it or the rows beside it), and there are no atomics.
+temperature`` (div_rn, skipped at temperature 1); the lanes are then combined into the leaf's ``(m, s, u)``.
+A leaf's partials depend on its values alone (not on the shard holding it or the rows beside it), and there are
+no atomics.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from megatron_iso.ops.logprob.temperature_triton import scale_by_temperature
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -33,7 +36,7 @@ def _entropy_partials_kernel(
     for start in range(0, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = tl.math.div_rn(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
+        z = scale_by_temperature(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, 1.0, False)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, z)
         rescale = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # both -inf: keep the zeros as they are

@@ -12,6 +12,10 @@ reference (``reference.VocabScores``), with each leaf read once and the fp32 ``z
    leaf tree (``tree_sum_dim`` within a rank, ``Comm.tree`` across ranks), ``lse = m + log(s)``;
 3. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit.
 
+``z`` is the IEEE quotient ``x / t`` (``div_rn``'s bits); at a Python-number temperature the kernel forms it
+from a reciprocal and two fmas where the device has checked that this gives the same bits
+(``temperature_triton``), and skips the division at ``t == 1``.
+
 Every number a row's result depends on comes from that row's own leaves in an order fixed by the leaf
 length and BLOCK alone: the same bits for any batch, any rows beside it, and any TP split of the vocab
 (a rank holds whole leaves). The bits differ from the torch reference's (its leaf sums use the global
@@ -40,6 +44,7 @@ from megatron_iso.ops.logprob.reference import (
     scale_logits,
     temperature_rows,
 )
+from megatron_iso.ops.logprob.temperature_triton import reciprocal_for, scale_by_temperature
 
 BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
 # A schedule choice (the lane tree's order does not depend on it): one warp per program takes a slice's max with
@@ -49,20 +54,9 @@ NUM_WARPS = 1
 
 
 @triton.jit
-def _scaled(x, temp):
-    # x / 1 is x exactly (signed zeros and infinities too): skip the IEEE division. An if statement, a branch in
-    # the kernel: a conditional expression would be a select that still divides.
-    if temp == 1.0:  # noqa: SIM108
-        z = x
-    else:
-        z = tl.math.div_rn(x, temp)
-    return z
-
-
-@triton.jit
 def _leaf_kernel(
-    x_ptr, t_ptr, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
-    BLOCK: tl.constexpr,
+    x_ptr, t_ptr, recip, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
+    BLOCK: tl.constexpr, FAST_DIV: tl.constexpr,
 ):  # fmt: skip
     # out[r, row, leaf] = (m_l, s_l): the leaf's max of z and its sum of exp(z - m_l).
     pr = tl.program_id(0)  # rank-axis entry r and row, as r * ROWS + row
@@ -84,7 +78,7 @@ def _leaf_kernel(
     for start in range(0, n_full, BLOCK):
         x = ahead
         ahead = tl.load(base + start + BLOCK + offs, mask=start + BLOCK + offs < n_full, other=0.0)
-        z = _scaled(x.to(tl.float32), temp)
+        z = scale_by_temperature(x.to(tl.float32), temp, recip, FAST_DIV)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
         acc = acc * scale[:, None] + tl.exp(z - m_new[:, None])
@@ -92,7 +86,7 @@ def _leaf_kernel(
     for start in range(n_full, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = _scaled(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp)
+        z = scale_by_temperature(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, FAST_DIV)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
@@ -138,9 +132,11 @@ class TritonScores(VocabScores):
         self.row_temperature = t.reshape(lead)
         per_leaf = torch.empty((R, rows, self.local_leaves, 2), device=logits.device, dtype=torch.float32)
         if rows:
+            recip = reciprocal_for(temperature, logits.dtype, logits.device)
             _leaf_kernel[(R * rows, self.local_leaves)](
-                x, t, per_leaf, rows, shard, shard // self.local_leaves, self.valid_vocab, comm.first_rank * shard,
-                x.stride(0), x.stride(1), BLOCK=BLOCK, num_warps=NUM_WARPS,
+                x, t, 1.0 if recip is None else recip, per_leaf, rows, shard, shard // self.local_leaves,
+                self.valid_vocab, comm.first_rank * shard, x.stride(0), x.stride(1),
+                BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
             )  # fmt: skip
         m_leaf, s_leaf = per_leaf.unbind(-1)
         m = comm.max(m_leaf.amax(dim=-1))  # [rows]; every row has a valid entry, so m is finite
