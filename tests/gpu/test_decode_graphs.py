@@ -28,14 +28,6 @@ def _generate(model, reqs, graphs: bool):
     return eng, engine_cases.summary(outs)
 
 
-def _same_bits(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key, (tok, lp, reason) in a.items():
-        tok2, lp2, reason2 = b[key]
-        assert tok == tok2 and reason == reason2, key
-        assert torch.equal(lp.view(torch.int32), lp2.view(torch.int32)), key
-
-
 def _eager_and_captured(profile: str, dtype: str):
     """Qwen3-0.6B shapes (the Triton GEMM's tiles need real widths), two layers: the same requests
     through an eager engine and a graph-replaying one (mixed lengths, sequences leaving at different
@@ -70,7 +62,7 @@ def test_captured_decode_gives_the_eager_bits(dtype: str) -> None:
     with launched_world(seed=7):
         tc, model, reqs, eng, eager, captured = _eager_and_captured("correctness", dtype)
         assert eng.decode_graphs.paged
-        _same_bits(eager, captured)
+        engine_cases.assert_same_outputs(eager, captured, "eager vs captured")
 
         # New weights copied in place (the colocated trainer's case): the graphs stay valid.
         load_hf_state_dict(model, random_hf_state_dict(tc, seed=11), tc)
@@ -78,7 +70,7 @@ def test_captured_decode_gives_the_eager_bits(dtype: str) -> None:
         assert not eng.decode_graphs.parameters_moved()
         again = engine_cases.summary(engine_cases.run_schedule(eng, reqs, ARRIVALS))
         _, fresh = _generate(model, reqs, graphs=False)
-        _same_bits(fresh, again)
+        engine_cases.assert_same_outputs(fresh, again, "after a weight update")
 
 
 def test_native_captured_decode_stays_close_to_eager() -> None:
@@ -138,5 +130,5 @@ def test_captured_hybrid_decode_gives_the_eager_bits() -> None:
         assert graphs is not None, eng.decode_graphs_off
         assert graphs.disabled is None, graphs.disabled
         assert graphs.gdn is eng.gdn and graphs.captures >= 2 and graphs.replays > 0, (graphs.captures, graphs.replays)
-        _same_bits(eager, captured)
+        engine_cases.assert_same_outputs(eager, captured, "hybrid eager vs captured")
         assert eng.gdn.free_units() == eng.gdn.capacity()  # every slot back; the scratch slot was never one
