@@ -14,7 +14,7 @@ program takes, and so how many programs an sm_90 SM holds at once. What it canno
 ``--sass-dir``: each tile's SASS (``cuobjdump -sass``) as a file, the proof a kernel refactor meant to change no
 instruction carries: equal files before and after, encodings included.
 
-``--tile DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park]``: the one-launch attention forward
+``--tile DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park][,rMAXNREG]``: the one-launch attention forward
 (``forward_launch_triton.prepare``, a training pack) under that tile config. :func:`compiled_launches` does the
 same for any code that launches Triton kernels: inside it a launch compiles (with the signature, constexprs and
 divisibility specialisations the launch binds, as on a GPU) instead of running.
@@ -161,11 +161,14 @@ def _parse_tile(spec: str) -> tuple[str, int, Any]:
     try:
         dtype, dim, tile = spec.split(":")
         parts = tile.split(",")
-        if len(parts) not in (3, 4) or parts[3:] not in ([], ["park"]):
+        extra = parts[3:]
+        caps = [int(p[1:]) for p in extra if p.startswith("r")]
+        if len(parts) < 3 or len(caps) > 1 or any(p != "park" and not p.startswith("r") for p in extra):
             raise ValueError
-        return dtype, int(dim), AttentionTileConfig(*map(int, parts[:3]), park=parts[3:] == ["park"])
+        cfg = AttentionTileConfig(*map(int, parts[:3]), park="park" in extra, maxnreg=caps[0] if caps else None)
+        return dtype, int(dim), cfg
     except ValueError:
-        raise SystemExit(f"--tile {spec!r}: expected DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park]") from None
+        raise SystemExit(f"--tile {spec!r}: expected DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park][,rMAXNREG]") from None
 
 
 DEFAULT_TILES = (
@@ -219,7 +222,7 @@ DEFAULT_GEMM_TILES = ("128x128,8,4,flat,p0", "128x128,8,4,tma,p0", "128x128,8,3,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tile", action="append", help="DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park] (repeatable)")
+    ap.add_argument("--tile", action="append", help="DTYPE:HEAD_DIM:ROWS,WARPS,STAGES[,park][,rMAXNREG] (repeatable)")
     ap.add_argument("--gate", default="none", choices=("none", "dim", "head"))
     ap.add_argument("--group", type=int, default=4, help="query heads per kv head (default 4, as Qwen3-8B)")
     ap.add_argument("--sass-dir", type=Path, help="write each tile's SASS to DIR/<tile>.sass (diff two trees' dirs)")

@@ -246,9 +246,10 @@ def _max_stages(dtype: torch.dtype, d: int) -> int:
 def test_tile_config_moves_no_bit(at, launch, dtype, group, d):
     """The whole forward (every row of a pack) and a decode step are the same bits under every tile
     config: the kernel's row sum is a fixed tree and its dots accumulate per element in the tensor
-    core's K steps, so decode may run 16-row tiles while training runs 64-row ones. A parked config (the
-    running accumulator stored to fp32 scratch and read back at each merge) too: the lengths reach 200 keys,
-    two segments, so a tile parks and reads back across the barrier."""
+    core's K steps, so decode may run 16-row tiles while training runs 64-row ones. A register cap (ptxas's
+    allocation, no other instruction) too, and a parked config (the running accumulator stored to fp32
+    scratch and read back at each merge): the lengths reach 200 keys, two segments, so a tile parks and
+    reads back across the barrier."""
     hkv = 2
     lens = [1, 37, 64, 200]
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
@@ -259,6 +260,7 @@ def test_tile_config_moves_no_bit(at, launch, dtype, group, d):
         for m, w, s in shapes
         if m * d * dtype.itemsize <= 32768
     ]
+    tiles.append(launch.AttentionTileConfig(16, 4, min(2, _max_stages(dtype, d)), maxnreg=128))  # a register cap
     shipped = at.attention_varlen(q, k, v, torch.tensor(cu))
     for tile in tiles:
         assert _same(at.attention_varlen(q, k, v, torch.tensor(cu), config=tile), shipped), tile

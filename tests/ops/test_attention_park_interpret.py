@@ -72,8 +72,9 @@ def test_parked_forward_equals_register_form_and_split_decode(group: int, hkv: i
 
 
 def test_park_field_and_contract_record() -> None:
-    """``park`` must be a bool; the contract records a table's tile as [rows, warps, stages] and appends "park"
-    only for a parked one (the bf16/fp16 training tile), so the unparked tables keep their records and digests."""
+    """``park`` must be a bool and ``maxnreg`` None or a register count; the contract records a table's tile as
+    [rows, warps, stages] and appends "park" only for a parked one (the bf16/fp16 training tile) and "maxnreg=N"
+    only for a capped one (fp32), so the other tables keep their records and digests."""
     launch = pytest.importorskip("megatron_iso.ops.attention.forward_launch_triton")
     at = pytest.importorskip("megatron_iso.ops.attention.attention_triton")
     with pytest.raises(ValueError, match="park=1 must be a bool"):
@@ -84,4 +85,9 @@ def test_park_field_and_contract_record() -> None:
     assert at._tile_record(launch.AttentionTileConfig(64, 4, 3)) == [64, 4, 3]
     assert at._tile_record(launch.AttentionTileConfig(64, 4, 2, park=True)) == [64, 4, 2, "park"]
     consts = at._constants()
-    assert consts["bfloat16_tile"] == [64, 4, 2, "park"] and consts["float32_decode_tile"] == [16, 4, 2]
+    assert consts["bfloat16_tile"] == [64, 4, 2, "park"] and consts["bfloat16_decode_tile"] == [16, 4, 3]
+    assert at._tile_record(launch.AttentionTileConfig(16, 4, 2, maxnreg=168)) == [16, 4, 2, "maxnreg=168"]
+    assert consts["float32_decode_tile"] == [16, 4, 2, "maxnreg=168"]
+    for bad in (8, 256, 1.5, True):
+        with pytest.raises(ValueError, match="maxnreg"):
+            launch.AttentionTileConfig(16, 4, 2, maxnreg=bad)

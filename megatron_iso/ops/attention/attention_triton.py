@@ -330,13 +330,15 @@ def _constants() -> dict[str, object]:
 
 
 def _tile_record(cfg: AttentionTileConfig) -> list[object]:
-    """A table's tile config as the contract records it: [rows, warps, stages], then "park" for a parked one.
+    """A table's tile config as the contract records it: [rows, warps, stages], then "park" for a parked one and
+    "maxnreg=N" for a register cap.
 
-    ``park`` is a schedule choice like warps and stages (the same merges of the same floats), so it joins the
-    tile's record and nothing else (no numerical-policy entry of its own): a table that switches to a parked tile
-    is a new schedule on record, as a change of warps is. Recorded only when set, so the unparked tables' records,
-    and the digests, are those from before the field existed."""
-    return [cfg.block_m, cfg.num_warps, cfg.num_stages, *(["park"] if cfg.park else [])]
+    ``park`` and ``maxnreg`` are schedule choices like warps and stages (the same operations on the same floats),
+    so they join the tile's record and nothing else (no numerical-policy entry of their own): a table that switches
+    to a parked or capped tile is a new schedule on record, as a change of warps is. Recorded only when set, so the
+    other tables' records, and the digests, are those from before the fields existed."""
+    extra = (["park"] if cfg.park else []) + ([f"maxnreg={cfg.maxnreg}"] if cfg.maxnreg is not None else [])
+    return [cfg.block_m, cfg.num_warps, cfg.num_stages, *extra]
 
 
 _NOTE = (

@@ -39,10 +39,22 @@ class AttentionTileConfig:
     # instead of holding it in registers through the key loop (forward_kernels_triton._walk). The same
     # bits; fewer registers live in the loop, an fp32 tile stored and reloaded (hot in L2) per segment.
     park: bool = False
+    # A register cap for ptxas (PTX .maxnreg), None for its own choice. For fp32 the kernels' dots are long FMA
+    # sequences, and ptxas's own choice for them is 32 registers with kilobytes of spills; a cap well above that
+    # frees it. Register allocation only: the same instructions, so the same bits.
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.park, bool):
             raise ValueError(f"AttentionTileConfig: park={self.park!r} must be a bool (True or False)")
+        if self.maxnreg is not None and (
+            not isinstance(self.maxnreg, int) or isinstance(self.maxnreg, bool) or not 24 <= self.maxnreg <= 255
+        ):
+            raise ValueError(f"AttentionTileConfig: maxnreg={self.maxnreg!r} must be None or an int in [24, 255]")
+
+    def launch_options(self) -> dict[str, int]:
+        """Triton launch options besides warps and stages: the register cap when set."""
+        return {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
 
 
 # Per input dtype and head width, and whether the launch is a decode step (one new token per sequence):
@@ -51,29 +63,33 @@ class AttentionTileConfig:
 # bf16/fp16 training and prefill park the running accumulator (two fp32 64 x 128 accumulators in registers spill
 # at 4 warps; 8 warps per 64 rows run slower still); at 2 stages a parked program takes 112 KB of shared memory, so
 # two fit an SM. tools/bench_ops.py --attention times the unparked tiles beside it.
+# fp32 runs its dots as FMA loops (the exact ieee dot) and caps ptxas's registers: left to itself ptxas gives the
+# kernel 32 registers and spills (64 x 4 x 2: a 14.7 KB stack, 14,794 local-memory operations in loops); 32 rows,
+# 8 warps under a 168 cap: 872 B, 423; decode's 16 x 4 x 2: 5.4 KB -> 832 B (tools/kernel_resources.py, sm_90).
 CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.bfloat16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2, park=True),
     torch.float16: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2, park=True),
-    torch.float32: AttentionTileConfig(block_m=64, num_warps=4, num_stages=2),
+    torch.float32: AttentionTileConfig(block_m=32, num_warps=8, num_stages=2, maxnreg=168),
 }
 DECODE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.bfloat16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=3),
     torch.float16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=3),
-    torch.float32: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2),
+    torch.float32: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2, maxnreg=168),
 }
 # Heads wider than 128 (Qwen3.5 / Qwen3-Next attention: 256). The tiles above need 256 KB of shared
-# memory at head dim 256 (an H200 has 227 KB per block), so fewer rows and stages.
+# memory at head dim 256 (an H200 has 227 KB per block), so fewer rows and stages. fp32 at head dim 256 under a
+# 255-register cap: 16 x 8 x 1 keeps a 2.0 KB stack where 32 x 4 x 1 uncapped had 15.0 KB (decode 16 x 4 x 1: 12.0).
 WIDE_HEAD_DIM = 128
 MAX_HEAD_DIM = 256
 WIDE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.bfloat16: AttentionTileConfig(block_m=64, num_warps=8, num_stages=2),
     torch.float16: AttentionTileConfig(block_m=64, num_warps=8, num_stages=2),
-    torch.float32: AttentionTileConfig(block_m=32, num_warps=4, num_stages=1),
+    torch.float32: AttentionTileConfig(block_m=16, num_warps=8, num_stages=1, maxnreg=255),
 }
 WIDE_DECODE_CONFIGS: dict[torch.dtype, AttentionTileConfig] = {
     torch.bfloat16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2),
     torch.float16: AttentionTileConfig(block_m=16, num_warps=4, num_stages=2),
-    torch.float32: AttentionTileConfig(block_m=16, num_warps=4, num_stages=1),
+    torch.float32: AttentionTileConfig(block_m=16, num_warps=8, num_stages=1, maxnreg=255),
 }
 INTERPRET_CONFIG = AttentionTileConfig(block_m=16, num_warps=4, num_stages=1)
 # Key blocks per segment: softmax state restarts at each segment and segments merge in ascending order
@@ -259,6 +275,7 @@ def prepare(
             q, k_src, v_src, g, out, park, *tile_args, bt,
             q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), g.stride(0), g.stride(1),
             out.stride(0), out.stride(1), qk_scale, **shape, **numerics, **gating, PARK=cfg.park, SYNC=not _INTERPRET,
+            **cfg.launch_options(),
         ), out  # fmt: skip
     # fp32 scratch: each (token, query head) row's (m, l, acc) per segment; a segment no program reaches is
     # never read (the combine walks the tile's segments up to its last position only).
@@ -269,6 +286,7 @@ def prepare(
         _segments_kernel[(n_tiles, hkv, progs)],
         q, k_src, v_src, seg_m, seg_l, seg_acc, *tile_args, bt,
         q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), qk_scale, hq, seg_max, **shape, **numerics,
+        **cfg.launch_options(),
     )  # fmt: skip
     combine = functools.partial(
         _combine_kernel[(n_tiles, hkv)],
