@@ -38,12 +38,3 @@ def require(module: str, feature: str) -> ModuleType:
     except ImportError as exc:
         what, how = _EXTRAS.get(module, (module, f"pip install {module}"))
         raise MissingExtraError(f"{feature} needs {what} (module '{module}'), which is not installed: {how}.") from exc
-
-
-def available(module: str) -> bool:
-    """True if ``module`` imports; never raises."""
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True

@@ -43,13 +43,6 @@ def float_bits(value: float) -> str:
     return "f64:0x" + struct.pack(">d", float(value)).hex()
 
 
-def bits_float(text: str) -> float:
-    """Inverse of :func:`float_bits`."""
-    if not text.startswith("f64:0x"):
-        raise ValueError(f"not a float bit pattern: {text!r} (expected 'f64:0x' + 16 hex digits)")
-    return struct.unpack(">d", bytes.fromhex(text[6:]))[0]
-
-
 def _canonical_constant(name: str, value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value

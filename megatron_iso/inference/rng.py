@@ -121,8 +121,3 @@ def token_words(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         hi1, lo1 = _mulhilo32(c2, _M1)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return c0
-
-
-def as_int64(value: int) -> int:
-    """An unsigned 64-bit value as the int64 with the same bits (what a torch.int64 tensor holds)."""
-    return value - (1 << 64) if value >= 1 << 63 else value

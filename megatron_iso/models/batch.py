@@ -64,10 +64,6 @@ class IsoBatch(PackedSeqParams):
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
-    def num_sequences(self) -> int:
-        return int(self.cu_seqlens_q.numel()) - 1
-
-    @property
     def uses_cache(self) -> bool:
         return self.kv_cache is not None
 

@@ -8,8 +8,8 @@ rank order gives the TP=1 expression bit for bit.
 
 Two forms share the same ``tree_sum``:
 - distributed: ``tree_all_reduce`` / ``tree_reduce_scatter`` over a process group;
-- single process: ``tree_combine`` / ``tree_combine_scatter`` over a list of per-rank partials
-  (ranks simulated in one process, e.g. TP=8 on a laptop).
+- single process: ``tree_combine`` over a list of per-rank partials (ranks simulated in one process, e.g.
+  TP=8 on a laptop).
 
 Autograd follows Megatron's conventions (all-reduce: identity backward; reduce-scatter: all-gather
 backward). Backward gradients that need a sum use the tree too, so they are deterministic.
@@ -51,15 +51,6 @@ def all_gather_list(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
 def tree_combine(partials: Sequence[torch.Tensor]) -> torch.Tensor:
     """Finish the tree over per-rank partials listed in rank order (what every rank would get)."""
     return tree_sum(list(partials))
-
-
-def tree_combine_scatter(partials: Sequence[torch.Tensor], dim: int = 0) -> list[torch.Tensor]:
-    """Per-rank results of a reduce-scatter: rank i gets block i of ``tree_combine`` along ``dim``.
-
-    The tree is elementwise, so a block of the sum equals the sum of the blocks: same bits as the
-    distributed form, which sums only its own block.
-    """
-    return list(tree_combine(partials).chunk(len(partials), dim=dim))
 
 
 # ---------------------------------------------------------------- distributed
@@ -202,19 +193,6 @@ def native_all_reduce(t: torch.Tensor, group: Group = None) -> torch.Tensor:
     out = t.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
-
-
-def native_reduce_scatter(t: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
-    """The library's SUM reduce-scatter (gloo has none: its all-reduce, then this rank's block)."""
-    c = _size(group)
-    if c == 1:
-        return t
-    if dist.get_backend(group) == "gloo":
-        return native_all_reduce(t, group).chunk(c, dim=dim)[_rank(group)].contiguous()
-    src = t.movedim(dim, 0).contiguous()
-    out = src.new_empty(src.shape[0] // c, *src.shape[1:])
-    dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=group)
-    return out.movedim(0, dim).contiguous()
 
 
 def _probe_tree() -> dict[str, torch.Tensor]:

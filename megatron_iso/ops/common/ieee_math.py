@@ -142,11 +142,6 @@ def softplus64(x: torch.Tensor) -> torch.Tensor:
     return _Softplus64.apply(x)
 
 
-def iso_softplus(x: torch.Tensor) -> torch.Tensor:
-    """softplus(x) as float32, computed in float64 and rounded once; same bits for any shape."""
-    return softplus64(x.double()).float()
-
-
 def horner(coeffs: list[float], x: torch.Tensor) -> torch.Tensor:
     """sum(coeffs[n] * x**n) by Horner's rule, highest degree first: one rounding per step."""
     p = torch.full_like(x, coeffs[-1])
