@@ -507,16 +507,25 @@ def attention_bench() -> list[dict[str, Any]]:
             tried.append({"tile": dataclasses.astuple(cfg), "ms": ms_c, "tflops": flop / ms_c / 1e9,
                           "same_bits": _bits_equal(out_c, out)})  # fmt: skip
             del out_c
+        # Longer segments (another arithmetic: a tuning candidate for the contract's SEG_BLOCKS, not a schedule):
+        # fewer merges of the running accumulator per key, against the split decode's finer grain
+        # (attention_decode_split_rows times that side).
+        longer = []
+        for seg in (4, 8):
+            call_s, _ = launch.prepare(q, k, v, None, cu, [0] * n_seq, cu[:-1], scale, 64, None, seg_blocks=seg)
+            ms_s = _time_ms(call_s)
+            longer.append({"seg_blocks": seg, "ms": ms_s, "tflops": flop / ms_s / 1e9})
         qs, ks, vs = (t.view(n_seq, L, -1, d).transpose(1, 2) for t in (q, k, v))
         sdpa = functools.partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True, enable_gqa=True)
         ms_sdpa = _time_ms(sdpa)
         r = {"case": "prefill", "n_seq": n_seq, "L": L, "tile": dataclasses.astuple(launch.CONFIGS[dt]),
              "ms": ms, "tflops": flop / ms / 1e9, "sdpa_ms": ms_sdpa, "sdpa_tflops": flop / ms_sdpa / 1e9,
-             "ratio_to_sdpa": ms_sdpa / ms, "candidates": tried}  # fmt: skip
+             "ratio_to_sdpa": ms_sdpa / ms, "candidates": tried, "longer_segments": longer}  # fmt: skip
         rows.append(r)
         cands = ", ".join(f"{c['tile']}: {c['tflops']:.0f} (same bits {c['same_bits']})" for c in tried)
-        print(f"attn prefill {n_seq}x{L}: ours {r['tflops']:.0f} TFLOP/s (tile {r['tile']}); {cands}; sdpa "
-              f"{r['sdpa_tflops']:.0f} ({r['ratio_to_sdpa']:.2f}x)", flush=True)  # fmt: skip
+        segs = ", ".join(f"{x['seg_blocks']} blocks {x['tflops']:.0f}" for x in longer)
+        print(f"attn prefill {n_seq}x{L}: ours {r['tflops']:.0f} TFLOP/s (tile {r['tile']}); {cands}; segments of "
+              f"{segs}; sdpa {r['sdpa_tflops']:.0f} ({r['ratio_to_sdpa']:.2f}x)", flush=True)  # fmt: skip
     for B, L in ((1, 4096), (32, 4096), (128, 2048), (8, 32768)):
         kc = _rand((B, L + 1, hkv, d), dt, 80)
         vc = _rand((B, L + 1, hkv, d), dt, 81)
