@@ -40,8 +40,9 @@
 #   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120    the same with --staged-kv (staging + write-back)
 #   moe      100    bench_ops --moe: grouped expert GEMM vs a cuBLAS per-expert loop
-#   gemmsweep 240   bench_ops --sweep --sweep-large-only: the 8-leaf GEMM's tile and loop variants (flat, TMA) at the
-#                   Qwen3-8B row-parallel shapes, time against cuBLAS and bits against the shipped tile
+#   gemmsweep 300   bench_ops --sweep --sweep-large-only: the 8-leaf GEMM's tile and loop variants (flat, TMA) and the
+#                   one-leaf GEMM's TMA variants at the Qwen3-8B row-parallel shapes, time against cuBLAS and bits
+#                   against the shipped tile
 #   nccl     300    needs 2 GPUs: tests/multigpu over NCCL (invariance, TP-2 decode graphs)
 #   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
 # The numbers these steps produced: docs/PERFORMANCE.md.
@@ -130,7 +131,7 @@ for s in "$@"; do
       --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --staged-kv \
       --out "$OUT/bench_decode_staged.json" ;;
     moe) step moe 100 20 python3 tools/bench_ops.py --moe --skip-gemm --skip-mem --out "$OUT/bench_moe.json" ;;
-    gemmsweep) step gemmsweep 240 50 python3 tools/bench_ops.py --sweep --sweep-large-only --skip-gemm --skip-mem \
+    gemmsweep) step gemmsweep 300 70 python3 tools/bench_ops.py --sweep --sweep-large-only --skip-gemm --skip-mem \
       --out "$OUT/bench_gemm_sweep.json" ;;
     nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu ;;
     rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
