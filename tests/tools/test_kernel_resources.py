@@ -33,6 +33,22 @@ def test_parked_prefill_tile_has_no_spill_in_its_key_loop() -> None:
     assert "EXIT" in r.sass and "GMMA" in r.sass  # the SASS comes with it (wgmma dots in a 64-row bf16 tile)
 
 
+def test_fp32_tile_register_cap_keeps_ptxas_off_32_registers() -> None:
+    """fp32 attention's dots are FMA loops; with no register cap ptxas allocates 32 registers and spills kilobytes
+    (a 5.4 KB stack at 16 x 4 x 2). The shipped fp32 decode tile carries a cap, and with it the kernel takes more
+    registers and a stack under 1 KB (832 B); without the cap the same tile falls back to 32."""
+    import torch
+
+    from megatron_iso.ops.attention.forward_launch_triton import DECODE_CONFIGS, AttentionTileConfig
+
+    shipped = DECODE_CONFIGS[torch.float32]
+    assert shipped.maxnreg is not None
+    capped = kr.attention_resources("fp32", 128, shipped)
+    assert capped.registers > 64 and capped.stack_bytes < 1024, capped
+    uncapped = kr.attention_resources("fp32", 128, AttentionTileConfig(shipped.block_m, shipped.num_warps, 2))
+    assert uncapped.registers == 32 and uncapped.stack_bytes > 4096, uncapped
+
+
 def test_sass_dir_writes_each_tiles_sass(tmp_path: Path) -> None:
     assert kr.main(["--tile", "bf16:128:16,4,2", "--sass-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.iterdir()
@@ -48,7 +64,8 @@ def test_programs_per_sm_and_tile_parsing() -> None:
     dtype, dim, cfg = kr._parse_tile("bf16:256:64,8,2,park")
     assert (dtype, dim, cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.park) == ("bf16", 256, 64, 8, 2, True)
     assert not kr._parse_tile("fp32:64:16,4,1")[2].park
-    for bad in ("bf16:128:64,4", "bf16:128:64,4,3,parked", "bf16:128"):
+    assert kr._parse_tile("fp32:64:16,4,1,r168")[2].maxnreg == 168
+    for bad in ("bf16:128:64,4", "bf16:128:64,4,3,parked", "bf16:128", "fp32:64:16,4,1,r1,r2"):
         with pytest.raises(SystemExit, match="expected DTYPE:HEAD_DIM:ROWS,WARPS,STAGES"):
             kr._parse_tile(bad)
 
