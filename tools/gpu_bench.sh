@@ -40,9 +40,9 @@
 #   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120    the same with --staged-kv (staging + write-back)
 #   moe      100    bench_ops --moe: grouped expert GEMM vs a cuBLAS per-expert loop
-#   gemmsweep 300   bench_ops --sweep --sweep-large-only: the 8-leaf GEMM's tile and loop variants (flat, TMA) and the
-#                   one-leaf GEMM's TMA variants at the Qwen3-8B row-parallel shapes, time against cuBLAS and bits
-#                   against the shipped tile
+#   gemmsweep 300   bench_ops --sweep --sweep-large-only: the 8-leaf GEMM's tile and loop variants (flat, TMA, Gluon)
+#                   and the one-leaf GEMM's TMA and Gluon variants at the Qwen3-8B row-parallel shapes, time against
+#                   cuBLAS and bits against the shipped tile
 #   nccl     300    needs 2 GPUs: tests/multigpu over NCCL (invariance, TP-2 decode graphs)
 #   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
 # The numbers these steps produced: docs/PERFORMANCE.md.

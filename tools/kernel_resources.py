@@ -117,7 +117,10 @@ def compiled_launches(arch: int = 90) -> Iterator[dict[str, KernelResources]]:
             return
         bind = create_function_from_signature(fn.signature, fn.params, backend)
         options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, *bind(*args, **kwargs))
-        k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options.__dict__)
+        source = ASTSource
+        if fn.is_gluon():
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        k = triton.compile(source(fn, sig, constexprs, attrs), target=target, options=options.__dict__)
         found[name] = _resources(k.asm["cubin"], k.metadata.shared, options.num_warps)
 
     orig = JITFunction.run

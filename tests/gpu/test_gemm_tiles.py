@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_iso.testing.bits import bits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -66,6 +68,28 @@ def test_tma_loop_gives_the_pointer_loops_bits(dtype, leaves):
         for parallel in {1, min(leaves, 2)}:
             got = f(x, w, leaves, parallel=parallel, config=cfg).view(torch.int32)
             assert torch.equal(got, base), (cfg, parallel)
+
+
+# (BM, BN, warps, stages, park_from) of the Gluon loop: one TMA pipeline across the leaves, wgmma kept in flight.
+GLUON_TILES = [(128, 128, 8, 4, 1), (128, 128, 8, 3, 0), (128, 256, 8, 3, 1), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("leaves", [1, 2, 8])
+def test_gluon_loop_gives_the_pointer_loops_bits(dtype, leaves):
+    from megatron_iso.ops.gemm.gemm_triton import CONFIGS
+    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
+    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton as f
+
+    x, w = _rand((300, 2048), dtype, 49), _rand((640, 2048), dtype, 50)  # partial tiles in M and N
+    bk = CONFIGS[dtype].block_k
+    for out_dtype in (torch.float32, dtype):
+        base = f(x, w, leaves, parallel=1, config=CONFIGS[dtype], out_dtype=out_dtype)
+        for bm, bn, warps, stages, park_from in GLUON_TILES:
+            cfg = C(bm, bn, bk, warps, stages, park_from=park_from, loop="gluon")
+            for parallel in {1, min(leaves, 2)}:
+                got = f(x, w, leaves, parallel=parallel, config=cfg, out_dtype=out_dtype)
+                assert torch.equal(bits(got), bits(base)), (cfg, parallel, out_dtype)
 
 
 def test_selected_configs_row_bits_independent_of_m():

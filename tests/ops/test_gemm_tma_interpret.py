@@ -62,7 +62,7 @@ def test_loop_names_and_what_tma_refuses() -> None:
     from megatron_iso.ops.gemm import gemm_tma_triton as tma
     from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig
 
-    with pytest.raises(ValueError, match=r"loop='tiled' must be one of \('static', 'flat', 'tma'\)"):
+    with pytest.raises(ValueError, match=r"loop='tiled' must be one of \('static', 'flat', 'tma', 'gluon'\)"):
         GemmTileConfig(16, 16, 8, 4, 1, loop="tiled")
     x = torch.zeros(8, 72, dtype=torch.bfloat16)
     assert tma.tma_supported(x, x) is None

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.sm_count import sm_count
+from megatron_iso.ops.gemm.gemm_gluon import launch_gluon
 from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma
 from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
@@ -351,8 +352,10 @@ def leaf_tree_linear_triton(
     log2 = per_prog.bit_length() - 1
     if log2 > 4:
         raise ValueError(f"leaf_tree_linear_triton: at most 16 leaves per program, got {per_prog}")
-    # The static loop keeps levels below park_from in registers; the flat and TMA loops at most level 0.
+    # The static loop keeps levels below park_from in registers; the flat, TMA and Gluon loops at most level 0.
     park_from = cfg.park_from if cfg.loop == "static" else min(cfg.park_from, 1)
+    if cfg.loop == "gluon" and log2 <= 1:
+        park_from = 0  # Triton 3.6 fails to lower the Gluon kernel's register level 0 in a 1- or 2-leaf tree
     n_park = max(0, log2 - park_from)
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.
@@ -370,6 +373,8 @@ def leaf_tree_linear_triton(
     global LAST_COMPILED
     if cfg.loop == "tma":
         LAST_COMPILED = launch_tma(x, weight, target, park, grid, strides, tree)
+    elif cfg.loop == "gluon":
+        LAST_COMPILED = launch_gluon(x, weight, target, park, grid, strides, tree)
     else:
         kernel = _leaf_tree_static_kernel if (cfg.loop == "static" or per_prog == 1) else _leaf_tree_flat_kernel
         LAST_COMPILED = kernel[grid](
