@@ -8,7 +8,7 @@ program takes, and so how many programs an sm_90 SM holds at once. What it canno
     python tools/kernel_resources.py                       # the attention forward's prefill tiles, register vs park
     python tools/kernel_resources.py --tile bf16:128:64,4,3 --tile bf16:128:64,4,2,park --gate dim
     python tools/kernel_resources.py --sass-dir /tmp/sass_a   # then the same in another tree, and diff -r the two
-    python tools/kernel_resources.py --gemm                   # the 8-leaf GEMM's loops: flat vs TMA tiles
+    python tools/kernel_resources.py --gemm                   # the 8-leaf GEMM's loops: flat vs TMA vs Gluon tiles
     python tools/kernel_resources.py --gemm-tile 128x64,8,4,tma,p1 --gemm-shape 16384,4096,12288,8
 
 ``--sass-dir``: each tile's SASS (``cuobjdump -sass``) as a file, the proof a kernel refactor meant to change no
@@ -220,7 +220,14 @@ def _parse_gemm_tile(spec: str) -> Any:
         ) from None
 
 
-DEFAULT_GEMM_TILES = ("128x128,8,4,flat,p0", "128x128,8,4,tma,p0", "128x128,8,3,tma,p1", "128x64,8,4,tma,p1")
+DEFAULT_GEMM_TILES = (
+    "128x128,8,4,flat,p0",
+    "128x128,8,4,tma,p0",
+    "128x128,8,3,tma,p1",
+    "128x64,8,4,tma,p1",
+    "128x128,8,4,gluon,p1",
+    "128x256,8,3,gluon,p0",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
