@@ -36,6 +36,8 @@
 #   decode8b 150    the same at Qwen3-8B widths with 8 layers, batch 64
 #   rl8b     300    bench_rl_step iso + native, Qwen3-8B widths with 8 layers, 8 x 8 samples of 256 + 512 tokens,
 #                   trainer micro-batches of 16 (the RL-step table's first row)
+#   rl8bwhole 300   the same with the whole batch in one trainer pass (the table's second row; native runs out of
+#                   memory there)
 #   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs
 #   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120    the same with --staged-kv (staging + write-back)
@@ -56,7 +58,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b decode decoderoof decode8b decodeeager kvpaged kvstaged moe gemmsweep nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole decode decoderoof decode8b decodeeager kvpaged kvstaged moe gemmsweep nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -108,6 +110,9 @@ for s in "$@"; do
     rl8b) step rl8b 300 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 3 --prompts 8 --group 8 \
       --prompt-len 256 --new-tokens 512 --kv-cache-mb 16384 --train-micro-batch-seqs 16 \
       --out "$OUT/rl_step_qwen3_8b_l8_mb16.json" model.num_layers=8 ;;
+    rl8bwhole) step rl8bwhole 300 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 3 --prompts 8 --group 8 \
+      --prompt-len 256 --new-tokens 512 --kv-cache-mb 16384 --out "$OUT/rl_step_qwen3_8b_l8_whole.json" \
+      model.num_layers=8 ;;
     rlhybrid)  # RLHYBRID_PROFILES and RLHYBRID_OVERRIDES hold several words: word splitting on purpose
       # shellcheck disable=SC2086
       step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \
