@@ -28,10 +28,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 BLOCK_M = 16 if _INTERPRET else 64  # query rows per tile
 BLOCK_N = 16 if _INTERPRET else 64  # key rows per tile
-# fp32's dots are FMA loops; left to itself ptxas gives these kernels 32 registers and spills (on sm_90: 7.9-17.7 KB
-# stacks, 13-22 thousand local-memory operations in their loops); capped at 255 it takes all of them (3.1-6.3 KB,
-# 2.8-5.9 thousand). Register allocation only: the same instructions.
+# fp32's dots are FMA loops; left to itself ptxas gives these kernels 32 registers and spills (on sm_90, 64 x 64
+# tiles: 7.9-17.7 KB stacks, 13-22 thousand local-memory operations in their loops). fp32 runs 32 x 32 tiles under a
+# 255-register cap: 32-576 B, 0-302. The backward is deterministic, not invariant, so its tile is free to differ.
 FP32_MAXNREG = 255
+FP32_BLOCK = 16 if _INTERPRET else 32  # fp32 query rows and key rows per tile
 
 
 @triton.jit
@@ -207,10 +208,11 @@ def attention_backward(
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
-    common = dict(GROUP=group, D=d, BM=BLOCK_M, BN=BLOCK_N, DOT_FP32=dot_fp32)
+    bm, bn = (FP32_BLOCK, FP32_BLOCK) if q.dtype == torch.float32 else (BLOCK_M, BLOCK_N)
+    common = dict(GROUP=group, D=d, BM=bm, BN=bn, DOT_FP32=dot_fp32)
     if q.dtype == torch.float32:
         common["maxnreg"] = FP32_MAXNREG
-    q_blocks = triton.cdiv(max(max_len, 1), BLOCK_M)
+    q_blocks = triton.cdiv(max(max_len, 1), bm)
     if t and nseq:
         _stats_kernel[(q_blocks, nseq, heads)](
             q, k, v, o, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
@@ -229,7 +231,7 @@ def attention_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if t and nseq:
-        _dkdv_kernel[(triton.cdiv(max(max_len, 1), BLOCK_N), nseq, kv_heads)](
+        _dkdv_kernel[(triton.cdiv(max(max_len, 1), bn), nseq, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             dk.stride(0), dk.stride(1), qk_scale, scale, num_warps=8, num_stages=2, **common,
         )  # fmt: skip
