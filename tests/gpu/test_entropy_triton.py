@@ -39,3 +39,16 @@ def test_entropy_kernel_matches_fp64_and_is_layout_free(dtype):
         assert same_bits(got, ent[-rows:]), rows
     again = row_entropy(x, temperature=t.unsqueeze(-1), leaves=8, valid_vocab=valid)
     assert same_bits(again, ent)
+
+
+def test_entropy_at_a_number_temperature_equals_the_tensor_form():
+    """A Python-number temperature lets the kernel divide by a device-checked reciprocal; the statistic's bits
+    equal those of the same temperature as a tensor (div_rn per logit)."""
+    from megatron_iso.ops.logprob.entropy import row_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(64, 151936, device="cuda", generator=g) * 4).bfloat16()
+    for t in (0.7, 1.3):
+        number = row_entropy(x, temperature=t, leaves=8)
+        tensor = row_entropy(x, temperature=torch.full((64, 1), t, device="cuda"), leaves=8)
+        assert same_bits(number, tensor), t

@@ -85,6 +85,7 @@ FAST_DIVISION = textwrap.dedent(
         fuse_interpreted_fma()
 
     import torch
+    from megatron_iso.ops.logprob.entropy_triton import entropy_partials_triton
     from megatron_iso.ops.logprob.logprob_triton import TritonScores
     from megatron_iso.ops.logprob.reference import LocalShards
     from megatron_iso.ops.logprob.temperature_triton import reciprocal_for
@@ -110,6 +111,10 @@ FAST_DIVISION = textwrap.dedent(
             divided = TritonScores(xs, LocalShards(1), temperature=torch.full((4, 1), t), leaves=8)
             assert torch.equal(b(fast.lse), b(divided.lse)), (dtype, t)
             assert torch.equal(b(fast.m), b(divided.m)), (dtype, t)
+            # the entropy statistic's leaf partials: the same division, so the same bits either way
+            rows_t = torch.full((4,), t)
+            parts = entropy_partials_triton(xs[0], rows_t, 8, V, 0, scalar_temperature=t)
+            assert torch.equal(b(parts), b(entropy_partials_triton(xs[0], rows_t, 8, V, 0))), ("entropy", dtype, t)
     print("VERDICTS", all(verdicts.values()))
     """
 )

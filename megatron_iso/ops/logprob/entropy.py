@@ -16,6 +16,7 @@ within fp32 accuracy. CUDA runs the kernel, other devices the leaf-tree ``VocabS
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -50,9 +51,11 @@ def entropy_from_partials(parts: torch.Tensor) -> torch.Tensor:
     return (top.squeeze(-1) + torch.log(s_all) - u_all / s_all).float()
 
 
-def _partials_fn(device: torch.device) -> Callable[..., torch.Tensor]:
+def _partials_fn(device: torch.device, temperature: float | torch.Tensor) -> Callable[..., torch.Tensor]:
     if device.type == "cuda":
-        return import_triton_module(TRITON_MODULE, "the entropy statistic on CUDA").entropy_partials_triton
+        fn = import_triton_module(TRITON_MODULE, "the entropy statistic on CUDA").entropy_partials_triton
+        scalar = None if isinstance(temperature, torch.Tensor) else float(temperature)
+        return functools.partial(fn, scalar_temperature=scalar)
     return entropy_partials_reference
 
 
@@ -76,7 +79,7 @@ def row_entropy(
     with torch.no_grad():
         x = logits.detach().reshape(-1, shard)
         t = temperature_rows(temperature, lead, x.device)
-        parts = _partials_fn(x.device)(x, t, leaves // world, valid, rank * shard)
+        parts = _partials_fn(x.device, temperature)(x, t, leaves // world, valid, rank * shard)
         return entropy_from_partials(parts if gather is None else gather(parts)).reshape(lead)
 
 

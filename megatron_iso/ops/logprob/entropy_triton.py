@@ -2,7 +2,7 @@
 
 One program per (row, leaf) walks the leaf once in BLOCK-wide slices from the leaf's first entry, each lane
 keeping an online max ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) * z`` of ``z = logits /
-temperature`` (div_rn, skipped at temperature 1); the lanes are then combined into the leaf's ``(m, s, u)``.
+temperature`` (div_rn's bits, skipped at temperature 1); the lanes are then combined into the leaf's ``(m, s, u)``.
 A leaf's partials depend on its values alone (not on the shard holding it or the rows beside it), and there are
 no atomics.
 """
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.logprob.temperature_triton import scale_by_temperature
+from megatron_iso.ops.logprob.temperature_triton import reciprocal_for, scale_by_temperature
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -21,8 +21,8 @@ NUM_WARPS = 4
 
 @triton.jit
 def _entropy_partials_kernel(
-    x_ptr, t_ptr, out_ptr, LEAF, VALID, FIRST, stride_row,
-    BLOCK: tl.constexpr,
+    x_ptr, t_ptr, recip, out_ptr, LEAF, VALID, FIRST, stride_row,
+    BLOCK: tl.constexpr, FAST_DIV: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     leaf = tl.program_id(1)
@@ -36,7 +36,7 @@ def _entropy_partials_kernel(
     for start in range(0, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = scale_by_temperature(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, 1.0, False)
+        z = scale_by_temperature(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, FAST_DIV)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, z)
         rescale = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # both -inf: keep the zeros as they are
@@ -53,18 +53,27 @@ def _entropy_partials_kernel(
 
 
 def entropy_partials_triton(
-    logits: torch.Tensor, temperature: torch.Tensor, leaves: int, valid: int, first: int
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    leaves: int,
+    valid: int,
+    first: int,
+    *,
+    scalar_temperature: float | None = None,
 ) -> torch.Tensor:
     """``[rows, leaves, 3]`` fp32 ``(m, s, u)`` of each leaf of each row of ``logits [rows, V_shard]`` (the shard
     cut into ``leaves`` equal leaves); ``temperature [rows]`` fp32; global ids ``first + j`` at or past ``valid``
-    masked."""
+    masked. ``scalar_temperature``: the Python number every row's temperature came from, if one did (the kernel
+    may then divide by a device-checked reciprocal, ``temperature_triton``: the same bits)."""
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, shard = x.shape
     out = torch.empty((rows, leaves, 3), device=x.device, dtype=torch.float32)
     if rows:
+        recip = None if scalar_temperature is None else reciprocal_for(scalar_temperature, x.dtype, x.device)
         _entropy_partials_kernel[(rows, leaves)](
-            x, temperature, out, shard // leaves, valid, first, x.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+            x, temperature, 1.0 if recip is None else recip, out, shard // leaves, valid, first, x.stride(0),
+            BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return out
 
 
