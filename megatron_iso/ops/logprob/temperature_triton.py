@@ -14,8 +14,9 @@ device) over every value of the 16-bit dtype that can reach the fast form, compa
 A slice holding a nonzero logit below :data:`TINY` also divides (a per-slice branch, never a per-element
 select, which would pay for both forms). So the bits never depend on which form ran.
 
-Only a Python-number temperature takes the fast form (the trainer's recompute): a temperature tensor (the
-decode graphs' per-row values) would need a check per distinct value, which a captured graph cannot run.
+Only a Python-number temperature takes the fast form (the trainer's recompute and its entropy statistic): a
+temperature tensor (the decode graphs' per-row values) would need a check per distinct value, which a captured
+graph cannot run.
 ``t == 1`` skips the division altogether (``x / 1`` is ``x`` exactly).
 """
 
