@@ -149,10 +149,8 @@ def launch_gluon(
     tree: dict[str, object],
 ) -> object:
     """Launch :func:`_leaf_tree_gluon_kernel` on ``grid`` (tile, subtree) with the output / park ``strides`` and the
-    launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives every loop."""
-    why = gluon_supported(x, weight)
-    if why is not None:
-        raise ValueError(f"leaf_tree_linear_triton: loop='gluon' cannot run: {why}")
+    launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives every loop, for operands it has
+    checked with :func:`gluon_supported`."""
     bm, bn, bk = tree["BLOCK_M"], tree["BLOCK_N"], tree["BLOCK_K"]
     dtype = getattr(gl, _GL_DTYPES[x.dtype])
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))

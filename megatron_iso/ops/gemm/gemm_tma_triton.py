@@ -82,10 +82,8 @@ def launch_tma(
     tree: dict[str, object],
 ) -> object:
     """Launch :func:`_leaf_tree_tma_kernel` on ``grid`` (tile, subtree) with the output / park ``strides`` and the
-    launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives its pointer loops."""
-    why = tma_supported(x, weight)
-    if why is not None:
-        raise ValueError(f"leaf_tree_linear_triton: loop='tma' cannot run: {why}")
+    launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives its pointer loops, for operands it
+    has checked with :func:`tma_supported`."""
     x_desc = TensorDescriptor.from_tensor(x, [tree["BLOCK_M"], tree["BLOCK_K"]])
     w_desc = TensorDescriptor.from_tensor(weight, [tree["BLOCK_N"], tree["BLOCK_K"]])
     return _leaf_tree_tma_kernel[grid](x_desc, w_desc, target, park, x.shape[0], weight.shape[0], *strides, **tree)

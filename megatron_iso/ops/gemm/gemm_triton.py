@@ -38,14 +38,16 @@ import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.sm_count import sm_count
-from megatron_iso.ops.gemm.gemm_gluon import launch_gluon
-from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma
+from megatron_iso.ops.gemm.gemm_gluon import gluon_supported, launch_gluon
+from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma, tma_supported
 from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
 
 IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "3"  # 3: a 16-row tile bucket (M <= 16); tiles chosen among bitwise-equivalent ones since 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The loops over TMA descriptors: what refuses operands a loop cannot run (why, or None), and its launcher.
+_DESCRIPTOR_LOOPS = {"tma": (tma_supported, launch_tma), "gluon": (gluon_supported, launch_gluon)}
 
 
 # The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise
@@ -371,10 +373,12 @@ def leaf_tree_linear_triton(
         num_warps=cfg.num_warps,
     )  # fmt: skip
     global LAST_COMPILED
-    if cfg.loop == "tma":
-        LAST_COMPILED = launch_tma(x, weight, target, park, grid, strides, tree)
-    elif cfg.loop == "gluon":
-        LAST_COMPILED = launch_gluon(x, weight, target, park, grid, strides, tree)
+    if cfg.loop in _DESCRIPTOR_LOOPS:
+        supported, launch = _DESCRIPTOR_LOOPS[cfg.loop]
+        why = supported(x, weight)
+        if why is not None:
+            raise ValueError(f"leaf_tree_linear_triton: loop={cfg.loop!r} cannot run: {why}")
+        LAST_COMPILED = launch(x, weight, target, park, grid, strides, tree)
     else:
         kernel = _leaf_tree_static_kernel if (cfg.loop == "static" or per_prog == 1) else _leaf_tree_flat_kernel
         LAST_COMPILED = kernel[grid](
