@@ -119,7 +119,8 @@ def test_rmsnorm_batch_invariance_and_accuracy(dtype, zero_centered, gated):
 # ------------------------------------------------------------------ logprob
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_logprob_invariance_and_accuracy(dtype):
-    from megatron_iso.ops.logprob.logprob_triton import token_logprobs_triton
+    from megatron_iso.ops.logprob.logprob_triton import TritonScores, token_logprobs_triton
+    from megatron_iso.ops.logprob.reference import LocalShards, VocabScores
 
     V = 32768
     logits = (_rand((70, V), torch.float32, 13) * 4).to(dtype)
@@ -127,9 +128,11 @@ def test_logprob_invariance_and_accuracy(dtype):
     full = token_logprobs_triton([logits], ids, temperature=0.7, leaves=8)
     for m in MS:
         assert _same(token_logprobs_triton([logits[:m]], ids[:m], temperature=0.7, leaves=8), full[:m]), f"M={m}"
-    for tp in (2, 4, 8):
+    for tp in (2, 4, 8):  # the split row statistics around the collectives, and the torch token steps
         shards = list(logits.chunk(tp, dim=-1))
         assert _same(token_logprobs_triton(shards, ids, temperature=0.7, leaves=8), full), f"TP={tp}"
+    one = TritonScores(logits.unsqueeze(0), LocalShards(1), temperature=0.7, leaves=8)
+    assert _same(VocabScores.token_logprobs(one, ids), full), "the token kernel against its torch steps"
     ref = torch.log_softmax(logits.double() / 0.7, dim=-1).gather(-1, ids[:, None].long()).squeeze(-1)
     assert float((full.double() - ref).abs().max()) < 1e-4
 

@@ -75,6 +75,43 @@ def test_triton_scores_under_interpreter():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 
 
+ONE_SHARD_KERNELS = textwrap.dedent(
+    """
+    from megatron_iso.testing.triton_interpret import allow_runtime_loop_bounds
+
+    allow_runtime_loop_bounds()
+
+    import torch
+    from megatron_iso.ops.logprob import LocalShards, VocabScores
+    from megatron_iso.ops.logprob.logprob_triton import TritonScores
+
+    b = lambda t: t.view(torch.int32)
+    g = torch.Generator().manual_seed(5)
+    rows, V, valid = 300, 8 * 96, 8 * 96 - 40  # 300 rows: several row programs and a partial one
+    t = (0.3 + 1.4 * torch.rand(rows, 1, generator=g))  # per-row temperatures: most quotients are inexact
+    ids = torch.randint(0, V, (rows,), generator=g)  # some padding ids among them
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(rows, V, generator=g) * 5).to(dtype)
+        one = TritonScores(x.unsqueeze(0), LocalShards(1), temperature=t, leaves=8, valid_vocab=valid)
+        two = TritonScores(torch.stack(x.chunk(2, -1)), LocalShards(2), temperature=t, leaves=8, valid_vocab=valid)
+        # the one-launch row statistics against the rank sum and log around the collectives
+        assert torch.equal(b(one.m), b(two.m)) and torch.equal(b(one.lse), b(two.lse)), dtype
+        # the token kernel against the torch gather, division and subtraction it replaces
+        assert torch.equal(b(one.token_logprobs(ids)), b(VocabScores.token_logprobs(one, ids))), dtype
+        assert torch.equal(b(one.token_logprobs(ids)), b(two.token_logprobs(ids))), dtype
+        assert torch.isneginf(one.token_logprobs(ids)[ids >= valid]).all() and (ids >= valid).any()
+    print("OK")
+    """
+)
+
+
+def test_one_shard_kernels_equal_the_split_form():
+    """With the whole vocab in one shard the row statistics and the token logprob are one launch each; their bits
+    equal the form that runs across vocab shards (and the torch ops of the token logprob), row by row."""
+    proc = run_interpreted(ONE_SHARD_KERNELS, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
 FAST_DIVISION = textwrap.dedent(
     """
     import sys

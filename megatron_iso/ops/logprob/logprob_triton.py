@@ -9,8 +9,17 @@ reference (``reference.VocabScores``), with each leaf read once and the fp32 ``z
    the max did not move), then the slice's ``exp(z - m)`` are added. The lanes are added by the fixed tree
    (``ops.common.tree_triton.fixed_tree_rowsum``): the leaf's ``(m_l, s_l)``;
 2. ``m = max_l m_l`` (exact across leaves and TP ranks), ``s = sum_l s_l * exp(m_l - m)`` by the fixed
-   leaf tree (``tree_sum_dim`` within a rank, ``Comm.tree`` across ranks), ``lse = m + log(s)``;
-3. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit.
+   leaf tree (the lane tree over a rank's leaves, ``Comm.tree`` across ranks), ``lse = m + log(s)``: one
+   program per block of rows (:func:`_row_stats_kernel`). With the whole vocab in one shard that is one
+   launch; across shards the kernel runs a rank's sum and then the log around the collectives. ``exp`` and
+   ``log`` are the kernel's in both forms, and it is compiled without FMA contraction (a fused
+   ``s_l * e_l + s_k * e_k`` at the tree's first level would differ from a rank holding one leaf), so the bits
+   do not depend on the split;
+3. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit (one launch with the whole
+   vocab in one shard; torch ops across shards: IEEE division and subtraction, the same bits).
+
+Steps 2 and 3 run on a few numbers per row. As torch ops they were some twenty small launches after the one
+that reads the logits; as kernels they are two.
 
 ``z`` is the IEEE quotient ``x / t`` (``div_rn``'s bits); at a Python-number temperature the kernel forms it
 from a reciprocal and two fmas where the device has checked that this gives the same bits
@@ -32,7 +41,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
-from megatron_iso.ops.common.tree import tree_sum_dim
+from megatron_iso.ops.common.ieee_math_triton import NO_FMA
 from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
 from megatron_iso.ops.gemm.reference import check_dtype
 from megatron_iso.ops.logprob.reference import (
@@ -51,6 +60,10 @@ BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a co
 # shuffles alone (no shared-memory step, no barrier), and more programs share an SM. On the H200 at 4096 x 151936
 # (same bits at 1, 2 and 4 warps): bf16 t = 1 381 / 438 / 445 us, t = 0.7 679 / 664 / 694, fp32 566 / 577 / 611.
 NUM_WARPS = 1
+ROW_BLOCK = 64  # rows per program of the row kernels: a schedule choice (each row's numbers are its own)
+# The steps of _row_stats_kernel: one shard holds the whole vocab (max, leaf sum and log in one launch); or,
+# around the cross-rank collectives, a rank's leaf sum given the global max, then the log given the global sum.
+STEP_WHOLE, STEP_RANK_SUM, STEP_LSE = 0, 1, 2
 
 
 @triton.jit
@@ -97,6 +110,49 @@ def _leaf_kernel(
     tl.store(out + 1, fixed_tree_rowsum(acc, 1, BLOCK))
 
 
+@triton.jit
+def _row_stats_kernel(
+    per_leaf_ptr, m_ptr, s_ptr, lse_ptr, N, ROWS,
+    LEAVES: tl.constexpr, STEP: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    # Entry n of the rank axis times the rows (r * ROWS + row); m, lse and the global s are per row.
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = n < N
+    row = n % ROWS
+    if STEP == 2:
+        m = tl.load(m_ptr + row, mask=ok, other=0.0)
+        s = tl.load(s_ptr + row, mask=ok, other=1.0)
+    else:
+        at = per_leaf_ptr + (n[:, None] * LEAVES + tl.arange(0, LEAVES)[None, :]) * 2
+        m_l = tl.load(at, mask=ok[:, None], other=0.0)
+        if STEP == 0:
+            m = tl.max(m_l, axis=1)  # a max: exact
+            tl.store(m_ptr + row, m, mask=ok)
+        else:
+            m = tl.load(m_ptr + row, mask=ok, other=0.0)
+        w = tl.load(at + 1, mask=ok[:, None], other=1.0) * tl.exp(m_l - m[:, None])  # an all-padding leaf: 0
+        s = tl.reshape(w, (BLOCK_R,)) if LEAVES == 1 else fixed_tree_rowsum(w, BLOCK_R, LEAVES)
+    if STEP == 1:
+        tl.store(s_ptr + n, s, mask=ok)
+    else:
+        tl.store(lse_ptr + row, m + tl.log(s), mask=ok)
+
+
+@triton.jit
+def _token_logprob_kernel(
+    x_ptr, stride_row, ids_ptr, t_ptr, lse_ptr, out_ptr, ROWS, SHARD, VALID, BLOCK_R: tl.constexpr
+):
+    # One shard holds the whole vocab: z_target - lse, z_target as VocabScores._z_at forms it (div_rn is the
+    # IEEE division torch runs), a padding id at -inf.
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = row < ROWS
+    ids = tl.load(ids_ptr + row, mask=ok, other=0)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + tl.minimum(tl.maximum(ids, 0), SHARD - 1), mask=ok)
+    z = tl.math.div_rn(x.to(tl.float32), tl.load(t_ptr + row, mask=ok, other=1.0))
+    z = tl.where(ids >= VALID, float("-inf"), z)
+    tl.store(out_ptr + row, z - tl.load(lse_ptr + row, mask=ok, other=0.0), mask=ok)
+
+
 class TritonScores(VocabScores):
     """:class:`~megatron_iso.ops.logprob.reference.VocabScores` with ``lse`` from :func:`_leaf_kernel`'s leaf sums;
     ``z`` (the fp32 scaled logits) is made only when a query needs every entry (``log_softmax``, ``entropy``).
@@ -138,11 +194,47 @@ class TritonScores(VocabScores):
                 self.valid_vocab, comm.first_rank * shard, x.stride(0), x.stride(1),
                 BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
             )  # fmt: skip
-        m_leaf, s_leaf = per_leaf.unbind(-1)
-        m = comm.max(m_leaf.amax(dim=-1))  # [rows]; every row has a valid entry, so m is finite
-        s = comm.tree(tree_sum_dim(s_leaf * torch.exp(m_leaf - m.unsqueeze(-1)), -1))  # an all-padding leaf: 0
-        self.m = m.reshape(lead)
-        self.lse = self.m + torch.log(s.reshape(lead))
+        self._rows, self._row_t = x, t
+        m, lse = self._row_statistics(per_leaf, comm)
+        self.m, self.lse = m.reshape(lead), lse.reshape(lead)
+
+    def _one_shard(self) -> bool:
+        return self.logits.shape[0] == 1 and self.comm.world == 1
+
+    def _row_statistics(self, per_leaf: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(m, lse)`` per row from the leaves' ``(m_l, s_l)`` ``[R, rows, L, 2]``."""
+        R, rows, L = per_leaf.shape[:3]
+        lse = torch.empty(rows, device=per_leaf.device, dtype=torch.float32)
+
+        def launch(step: int, m: torch.Tensor, s: torch.Tensor, n: int) -> None:
+            if n:
+                grid = (triton.cdiv(n, ROW_BLOCK),)
+                _row_stats_kernel[grid](
+                    per_leaf, m, s, lse, n, rows, LEAVES=L, STEP=step, BLOCK_R=ROW_BLOCK, **NO_FMA
+                )  # fmt: skip
+
+        if self._one_shard():
+            m = torch.empty_like(lse)
+            launch(STEP_WHOLE, m, lse, rows)
+            return m, lse
+        m = comm.max(per_leaf[..., 0].amax(dim=-1)).contiguous()  # [rows]; every row has a valid entry: finite
+        s_rank = torch.empty((R, rows), device=per_leaf.device, dtype=torch.float32)
+        launch(STEP_RANK_SUM, m, s_rank, R * rows)
+        launch(STEP_LSE, m, comm.tree(s_rank).contiguous(), rows)
+        return m, lse
+
+    def token_logprobs(self, target_ids: torch.Tensor, *, ids_in_range: bool = False) -> torch.Tensor:
+        if not self._one_shard():
+            return super().token_logprobs(target_ids, ids_in_range=ids_in_range)
+        ids = self._checked_targets(target_ids, ids_in_range).reshape(-1)
+        out = torch.empty_like(self.lse)
+        rows = ids.numel()
+        if rows:
+            _token_logprob_kernel[(triton.cdiv(rows, ROW_BLOCK),)](
+                self._rows, self._rows.stride(1), ids, self._row_t, self.lse, out, rows, self.shard,
+                self.valid_vocab, BLOCK_R=ROW_BLOCK,
+            )  # fmt: skip
+        return out
 
     @property
     def z(self) -> torch.Tensor:
@@ -180,7 +272,7 @@ register(
     OpImpl(
         op="logprob",
         impl_id="vocab_logprob.triton",
-        version="1",
+        version="2",
         device_class="cuda",
         profile=Profile.CORRECTNESS,
         fn=_triton_scores,
@@ -190,7 +282,9 @@ register(
             "max": "exact (running slice max per leaf, then max over leaves and ranks)",
             "exp_sum": f"per leaf: {BLOCK} lanes rescaled to the running max, fixed lane tree; "
             "leaves rescaled to the row max, leaf tree",
-            "exp": "tl.exp (fp32)",
+            "exp": "tl.exp (fp32), in the leaves and across them",
+            "lse": "m + tl.log(s)",
+            "fp_contraction": "leaf kernel: on; row statistics: off",
             "triton": triton.__version__,
         },
         probe=_probe,

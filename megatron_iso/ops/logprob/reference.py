@@ -194,14 +194,19 @@ class VocabScores:
         """[...] fp32 log-probability of each row's target (global vocab ids). ``ids_in_range``: the
         caller guarantees every id is in ``[0, vocab)`` (e.g. ids it sampled from this vocab), so the
         check, a host read on a GPU, is skipped."""
+        target_ids = self._checked_targets(target_ids, ids_in_range)
+        owner = target_ids // self.shard  # global shard holding the target
+        local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
+        return self.comm.pick(self._z_at(local, target_ids), owner) - self.lse
+
+    def _checked_targets(self, target_ids: torch.Tensor, ids_in_range: bool) -> torch.Tensor:
+        """``target_ids`` as int64 on the scores' device, their shape and (unless ``ids_in_range``) range checked."""
         if target_ids.shape != self.lse.shape:
             raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != logits rows {tuple(self.lse.shape)}")
         target_ids = target_ids.to(self.lse.device).long()
         if not ids_in_range and bool(((target_ids < 0) | (target_ids >= self.vocab)).any()):
             raise ValueError(f"target id outside [0, {self.vocab})")
-        owner = target_ids // self.shard  # global shard holding the target
-        local = (target_ids - owner * self.shard).clamp(0, self.shard - 1)
-        return self.comm.pick(self._z_at(local, target_ids), owner) - self.lse
+        return target_ids
 
     def _z_at(self, local: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """[R, ...]: every local shard's scaled logit at column ``local`` of each row (the owner's is the target's)."""
