@@ -139,16 +139,19 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
 
     variants = {
         "f_128x128_w8_s4_p0": C(128, 128, 64, 8, 4, park_from=0, loop="flat"),  # the shipped tile
-        "f_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="flat"),
         # TMA loads, a pipelined K loop per leaf (ops/gemm/gemm_tma_triton.py)
         "t_128x128_w8_s4_p0": C(128, 128, 64, 8, 4, park_from=0, loop="tma"),
         "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
         "t_128x64_w8_s4_p1": C(128, 64, 64, 8, 4, park_from=1, loop="tma"),
         # Gluon: one TMA pipeline across the leaves, one wgmma in flight (ops/gemm/gemm_gluon.py)
         "g_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="gluon"),
-        "g_128x128_w8_s3_p1": C(128, 128, 64, 8, 3, park_from=1, loop="gluon"),
         "g_128x256_w8_s3_p0": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),  # p1: s0 spills at 128 x 256
         "g_128x64_w8_s4_p1": C(128, 64, 64, 8, 4, park_from=1, loop="gluon"),
+        # One warpgroup per program and two programs per SM (registers and shared memory allow it): while one is
+        # between leaves (the last wgmma waited for, the tree step), the other's wgmmas keep the tensor cores busy.
+        "g_128x128_w4_s3_p0": C(128, 128, 64, 4, 3, park_from=0, loop="gluon"),  # p1 spills (255 regs)
+        "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),
+        "g_128x64_w4_s4_p1": C(128, 64, 64, 4, 4, park_from=1, loop="gluon"),
     }
     # One leaf (the column-parallel layers, TP-local row-parallel at TP = 8): the TMA and Gluon loops against the
     # shipped large-M one-leaf tile (select_config's), whose 0.89-0.98x cuBLAS misses the 0.95x target at 4096^3.
@@ -157,6 +160,7 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         "t_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="tma"),
         "g_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),
         "g_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="gluon"),
+        "g_128x128_w4_s3_g1": C(128, 128, 64, 4, 3, park_from=0, loop="gluon"),  # two programs per SM
     }
     default = gt.CONFIGS[torch.bfloat16]  # the shipped 8-leaf tile: every variant's bits against it
     rows = []
