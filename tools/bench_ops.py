@@ -152,6 +152,10 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         "g_128x128_w4_s3_p0": C(128, 128, 64, 4, 3, park_from=0, loop="gluon"),  # p1 spills (255 regs)
         "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),
         "g_128x64_w4_s4_p1": C(128, 64, 64, 4, 4, park_from=1, loop="gluon"),
+        # The next leaf's first wgmma queued before a leaf's tree step (gluon_ahead)
+        "ga_128x128_w8_s4": C(128, 128, 64, 8, 4, loop="gluon_ahead"),
+        "ga_64x128_w4_s4": C(64, 128, 64, 4, 4, loop="gluon_ahead"),  # two programs per SM
+        "ga_128x64_w8_s4": C(128, 64, 64, 8, 4, loop="gluon_ahead"),  # two programs per SM
     }
     # One leaf (the column-parallel layers, TP-local row-parallel at TP = 8): the TMA and Gluon loops against the
     # shipped large-M one-leaf tile (select_config's), whose 0.89-0.98x cuBLAS misses the 0.95x target at 4096^3.
