@@ -131,42 +131,27 @@ def _cublas_ms(M, N, K, dtype=torch.bfloat16):
 
 
 def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
-    """Tile / park / loop variants (flat, TMA, Gluon) of the 8-leaf tree at large M (bits against the shipped 8-leaf
-    tile), TMA and Gluon variants of the one-leaf GEMM (bits against the shipped one-leaf tile), and schedules at
+    """The shipped large-M tiles of the 8-leaf and one-leaf GEMM, the pointer-loop tiles they fall back to, and loop /
+    tile candidates beside them (bits against the shipped tile), at the Qwen3-8B row-parallel shapes; schedules at
     small M."""
     from megatron_iso.ops.gemm import gemm_triton as gt
     from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
 
+    # Candidates beside the shipped tiles (select_config's: the descriptor loops, and the pointer loops they fall
+    # back to where operands cannot take TMA descriptors), by leaves per program.
     variants = {
-        "f_128x128_w8_s4_p0": C(128, 128, 64, 8, 4, park_from=0, loop="flat"),  # the shipped tile
-        # TMA loads, a pipelined K loop per leaf (ops/gemm/gemm_tma_triton.py)
-        "t_128x128_w8_s4_p0": C(128, 128, 64, 8, 4, park_from=0, loop="tma"),
-        "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
-        "t_128x64_w8_s4_p1": C(128, 64, 64, 8, 4, park_from=1, loop="tma"),
-        # Gluon: one TMA pipeline across the leaves, one wgmma in flight (ops/gemm/gemm_gluon.py)
-        "g_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="gluon"),
-        "g_128x256_w8_s3_p0": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),  # p1: s0 spills at 128 x 256
-        "g_128x64_w8_s4_p1": C(128, 64, 64, 8, 4, park_from=1, loop="gluon"),
-        # One warpgroup per program and two programs per SM (registers and shared memory allow it): while one is
-        # between leaves (the last wgmma waited for, the tree step), the other's wgmmas keep the tensor cores busy.
-        "g_128x128_w4_s3_p0": C(128, 128, 64, 4, 3, park_from=0, loop="gluon"),  # p1 spills (255 regs)
-        "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),
-        "g_128x64_w4_s4_p1": C(128, 64, 64, 4, 4, park_from=1, loop="gluon"),
-        # The next leaf's first wgmma queued before a leaf's tree step (gluon_ahead)
-        "ga_128x128_w8_s4": C(128, 128, 64, 8, 4, loop="gluon_ahead"),
-        "ga_64x128_w4_s4": C(64, 128, 64, 4, 4, loop="gluon_ahead"),  # two programs per SM
-        "ga_128x64_w8_s4": C(128, 64, 64, 8, 4, loop="gluon_ahead"),  # two programs per SM
+        8: {
+            "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
+            "g_128x256_w8_s3_p0": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),  # p1: s0 spills at 128 x 256
+            "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),  # two programs per SM
+            # the next leaf's first wgmma queued before a leaf's tree step
+            "ga_128x128_w8_s4": C(128, 128, 64, 8, 4, loop="gluon_ahead"),
+        },
+        1: {
+            "t_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="tma"),
+            "g_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="gluon"),
+        },
     }
-    # One leaf (the column-parallel layers, TP-local row-parallel at TP = 8): the TMA and Gluon loops against the
-    # shipped large-M one-leaf tile (select_config's), whose 0.89-0.98x cuBLAS misses the 0.95x target at 4096^3.
-    one_leaf_variants = {
-        "t_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="tma"),
-        "t_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="tma"),
-        "g_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),
-        "g_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="gluon"),
-        "g_128x128_w4_s3_g1": C(128, 128, 64, 4, 3, park_from=0, loop="gluon"),  # two programs per SM
-    }
-    default = gt.CONFIGS[torch.bfloat16]  # the shipped 8-leaf tile: every variant's bits against it
     rows = []
     shapes = [
         (4096, 4096, 4096),
@@ -178,10 +163,12 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         cub = _cublas_ms(M, N, K)
         tf = lambda ms, M=M, N=N, K=K: 2 * M * N * K / ms / 1e9  # noqa: E731
         print(f"cuBLAS {M}x{N}x{K}: {tf(cub):.0f} TFLOP/s", flush=True)
-        runs = [(name, cfg, 8, default) for name, cfg in variants.items()]
-        shipped_one_leaf = gt.select_config(torch.bfloat16, M, 1, N)
-        runs += [(name, cfg, 1, shipped_one_leaf) for name, cfg in {"shipped_g1": shipped_one_leaf,
-                                                                   **one_leaf_variants}.items()]  # fmt: skip
+        runs = []
+        for G, candidates in variants.items():
+            shipped = gt.select_config(torch.bfloat16, M, G, N, descriptor_loops=True)
+            pointer = gt.select_config(torch.bfloat16, M, G, N)
+            named = {f"shipped_g{G}": shipped, f"pointer_fallback_g{G}": pointer, **candidates}
+            runs += [(name, cfg, G, shipped) for name, cfg in named.items()]
         for name, cfg, G, reference in runs:
             try:
                 ms, regs, spills, same = _gemm_time(M, N, K, G, config=cfg, parallel=1, same_as=reference)

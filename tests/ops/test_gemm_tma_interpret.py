@@ -73,3 +73,30 @@ def test_loop_names_and_what_tma_refuses() -> None:
     shifted = torch.zeros(8, 73, dtype=torch.bfloat16)[:, 1:]  # rows of 146 bytes, base 2 bytes past alignment
     assert "16-byte aligned" in tma.tma_supported(shifted, x)
     assert "x needs" in tma.tma_supported(shifted, x)
+
+
+def test_large_m_selects_a_descriptor_loop_where_the_operands_allow_one() -> None:
+    """At large M the dense GEMM runs the Gluon (8 leaves) or TMA (one leaf) tile when its operands can take TMA
+    descriptors and falls back to the pointer-loop tile of the same bucket when not (a misaligned view); the
+    grouped expert GEMM and the other buckets keep the pointer loops. Bits are the same either way (the GPU tile
+    tests hold every selectable tile to the default's)."""
+    from megatron_iso.ops.gemm import gemm_triton as gt
+    from megatron_iso.ops.gemm.gemm_gluon import gluon_supported
+    from megatron_iso.ops.gemm.grouped_triton import grouped_config
+
+    bf = torch.bfloat16
+    assert gt.select_config(bf, 4096, 8, 4096, descriptor_loops=True).loop == "gluon"
+    assert gt.select_config(bf, 4096, 1, 4096, descriptor_loops=True).loop == "tma"
+    assert gt.select_config(bf, 4096, 8, 4096).loop == "flat"
+    for m in (1, 64, 256):  # below the large bucket nothing changes
+        assert gt.select_config(bf, m, 8, 4096, descriptor_loops=True) == gt.select_config(bf, m, 8, 4096)
+    assert gt.select_config(torch.float32, 4096, 8, 4096, descriptor_loops=True).loop == "static"
+    w = torch.zeros(512, 256, dtype=bf)
+    if gluon_supported(torch.zeros(4096, 256, dtype=bf), w) is None:
+        assert gt._selected_config(torch.zeros(4096, 256, dtype=bf), w, 8).loop == "gluon"
+    misaligned = torch.zeros(4096, 257, dtype=bf)[:, 1:]  # rows start 2 bytes past 16-byte alignment
+    assert gt._selected_config(misaligned, w, 8) == gt.select_config(bf, 4096, 8, 512)
+    assert gt._selected_config(misaligned, w, 1) == gt.select_config(bf, 4096, 1, 512)
+    assert {c.loop for c in gt.selectable_tiles(bf, descriptor_loops=False)} <= {"static", "flat"}
+    assert {"tma", "gluon"} <= {c.loop for c in gt.selectable_tiles(bf)}
+    assert grouped_config(bf, 8 * 4096, 8, 8).loop == "flat"

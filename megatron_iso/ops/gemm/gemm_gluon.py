@@ -53,6 +53,10 @@ def gluon_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return "Gluon kernels have no interpreter (TRITON_INTERPRET=1)"
     if x.dtype not in _GL_DTYPES:
         return f"dtype {x.dtype} (the Gluon loop runs wgmma: bf16 or fp16)"
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "the Gluon loop's wgmma runs on sm_90 (Hopper), device is sm_{}{}".format(
+            *torch.cuda.get_device_capability(x.device)
+        )
     return tma_supported(x, weight)
 
 

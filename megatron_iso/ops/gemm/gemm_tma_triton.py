@@ -66,6 +66,8 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """None when the TMA loop can run these operands, else why not (for the caller's error)."""
     if TensorDescriptor is None:
         return f"triton {triton.__version__} has no triton.tools.tensor_descriptor"
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "TMA loads need sm_90 or newer, device is sm_{}{}".format(*torch.cuda.get_device_capability(x.device))
     for name, t in (("x", x), ("weight", weight)):
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} needs a contiguous last dim, 16-byte aligned rows and base (stride {t.stride()})"

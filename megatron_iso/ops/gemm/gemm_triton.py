@@ -44,7 +44,7 @@ from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_st
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
 
 IMPL_ID = "leaf_tree_gemm.triton"
-VERSION = "3"  # 3: a 16-row tile bucket (M <= 16); tiles chosen among bitwise-equivalent ones since 2
+VERSION = "4"  # 4: TMA / Gluon loops at large M; 3: a 16-row tile bucket; tiles bitwise-equivalent since 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The loops over TMA descriptors: what refuses operands a loop cannot run (why, or None), and its launcher.
 _DESCRIPTOR_LOOPS = {
@@ -80,6 +80,16 @@ _BF16_TILES = {
     ("mid", True): GemmTileConfig(block_m=64, block_n=128, block_k=_BK16, num_warps=4, num_stages=4),
     ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=_BK16, num_warps=8, num_stages=3),
 }
+# Large M where the operands allow TMA descriptors (sm_90, 16-byte aligned rows): the descriptor loops, chosen from
+# ``bench_ops.py --sweep`` at the Qwen3-8B row-parallel shapes (docs/PERFORMANCE.md). At 8 leaves the Gluon loop (one
+# load pipeline across the leaves, level 0 in registers) runs 1.5-1.7x the flat loop; at one leaf the TMA loop's
+# 128x256 tile gains 2-5% over the flat one. Elsewhere, and in the grouped expert GEMM, the pointer loops above.
+_BF16_DESCRIPTOR_TILES = {
+    ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=_BK16, num_warps=8, num_stages=4, loop="tma"),
+    ("large", False): GemmTileConfig(
+        block_m=128, block_n=128, block_k=_BK16, num_warps=8, num_stages=4, park_from=1, loop="gluon"
+    ),
+}
 # One leaf at M <= 16 and N >= WIDE_N (an LM head): thousands of programs already, so wider tiles stream better.
 WIDE_N = 32768
 _BF16_TINY_WIDE_N = GemmTileConfig(block_m=16, block_n=128, block_k=_BK16, num_warps=4, num_stages=4)
@@ -88,28 +98,44 @@ SMALL_M = 64  # M <= 64: decode, weight streaming
 MID_M = 256  # 64 < M <= 256: too few 128-row tiles to fill 132 SMs
 
 
-def select_config(dtype: torch.dtype, M: int, leaves: int, N: int = 0) -> GemmTileConfig:
-    """The tile for a launch, by (dtype, M bucket, leaves == 1, and N for one-leaf tiny M). Never changes a bit:
-    every candidate shares BLOCK_K and the K-loop order, and tiles with the same BLOCK_K are bitwise equivalent
-    (tests/gpu/test_gemm_tiles.py). fp32 keeps its one config."""
+def select_config(
+    dtype: torch.dtype, M: int, leaves: int, N: int = 0, *, descriptor_loops: bool = False
+) -> GemmTileConfig:
+    """The tile for a launch, by (dtype, M bucket, leaves == 1, and N for one-leaf tiny M); with
+    ``descriptor_loops`` (the caller's operands can take TMA descriptors) the TMA / Gluon tile where one is chosen.
+    Never changes a bit: every candidate shares BLOCK_K and the K-loop order, and tiles with the same BLOCK_K are
+    bitwise equivalent (tests/gpu/test_gemm_tiles.py). fp32 keeps its one config."""
     if dtype not in (torch.bfloat16, torch.float16):
         return CONFIGS[dtype]
     bucket = "tiny" if M <= TINY_M else "small" if M <= SMALL_M else "mid" if M <= MID_M else "large"
     if bucket == "tiny" and leaves == 1 and N >= WIDE_N:
         return _BF16_TINY_WIDE_N
-    return _BF16_TILES.get((bucket, leaves == 1), CONFIGS[dtype])
+    key = (bucket, leaves == 1)
+    if descriptor_loops and key in _BF16_DESCRIPTOR_TILES:
+        return _BF16_DESCRIPTOR_TILES[key]
+    return _BF16_TILES.get(key, CONFIGS[dtype])
 
 
-def selectable_tiles(dtype: torch.dtype) -> list[GemmTileConfig]:
+def selectable_tiles(dtype: torch.dtype, *, descriptor_loops: bool = True) -> list[GemmTileConfig]:
     """Every tile :func:`select_config` can pick for ``dtype``, the default first: what the tile-equivalence
-    tests hold to the default's bits."""
+    tests hold to the default's bits (``descriptor_loops=False``: the pointer loops only, as the grouped GEMM)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return [CONFIGS[dtype]]
     tiles = [CONFIGS[dtype]]
-    for cfg in (*_BF16_TILES.values(), _BF16_TINY_WIDE_N):
+    extra = _BF16_DESCRIPTOR_TILES.values() if descriptor_loops else ()
+    for cfg in (*_BF16_TILES.values(), _BF16_TINY_WIDE_N, *extra):
         if cfg not in tiles:
             tiles.append(cfg)
     return tiles
+
+
+def _selected_config(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> GemmTileConfig:
+    """:func:`select_config` for these operands: a descriptor loop's tile where that loop can run them."""
+    M, N = x.shape[0], weight.shape[0]
+    cfg = select_config(x.dtype, M, leaves, N, descriptor_loops=True)
+    if cfg.loop in _DESCRIPTOR_LOOPS and _DESCRIPTOR_LOOPS[cfg.loop][0](x, weight) is not None:
+        cfg = select_config(x.dtype, M, leaves, N)
+    return cfg
 
 
 # Under TRITON_INTERPRET=1 (CPU tests) tiles are small so tiny shapes still cover several tiles and leaves.
@@ -341,7 +367,7 @@ def leaf_tree_linear_triton(
     :func:`select_config` and :func:`auto_parallel`.
     """
     M, N, K = _check(x, weight, leaves)
-    cfg = config or (INTERPRET_CONFIG if _INTERPRET else select_config(x.dtype, M, leaves, N))
+    cfg = config or (INTERPRET_CONFIG if _INTERPRET else _selected_config(x, weight, leaves))
     leaf_k = K // leaves
     if leaf_k % cfg.block_k:
         raise ValueError(
@@ -409,6 +435,10 @@ def leaf_tree_linear_triton(
 leaf_tree_linear_triton.rounds_output = True  # type: ignore[attr-defined]  # see ops.gemm.linear
 
 
+def _tile_record(c: GemmTileConfig) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from}"
+
+
 def _probe() -> dict[str, torch.Tensor]:
     """Golden probe on fixed seeded inputs (CUDA only): digests go to the lockfile."""
     g = torch.Generator(device="cpu").manual_seed(1234)
@@ -442,8 +472,12 @@ register(
             ],
             "fp32_precision": CONFIGS[torch.float32].fp32_precision,
             "bf16_tiles_by_bucket": [
-                f"{b}/{'leaves1' if one else 'leaves>1'}: {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                f"{b}/{'leaves1' if one else 'leaves>1'}: {_tile_record(c)}"
                 for (b, one), c in sorted(_BF16_TILES.items())
+            ],
+            "bf16_descriptor_tiles_by_bucket": [
+                f"{b}/{'leaves1' if one else 'leaves>1'}: {_tile_record(c)}"
+                for (b, one), c in sorted(_BF16_DESCRIPTOR_TILES.items())
             ],
             "bf16_tiny_m_wide_n_tile": [
                 asdict(_BF16_TINY_WIDE_N)[f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
