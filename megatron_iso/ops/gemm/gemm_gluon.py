@@ -75,10 +75,12 @@ if gluon is not None:
         tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_bufs.index(stage), pred=ready)
 
     @gluon.jit
-    def _leaf_wgmmas_on(acc, x_bufs, w_bufs, bars, x_desc, w_desc, first, count, total, first_tile, off_m, off_n,
-                        STAGES: gl.constexpr):  # fmt: skip
-        """Queue the wgmmas of K tiles ``first .. first + count - 1`` on ``acc``, at most one left running: once the
-        one before a tile's is done, that tile's stage is refilled with the tile ``STAGES - 1`` ahead."""
+    def _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout: gl.constexpr, first, count, total, first_tile,
+                     off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """A leaf's wgmmas, K tiles ``first .. first + count - 1`` from a fresh zero accumulator, at most one left
+        running: once the one before a tile's is done, that tile's stage is refilled with the tile ``STAGES - 1``
+        ahead."""
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         for tile in range(first, first + count):
             stage = tile % STAGES
             mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
@@ -89,20 +91,11 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout: gl.constexpr, first, count, total, first_tile,
-                     off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """:func:`_leaf_wgmmas_on` from a fresh zero accumulator (a leaf's start)."""
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
-        return _leaf_wgmmas_on(acc, x_bufs, w_bufs, bars, x_desc, w_desc, first, count, total, first_tile, off_m,
-                               off_n, STAGES)  # fmt: skip
-
-    @gluon.jit
     def _leaf_tree_gluon_kernel(
         x_desc, w_desc, out_ptr, park_ptr,
         M, N, stride_op, stride_om, stride_pl, stride_ps,
         LEAF_K, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr, PARK_FROM: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, INSTR_N: gl.constexpr, WARPS_M: gl.constexpr, QUEUE_AHEAD: gl.constexpr,
-        num_warps: gl.constexpr,
+        STAGES: gl.constexpr, INSTR_N: gl.constexpr, WARPS_M: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -134,29 +127,11 @@ if gluon is not None:
             _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, t, total, first_tile, off_m, off_n, STAGES)
 
         s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
-        if QUEUE_AHEAD:
-            acc = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, 0, leaf_tiles, total, first_tile, off_m,
-                               off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
-            for i in gl.static_range(LEAVES):
-                # acc: leaf i, its last wgmma possibly still running. The next leaf's first wgmma is queued before
-                # leaf i's tree step, so the tensor cores work through it (wgmmas complete in order: with at most
-                # the new one outstanding, leaf i's are done).
-                if i + 1 < LEAVES:
-                    nxt = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, (i + 1) * leaf_tiles, 1, total,
-                                       first_tile, off_m, off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
-                    acc = warpgroup_mma_wait(1, deps=(acc,))
-                    s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
-                    acc = _leaf_wgmmas_on(nxt, x_bufs, w_bufs, bars, x_desc, w_desc, (i + 1) * leaf_tiles + 1,
-                                          leaf_tiles - 1, total, first_tile, off_m, off_n, STAGES)  # fmt: skip
-                else:
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
-        else:
-            for i in range(LEAVES):
-                acc = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, i * leaf_tiles, leaf_tiles, total,
-                                   first_tile, off_m, off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
+        for i in range(LEAVES):
+            acc = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, i * leaf_tiles, leaf_tiles, total,
+                               first_tile, off_m, off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -183,12 +158,10 @@ def launch_gluon(
     grid: tuple[int, int],
     strides: tuple[int, int, int, int],
     tree: dict[str, object],
-    *,
-    queue_ahead: bool = False,
 ) -> object:
     """Launch :func:`_leaf_tree_gluon_kernel` on ``grid`` (tile, subtree) with the output / park ``strides`` and the
     launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives every loop, for operands it has
-    checked with :func:`gluon_supported`. ``queue_ahead``: the ``gluon_ahead`` loop (level 0 parked)."""
+    checked with :func:`gluon_supported`."""
     bm, bn, bk = tree["BLOCK_M"], tree["BLOCK_N"], tree["BLOCK_K"]
     dtype = getattr(gl, _GL_DTYPES[x.dtype])
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
@@ -197,13 +170,8 @@ def launch_gluon(
     names = ("LEAF_K", "LEAVES", "LOG2_LEAVES", "PARK_FROM", "GROUP_M", "STAGES", "num_warps")
     return _leaf_tree_gluon_kernel[grid](
         x_desc, w_desc, target, park, x.shape[0], weight.shape[0], *strides, **{k: tree[k] for k in names},
-        INSTR_N=instr_n, WARPS_M=warps_m, QUEUE_AHEAD=queue_ahead,
+        INSTR_N=instr_n, WARPS_M=warps_m,
     )  # fmt: skip
 
 
-def launch_gluon_ahead(*args: object) -> object:
-    """:func:`launch_gluon` for the ``gluon_ahead`` loop."""
-    return launch_gluon(*args, queue_ahead=True)
-
-
-__all__ = ["gluon_supported", "launch_gluon", "launch_gluon_ahead"]
+__all__ = ["gluon_supported", "launch_gluon"]

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.sm_count import sm_count
-from megatron_iso.ops.gemm.gemm_gluon import gluon_supported, launch_gluon, launch_gluon_ahead
+from megatron_iso.ops.gemm.gemm_gluon import gluon_supported, launch_gluon
 from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma, tma_supported
 from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
@@ -47,11 +47,7 @@ IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "4"  # 4: TMA / Gluon loops at large M; 3: a 16-row tile bucket; tiles bitwise-equivalent since 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The loops over TMA descriptors: what refuses operands a loop cannot run (why, or None), and its launcher.
-_DESCRIPTOR_LOOPS = {
-    "tma": (tma_supported, launch_tma),
-    "gluon": (gluon_supported, launch_gluon),
-    "gluon_ahead": (gluon_supported, launch_gluon_ahead),
-}
+_DESCRIPTOR_LOOPS = {"tma": (tma_supported, launch_tma), "gluon": (gluon_supported, launch_gluon)}
 
 
 # The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise

@@ -27,9 +27,7 @@ class GemmTileConfig:
     # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
     # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
     # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py);
-    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py);
-    # "gluon_ahead": the same with the next leaf's first wgmma queued before a leaf's tree step (two accumulators live
-    # there; level 0 parked: Triton 3.6 fails to lower a register level 0 in the leaves' unrolled form).
+    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py).
     loop: str = "flat"
     # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
     fp32_precision: str = "ieee"
@@ -37,9 +35,6 @@ class GemmTileConfig:
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
             raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
-        if self.loop == "gluon_ahead" and self.park_from != 0:
-            raise ValueError(f"GemmTileConfig: loop='gluon_ahead' parks every level: park_from must be 0, got "
-                             f"{self.park_from}")  # fmt: skip
 
 
-LOOPS = ("static", "flat", "tma", "gluon", "gluon_ahead")
+LOOPS = ("static", "flat", "tma", "gluon")
