@@ -255,3 +255,17 @@ def test_target_range_check_and_its_skip() -> None:
     checked = token_logprobs(logits, ids)
     trusted = token_logprobs(logits, ids, ids_in_range=True)
     assert torch.equal(checked.view(torch.int32), trusted.view(torch.int32))
+
+
+def test_a_number_temperature_is_the_fp32_rounding_of_it() -> None:
+    """A Python-number temperature is made on the device by a fill (no blocking host copy); its value is the fp32
+    rounding of the number, as ``torch.as_tensor`` gives, and a bad one is refused before anything runs."""
+    from megatron_iso.ops.logprob.reference import checked_temperature
+
+    for t in (0.7, 1.3, 1e-3, 3, 0.1, 1 + 2**-30):
+        got = checked_temperature(t, torch.device("cpu"))
+        want = torch.as_tensor(t, dtype=torch.float32)
+        assert got.shape == () and torch.equal(got.view(torch.int32), want.view(torch.int32)), t
+    for bad in (0.0, -1.0, float("inf"), 1e-50):  # 1e-50 rounds to 0 in fp32
+        with pytest.raises(ValueError, match="finite and > 0"):
+            checked_temperature(bad, torch.device("cpu"))

@@ -71,10 +71,12 @@ def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) 
 def checked_temperature(temperature: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """``temperature`` as an fp32 tensor on ``device``, checked finite and > 0 after rounding: a Python
     number on the host; a tensor by one read-back, unless :func:`host_checked_temperature` marked it."""
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     if not isinstance(temperature, torch.Tensor):
         _check_temperature(torch.tensor(temperature, dtype=torch.float32), temperature)
-    elif temperature not in _HOST_CHECKED:
+        # A fill on the device, not a copy from the host: a blocking host-to-device copy waits for the stream.
+        return torch.full((), temperature, dtype=torch.float32, device=device)
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    if temperature not in _HOST_CHECKED:
         _check_temperature(t, temperature)
     return t
 
