@@ -107,7 +107,8 @@ def select_config(
     if bucket == "tiny" and leaves == 1 and N >= WIDE_N:
         return _BF16_TINY_WIDE_N
     key = (bucket, leaves == 1)
-    if descriptor_loops and key in _BF16_DESCRIPTOR_TILES:
+    # fp16 keeps the pointer tiles until the GPU tile tests have run the descriptor loops on fp16 operands.
+    if descriptor_loops and dtype == torch.bfloat16 and key in _BF16_DESCRIPTOR_TILES:
         return _BF16_DESCRIPTOR_TILES[key]
     return _BF16_TILES.get(key, CONFIGS[dtype])
 
@@ -118,7 +119,7 @@ def selectable_tiles(dtype: torch.dtype, *, descriptor_loops: bool = True) -> li
     if dtype not in (torch.bfloat16, torch.float16):
         return [CONFIGS[dtype]]
     tiles = [CONFIGS[dtype]]
-    extra = _BF16_DESCRIPTOR_TILES.values() if descriptor_loops else ()
+    extra = _BF16_DESCRIPTOR_TILES.values() if descriptor_loops and dtype == torch.bfloat16 else ()
     for cfg in (*_BF16_TILES.values(), _BF16_TINY_WIDE_N, *extra):
         if cfg not in tiles:
             tiles.append(cfg)
