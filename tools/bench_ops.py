@@ -153,6 +153,9 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
         1: {
             "t_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="tma"),
             "g_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="gluon"),
+            # the shipped TMA tile with other rasterisation groups (L2 reuse of the weight tiles)
+            "t_128x256_w8_s4_gm4_g1": C(128, 256, 64, 8, 4, group_m=4, loop="tma"),
+            "t_128x256_w8_s4_gm16_g1": C(128, 256, 64, 8, 4, group_m=16, loop="tma"),
         },
     }
     rows = []
