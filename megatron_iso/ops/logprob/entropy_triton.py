@@ -21,7 +21,7 @@ NUM_WARPS = 4
 
 @triton.jit
 def _entropy_partials_kernel(
-    x_ptr, t_ptr, recip, out_ptr, LEAF, VALID, FIRST, stride_row,
+    x_ptr, t_ptr, recip, recip_lo, out_ptr, LEAF, VALID, FIRST, stride_row,
     BLOCK: tl.constexpr, FAST_DIV: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -36,7 +36,9 @@ def _entropy_partials_kernel(
     for start in range(0, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = scale_by_temperature(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, FAST_DIV)
+        z = scale_by_temperature(
+            tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, recip_lo, FAST_DIV
+        )
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, z)
         rescale = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # both -inf: keep the zeros as they are
@@ -71,7 +73,7 @@ def entropy_partials_triton(
     if rows:
         recip = None if scalar_temperature is None else reciprocal_for(scalar_temperature, x.dtype, x.device)
         _entropy_partials_kernel[(rows, leaves)](
-            x, temperature, 1.0 if recip is None else recip, out, shard // leaves, valid, first, x.stride(0),
+            x, temperature, *(recip or (1.0, 0.0)), out, shard // leaves, valid, first, x.stride(0),
             BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out

@@ -22,7 +22,7 @@ Steps 2 and 3 run on a few numbers per row. As torch ops they were some twenty s
 that reads the logits; as kernels they are two.
 
 ``z`` is the IEEE quotient ``x / t`` (``div_rn``'s bits); at a Python-number temperature the kernel forms it
-from a reciprocal and two fmas where the device has checked that this gives the same bits
+from a split reciprocal and one fma where the device has checked that this gives the same bits
 (``temperature_triton``), and skips the division at ``t == 1``.
 
 Every number a row's result depends on comes from that row's own leaves in an order fixed by the leaf
@@ -68,7 +68,7 @@ STEP_WHOLE, STEP_RANK_SUM, STEP_LSE = 0, 1, 2
 
 @triton.jit
 def _leaf_kernel(
-    x_ptr, t_ptr, recip, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
+    x_ptr, t_ptr, recip, recip_lo, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
     BLOCK: tl.constexpr, FAST_DIV: tl.constexpr,
 ):  # fmt: skip
     # out[r, row, leaf] = (m_l, s_l): the leaf's max of z and its sum of exp(z - m_l).
@@ -91,7 +91,7 @@ def _leaf_kernel(
     for start in range(0, n_full, BLOCK):
         x = ahead
         ahead = tl.load(base + start + BLOCK + offs, mask=start + BLOCK + offs < n_full, other=0.0)
-        z = scale_by_temperature(x.to(tl.float32), temp, recip, FAST_DIV)
+        z = scale_by_temperature(x.to(tl.float32), temp, recip, recip_lo, FAST_DIV)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
         acc = acc * scale[:, None] + tl.exp(z - m_new[:, None])
@@ -99,7 +99,9 @@ def _leaf_kernel(
     for start in range(n_full, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = scale_by_temperature(tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, FAST_DIV)
+        z = scale_by_temperature(
+            tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, recip_lo, FAST_DIV
+        )
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
@@ -190,7 +192,7 @@ class TritonScores(VocabScores):
         if rows:
             recip = reciprocal_for(temperature, logits.dtype, logits.device)
             _leaf_kernel[(R * rows, self.local_leaves)](
-                x, t, 1.0 if recip is None else recip, per_leaf, rows, shard, shard // self.local_leaves,
+                x, t, *(recip or (1.0, 0.0)), per_leaf, rows, shard, shard // self.local_leaves,
                 self.valid_vocab, comm.first_rank * shard, x.stride(0), x.stride(1),
                 BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
             )  # fmt: skip

@@ -1,22 +1,25 @@
-"""Logits divided by the temperature inside the vocab kernels: the IEEE quotient, at the cost of a multiply.
+"""Logits divided by the temperature inside the vocab kernels: the IEEE quotient, at the cost of a multiply-add.
 
 The scoring function is ``z = logits.float() / t``, a correctly rounded fp32 division per logit. ``div_rn`` gives
 those bits but costs a reciprocal approximation, refinement steps and a range check per element, which makes
-a pass over ``[rows, vocab]`` ALU bound. With ``r = RN(1 / t)`` computed once, Markstein's correction
+a pass over ``[rows, vocab]`` ALU bound. With ``1 / t`` split once, on the host, into ``r_hi = RD(1 / t)`` and
+``r_lo = RN(1 / t - r_hi) > 0`` (together ``1 / t`` to about 2^-48),
 
-    q = x * r;  e = fma(-q, t, x);  z = fma(e, r, q)
+    z = fma(x, r_hi, x * r_lo)
 
-returns the same correctly rounded quotient for every ``x`` whose magnitude keeps ``q`` and ``e`` away from
-the subnormal range (zeros, infinities and NaNs take ``q``, which is then exact). The claim is not taken on
-trust: :func:`reciprocal_for` runs :func:`_division_check_kernel` once per (temperature, logits dtype,
-device) over every value of the 16-bit dtype that can reach the fast form, compares bit patterns with
-``div_rn`` on that device, and hands out ``r`` only when all of them agree; otherwise the kernels divide.
-A slice holding a nonzero logit below :data:`TINY` also divides (a per-slice branch, never a per-element
-select, which would pay for both forms). So the bits never depend on which form ran.
+rounds ``x * r_hi + x * r_lo`` once: the correctly rounded quotient unless ``x / t`` lies within about 2^-47 of a
+rounding boundary, or ``x`` is so small that ``x * r_lo`` loses bits below the subnormal range. ``r_hi`` rounds
+down so that ``r_lo`` is positive: ``x * r_lo`` then has the sign of ``x`` and a zero keeps its sign; infinities
+and NaNs come out as themselves. The claim is not taken on trust: :func:`reciprocal_for` runs
+:func:`_division_check_kernel` once per (temperature, logits dtype, device) over every value of the 16-bit dtype
+that can reach the fast form, compares bit patterns with ``div_rn`` on that device, and hands out the pair only
+when all of them agree; otherwise the kernels divide. A slice holding a nonzero logit below :data:`TINY` also
+divides (a per-slice branch, never a per-element select, which would pay for both forms). So the bits never
+depend on which form ran.
 
 Only a Python-number temperature takes the fast form (the trainer's recompute and its entropy statistic): a
 temperature tensor (the decode graphs' per-row values) would need a check per distinct value, which a captured
-graph cannot run.
+graph cannot run. A power-of-two temperature (an exact reciprocal, ``r_lo = 0``) divides as well.
 ``t == 1`` skips the division altogether (``x / 1`` is ``x`` exactly).
 """
 
@@ -35,19 +38,16 @@ _CHECK_BLOCK = 1024
 
 
 @triton.jit
-def reciprocal_quotient(x, temp, recip):
-    """``x / temp`` correctly rounded from ``recip = RN(1 / temp)`` (valid where :func:`reciprocal_for` said so)."""
-    q = x * recip
-    e = tl.fma(-q, temp, x)
-    # e == 0: q is the exact quotient (this also keeps the sign of a zero x). q not finite (x infinite or NaN,
-    # or an overflowing quotient): q is the answer, and the correction would turn it into NaN.
-    return tl.where((e != 0.0) & (tl.abs(q) < float("inf")), tl.fma(e, recip, q), q)
+def reciprocal_quotient(x, recip, recip_lo):
+    """``x / t`` correctly rounded from ``recip = RD(1 / t)`` and ``recip_lo = RN(1 / t - recip)`` (valid where
+    :func:`reciprocal_for` said so)."""
+    return tl.fma(x, recip, x * recip_lo)
 
 
 @triton.jit
-def scale_by_temperature(x, temp, recip, FAST: tl.constexpr):
-    """fp32 ``x / temp`` with div_rn's bits. ``FAST``: ``recip`` passed the device check for ``temp``; every
-    row of the launch then has that temperature."""
+def scale_by_temperature(x, temp, recip, recip_lo, FAST: tl.constexpr):
+    """fp32 ``x / temp`` with div_rn's bits. ``FAST``: ``(recip, recip_lo)`` passed the device check for ``temp``;
+    every row of the launch then has that temperature."""
     # Branches (if statements), not selects: a select would still divide.
     if temp == 1.0:
         z = x  # x / 1 is x exactly (signed zeros and infinities too)
@@ -56,14 +56,14 @@ def scale_by_temperature(x, temp, recip, FAST: tl.constexpr):
         if tl.max(tiny.to(tl.int32)) > 0:  # noqa: SIM108
             z = tl.math.div_rn(x, temp)
         else:
-            z = reciprocal_quotient(x, temp, recip)
+            z = reciprocal_quotient(x, recip, recip_lo)
     else:
         z = tl.math.div_rn(x, temp)
     return z
 
 
 @triton.jit
-def _division_check_kernel(out_ptr, temp, recip, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _division_check_kernel(out_ptr, temp, recip, recip_lo, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     # out[program] = how many 16-bit patterns of this block reach the fast form and get other bits than div_rn.
     bits = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int16)
     if IS_BF16:
@@ -72,16 +72,18 @@ def _division_check_kernel(out_ptr, temp, recip, IS_BF16: tl.constexpr, BLOCK: t
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
     reaches = (tl.abs(x) >= TINY) | (x == 0.0) | (x != x)  # NaN compares false against TINY
     exact = tl.math.div_rn(x, temp).to(tl.int32, bitcast=True)
-    fast = reciprocal_quotient(x, temp, recip).to(tl.int32, bitcast=True)
+    fast = reciprocal_quotient(x, recip, recip_lo).to(tl.int32, bitcast=True)
     tl.store(out_ptr + tl.program_id(0), tl.sum((reaches & (exact != fast)).to(tl.int32), axis=0))
 
 
 _VERDICTS: dict[tuple[int, torch.dtype, torch.device], bool] = {}
 
 
-def reciprocal_for(temperature: float | torch.Tensor, dtype: torch.dtype, device: torch.device) -> float | None:
-    """``RN(1 / t)`` as a Python float when the kernels may use :func:`reciprocal_quotient` for logits of
-    ``dtype`` at the Python-number temperature ``temperature`` on ``device``, else None (divide).
+def reciprocal_for(
+    temperature: float | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[float, float] | None:
+    """``(RD(1 / t), RN(1 / t - RD(1 / t)))`` as Python floats when the kernels may use :func:`reciprocal_quotient`
+    for logits of ``dtype`` at the Python-number temperature ``temperature`` on ``device``, else None (divide).
 
     The first call per (fp32 temperature, dtype, device) launches the check and reads its count back (one
     sync); later calls read the cached verdict. During CUDA-graph capture an unchecked temperature returns
@@ -91,17 +93,23 @@ def reciprocal_for(temperature: float | torch.Tensor, dtype: torch.dtype, device
     t = np.float32(temperature)
     if t == 1 or not np.isfinite(t) or t <= 0:
         return None  # 1: no division at all; the rest is refused by checked_temperature before a launch
-    recip = float(np.float32(1.0) / t)  # fp32 division: correctly rounded
+    inverse = 1.0 / float(t)  # float64: 1 / t to 2^-53
+    recip = np.float32(inverse)
+    if float(recip) > inverse:
+        recip = np.nextafter(recip, np.float32(0))
+    recip_lo = np.float32(inverse - float(recip))  # the float64 difference is exact (Sterbenz), then rounded
+    if recip_lo == 0:
+        return None  # an exact reciprocal (a power-of-two temperature): the kernels divide
     key = (int(t.view(np.int32)), dtype, torch.device(device))
     if key not in _VERDICTS:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         mismatches = torch.empty(65536 // _CHECK_BLOCK, dtype=torch.int32, device=device)
         _division_check_kernel[(mismatches.numel(),)](
-            mismatches, float(t), recip, IS_BF16=dtype == torch.bfloat16, BLOCK=_CHECK_BLOCK
+            mismatches, float(t), float(recip), float(recip_lo), IS_BF16=dtype == torch.bfloat16, BLOCK=_CHECK_BLOCK
         )
         _VERDICTS[key] = int(mismatches.sum()) == 0
-    return recip if _VERDICTS[key] else None
+    return (float(recip), float(recip_lo)) if _VERDICTS[key] else None
 
 
 __all__ = ["TINY", "reciprocal_for", "reciprocal_quotient", "scale_by_temperature"]
