@@ -407,7 +407,7 @@ def leaf_tree_linear_triton(
     global LAST_COMPILED
     if cfg.loop in _DESCRIPTOR_LOOPS:
         supported, launch = _DESCRIPTOR_LOOPS[cfg.loop]
-        why = supported(x, weight)
+        why = supported(x, weight) if config is not None else None  # a selected tile was checked by the selection
         if why is not None:
             raise ValueError(f"leaf_tree_linear_triton: loop={cfg.loop!r} cannot run: {why}")
         LAST_COMPILED = launch(x, weight, target, park, grid, strides, tree)
