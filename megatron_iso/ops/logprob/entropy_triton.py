@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.logprob.temperature_triton import reciprocal_for, scale_by_temperature
+from megatron_iso.ops.logprob.temperature_triton import division_args, scale_by_temperature
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -71,10 +71,10 @@ def entropy_partials_triton(
     rows, shard = x.shape
     out = torch.empty((rows, leaves, 3), device=x.device, dtype=torch.float32)
     if rows:
-        recip = None if scalar_temperature is None else reciprocal_for(scalar_temperature, x.dtype, x.device)
+        recip, recip_lo, fast = division_args(scalar_temperature, x.dtype, x.device)
         _entropy_partials_kernel[(rows, leaves)](
-            x, temperature, *(recip or (1.0, 0.0)), out, shard // leaves, valid, first, x.stride(0),
-            BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
+            x, temperature, recip, recip_lo, out, shard // leaves, valid, first, x.stride(0),
+            BLOCK=BLOCK, FAST_DIV=fast, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
 

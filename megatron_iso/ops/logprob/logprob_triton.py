@@ -53,7 +53,7 @@ from megatron_iso.ops.logprob.reference import (
     scale_logits,
     temperature_rows,
 )
-from megatron_iso.ops.logprob.temperature_triton import reciprocal_for, scale_by_temperature
+from megatron_iso.ops.logprob.temperature_triton import division_args, scale_by_temperature
 
 BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
 # A schedule choice (the lane tree's order does not depend on it): one warp per program takes a slice's max with
@@ -121,20 +121,20 @@ def _row_stats_kernel(
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = n < N
     row = n % ROWS
-    if STEP == 2:
+    if STEP == 2:  # STEP_LSE
         m = tl.load(m_ptr + row, mask=ok, other=0.0)
         s = tl.load(s_ptr + row, mask=ok, other=1.0)
     else:
         at = per_leaf_ptr + (n[:, None] * LEAVES + tl.arange(0, LEAVES)[None, :]) * 2
         m_l = tl.load(at, mask=ok[:, None], other=0.0)
-        if STEP == 0:
+        if STEP == 0:  # STEP_WHOLE
             m = tl.max(m_l, axis=1)  # a max: exact
             tl.store(m_ptr + row, m, mask=ok)
         else:
             m = tl.load(m_ptr + row, mask=ok, other=0.0)
         w = tl.load(at + 1, mask=ok[:, None], other=1.0) * tl.exp(m_l - m[:, None])  # an all-padding leaf: 0
         s = tl.reshape(w, (BLOCK_R,)) if LEAVES == 1 else fixed_tree_rowsum(w, BLOCK_R, LEAVES)
-    if STEP == 1:
+    if STEP == 1:  # STEP_RANK_SUM
         tl.store(s_ptr + n, s, mask=ok)
     else:
         tl.store(lse_ptr + row, m + tl.log(s), mask=ok)
@@ -190,11 +190,11 @@ class TritonScores(VocabScores):
         self.row_temperature = t.reshape(lead)
         per_leaf = torch.empty((R, rows, self.local_leaves, 2), device=logits.device, dtype=torch.float32)
         if rows:
-            recip = reciprocal_for(temperature, logits.dtype, logits.device)
+            recip, recip_lo, fast = division_args(temperature, logits.dtype, logits.device)
             _leaf_kernel[(R * rows, self.local_leaves)](
-                x, t, *(recip or (1.0, 0.0)), per_leaf, rows, shard, shard // self.local_leaves,
+                x, t, recip, recip_lo, per_leaf, rows, shard, shard // self.local_leaves,
                 self.valid_vocab, comm.first_rank * shard, x.stride(0), x.stride(1),
-                BLOCK=BLOCK, FAST_DIV=recip is not None, num_warps=NUM_WARPS,
+                BLOCK=BLOCK, FAST_DIV=fast, num_warps=NUM_WARPS,
             )  # fmt: skip
         self._rows, self._row_t = x, t
         m, lse = self._row_statistics(per_leaf, comm)

@@ -112,4 +112,13 @@ def reciprocal_for(
     return (float(recip), float(recip_lo)) if _VERDICTS[key] else None
 
 
-__all__ = ["TINY", "reciprocal_for", "reciprocal_quotient", "scale_by_temperature"]
+def division_args(
+    temperature: float | torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> tuple[float, float, bool]:
+    """``(recip, recip_lo, FAST)``, the arguments of :func:`scale_by_temperature` a kernel launch passes: the checked
+    pair from :func:`reciprocal_for` and True, or placeholders and False (divide). ``None``: no Python number."""
+    pair = None if temperature is None else reciprocal_for(temperature, dtype, device)
+    return (*pair, True) if pair is not None else (1.0, 0.0, False)
+
+
+__all__ = ["TINY", "division_args", "reciprocal_for", "reciprocal_quotient", "scale_by_temperature"]
