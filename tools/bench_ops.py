@@ -732,13 +732,17 @@ def logprob_bench(bw: float) -> dict[str, Any]:
 
 def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw: float) -> dict[str, Any]:
     """t = 0.7 as a Python number (the trainer's form: a device-checked reciprocal, ``temperature_triton``)
-    against the same temperature as a tensor (div_rn per logit), both event-timed (a Python-number temperature
-    is copied to the device per call, which a CUDA graph cannot capture), and their bits."""
+    against the same temperature as a tensor (div_rn per logit): the whole calls event-timed (the number form
+    checks its temperature on the host per call), the scoring kernel alone graph-timed in both forms, and their
+    bits."""
     from megatron_iso.ops.logprob import LocalShards
-    from megatron_iso.ops.logprob.logprob_triton import TritonScores
-    from megatron_iso.ops.logprob.temperature_triton import reciprocal_for
+    from megatron_iso.ops.logprob.logprob_triton import BLOCK, NUM_WARPS, TritonScores, _leaf_kernel
+    from megatron_iso.ops.logprob.temperature_triton import division_args
 
     out: dict[str, Any] = {}
+    rows, vocab = logits.shape
+    temps = torch.full((rows,), 0.7, device=logits.device)
+    per_leaf = torch.empty((1, rows, 8, 2), device=logits.device)
     for dt in (torch.bfloat16, torch.float16):
         lg = logits.to(dt)
 
@@ -747,17 +751,31 @@ def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw
                 tgt, ids_in_range=True
             )
 
-        row = {"reciprocal_checked": reciprocal_for(0.7, dt, lg.device) is not None}
+        def kernel(args, lg=lg):  # the leaf kernel alone, as TritonScores launches it for one shard
+            _leaf_kernel[(rows, 8)](
+                lg, temps, *args[:2], per_leaf, rows, vocab, vocab // 8, vocab, 0, lg.stride(0) * rows,
+                lg.stride(0), BLOCK=BLOCK, FAST_DIV=args[2], num_warps=NUM_WARPS,
+            )  # fmt: skip
+
+        checked = division_args(0.7, dt, lg.device)
+        row = {"reciprocal_checked": checked[2]}
         row["same_bits"] = _bits_equal(by_number(), score(lg, tgt, 0.7))
         for form, fn in (("number", by_number), ("tensor", lambda lg=lg: score(lg, tgt, 0.7))):
             ms = _time_events_ms(fn)
+            gbs = lg.numel() * lg.element_size() / ms / 1e6
+            row[form] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw}
+        for form, args in (("kernel_reciprocal", checked), ("kernel_div_rn", (1.0, 0.0, False))):
+            kernel(args)
+            ms = _time_ms(lambda args=args: kernel(args))
             gbs = lg.numel() * lg.element_size() / ms / 1e6
             row[form] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw}
         out[str(dt)] = row
         print(
             f"logprob {dt} {tuple(lg.shape)} t=0.7 events: number (reciprocal, checked={row['reciprocal_checked']}) "
             f"{row['number']['ms'] * 1e3:.1f} us ({row['number']['of_copy_bw']:.2f} of copy), tensor (div_rn) "
-            f"{row['tensor']['ms'] * 1e3:.1f} us; same bits {row['same_bits']}",
+            f"{row['tensor']['ms'] * 1e3:.1f} us; same bits {row['same_bits']}; kernel alone (graph): reciprocal "
+            f"{row['kernel_reciprocal']['ms'] * 1e3:.1f} us ({row['kernel_reciprocal']['of_copy_bw']:.2f} of copy), "
+            f"div_rn {row['kernel_div_rn']['ms'] * 1e3:.1f} us",
             flush=True,
         )
     return out
