@@ -144,11 +144,6 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
             "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
             "g_128x256_w8_s3_p0": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),  # p1: s0 spills at 128 x 256
             "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),  # two programs per SM
-            # the parked tree levels in shared memory beside the ring instead of global scratch
-            "gs_128x128_w8_s3_p1": C(128, 128, 64, 8, 3, park_from=1, loop="gluon", park_in="shared"),
-            "gs_128x128_w8_s2_p1": C(128, 128, 64, 8, 2, park_from=1, loop="gluon", park_in="shared"),
-            "gs_128x64_w8_s4_p1": C(128, 64, 64, 8, 4, park_from=1, loop="gluon", park_in="shared"),
-            "gs_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon", park_in="shared"),
         },
         1: {
             "t_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="tma"),

@@ -208,18 +208,15 @@ def _parse_gemm_tile(spec: str) -> Any:
     from megatron_iso.ops.gemm.tiles import LOOPS, TRITON_BLOCK_K, GemmTileConfig
 
     try:
-        tile, warps, stages, loop, *extra = spec.split(",")
+        tile, warps, stages, loop, *park = spec.split(",")
         bm, bn = map(int, tile.split("x"))
-        parks = [int(e[1:]) for e in extra if e.startswith("p")]
-        if loop not in LOOPS or len(parks) > 1 or any(e != "shared" and not e.startswith("p") for e in extra):
+        if loop not in LOOPS or len(park) > 1 or (park and not park[0].startswith("p")):
             raise ValueError
-        return GemmTileConfig(
-            bm, bn, TRITON_BLOCK_K["bf16"], int(warps), int(stages), park_from=parks[0] if parks else 0, loop=loop,
-            park_in="shared" if "shared" in extra else "global",
-        )  # fmt: skip
+        park_from = int(park[0][1:]) if park else 0
+        return GemmTileConfig(bm, bn, TRITON_BLOCK_K["bf16"], int(warps), int(stages), park_from=park_from, loop=loop)
     except ValueError:
         raise SystemExit(
-            f"--gemm-tile {spec!r}: expected BMxBN,WARPS,STAGES,LOOP[,pPARK_FROM][,shared] (LOOP: {LOOPS})"
+            f"--gemm-tile {spec!r}: expected BMxBN,WARPS,STAGES,LOOP[,pPARK_FROM] (LOOP: {LOOPS})"
         ) from None
 
 
@@ -230,7 +227,7 @@ DEFAULT_GEMM_TILES = (
     "128x64,8,4,tma,p1",
     "128x128,8,4,gluon,p1",
     "128x256,8,3,gluon,p0",
-    "128x128,8,3,gluon,p1,shared",
+    "128x128,4,3,gluon,p0",
     "64x128,4,4,gluon,p1",
 )
 
@@ -242,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=4, help="query heads per kv head (default 4, as Qwen3-8B)")
     ap.add_argument("--sass-dir", type=Path, help="write each tile's SASS to DIR/<tile>.sass (diff two trees' dirs)")
     ap.add_argument(
-        "--gemm-tile", action="append", help="the bf16 leaf-tree GEMM instead: BMxBN,WARPS,STAGES,LOOP[,pN][,shared]"
+        "--gemm-tile", action="append", help="the bf16 leaf-tree GEMM instead: BMxBN,WARPS,STAGES,LOOP[,pN]"
     )
     ap.add_argument("--gemm", action="store_true", help="the leaf-tree GEMM's default candidate tiles")
     ap.add_argument("--gemm-shape", default="4096,4096,4096,8", help="M,N,K,LEAVES of the GEMM (default 4096^3, 8)")
@@ -261,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in args.tile or DEFAULT_TILES
         }
     print(
-        f"{'tile':<30}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'all':>6}{'shared B':>10}{'per SM':>8}"
+        f"{'tile':<24}{'regs':>6}{'stack B':>9}{'spill ops in loops':>20}{'all':>6}{'shared B':>10}{'per SM':>8}"
         "  wgmma waits"
     )
     for spec, compile_kernel in kernels.items():
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sass_dir:
             (args.sass_dir / (re.sub(r"[^A-Za-z0-9]+", "_", spec) + ".sass")).write_text(r.sass)
         print(
-            f"{spec:<30}{r.registers:>6}{r.stack_bytes:>9}{r.spill_ops_in_loops:>20}{r.spill_ops:>6}"
+            f"{spec:<24}{r.registers:>6}{r.stack_bytes:>9}{r.spill_ops_in_loops:>20}{r.spill_ops:>6}"
             f"{r.shared_bytes:>10}{r.programs_per_sm():>8}  {wgmma_waits(r.sass)}",
             flush=True,
         )

@@ -64,10 +64,6 @@ def test_loop_names_and_what_tma_refuses() -> None:
 
     with pytest.raises(ValueError, match=r"loop='tiled' must be one of \('static', 'flat', 'tma', 'gluon'\)"):
         GemmTileConfig(16, 16, 8, 4, 1, loop="tiled")
-    with pytest.raises(ValueError, match=r"park_in='smem' must be one of \('global', 'shared'\)"):
-        GemmTileConfig(16, 16, 8, 4, 1, park_in="smem")
-    with pytest.raises(ValueError, match="park_in='shared' needs loop='gluon', got loop='tma'"):
-        GemmTileConfig(16, 16, 8, 4, 1, loop="tma", park_in="shared")
     x = torch.zeros(8, 72, dtype=torch.bfloat16)
     assert tma.tma_supported(x, x) is None
     shifted = torch.zeros(8, 73, dtype=torch.bfloat16)[:, 1:]  # rows of 146 bytes, base 2 bytes past alignment
@@ -101,20 +97,3 @@ def test_large_m_selects_a_descriptor_loop_where_the_operands_allow_one() -> Non
     assert {c.loop for c in gt.selectable_tiles(bf, descriptor_loops=False)} <= {"static", "flat"}
     assert {"tma", "gluon"} <= {c.loop for c in gt.selectable_tiles(bf)}
     assert grouped_config(bf, 8 * 4096, 8, 8).loop == "flat"
-
-
-def test_shared_parking_refuses_levels_that_do_not_fit() -> None:
-    """A Gluon tile that parks its tree levels in shared memory is refused, before it launches, when the ring and the
-    levels exceed sm_90's shared memory (naming the bytes and the ways out); the 3-stage 128 x 128 tile fits."""
-    from megatron_iso.ops.gemm import gemm_gluon
-    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig, leaf_tree_linear_triton
-
-    tree = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "LOG2_LEAVES": 3, "PARK_FROM": 1}
-    assert gemm_gluon.shared_bytes(tree, 2) == 3 * 256 * 64 * 2 + 2 * 128 * 128 * 4 + 2048
-    assert gemm_gluon.parked_levels_fit(tree, 2) and not gemm_gluon.parked_levels_fit({**tree, "STAGES": 4}, 2)
-    x, w = torch.zeros(256, 512, dtype=torch.bfloat16), torch.zeros(256, 512, dtype=torch.bfloat16)
-    if gemm_gluon.gluon_supported(x, w) is not None:
-        pytest.skip(f"no Gluon loop here: {gemm_gluon.gluon_supported(x, w)}")
-    cfg = GemmTileConfig(128, 128, 64, 8, 4, park_from=1, loop="gluon", park_in="shared")
-    with pytest.raises(ValueError, match=r"needs 264192 bytes of shared memory .* sm_90 has 232448"):
-        leaf_tree_linear_triton(x, w, 8, parallel=1, config=cfg)

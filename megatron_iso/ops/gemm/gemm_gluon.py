@@ -95,8 +95,7 @@ if gluon is not None:
         x_desc, w_desc, out_ptr, park_ptr,
         M, N, stride_op, stride_om, stride_pl, stride_ps,
         LEAF_K, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr, PARK_FROM: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, INSTR_N: gl.constexpr, WARPS_M: gl.constexpr, PARK_SHARED: gl.constexpr,
-        num_warps: gl.constexpr,
+        STAGES: gl.constexpr, INSTR_N: gl.constexpr, WARPS_M: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -127,18 +126,12 @@ if gluon is not None:
         for t in gl.static_range(STAGES - 1):
             _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, t, total, first_tile, off_m, off_n, STAGES)
 
-        parked = x_bufs  # unused unless the parked tree levels sit beside the ring (GemmTileConfig.park_in)
-        if PARK_SHARED:
-            parked = gl.allocate_shared_memory(
-                gl.float32, [LOG2_LEAVES - PARK_FROM, BLOCK_M, BLOCK_N], gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
-            )
         s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         for i in range(LEAVES):
             acc = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, i * leaf_tiles, leaf_tiles, total,
                                first_tile, off_m, off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM, parked,
-                            PARK_SHARED, layout)  # fmt: skip
+            s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -174,38 +167,11 @@ def launch_gluon(
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
     warps_m, instr_n = _wgmma_shape(bm, bn, tree["num_warps"])
-    park_shared = tree.get("PARK_SHARED", False)
-    if park_shared and not parked_levels_fit(tree, x.element_size()):
-        raise ValueError(
-            f"leaf_tree_linear_triton: park_in='shared' needs {shared_bytes(tree, x.element_size())} bytes of shared "
-            f"memory for a {bm}x{bn} tile, {tree['STAGES']} stages and {tree['LOG2_LEAVES'] - tree['PARK_FROM']} "
-            f"parked levels; sm_90 has {SM90_SHARED_MEMORY}: fewer stages, a smaller tile or park_in='global'"
-        )
     names = ("LEAF_K", "LEAVES", "LOG2_LEAVES", "PARK_FROM", "GROUP_M", "STAGES", "num_warps")
     return _leaf_tree_gluon_kernel[grid](
         x_desc, w_desc, target, park, x.shape[0], weight.shape[0], *strides, **{k: tree[k] for k in names},
-        INSTR_N=instr_n, WARPS_M=warps_m, PARK_SHARED=park_shared,
+        INSTR_N=instr_n, WARPS_M=warps_m,
     )  # fmt: skip
 
 
-# Shared memory one program may use on sm_90 (H100, H200: 227 KB), the only architecture the Gluon loop runs on
-# (gluon_supported), and what a program keeps beyond the ring and the parked levels (barriers, compiler scratch).
-SM90_SHARED_MEMORY = 232_448
-_SHARED_RESERVE = 2048
-
-
-def shared_bytes(tree: dict[str, object], element_size: int) -> int:
-    """Shared memory of a program that parks its tree levels there: the load ring, the fp32 [BLOCK_M, BLOCK_N] levels
-    and the reserve."""
-    bm, bn, bk = tree["BLOCK_M"], tree["BLOCK_N"], tree["BLOCK_K"]
-    levels = tree["LOG2_LEAVES"] - tree["PARK_FROM"]
-    return tree["STAGES"] * (bm + bn) * bk * element_size + levels * bm * bn * 4 + _SHARED_RESERVE
-
-
-def parked_levels_fit(tree: dict[str, object], element_size: int) -> bool:
-    """Whether the parked levels fit in sm_90's shared memory beside the ring. At 8 leaves with level 0 in registers
-    a 128 x 128 tile parks two levels (128 KB): they fit beside a 3-stage ring (96 KB), not a 4-stage one."""
-    return shared_bytes(tree, element_size) <= SM90_SHARED_MEMORY
-
-
-__all__ = ["gluon_supported", "launch_gluon", "parked_levels_fit", "shared_bytes"]
+__all__ = ["gluon_supported", "launch_gluon"]

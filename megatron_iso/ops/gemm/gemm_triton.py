@@ -386,12 +386,9 @@ def leaf_tree_linear_triton(
     if cfg.loop == "gluon" and log2 <= 1:
         park_from = 0  # Triton 3.6 fails to lower the Gluon kernel's register level 0 in a 1- or 2-leaf tree
     n_park = max(0, log2 - park_from)
-    shared_park = cfg.park_in == "shared" and n_park > 0  # the Gluon loop's (GemmTileConfig checks)
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.
-    park = target
-    if n_park and not shared_park:
-        park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32)
+    park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32) if n_park else target
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
     # Output / park strides (subtree, row, park level, park subtree), then the launch options every loop takes.
     strides = (M * N if parallel > 1 else 0, N, M * N, n_park * M * N)
@@ -402,8 +399,6 @@ def leaf_tree_linear_triton(
         IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    if shared_park:
-        tree["PARK_SHARED"] = True
     global LAST_COMPILED
     if cfg.loop in _DESCRIPTOR_LOOPS:
         supported, launch = _DESCRIPTOR_LOOPS[cfg.loop]
@@ -438,7 +433,7 @@ leaf_tree_linear_triton.rounds_output = True  # type: ignore[attr-defined]  # se
 
 
 def _tile_record(c: GemmTileConfig) -> str:
-    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from} {c.park_in}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from}"
 
 
 def _probe() -> dict[str, torch.Tensor]:

@@ -39,39 +39,20 @@ def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _parked_at(park, parked, lvl, omask, stride_pl, PARK_SHARED: tl.constexpr, layout: tl.constexpr):
-    """The node parked at slot ``lvl``: from the fp32 global scratch ``park``, or (the Gluon loop with
-    ``park_in="shared"``) from the shared-memory levels ``parked``."""
-    if PARK_SHARED:
-        return parked.index(lvl).load(layout)
-    return tl.load(park + lvl * stride_pl, mask=omask)
-
-
-@triton.jit
-def _park_at(v, park, parked, lvl, omask, stride_pl, PARK_SHARED: tl.constexpr):
-    if PARK_SHARED:
-        parked.index(lvl).store(v)
-    else:
-        tl.store(park + lvl * stride_pl, v, mask=omask)
-
-
-@triton.jit
 def _tree_step(
-    v, s0, i, park, out, omask, stride_pl, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr,
-    parked=None, PARK_SHARED: tl.constexpr = False, layout: tl.constexpr = None,
+    v, s0, i, park, out, omask, stride_pl, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, PARK_FROM: tl.constexpr
 ):  # fmt: skip
     """Leaf ``i``'s fp32 result ``v`` into the stack evaluation of the balanced tree, for loops whose leaf index is a
-    run-time value (flat, TMA, Gluon): leaf i closes one subtree per trailing one bit of i + 1, adding the lower nodes
-    (level 0 from ``s0`` when ``PARK_FROM >= 1``, higher levels from the parked slots) on the left; the last leaf
-    stores the root at ``out``, any other parks the node it closed at the level of i's trailing ones. Parked slots
-    are fp32 global scratch (``park``), or with ``PARK_SHARED`` the Gluon loop's shared-memory ``parked`` (loaded in
-    ``layout``): where a node waits, not how it is added. Returns the level-0 slot ``s0``."""
+    run-time value (flat, TMA): leaf i closes one subtree per trailing one bit of i + 1, adding the lower nodes
+    (level 0 from ``s0`` when ``PARK_FROM >= 1``, higher levels from the fp32 scratch ``park``) on the left; the
+    last leaf stores the root at ``out``, any other parks the node it closed at the level of i's trailing ones.
+    Returns the level-0 slot ``s0``."""
     if PARK_FROM >= 1:  # noqa: SIM102 - compile-time test outside, run-time test inside
         if i % 2 == 1:
             v = s0 + v
     for lvl in tl.static_range(PARK_FROM, LOG2_LEAVES):
         if (i + 1) % (2 << lvl) == 0:
-            v = _parked_at(park, parked, lvl - PARK_FROM, omask, stride_pl, PARK_SHARED, layout) + v
+            v = tl.load(park + (lvl - PARK_FROM) * stride_pl, mask=omask) + v
     if i == LEAVES - 1:
         tl.store(out, v, mask=omask)
     else:
@@ -83,7 +64,7 @@ def _tree_step(
             if lvl_park == 0:
                 s0 = v
             else:
-                _park_at(v, park, parked, lvl_park - PARK_FROM, omask, stride_pl, PARK_SHARED)
+                tl.store(park + (lvl_park - PARK_FROM) * stride_pl, v, mask=omask)
         else:
-            _park_at(v, park, parked, lvl_park, omask, stride_pl, PARK_SHARED)
+            tl.store(park + lvl_park * stride_pl, v, mask=omask)
     return s0

@@ -22,11 +22,8 @@ class GemmTileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
-    # Tree levels at or above this are parked in fp32 scratch (``park_in``); below it they stay in registers.
+    # Tree levels at or above this are parked in fp32 global scratch; below it they stay in registers.
     park_from: int = 0
-    # Where parked levels wait: "global" (fp32 scratch in device memory, every loop) or "shared" (shared memory beside
-    # the load ring, the Gluon loop only; the launch refuses a tile whose levels do not fit).
-    park_in: str = "global"
     # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
     # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
     # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py);
@@ -38,11 +35,6 @@ class GemmTileConfig:
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
             raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
-        if self.park_in not in PARK_IN:
-            raise ValueError(f"GemmTileConfig: park_in={self.park_in!r} must be one of {PARK_IN}")
-        if self.park_in == "shared" and self.loop != "gluon":
-            raise ValueError(f"GemmTileConfig: park_in='shared' needs loop='gluon', got loop={self.loop!r}")
 
 
 LOOPS = ("static", "flat", "tma", "gluon")
-PARK_IN = ("global", "shared")
