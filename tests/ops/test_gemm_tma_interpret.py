@@ -87,7 +87,7 @@ def test_large_m_selects_a_descriptor_loop_where_the_operands_allow_one() -> Non
     for m in (1, 64, 256):  # below the large bucket nothing changes
         assert gt.select_config(bf, m, 8, 4096, descriptor_loops=True) == gt.select_config(bf, m, 8, 4096)
     assert gt.select_config(torch.float32, 4096, 8, 4096, descriptor_loops=True).loop == "static"
-    assert gt.select_config(torch.float16, 4096, 8, 4096, descriptor_loops=True).loop == "flat"
+    assert gt.select_config(torch.float16, 4096, 8, 4096, descriptor_loops=True).loop == "gluon"
     w = torch.zeros(512, 256, dtype=bf)
     if gluon_supported(torch.zeros(4096, 256, dtype=bf), w) is None:
         assert gt._selected_config(torch.zeros(4096, 256, dtype=bf), w, 8).loop == "gluon"

@@ -63,8 +63,8 @@ CONFIGS: dict[torch.dtype, GemmTileConfig] = {
         block_m=64, block_n=64, block_k=TRITON_BLOCK_K["fp32"], num_warps=4, num_stages=3, loop="static"
     ),
 }
-# Buckets picked from candidate sweeps on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md);
-# every tile here is held to the default's bits by tests/gpu/test_gemm_tiles.py (``selectable_tiles``).
+# Buckets picked from candidate sweeps on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md), for
+# bf16 and fp16 alike (the tables are named after the dtype they were timed on); every tile here is held to the default's bits by tests/gpu/test_gemm_tiles.py (``selectable_tiles``).
 _BF16_TILES = {
     # (M bucket, one leaf in the kernel?) -> tile
     # M <= 16 (batch-1..16 decode): 16-row tiles (mma, not wgmma) waste no MMA rows and put 4x the programs of a
@@ -107,8 +107,7 @@ def select_config(
     if bucket == "tiny" and leaves == 1 and N >= WIDE_N:
         return _BF16_TINY_WIDE_N
     key = (bucket, leaves == 1)
-    # fp16 keeps the pointer tiles until the GPU tile tests have run the descriptor loops on fp16 operands.
-    if descriptor_loops and dtype == torch.bfloat16 and key in _BF16_DESCRIPTOR_TILES:
+    if descriptor_loops and key in _BF16_DESCRIPTOR_TILES:
         return _BF16_DESCRIPTOR_TILES[key]
     return _BF16_TILES.get(key, CONFIGS[dtype])
 
@@ -119,7 +118,7 @@ def selectable_tiles(dtype: torch.dtype, *, descriptor_loops: bool = True) -> li
     if dtype not in (torch.bfloat16, torch.float16):
         return [CONFIGS[dtype]]
     tiles = [CONFIGS[dtype]]
-    extra = _BF16_DESCRIPTOR_TILES.values() if descriptor_loops and dtype == torch.bfloat16 else ()
+    extra = _BF16_DESCRIPTOR_TILES.values() if descriptor_loops else ()
     for cfg in (*_BF16_TILES.values(), _BF16_TINY_WIDE_N, *extra):
         if cfg not in tiles:
             tiles.append(cfg)
