@@ -144,6 +144,10 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
             "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
             "g_128x256_w8_s3_p0": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),  # p1: s0 spills at 128 x 256
             "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),  # two programs per SM
+            # two leaves at a time, their K tiles alternating between two accumulators: half the leaf ends
+            "gp_128x128_w8_s4": C(128, 128, 64, 8, 4, park_from=1, loop="gluon_pairs"),
+            "gp_128x128_w8_s3": C(128, 128, 64, 8, 3, park_from=1, loop="gluon_pairs"),
+            "gp_64x128_w4_s4": C(64, 128, 64, 4, 4, park_from=1, loop="gluon_pairs"),  # two programs per SM
         },
         1: {
             "t_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="tma"),

@@ -229,6 +229,7 @@ DEFAULT_GEMM_TILES = (
     "128x256,8,3,gluon,p0",
     "128x128,4,3,gluon,p0",
     "64x128,4,4,gluon,p1",
+    "128x128,8,4,gluon_pairs,p1",
 )
 
 

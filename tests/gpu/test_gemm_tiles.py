@@ -70,12 +70,17 @@ def test_tma_loop_gives_the_pointer_loops_bits(dtype, leaves):
             assert torch.equal(got, base), (cfg, parallel)
 
 
-# (BM, BN, warps, stages, park_from) of the Gluon loop: one TMA pipeline across the leaves, wgmma kept in flight.
-GLUON_TILES = [(128, 128, 8, 4, 1), (128, 128, 4, 3, 0), (128, 256, 8, 3, 0), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1)]
+# (BM, BN, warps, stages, park_from, loop) of the Gluon loops: one TMA pipeline across the leaves, wgmma kept in
+# flight; gluon_pairs takes two leaves at a time, their K tiles alternating between two accumulators.
+GLUON_TILES = [
+    (128, 128, 8, 4, 1, "gluon"), (128, 128, 4, 3, 0, "gluon"), (128, 256, 8, 3, 0, "gluon"),
+    (128, 64, 8, 4, 1, "gluon"), (64, 128, 4, 4, 1, "gluon"), (128, 128, 8, 4, 1, "gluon_pairs"),
+    (128, 128, 8, 3, 1, "gluon_pairs"), (64, 128, 4, 4, 1, "gluon_pairs"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("leaves", [1, 2, 8])
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8])
 def test_gluon_loop_gives_the_pointer_loops_bits(dtype, leaves):
     from megatron_iso.ops.gemm.gemm_triton import CONFIGS
     from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
@@ -85,8 +90,8 @@ def test_gluon_loop_gives_the_pointer_loops_bits(dtype, leaves):
     bk = CONFIGS[dtype].block_k
     for out_dtype in (torch.float32, dtype):
         base = f(x, w, leaves, parallel=1, config=CONFIGS[dtype], out_dtype=out_dtype)
-        for bm, bn, warps, stages, park_from in GLUON_TILES:
-            cfg = C(bm, bn, bk, warps, stages, park_from=park_from, loop="gluon")
+        for bm, bn, warps, stages, park_from, loop in GLUON_TILES:
+            cfg = C(bm, bn, bk, warps, stages, park_from=park_from, loop=loop)
             for parallel in {1, min(leaves, 2)}:
                 got = f(x, w, leaves, parallel=parallel, config=cfg, out_dtype=out_dtype)
                 assert torch.equal(bits(got), bits(base)), (cfg, parallel, out_dtype)

@@ -90,8 +90,12 @@ def test_tma_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
 def test_gluon_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
     """The leaf-tree GEMM's Gluon loop (one TMA pipeline across the leaves): compiled for sm_90 it keeps one wgmma
     in flight (a wait of 1) with no spill, at 8 leaves with the level-0 slot in registers and at one leaf with the
-    128 x 256 tile the TMA loop's park buffer could not fit."""
-    for tile, leaves in (("128x128,8,4,gluon,p1", 8), ("128x256,8,3,gluon", 1), ("128x128,8,4,gluon,p1", 2)):
+    128 x 256 tile the TMA loop's park buffer could not fit; and its two-leaf form (gluon_pairs) at 2 and 8 leaves."""
+    tiles = (
+        ("128x128,8,4,gluon,p1", 8), ("128x256,8,3,gluon", 1), ("128x128,8,4,gluon,p1", 2),
+        ("128x128,8,4,gluon_pairs,p1", 8), ("128x128,8,4,gluon_pairs,p1", 2),
+    )  # fmt: skip
+    for tile, leaves in tiles:
         r = kr.gemm_resources(1024, 512, 2048, leaves, kr._parse_gemm_tile(tile))
         assert r.stack_bytes == 0 and r.spill_ops == 0, (tile, leaves, r)
         assert "1" in kr.wgmma_waits(r.sass).split(","), (tile, leaves, kr.wgmma_waits(r.sass))

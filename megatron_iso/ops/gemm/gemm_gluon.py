@@ -8,12 +8,15 @@ wgmma is waited for at once. Gluon states the pipeline explicitly: the TMA loads
 ``STAGES - 1`` tiles ahead through a ring of shared-memory stages and mbarriers, across leaf boundaries; the
 wgmmas are issued asynchronously with one kept in flight (a wgmma is waited for once the next one is queued behind
 it, and only then is its stage refilled), and the accumulator is read only after a leaf's last wgmma, for the tree
-step.
+step. Its two-leaf form (``loop="gluon_pairs"``) walks leaves 2j and 2j + 1 together, their K tiles alternating
+between two accumulators: a program then stops for the accumulators and the tree step at half as many leaf ends, and
+the wgmma queued behind the one in flight never waits for that one's result.
 
 The same bits as the other loops: each leaf is ``acc = 0; acc = mma(x_k, w_k^T, acc)`` over the leaf's K tiles in
 increasing order with BLOCK_K = 64 (a fresh zero accumulator, never the instruction's zero-input form, which would
 differ in the sign of a zero), and the leaves' fp32 results meet in the same balanced tree
-(:func:`~megatron_iso.ops.gemm.leaf_steps_triton._tree_step`). Rows and columns past M and N load as zeros (TMA's
+(:func:`~megatron_iso.ops.gemm.leaf_steps_triton._tree_step`; in the two-leaf form the pair's sum is the tree's
+level-1 node, and the nodes above meet in the same order). Rows and columns past M and N load as zeros (TMA's
 out-of-bounds fill) and are never stored. bf16 / fp16 only (fp32's exact dot is not a wgmma); TMA needs 16-byte
 aligned rows (``gemm_tma_triton.tma_supported``). Gluon has no interpreter: the GPU tests hold it to the pointer
 loops' bits (tests/gpu/test_gemm_tiles.py).
@@ -27,7 +30,7 @@ import torch
 import triton
 
 from megatron_iso.ops.gemm.gemm_tma_triton import tma_supported
-from megatron_iso.ops.gemm.leaf_steps_triton import _tile_coords, _tree_step
+from megatron_iso.ops.gemm.leaf_steps_triton import _pair_k_tile, _tile_coords, _tree_step
 
 try:
     from triton.experimental import gluon
@@ -63,11 +66,15 @@ def gluon_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 if gluon is not None:
 
     @gluon.jit
-    def _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, tile, total, first_tile, off_m, off_n,
-                   STAGES: gl.constexpr):  # fmt: skip
-        """Start the TMA loads of the subtree's K tile ``tile`` into its ring stage (none past the last tile)."""
+    def _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, tile, total, first_tile, off_m, off_n, leaf_tiles,
+                   STAGES: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
+        """Start the TMA loads of the subtree's ``tile``-th K tile in consumption order into its ring stage (none past
+        the last): the K order, or with ``PAIRS`` two leaves' tiles alternating (:func:`_pair_k_tile`)."""
         stage = tile % STAGES
-        k = (first_tile + tile) * x_desc.block_type.shape[1]
+        k_tile = tile
+        if PAIRS:
+            k_tile = _pair_k_tile(tile, leaf_tiles)
+        k = (first_tile + k_tile) * x_desc.block_type.shape[1]
         ready = tile < total
         bar = bars.index(stage)
         mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ready)
@@ -87,15 +94,46 @@ if gluon is not None:
             acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))
             _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, tile - 1 + STAGES, total, first_tile, off_m, off_n,
-                       STAGES)  # fmt: skip
+                       count, STAGES, False)  # fmt: skip
         return acc
+
+    @gluon.jit
+    def _pair_turn(x_bufs, w_bufs, bars, x_desc, w_desc, tile, acc, other, total, first_tile, off_m, off_n,
+                   leaf_tiles, STAGES: gl.constexpr):  # fmt: skip
+        """One turn of :func:`_pair_wgmmas`: the ``tile``-th K tile (consumption order) into ``acc`` once its loads
+        landed, then a wait for the wgmma before it (``other``'s) and the refill of that one's stage."""
+        stage = tile % STAGES
+        mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
+        acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+        acc, other = warpgroup_mma_wait(1, deps=(acc, other))
+        _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, tile - 1 + STAGES, total, first_tile, off_m, off_n,
+                   leaf_tiles, STAGES, True)  # fmt: skip
+        return acc, other
+
+    @gluon.jit
+    def _pair_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout: gl.constexpr, first, leaf_tiles, total,
+                     first_tile, off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):  # fmt: skip
+        """Two consecutive leaves' wgmmas, their K tiles alternating (``first + 2t``: the first leaf's tile t, ``first
+        + 2t + 1``: the second's), each leaf into its own fresh zero accumulator and in its own K order: the same
+        two sums as two :func:`_leaf_wgmmas` calls. One wgmma is kept in flight as there, but the one queued behind
+        it never needs its result (it adds into the other leaf's accumulator)."""
+        acc_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        acc_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        for t in range(leaf_tiles):
+            acc_a, acc_b = _pair_turn(x_bufs, w_bufs, bars, x_desc, w_desc, first + 2 * t, acc_a, acc_b, total,
+                                      first_tile, off_m, off_n, leaf_tiles, STAGES)  # fmt: skip
+            acc_b, acc_a = _pair_turn(x_bufs, w_bufs, bars, x_desc, w_desc, first + 2 * t + 1, acc_b, acc_a, total,
+                                      first_tile, off_m, off_n, leaf_tiles, STAGES)  # fmt: skip
+        return acc_a, acc_b
 
     @gluon.jit
     def _leaf_tree_gluon_kernel(
         x_desc, w_desc, out_ptr, park_ptr,
         M, N, stride_op, stride_om, stride_pl, stride_ps,
         LEAF_K, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr, PARK_FROM: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, INSTR_N: gl.constexpr, WARPS_M: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, INSTR_N: gl.constexpr, WARPS_M: gl.constexpr, PAIRS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -124,14 +162,25 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         for t in gl.static_range(STAGES - 1):
-            _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, t, total, first_tile, off_m, off_n, STAGES)
+            _load_tile(x_desc, w_desc, bars, x_bufs, w_bufs, t, total, first_tile, off_m, off_n, leaf_tiles, STAGES,
+                       PAIRS)  # fmt: skip
 
         s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
-        for i in range(LEAVES):
-            acc = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, i * leaf_tiles, leaf_tiles, total,
-                               first_tile, off_m, off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
+        if PAIRS:
+            # Leaves 2j and 2j + 1 together: their sum is the tree's level-1 node j, and the nodes above it meet as
+            # the leaves' tree would meet them (a balanced tree of LEAVES / 2 nodes, every level parked).
+            for j in range(LEAVES // 2):
+                acc_a, acc_b = _pair_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, 2 * j * leaf_tiles,
+                                            leaf_tiles, total, first_tile, off_m, off_n, BLOCK_M, BLOCK_N,
+                                            STAGES)  # fmt: skip
+                acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+                _tree_step(acc_a + acc_b, s0, j, park, out, omask, stride_pl, LEAVES // 2, LOG2_LEAVES - 1, 0)
+        else:
+            for i in range(LEAVES):
+                acc = _leaf_wgmmas(x_bufs, w_bufs, bars, x_desc, w_desc, layout, i * leaf_tiles, leaf_tiles, total,
+                                   first_tile, off_m, off_n, BLOCK_M, BLOCK_N, STAGES)  # fmt: skip
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                s0 = _tree_step(acc, s0, i, park, out, omask, stride_pl, LEAVES, LOG2_LEAVES, PARK_FROM)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -158,10 +207,13 @@ def launch_gluon(
     grid: tuple[int, int],
     strides: tuple[int, int, int, int],
     tree: dict[str, object],
+    *,
+    pairs: bool = False,
 ) -> object:
     """Launch :func:`_leaf_tree_gluon_kernel` on ``grid`` (tile, subtree) with the output / park ``strides`` and the
     launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives every loop, for operands it has
-    checked with :func:`gluon_supported`."""
+    checked with :func:`gluon_supported`. ``pairs`` (the ``gluon_pairs`` loop): leaves two at a time, K tiles
+    alternating; the tree then parks every level from 1 (the caller's scratch has ``LOG2_LEAVES - 1`` slots)."""
     bm, bn, bk = tree["BLOCK_M"], tree["BLOCK_N"], tree["BLOCK_K"]
     dtype = getattr(gl, _GL_DTYPES[x.dtype])
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
@@ -170,7 +222,7 @@ def launch_gluon(
     names = ("LEAF_K", "LEAVES", "LOG2_LEAVES", "PARK_FROM", "GROUP_M", "STAGES", "num_warps")
     return _leaf_tree_gluon_kernel[grid](
         x_desc, w_desc, target, park, x.shape[0], weight.shape[0], *strides, **{k: tree[k] for k in names},
-        INSTR_N=instr_n, WARPS_M=warps_m,
+        INSTR_N=instr_n, WARPS_M=warps_m, PAIRS=pairs and tree["LEAVES"] > 1,
     )  # fmt: skip
 
 

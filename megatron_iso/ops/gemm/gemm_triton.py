@@ -29,6 +29,7 @@ result is a node of the G-leaf tree, and adding the rank nodes with the same tre
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict
 
@@ -47,7 +48,11 @@ IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "4"  # 4: TMA / Gluon loops at large M; 3: a 16-row tile bucket; tiles bitwise-equivalent since 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The loops over TMA descriptors: what refuses operands a loop cannot run (why, or None), and its launcher.
-_DESCRIPTOR_LOOPS = {"tma": (tma_supported, launch_tma), "gluon": (gluon_supported, launch_gluon)}
+_DESCRIPTOR_LOOPS = {
+    "tma": (tma_supported, launch_tma),
+    "gluon": (gluon_supported, launch_gluon),
+    "gluon_pairs": (gluon_supported, functools.partial(launch_gluon, pairs=True)),
+}
 
 
 # The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise
@@ -384,6 +389,8 @@ def leaf_tree_linear_triton(
     park_from = cfg.park_from if cfg.loop == "static" else min(cfg.park_from, 1)
     if cfg.loop == "gluon" and log2 <= 1:
         park_from = 0  # Triton 3.6 fails to lower the Gluon kernel's register level 0 in a 1- or 2-leaf tree
+    if cfg.loop == "gluon_pairs":
+        park_from = min(1, log2)  # level 0 never waits (two accumulators); every level above is parked
     n_park = max(0, log2 - park_from)
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.

@@ -27,6 +27,15 @@ def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
+def _pair_k_tile(tile, leaf_tiles):
+    """The K tile (counted from the subtree's first) that a two-leaf interleaved loop consumes ``tile``-th: leaves 2j
+    and 2j + 1 of ``leaf_tiles`` K tiles each alternate, the first leaf's tile t at 2t, the second's at 2t + 1 of
+    the pair's ``2 * leaf_tiles`` turns."""
+    r = tile % (2 * leaf_tiles)
+    return tile - r + (r % 2) * leaf_tiles + r // 2
+
+
+@triton.jit
 def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
     if CAST_F32:
         # The interpreter's bf16 dot is wrong; products of bf16 values are exact in fp32 anyway.

@@ -27,7 +27,9 @@ class GemmTileConfig:
     # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
     # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
     # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py);
-    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py).
+    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py);
+    # "gluon_pairs": the same with two leaves at a time, their K tiles alternating between two accumulators (half the
+    # leaf ends; level 0 is their sum, every level above parked, whatever ``park_from`` says).
     loop: str = "flat"
     # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
     fp32_precision: str = "ieee"
@@ -37,4 +39,4 @@ class GemmTileConfig:
             raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
 
 
-LOOPS = ("static", "flat", "tma", "gluon")
+LOOPS = ("static", "flat", "tma", "gluon", "gluon_pairs")
