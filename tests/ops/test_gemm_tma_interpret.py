@@ -66,6 +66,8 @@ def test_loop_names_and_what_tma_refuses() -> None:
         ValueError, match=r"loop='tiled' must be one of \('static', 'flat', 'tma', 'gluon', 'gluon_pairs'\)"
     ):
         GemmTileConfig(16, 16, 8, 4, 1, loop="tiled")
+    with pytest.raises(ValueError, match="persistent=True needs a Gluon loop"):
+        GemmTileConfig(16, 16, 8, 4, 1, loop="tma", persistent=True)
     x = torch.zeros(8, 72, dtype=torch.bfloat16)
     assert tma.tma_supported(x, x) is None
     shifted = torch.zeros(8, 73, dtype=torch.bfloat16)[:, 1:]  # rows of 146 bytes, base 2 bytes past alignment

@@ -82,7 +82,8 @@ def test_tma_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.loop, cfg.park_from) == (
         64, 128, 4, 3, "static", 0
     )  # fmt: skip
-    for bad in ("128x64,8,4", "128x64,8,4,tiled", "128x64,8,4,tma,q1"):
+    assert kr._parse_gemm_tile("128x128,8,4,gluon,p1,persistent").persistent
+    for bad in ("128x64,8,4", "128x64,8,4,tiled", "128x64,8,4,tma,q1", "128x64,8,4,tma,persistent"):
         with pytest.raises(SystemExit, match="expected BMxBN,WARPS,STAGES,LOOP"):
             kr._parse_gemm_tile(bad)
 
@@ -90,10 +91,12 @@ def test_tma_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
 def test_gluon_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
     """The leaf-tree GEMM's Gluon loop (one TMA pipeline across the leaves): compiled for sm_90 it keeps one wgmma
     in flight (a wait of 1) with no spill, at 8 leaves with the level-0 slot in registers and at one leaf with the
-    128 x 256 tile the TMA loop's park buffer could not fit; and its two-leaf form (gluon_pairs) at 2 and 8 leaves."""
+    128 x 256 tile the TMA loop's park buffer could not fit; its two-leaf form (gluon_pairs) at 2 and 8 leaves; and
+    persistent programs."""
     tiles = (
         ("128x128,8,4,gluon,p1", 8), ("128x256,8,3,gluon", 1), ("128x128,8,4,gluon,p1", 2),
         ("128x128,8,4,gluon_pairs,p1", 8), ("128x128,8,4,gluon_pairs,p1", 2),
+        ("128x128,8,4,gluon_pairs,p1,persistent", 8), ("128x256,8,4,gluon,persistent", 1),
     )  # fmt: skip
     for tile, leaves in tiles:
         r = kr.gemm_resources(1024, 512, 2048, leaves, kr._parse_gemm_tile(tile))

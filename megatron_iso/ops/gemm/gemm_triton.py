@@ -395,7 +395,9 @@ def leaf_tree_linear_triton(
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.
     park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32) if n_park else target
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    # persistent: one program per SM (over the subtrees' programs), each walking its share of the output tiles
+    grid = (min(tiles, max(1, sm_count(x.device) // parallel)) if cfg.persistent else tiles, parallel)
     # Output / park strides (subtree, row, park level, park subtree), then the launch options every loop takes.
     strides = (M * N if parallel > 1 else 0, N, M * N, n_park * M * N)
     tree = dict(
@@ -405,6 +407,8 @@ def leaf_tree_linear_triton(
         IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
         num_warps=cfg.num_warps,
     )  # fmt: skip
+    if cfg.persistent:
+        tree["PERSISTENT"] = True
     global LAST_COMPILED
     if cfg.loop in _DESCRIPTOR_LOOPS:
         supported, launch = _DESCRIPTOR_LOOPS[cfg.loop]
@@ -439,7 +443,8 @@ leaf_tree_linear_triton.rounds_output = True  # type: ignore[attr-defined]  # se
 
 
 def _tile_record(c: GemmTileConfig) -> str:
-    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from}"
+    persistent = " persistent" if c.persistent else ""
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from}{persistent}"
 
 
 def _probe() -> dict[str, torch.Tensor]:

@@ -12,9 +12,13 @@ import triton.language as tl
 
 @triton.jit
 def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped tile order so that consecutive programs share weight tiles in L2; it changes only
-    # which program computes a tile, never how.
-    pid = tl.program_id(0)
+    return _tile_coords_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def _tile_coords_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Output tile ``pid``'s (row, column) in grouped order so that consecutive tiles share weight tiles in L2; it
+    # changes only which program computes a tile, never how.
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * grid_n

@@ -33,10 +33,17 @@ class GemmTileConfig:
     loop: str = "flat"
     # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
     fp32_precision: str = "ieee"
+    # The Gluon loops only: one program per SM walks output tiles one after another, the next tile's loads running
+    # under the current one's last wgmmas (an order of work, not of arithmetic).
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
             raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
+        if self.persistent and not self.loop.startswith("gluon"):
+            raise ValueError(
+                f"GemmTileConfig: persistent=True needs a Gluon loop ('gluon', 'gluon_pairs'), got {self.loop!r}"
+            )
 
 
 LOOPS = ("static", "flat", "tma", "gluon", "gluon_pairs")
