@@ -69,7 +69,8 @@ CONFIGS: dict[torch.dtype, GemmTileConfig] = {
     ),
 }
 # Buckets picked from candidate sweeps on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md), for
-# bf16 and fp16 alike (the tables are named after the dtype they were timed on); every tile here is held to the default's bits by tests/gpu/test_gemm_tiles.py (``selectable_tiles``).
+# bf16 and fp16 alike (the tables are named after the dtype they were timed on); every tile here is held to the
+# default's bits by tests/gpu/test_gemm_tiles.py (``selectable_tiles``).
 _BF16_TILES = {
     # (M bucket, one leaf in the kernel?) -> tile
     # M <= 16 (batch-1..16 decode): 16-row tiles (mma, not wgmma) waste no MMA rows and put 4x the programs of a
