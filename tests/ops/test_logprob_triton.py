@@ -135,6 +135,7 @@ FAST_DIVISION = textwrap.dedent(
     x[0, 40:80] = -0.0
     x[1, 3000] = 1e-30  # a nonzero logit below TINY: its slice divides
     x[2, ::97] = 200.0
+    x[2, 5] = float("inf")  # an infinite logit: its slice divides too (both forms give inf)
     # a bf16 subnormal whose quotient by 0.7 the reciprocal form gets wrong: its slices must divide, and the
     # row's max (m) is that quotient
     x[3] = 1.1387602e-38
