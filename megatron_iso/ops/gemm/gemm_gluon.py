@@ -150,7 +150,8 @@ if gluon is not None:
         rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         o_off = rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
-        return off_m, off_n, out_ptr + sub * stride_op + o_off, park_ptr + sub * stride_ps + o_off, omask
+        park = park_ptr + sub * stride_ps + o_off
+        return off_m, off_n, out_ptr + sub * stride_op + o_off, park, omask
 
     @gluon.jit
     def _output_tile(x_bufs, w_bufs, bars, x_desc, w_desc, first, plan, out, park, omask, stride_pl,
