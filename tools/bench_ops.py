@@ -739,7 +739,7 @@ def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw
     checks its temperature on the host per call), the scoring kernel alone graph-timed in both forms, and their
     bits."""
     from megatron_iso.ops.logprob import LocalShards
-    from megatron_iso.ops.logprob.logprob_triton import BLOCK, NUM_WARPS, TritonScores, _leaf_kernel
+    from megatron_iso.ops.logprob.logprob_triton import TritonScores, launch_leaf_kernel
     from megatron_iso.ops.logprob.temperature_triton import division_args
 
     out: dict[str, Any] = {}
@@ -755,10 +755,7 @@ def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw
             )
 
         def kernel(args, lg=lg):  # the leaf kernel alone, as TritonScores launches it for one shard
-            _leaf_kernel[(rows, 8)](
-                lg, temps, *args[:2], per_leaf, rows, vocab, vocab // 8, vocab, 0, lg.stride(0) * rows,
-                lg.stride(0), BLOCK=BLOCK, FAST_DIV=args[2], num_warps=NUM_WARPS,
-            )  # fmt: skip
+            launch_leaf_kernel(lg.unsqueeze(0), temps, per_leaf, vocab, 0, args)
 
         checked = division_args(0.7, dt, lg.device)
         row = {"reciprocal_checked": checked[2]}

@@ -112,6 +112,26 @@ def _leaf_kernel(
     tl.store(out + 1, fixed_tree_rowsum(acc, 1, BLOCK))
 
 
+def launch_leaf_kernel(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    per_leaf: torch.Tensor,
+    valid_vocab: int,
+    first_id: int,
+    division: tuple[float, float, bool],
+) -> None:
+    """:func:`_leaf_kernel` over ``x [R, rows, shard]`` (last dim contiguous) into ``per_leaf [R, rows, leaves, 2]``:
+    ``temperature [rows]``, the vocab ids past ``valid_vocab`` masked, ``x``'s first id ``first_id``, and the
+    division arguments of ``temperature_triton.division_args``."""
+    R, rows, shard = x.shape
+    leaves = per_leaf.shape[2]
+    recip, recip_lo, fast = division
+    _leaf_kernel[(R * rows, leaves)](
+        x, temperature, recip, recip_lo, per_leaf, rows, shard, shard // leaves, valid_vocab, first_id,
+        x.stride(0), x.stride(1), BLOCK=BLOCK, FAST_DIV=fast, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
 @triton.jit
 def _row_stats_kernel(
     per_leaf_ptr, m_ptr, s_ptr, lse_ptr, N, ROWS,
@@ -190,12 +210,8 @@ class TritonScores(VocabScores):
         self.row_temperature = t.reshape(lead)
         per_leaf = torch.empty((R, rows, self.local_leaves, 2), device=logits.device, dtype=torch.float32)
         if rows:
-            recip, recip_lo, fast = division_args(temperature, logits.dtype, logits.device)
-            _leaf_kernel[(R * rows, self.local_leaves)](
-                x, t, recip, recip_lo, per_leaf, rows, shard, shard // self.local_leaves,
-                self.valid_vocab, comm.first_rank * shard, x.stride(0), x.stride(1),
-                BLOCK=BLOCK, FAST_DIV=fast, num_warps=NUM_WARPS,
-            )  # fmt: skip
+            division = division_args(temperature, logits.dtype, logits.device)
+            launch_leaf_kernel(x, t, per_leaf, self.valid_vocab, comm.first_rank * shard, division)
         self._rows, self._row_t = x, t
         m, lse = self._row_statistics(per_leaf, comm)
         self.m, self.lse = m.reshape(lead), lse.reshape(lead)
