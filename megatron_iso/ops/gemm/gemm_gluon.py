@@ -253,13 +253,12 @@ def launch_gluon(
     grid: tuple[int, int],
     strides: tuple[int, int, int, int],
     tree: dict[str, object],
-    *,
-    pairs: bool = False,
 ) -> object:
     """Launch :func:`_leaf_tree_gluon_kernel` on ``grid`` (tile, subtree) with the output / park ``strides`` and the
     launch options ``tree`` that ``gemm_triton.leaf_tree_linear_triton`` gives every loop, for operands it has
-    checked with :func:`gluon_supported`. ``pairs`` (the ``gluon_pairs`` loop): leaves two at a time, K tiles
-    alternating; the tree then parks every level from 1 (the caller's scratch has ``LOG2_LEAVES - 1`` slots)."""
+    checked with :func:`gluon_supported`. ``tree["PAIRS"]`` (the ``gluon_pairs`` loop at two or more leaves): leaves
+    two at a time, K tiles alternating; the tree then parks every level from 1 (the caller's scratch has
+    ``LOG2_LEAVES - 1`` slots). ``tree["PERSISTENT"]``: one program walks several output tiles."""
     bm, bn, bk = tree["BLOCK_M"], tree["BLOCK_N"], tree["BLOCK_K"]
     dtype = getattr(gl, _GL_DTYPES[x.dtype])
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
@@ -268,7 +267,7 @@ def launch_gluon(
     names = ("LEAF_K", "LEAVES", "LOG2_LEAVES", "PARK_FROM", "GROUP_M", "STAGES", "num_warps")
     return _leaf_tree_gluon_kernel[grid](
         x_desc, w_desc, target, park, x.shape[0], weight.shape[0], *strides, **{k: tree[k] for k in names},
-        INSTR_N=instr_n, WARPS_M=warps_m, PAIRS=pairs and tree["LEAVES"] > 1, PERSISTENT=tree.get("PERSISTENT", False),
+        INSTR_N=instr_n, WARPS_M=warps_m, PAIRS=tree.get("PAIRS", False), PERSISTENT=tree.get("PERSISTENT", False),
     )  # fmt: skip
 
 

@@ -29,7 +29,6 @@ result is a node of the G-leaf tree, and adding the rank nodes with the same tre
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import asdict
 
@@ -51,7 +50,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DESCRIPTOR_LOOPS = {
     "tma": (tma_supported, launch_tma),
     "gluon": (gluon_supported, launch_gluon),
-    "gluon_pairs": (gluon_supported, functools.partial(launch_gluon, pairs=True)),
+    "gluon_pairs": (gluon_supported, launch_gluon),
 }
 
 
@@ -408,6 +407,8 @@ def leaf_tree_linear_triton(
         IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
         num_warps=cfg.num_warps,
     )  # fmt: skip
+    if cfg.loop == "gluon_pairs" and per_prog > 1:
+        tree["PAIRS"] = True  # one leaf per program has no pair: the single-leaf Gluon loop
     if cfg.persistent:
         tree["PERSISTENT"] = True
     global LAST_COMPILED
