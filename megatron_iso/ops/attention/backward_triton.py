@@ -18,13 +18,12 @@ tested against is ``ops.attention.autograd``'s plain padded attention.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
+
 LOG2E = 1.4426950408889634
 BLOCK_M = 16 if _INTERPRET else 64  # query rows per tile
 BLOCK_N = 16 if _INTERPRET else 64  # key rows per tile

@@ -13,7 +13,6 @@ tile's; the split schedule never parks (its segment programs hold one accumulato
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -22,9 +21,9 @@ import torch
 import triton
 
 from megatron_iso.ops.attention.forward_kernels_triton import _attend_kernel, _combine_kernel, _segments_kernel
+from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
 from megatron_iso.ops.common.sm_count import sm_count
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 
 

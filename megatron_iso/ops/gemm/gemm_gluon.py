@@ -24,11 +24,10 @@ loops' bits (tests/gpu/test_gemm_tiles.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from megatron_iso.ops.common.interpret import INTERPRET
 from megatron_iso.ops.gemm.gemm_tma_triton import tma_supported
 from megatron_iso.ops.gemm.leaf_steps_triton import _pair_k_tile, _tile_coords_of, _tree_step
 
@@ -52,7 +51,7 @@ def gluon_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """None when the Gluon loop can run these operands, else why not (for the caller's error)."""
     if gluon is None:
         return f"triton {triton.__version__} has no triton.experimental.gluon (Hopper)"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET:
         return "Gluon kernels have no interpreter (TRITON_INTERPRET=1)"
     if x.dtype not in _GL_DTYPES:
         return f"dtype {x.dtype} (the Gluon loop runs wgmma: bf16 or fp16)"

@@ -29,7 +29,6 @@ result is a node of the G-leaf tree, and adding the rank nodes with the same tre
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 
 import torch
@@ -37,6 +36,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
 from megatron_iso.ops.common.sm_count import sm_count
 from megatron_iso.ops.gemm.gemm_gluon import gluon_supported, launch_gluon
 from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma, tma_supported
@@ -45,7 +45,6 @@ from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
 
 IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "4"  # 4: TMA / Gluon loops at large M; 3: a 16-row tile bucket; tiles bitwise-equivalent since 2
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The loops over TMA descriptors: what refuses operands a loop cannot run (why, or None), and its launcher.
 _DESCRIPTOR_LOOPS = {
     "tma": (tma_supported, launch_tma),

@@ -31,7 +31,6 @@ parameters move (first call, reload); building one copies E integers to the GPU.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
 from megatron_iso.ops.gemm.gemm_triton import (
     CONFIGS,
     INTERPRET_CONFIG,
@@ -53,7 +53,6 @@ from megatron_iso.ops.gemm.grouped import OP, Weights, check_inputs, expert_weig
 
 IMPL_ID = "grouped_leaf_tree_gemm.triton"
 VERSION = "1"
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Address tables by (device, element size, weight addresses); at most this many kept (2 per MoE layer).
 _TABLE_CACHE_SIZE = 1024
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, bool]] = OrderedDict()

@@ -7,7 +7,6 @@ tests may override them on this module for a run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +14,9 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA
+from megatron_iso.ops.common.interpret import INTERPRET
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Dv block of the scan and chain programs (the Dv split is exact: columns of S are independent).
 # Under the interpreter a small block, so tiny test shapes still cover several Dv blocks.
 SCAN_BV = 4 if INTERPRET else 32
