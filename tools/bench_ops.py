@@ -754,8 +754,8 @@ def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw
                 tgt, ids_in_range=True
             )
 
-        def kernel(args, lg=lg):  # the leaf kernel alone, as TritonScores launches it for one shard
-            launch_leaf_kernel(lg.unsqueeze(0), temps, per_leaf, vocab, 0, args)
+        def kernel(args, asm=True, lg=lg, out=per_leaf):  # the leaf kernel alone, as TritonScores launches it
+            launch_leaf_kernel(lg.unsqueeze(0), temps, out, vocab, 0, args, asm=asm)
 
         checked = division_args(0.7, dt, lg.device)
         row = {"reciprocal_checked": checked[2]}
@@ -764,18 +764,28 @@ def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw
             ms = _time_events_ms(fn)
             gbs = lg.numel() * lg.element_size() / ms / 1e6
             row[form] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw}
-        for form, args in (("kernel_reciprocal", checked), ("kernel_div_rn", (1.0, 0.0, False))):
-            kernel(args)
-            ms = _time_ms(lambda args=args: kernel(args))
+        # asm False: tl.exp's subnormal fix-up in every slice (slice_exp_triton), the same bits
+        for form, args, asm in (
+            ("kernel_reciprocal", checked, True),
+            ("kernel_reciprocal_exp_fixup", checked, False),
+            ("kernel_div_rn", (1.0, 0.0, False), True),
+        ):
+            kernel(args, asm)
+            ms = _time_ms(lambda args=args, asm=asm: kernel(args, asm))
             gbs = lg.numel() * lg.element_size() / ms / 1e6
             row[form] = {"ms": ms, "GBps": gbs, "of_copy_bw": gbs / bw}
+        fixup_everywhere = torch.empty_like(per_leaf)
+        kernel(checked)
+        kernel(checked, False, out=fixup_everywhere)
+        row["slice_exp_same_bits"] = _bits_equal(per_leaf, fixup_everywhere)
         out[str(dt)] = row
         print(
             f"logprob {dt} {tuple(lg.shape)} t=0.7 events: number (reciprocal, checked={row['reciprocal_checked']}) "
             f"{row['number']['ms'] * 1e3:.1f} us ({row['number']['of_copy_bw']:.2f} of copy), tensor (div_rn) "
             f"{row['tensor']['ms'] * 1e3:.1f} us; same bits {row['same_bits']}; kernel alone (graph): reciprocal "
             f"{row['kernel_reciprocal']['ms'] * 1e3:.1f} us ({row['kernel_reciprocal']['of_copy_bw']:.2f} of copy), "
-            f"div_rn {row['kernel_div_rn']['ms'] * 1e3:.1f} us",
+            f"div_rn {row['kernel_div_rn']['ms'] * 1e3:.1f} us, exp fix-up in every slice "
+            f"{row['kernel_reciprocal_exp_fixup']['ms'] * 1e3:.1f} us (same bits {row['slice_exp_same_bits']})",
             flush=True,
         )
     return out

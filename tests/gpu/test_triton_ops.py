@@ -15,6 +15,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from megatron_iso.ops.logprob.slice_exp_triton import LOG2E, ex2_ftz  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32)
 MS = (1, 2, 3, 7, 8, 64)
@@ -155,6 +157,68 @@ def test_logprob_reciprocal_division_is_div_rn(dtype, t):
     fast = TritonScores(x, LocalShards(1), temperature=t, leaves=8)
     divided = TritonScores(x, LocalShards(1), temperature=torch.full((64, 1), t, device="cuda"), leaves=8)
     assert _same(fast.m, divided.m) and _same(fast.lse, divided.lse)
+
+
+@triton.jit
+def _ex2_disagreements_kernel(out_ptr, FIRST_BITS, N, BLOCK: tl.constexpr):
+    # out[program]: how many y of this block (fp32 bit patterns FIRST_BITS + i, i < N) where ex2.approx.ftz.f32
+    # differs from ex2.approx.f32, plus how many where tl.exp(y) differs from ex2.approx.f32(y * log2(e)).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    y = (FIRST_BITS + i).to(tl.uint32).to(tl.float32, bitcast=True)
+    exact = tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32, is_pure=True, pack=1)
+    flushed = ex2_ftz(y)
+    via_exp = tl.exp(y)
+    lowered = tl.inline_asm_elementwise(
+        "ex2.approx.f32 $0, $1;", "=f,f", [y * LOG2E], dtype=tl.float32, is_pure=True, pack=1
+    )
+    bad = (exact.to(tl.int32, bitcast=True) != flushed.to(tl.int32, bitcast=True)) | (
+        via_exp.to(tl.int32, bitcast=True) != lowered.to(tl.int32, bitcast=True)
+    )
+    tl.store(out_ptr + tl.program_id(0), tl.sum((bad & ok).to(tl.int32), axis=0))
+
+
+def test_ex2_flush_changes_nothing_above_the_normal_range():
+    """slice_exp_triton's premise, on every fp32 y in [-126, -0]: ex2.approx.ftz.f32 (MUFU.EX2 alone) gives the bits
+    of ex2.approx.f32 (with its subnormal fix-up), and tl.exp(y) is ex2.approx.f32(y * log2(e))."""
+    first = 0x80000000  # -0.0; the patterns up to -126.0 are every fp32 in [-126, -0]
+    n = 0xC2FC0000 - first + 1
+    block = 4096
+    out = torch.empty(triton.cdiv(n, block), dtype=torch.int32, device="cuda")
+    _ex2_disagreements_kernel[(out.numel(),)](out, first, n, BLOCK=block)
+    assert int(out.sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_logprob_slice_exp_keeps_tl_exp_bits(dtype):
+    """The leaf kernel's per-slice choice of the flushing ex2 (slice_exp_triton) gives tl.exp's bits: the leaf
+    statistics equal those of the kernel with tl.exp in every slice, at t = 1, at a number temperature (the
+    reciprocal form) and at a tensor temperature, with slices on both sides of the -126 bound and logits that
+    are infinite, tiny or zero."""
+    from megatron_iso.ops.logprob.logprob_triton import launch_leaf_kernel
+    from megatron_iso.ops.logprob.temperature_triton import division_args
+
+    rows, V, leaves = 16, 151936, 8
+    x = _rand((rows, V), torch.float32, 21) * 3
+    x[1, ::7] = -200.0  # spread past 87 in every slice of the row
+    x[2, 5000:5100] = 150.0  # one leaf whose max jumps: the slices before it are near, those after it far
+    x[3, :2048] = 0.0
+    x[4, 100] = 1e-30
+    x[5, 3] = float("-inf")
+    x[6] = -1.0e4  # a row far below zero: the max is too
+    x[7, 9000] = float("inf")
+    x = x.to(dtype).unsqueeze(0)
+    for t in (1.0, 0.7):
+        for temperature in (t, torch.full((rows,), t, device="cuda")):
+            scalar = None if isinstance(temperature, torch.Tensor) else temperature
+            t_rows = temperature if scalar is None else torch.full((rows,), t, device="cuda")
+            division = division_args(scalar, dtype, x.device)
+            outs = []
+            for asm in (True, False):
+                per_leaf = torch.empty((1, rows, leaves, 2), device="cuda", dtype=torch.float32)
+                launch_leaf_kernel(x, t_rows, per_leaf, V, 0, division, asm=asm)
+                outs.append(per_leaf)
+            assert _same(*outs), (dtype, t, scalar)
 
 
 def test_logprob_valid_vocab_masks_padding():

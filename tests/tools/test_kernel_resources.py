@@ -113,3 +113,25 @@ def test_gluon_loop_refuses_what_it_cannot_run() -> None:
     assert gluon_supported(ok, ok) is None
     assert "bf16 or fp16" in gluon_supported(ok.float(), ok.float())
     assert "16-byte aligned" in gluon_supported(torch.zeros(64, 260, dtype=torch.bfloat16)[:, :250], ok)
+
+
+def test_scoring_kernel_slices_skip_the_exp_fixup_without_spills() -> None:
+    """The scoring pass (``logprob_triton._leaf_kernel``) on bf16 logits at a checked number temperature, compiled for
+    sm_90: no spill, registers for 16 one-warp programs an SM, and exps both with the subnormal fix-up (a compare
+    with -126 ahead of MUFU.EX2) and without it (``slice_exp_triton``'s flushing form for slices that need none)."""
+    import re
+
+    import torch
+
+    from megatron_iso.ops.logprob.logprob_triton import launch_leaf_kernel
+
+    rows, vocab, leaves = 4, 151936, 8
+    x = torch.zeros(1, rows, vocab, dtype=torch.bfloat16)
+    with kr.compiled_launches() as found:
+        launch_leaf_kernel(x, torch.ones(rows), torch.empty(1, rows, leaves, 2), vocab, 0, (1.4285713, 4e-8, True))
+    r = found["_leaf_kernel"]
+    assert r.stack_bytes == 0 and r.spill_ops == 0, r
+    assert r.registers <= 128, r  # 65536 / (32 x 128): 16 programs an SM
+    ex2 = len(re.findall(r"MUFU\.EX2", r.sass))
+    fixups = len(re.findall(r"FSETP\.GEU\.AND P\d, PT, R\d+, -126", r.sass))
+    assert 0 < fixups and ex2 >= fixups + 32, (ex2, fixups)  # one warp, 1024 lanes: 32 flushing exps a slice

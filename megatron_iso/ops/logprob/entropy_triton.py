@@ -36,9 +36,8 @@ def _entropy_partials_kernel(
     for start in range(0, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = scale_by_temperature(
-            tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, recip_lo, FAST_DIV
-        )
+        x = tl.load(base + idx, mask=ok, other=1.0)  # 1, not 0: a masked lane must not make the slice divide
+        z = scale_by_temperature(x.to(tl.float32), temp, recip, recip_lo, FAST_DIV)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, z)
         rescale = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # both -inf: keep the zeros as they are

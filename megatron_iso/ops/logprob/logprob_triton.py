@@ -6,7 +6,9 @@ reference (``reference.VocabScores``), with each leaf read once and the fp32 ``z
 1. one program per (row, vocab leaf) walks the leaf in BLOCK-wide slices from its first entry. Lane j
    keeps ``acc_j``, a sum of ``exp(z - m)`` over entries j, j + BLOCK, ... against the leaf's running max
    ``m``: a slice's max (exact) raises ``m``, ``acc`` is scaled by ``exp(m_old - m_new)`` (by exactly 1 when
-   the max did not move), then the slice's ``exp(z - m)`` are added. The lanes are added by the fixed tree
+   the max did not move), then the slice's ``exp(z - m)`` are added (``acc * scale + e`` as one fma). The
+   exps are ``tl.exp``'s bits; a slice whose least ``z - m`` keeps every result normal skips the instruction's
+   subnormal fix-up (``slice_exp_triton``). The lanes are added by the fixed tree
    (``ops.common.tree_triton.fixed_tree_rowsum``): the leaf's ``(m_l, s_l)``;
 2. ``m = max_l m_l`` (exact across leaves and TP ranks), ``s = sum_l s_l * exp(m_l - m)`` by the fixed
    leaf tree (the lane tree over a rank's leaves, ``Comm.tree`` across ranks), ``lse = m + log(s)``: one
@@ -42,6 +44,7 @@ import triton.language as tl
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA
+from megatron_iso.ops.common.interpret import INTERPRET
 from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
 from megatron_iso.ops.gemm.reference import check_dtype
 from megatron_iso.ops.logprob.reference import (
@@ -53,6 +56,7 @@ from megatron_iso.ops.logprob.reference import (
     scale_logits,
     temperature_rows,
 )
+from megatron_iso.ops.logprob.slice_exp_triton import slice_exp
 from megatron_iso.ops.logprob.temperature_triton import division_args, scale_by_temperature
 
 BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
@@ -69,7 +73,7 @@ STEP_WHOLE, STEP_RANK_SUM, STEP_LSE = 0, 1, 2
 @triton.jit
 def _leaf_kernel(
     x_ptr, t_ptr, recip, recip_lo, out_ptr, ROWS, SHARD, LEAF, VALID, FIRST_ID, stride_rank, stride_row,
-    BLOCK: tl.constexpr, FAST_DIV: tl.constexpr,
+    BLOCK: tl.constexpr, FAST_DIV: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     # out[r, row, leaf] = (m_l, s_l): the leaf's max of z and its sum of exp(z - m_l).
     pr = tl.program_id(0)  # rank-axis entry r and row, as r * ROWS + row
@@ -90,22 +94,23 @@ def _leaf_kernel(
     ahead = tl.load(base + offs, mask=offs < n_full, other=0.0)
     for start in range(0, n_full, BLOCK):
         x = ahead
-        ahead = tl.load(base + start + BLOCK + offs, mask=start + BLOCK + offs < n_full, other=0.0)
+        # Unmasked (no zeroing of the registers first): the last slice re-reads itself, an L2 hit never used.
+        ahead = tl.load(base + tl.minimum(start + BLOCK, n_full - BLOCK) + offs)
         z = scale_by_temperature(x.to(tl.float32), temp, recip, recip_lo, FAST_DIV)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
-        acc = acc * scale[:, None] + tl.exp(z - m_new[:, None])
+        d_min = tl.min(z) - tl.max(m_new)  # the least z - m_new of the slice (subtraction is monotone)
+        acc = tl.fma(acc, scale[:, None], slice_exp(z - m_new[:, None], d_min, ASM))
         m = m_new
     for start in range(n_full, LEAF, BLOCK):
         idx = start + offs
         ok = (idx < LEAF) & (first + idx < VALID)
-        z = scale_by_temperature(
-            tl.load(base + idx, mask=ok, other=0.0).to(tl.float32), temp, recip, recip_lo, FAST_DIV
-        )
+        x = tl.load(base + idx, mask=ok, other=1.0)  # 1, not 0: a masked lane must not make the slice divide
+        z = scale_by_temperature(x.to(tl.float32), temp, recip, recip_lo, FAST_DIV)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
-        acc = acc * scale[:, None] + tl.where(ok, tl.exp(z - m_new[:, None]), 0.0)
+        acc = tl.fma(acc, scale[:, None], tl.where(ok, tl.exp(z - m_new[:, None]), 0.0))
         m = m_new
     out = out_ptr + (pr * tl.num_programs(1) + leaf) * 2 + tl.arange(0, 1)
     tl.store(out, m)
@@ -119,16 +124,19 @@ def launch_leaf_kernel(
     valid_vocab: int,
     first_id: int,
     division: tuple[float, float, bool],
+    *,
+    asm: bool = not INTERPRET,
 ) -> None:
     """:func:`_leaf_kernel` over ``x [R, rows, shard]`` (last dim contiguous) into ``per_leaf [R, rows, leaves, 2]``:
     ``temperature [rows]``, the vocab ids past ``valid_vocab`` masked, ``x``'s first id ``first_id``, and the
-    division arguments of ``temperature_triton.division_args``."""
+    division arguments of ``temperature_triton.division_args``. ``asm`` False: ``tl.exp`` in every slice
+    (``slice_exp_triton``; the interpreter's form, and the GPU tests' reference for the same bits)."""
     R, rows, shard = x.shape
     leaves = per_leaf.shape[2]
     recip, recip_lo, fast = division
     _leaf_kernel[(R * rows, leaves)](
         x, temperature, recip, recip_lo, per_leaf, rows, shard, shard // leaves, valid_vocab, first_id,
-        x.stride(0), x.stride(1), BLOCK=BLOCK, FAST_DIV=fast, num_warps=NUM_WARPS,
+        x.stride(0), x.stride(1), BLOCK=BLOCK, FAST_DIV=fast, ASM=asm, num_warps=NUM_WARPS,
     )  # fmt: skip
 
 

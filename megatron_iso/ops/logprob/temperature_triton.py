@@ -13,9 +13,9 @@ down so that ``r_lo`` is positive: ``x * r_lo`` then has the sign of ``x`` and a
 and NaNs come out as themselves. The claim is not taken on trust: :func:`reciprocal_for` runs
 :func:`_division_check_kernel` once per (temperature, logits dtype, device) over every value of the 16-bit dtype
 that can reach the fast form, compares bit patterns with ``div_rn`` on that device, and hands out the pair only
-when all of them agree; otherwise the kernels divide. A slice holding a nonzero logit below :data:`TINY` also
-divides (a per-slice branch, never a per-element select, which would pay for both forms). So the bits never
-depend on which form ran.
+when all of them agree; otherwise the kernels divide. A slice holding a logit below :data:`TINY` in magnitude (a
+zero included) also divides (a per-slice branch, never a per-element select, which would pay for both forms). So
+the bits never depend on which form ran.
 
 Only a Python-number temperature takes the fast form (the trainer's recompute and its entropy statistic): a
 temperature tensor (the decode graphs' per-row values) would need a check per distinct value, which a captured
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Below this magnitude a nonzero logit's slice divides with div_rn: q or e could be subnormal there, where the
+# Below this magnitude a logit's slice divides with div_rn: x * r_lo could be subnormal there, where the
 # correction is not exact. 2^-60: far above any subnormal, far below any logit a model produces.
 TINY = tl.constexpr(2.0**-60)
 _CHECKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -52,8 +52,11 @@ def scale_by_temperature(x, temp, recip, recip_lo, FAST: tl.constexpr):
     if temp == 1.0:
         z = x  # x / 1 is x exactly (signed zeros and infinities too)
     elif FAST:
-        tiny = (tl.abs(x) < TINY) & (x != 0.0)
-        if tl.max(tiny.to(tl.int32)) > 0:  # noqa: SIM108
+        # One min per element (an fp32 min takes |x| as an operand modifier; on the packed 16-bit pairs the repacking
+        # costs more): a slice holding a logit below TINY in magnitude, zeros included, divides. Zeros would pass the
+        # fast form too, but excluding them costs two more operations per element, and a zero logit is rare (a masked
+        # lane loads a non-zero placeholder for this reason).
+        if tl.min(tl.abs(x)) < TINY:  # noqa: SIM108
             z = tl.math.div_rn(x, temp)
         else:
             z = reciprocal_quotient(x, recip, recip_lo)
@@ -70,7 +73,7 @@ def _division_check_kernel(out_ptr, temp, recip, recip_lo, IS_BF16: tl.constexpr
         x = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
     else:
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    reaches = (tl.abs(x) >= TINY) | (x == 0.0) | (x != x)  # NaN compares false against TINY
+    reaches = (tl.abs(x) >= TINY) | (x != x)  # NaN compares false against TINY (and a NaN's min is another's)
     exact = tl.math.div_rn(x, temp).to(tl.int32, bitcast=True)
     fast = reciprocal_quotient(x, recip, recip_lo).to(tl.int32, bitcast=True)
     tl.store(out_ptr + tl.program_id(0), tl.sum((reaches & (exact != fast)).to(tl.int32), axis=0))
