@@ -93,10 +93,10 @@ def _leaf_kernel(
     n_full = (tl.maximum(tl.minimum(LEAF, VALID - first), 0) // BLOCK) * BLOCK
     ahead = tl.load(base + offs, mask=offs < n_full, other=0.0)
     for start in range(0, n_full, BLOCK):
-        x = ahead
+        x = ahead.to(tl.float32)
         # Unmasked (no zeroing of the registers first): the last slice re-reads itself, an L2 hit never used.
         ahead = tl.load(base + tl.minimum(start + BLOCK, n_full - BLOCK) + offs)
-        z = scale_by_temperature(x.to(tl.float32), temp, recip, recip_lo, FAST_DIV)
+        z = scale_by_temperature(x, temp, recip, recip_lo, FAST_DIV)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
         d_min = tl.min(z) - tl.max(m_new)  # the least z - m_new of the slice (subtraction is monotone)
