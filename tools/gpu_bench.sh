@@ -38,6 +38,8 @@
 #                   trainer micro-batches of 16 (the RL-step table's first row)
 #   rl8bwhole 300   the same with the whole batch in one trainer pass (the table's second row; native runs out of
 #                   memory there)
+#   rl8bleaf1 200   rl8b's workload, iso only, as a deployment that never shards over TP runs it:
+#                   profile.leaves=1 profile.tp_domain=[1] (one-leaf row-parallel GEMMs and vocab scoring)
 #   decodeeager 150 bench_decode iso + native, batch 8 and 64, 128 new tokens, --no-cuda-graphs
 #   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120    the same with --staged-kv (staging + write-back)
@@ -58,7 +60,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole decode decoderoof decode8b decodeeager kvpaged kvstaged moe gemmsweep nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 decode decoderoof decode8b decodeeager kvpaged kvstaged moe gemmsweep nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -113,6 +115,9 @@ for s in "$@"; do
     rl8bwhole) step rl8bwhole 300 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 3 --prompts 8 --group 8 \
       --prompt-len 256 --new-tokens 512 --kv-cache-mb 16384 --out "$OUT/rl_step_qwen3_8b_l8_whole.json" \
       model.num_layers=8 ;;
+    rl8bleaf1) step rl8bleaf1 200 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 3 --prompts 8 --group 8 \
+      --prompt-len 256 --new-tokens 512 --kv-cache-mb 16384 --train-micro-batch-seqs 16 --profiles correctness \
+      --out "$OUT/rl_step_qwen3_8b_l8_mb16_leaf1.json" model.num_layers=8 profile.leaves=1 "profile.tp_domain=[1]" ;;
     rlhybrid)  # RLHYBRID_PROFILES and RLHYBRID_OVERRIDES hold several words: word splitting on purpose
       # shellcheck disable=SC2086
       step rlhybrid 300 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 3 \

@@ -42,6 +42,22 @@ def test_grpo_run_has_zero_mismatch_and_logs_every_step(tmp_path):
     assert out["steps_run"] == 3
 
 
+def test_one_leaf_deployment_keeps_zero_mismatch(tmp_path):
+    """``profile.leaves=1 profile.tp_domain=[1]``: the row-parallel GEMMs and the vocab scoring run one leaf (for a
+    deployment that never shards over TP); rollout and trainer still agree bit for bit, under that contract."""
+    _run(tmp_path, "one_leaf", "rl.steps=2", "profile.leaves=1", "profile.tp_domain=[1]")
+    rows = _metrics(tmp_path / "one_leaf")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["mismatch/abs_diff_max"] == 0.0 and r["mismatch/bitwise_equal_frac"] == 1.0 for r in rows)
+    from megatron_iso.settings import contract_for
+
+    meta = json.loads((tmp_path / "one_leaf" / "checkpoints" / "step_000001" / "meta.json").read_text())
+    one_leaf = contract_for(load_config([*FAST, "profile.leaves=1", "profile.tp_domain=[1]"]))
+    default = contract_for(load_config(FAST))
+    assert meta["contract"]["numerical_policy"] == one_leaf.identities.numerical_policy
+    assert one_leaf.identities.numerical_policy != default.identities.numerical_policy
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     _run(tmp_path, "full", "rl.steps=4")
     _run(tmp_path, "cut", "rl.steps=2")
