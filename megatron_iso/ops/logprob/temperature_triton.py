@@ -73,7 +73,7 @@ def _division_check_kernel(out_ptr, temp, recip, recip_lo, IS_BF16: tl.constexpr
         x = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
     else:
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    reaches = (tl.abs(x) >= TINY) | (x != x)  # NaN compares false against TINY (and a NaN's min is another's)
+    reaches = (tl.abs(x) >= TINY) | (x != x)  # NaN: false against TINY, but the slice min skips it, so it reaches
     exact = tl.math.div_rn(x, temp).to(tl.int32, bitcast=True)
     fast = reciprocal_quotient(x, recip, recip_lo).to(tl.int32, bitcast=True)
     tl.store(out_ptr + tl.program_id(0), tl.sum((reaches & (exact != fast)).to(tl.int32), axis=0))
