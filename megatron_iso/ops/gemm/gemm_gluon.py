@@ -138,11 +138,13 @@ if gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
-    def _tile_pointers(tile, sub, out_ptr, park_ptr, M, N, stride_op, stride_om, stride_ps, layout: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-        """Output tile ``tile`` of subtree ``sub``: its row and column offsets, its output and park pointers in the
-        accumulator's layout, and the mask of its elements inside M x N."""
-        pid_m, pid_n = _tile_coords_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    def _tile_setup(it, tile0, tile_step, my_tiles, sub, first_tile, total, leaf_tiles, out_ptr, park_ptr, M, N,
+                    stride_op, stride_om, stride_ps, layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+        """The program's ``it``-th output tile (``tile0 + it * tile_step`` of the grid's, subtree ``sub``): its output
+        and park pointers in the accumulator's layout, the mask of its elements inside M x N, and the load ``plan``
+        of :func:`_load_tile`."""
+        pid_m, pid_n = _tile_coords_of(tile0 + it * tile_step, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -150,7 +152,8 @@ if gluon is not None:
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         o_off = rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
         park = park_ptr + sub * stride_ps + o_off
-        return off_m, off_n, out_ptr + sub * stride_op + o_off, park, omask
+        plan = (my_tiles * total, total, first_tile, off_m, off_n, leaf_tiles, tile0, tile_step, M, N)
+        return out_ptr + sub * stride_op + o_off, park, omask, plan
 
     @gluon.jit
     def _output_tile(x_bufs, w_bufs, bars, x_desc, w_desc, first, plan, out, park, omask, stride_pl,
@@ -204,9 +207,9 @@ if gluon is not None:
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS_M, num_warps // WARPS_M], instr_shape=[16, INSTR_N, 16]
         )
-        off_m, off_n, out, park, omask = _tile_pointers(tile0, sub, out_ptr, park_ptr, M, N, stride_op, stride_om,
-                                                        stride_ps, layout, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-        plan = (my_tiles * total, total, first_tile, off_m, off_n, leaf_tiles, tile0, tile_step, M, N)
+        out, park, omask, plan = _tile_setup(0, tile0, tile_step, my_tiles, sub, first_tile, total, leaf_tiles,
+                                             out_ptr, park_ptr, M, N, stride_op, stride_om, stride_ps, layout,
+                                             BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
 
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -220,10 +223,9 @@ if gluon is not None:
                      LOG2_LEAVES, PARK_FROM, GROUP_M, STAGES, PAIRS, PERSISTENT)  # fmt: skip
         if PERSISTENT:  # the later tiles' first loads were issued under the tile before's last wgmmas
             for it in range(1, my_tiles):
-                off_m, off_n, out, park, omask = _tile_pointers(tile0 + it * tile_step, sub, out_ptr, park_ptr, M, N,
-                                                                stride_op, stride_om, stride_ps, layout, BLOCK_M,
-                                                                BLOCK_N, GROUP_M)  # fmt: skip
-                plan = (my_tiles * total, total, first_tile, off_m, off_n, leaf_tiles, tile0, tile_step, M, N)
+                out, park, omask, plan = _tile_setup(it, tile0, tile_step, my_tiles, sub, first_tile, total,
+                                                     leaf_tiles, out_ptr, park_ptr, M, N, stride_op, stride_om,
+                                                     stride_ps, layout, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
                 _output_tile(x_bufs, w_bufs, bars, x_desc, w_desc, it * total, plan, out, park, omask, stride_pl,
                              layout, LEAVES, LOG2_LEAVES, PARK_FROM, GROUP_M, STAGES, PAIRS, PERSISTENT)  # fmt: skip
         for s in gl.static_range(STAGES):
