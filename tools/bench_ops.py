@@ -727,10 +727,46 @@ def logprob_bench(bw: float) -> dict[str, Any]:
                 )
         if T >= 4096:
             res[f"reciprocal_{T}x{V}"] = _reciprocal_division_rows(logits, tgt, score, bw)
+        else:
+            res[f"kernel_warps_{T}x{V}"] = _small_batch_warps_rows(logits)
         full = score(logits, tgt)
         res[f"row0_bitwise_{T}x{V}"] = all(_bits_equal(score(logits[:m], tgt[:m])[0], full[0]) for m in (1, 3))
         res[f"tp2_bitwise_{T}x{V}"] = vocab_parallel_check(logits, tgt, 0.7, 8, 2)
     return res
+
+
+def _small_batch_warps_rows(logits: torch.Tensor) -> dict[str, Any]:
+    """The scoring kernel alone at a decode batch (graph-timed), one program per (row, leaf) at 1, 2 and 4 warps, at
+    t = 1 and t = 0.7 (a tensor temperature: div_rn, as the decode graphs run it; a number: the reciprocal form):
+    a few programs walking 19 slices each are latency bound, and more warps shorten each slice. Bits compared
+    with 1 warp (the warp count is a schedule choice)."""
+    from megatron_iso.ops.logprob.logprob_triton import launch_leaf_kernel
+    from megatron_iso.ops.logprob.temperature_triton import division_args
+
+    rows, vocab = logits.shape
+    x = logits.unsqueeze(0)
+    out: dict[str, Any] = {}
+    for t, form in ((1.0, "tensor"), (0.7, "tensor"), (0.7, "number")):
+        temps = torch.full((rows,), t, device=logits.device)
+        args = division_args(t if form == "number" else None, logits.dtype, logits.device)
+        ref = torch.empty((1, rows, 8, 2), device=logits.device)
+        launch_leaf_kernel(x, temps, ref, vocab, 0, args, num_warps=1)
+        row: dict[str, Any] = {}
+        for warps in (1, 2, 4):
+            per_leaf = torch.empty_like(ref)
+
+            def kernel(per_leaf=per_leaf, warps=warps, temps=temps, args=args):
+                launch_leaf_kernel(x, temps, per_leaf, vocab, 0, args, num_warps=warps)
+
+            kernel()
+            row[f"w{warps}"] = {"us": _time_ms(kernel) * 1e3, "same_bits": _bits_equal(per_leaf, ref)}
+        out[f"t{t}_{form}"] = row
+        print(
+            f"logprob kernel {tuple(logits.shape)} t={t} ({form}): "
+            + ", ".join(f"{w} {r['us']:.1f} us (same bits {r['same_bits']})" for w, r in row.items()),
+            flush=True,
+        )
+    return out
 
 
 def _reciprocal_division_rows(logits: torch.Tensor, tgt: torch.Tensor, score, bw: float) -> dict[str, Any]:

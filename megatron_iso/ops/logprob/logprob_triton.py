@@ -126,17 +126,19 @@ def launch_leaf_kernel(
     division: tuple[float, float, bool],
     *,
     asm: bool = not INTERPRET,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """:func:`_leaf_kernel` over ``x [R, rows, shard]`` (last dim contiguous) into ``per_leaf [R, rows, leaves, 2]``:
     ``temperature [rows]``, the vocab ids past ``valid_vocab`` masked, ``x``'s first id ``first_id``, and the
     division arguments of ``temperature_triton.division_args``. ``asm`` False: ``tl.exp`` in every slice
-    (``slice_exp_triton``; the interpreter's form, and the GPU tests' reference for the same bits)."""
+    (``slice_exp_triton``; the interpreter's form, and the GPU tests' reference for the same bits). ``num_warps``: a
+    schedule choice (the lanes and their tree are the same at any count; the benchmark compares them)."""
     R, rows, shard = x.shape
     leaves = per_leaf.shape[2]
     recip, recip_lo, fast = division
     _leaf_kernel[(R * rows, leaves)](
         x, temperature, recip, recip_lo, per_leaf, rows, shard, shard // leaves, valid_vocab, first_id,
-        x.stride(0), x.stride(1), BLOCK=BLOCK, FAST_DIV=fast, ASM=asm, num_warps=NUM_WARPS,
+        x.stride(0), x.stride(1), BLOCK=BLOCK, FAST_DIV=fast, ASM=asm, num_warps=num_warps,
     )  # fmt: skip
 
 
