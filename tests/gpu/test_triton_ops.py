@@ -209,9 +209,8 @@ def test_logprob_slice_exp_keeps_tl_exp_bits(dtype):
     x[7, 9000] = float("inf")
     x = x.to(dtype).unsqueeze(0)
     for t in (1.0, 0.7):
-        for temperature in (t, torch.full((rows,), t, device="cuda")):
-            scalar = None if isinstance(temperature, torch.Tensor) else temperature
-            t_rows = temperature if scalar is None else torch.full((rows,), t, device="cuda")
+        t_rows = torch.full((rows,), t, device="cuda")
+        for scalar in (t, None):  # a number temperature (the reciprocal form where checked), then a tensor one
             division = division_args(scalar, dtype, x.device)
             outs = []
             for asm in (True, False):
