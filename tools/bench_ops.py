@@ -144,18 +144,12 @@ def gemm_sweep(small_m: bool = True) -> list[dict[str, Any]]:
             "t_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="tma"),
             "g_128x256_w8_s3_p0": C(128, 256, 64, 8, 3, park_from=0, loop="gluon"),  # p1: s0 spills at 128 x 256
             "g_64x128_w4_s4_p1": C(64, 128, 64, 4, 4, park_from=1, loop="gluon"),  # two programs per SM
-            # two leaves at a time, their K tiles alternating between two accumulators: half the leaf ends
-            "gp_128x128_w8_s4": C(128, 128, 64, 8, 4, park_from=1, loop="gluon_pairs"),
-            "gp_128x128_w8_s3": C(128, 128, 64, 8, 3, park_from=1, loop="gluon_pairs"),
-            "gp_64x128_w4_s4": C(64, 128, 64, 4, 4, park_from=1, loop="gluon_pairs"),  # two programs per SM
-            # one program per SM walking its output tiles, the next tile's loads under the current one's wgmmas
-            "g_persistent_128x128_w8_s4_p1": C(128, 128, 64, 8, 4, park_from=1, loop="gluon", persistent=True),
-            "gp_persistent_128x128_w8_s4": C(128, 128, 64, 8, 4, park_from=1, loop="gluon_pairs", persistent=True),
         },
         1: {
             "t_128x256_w8_s3_g1": C(128, 256, 64, 8, 3, park_from=0, loop="tma"),
             "g_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, park_from=0, loop="gluon"),
-            "g_persistent_128x256_w8_s4_g1": C(128, 256, 64, 8, 4, loop="gluon", persistent=True),
+            # the 8-leaf shipped tile at one leaf: its mainloop's rate without leaf ends
+            "g_128x128_w8_s4_g1": C(128, 128, 64, 8, 4, park_from=0, loop="gluon"),
             # the shipped TMA tile with other rasterisation groups (L2 reuse of the weight tiles)
             "t_128x256_w8_s4_gm4_g1": C(128, 256, 64, 8, 4, group_m=4, loop="tma"),
             "t_128x256_w8_s4_gm16_g1": C(128, 256, 64, 8, 4, group_m=16, loop="tma"),

@@ -208,20 +208,15 @@ def _parse_gemm_tile(spec: str) -> Any:
     from megatron_iso.ops.gemm.tiles import LOOPS, TRITON_BLOCK_K, GemmTileConfig
 
     try:
-        tile, warps, stages, loop, *extra = spec.split(",")
+        tile, warps, stages, loop, *park = spec.split(",")
         bm, bn = map(int, tile.split("x"))
-        persistent = "persistent" in extra
-        park = [e for e in extra if e != "persistent"]
         if loop not in LOOPS or len(park) > 1 or (park and not park[0].startswith("p")):
             raise ValueError
         park_from = int(park[0][1:]) if park else 0
-        return GemmTileConfig(
-            bm, bn, TRITON_BLOCK_K["bf16"], int(warps), int(stages), park_from=park_from, loop=loop,
-            persistent=persistent,
-        )  # fmt: skip
+        return GemmTileConfig(bm, bn, TRITON_BLOCK_K["bf16"], int(warps), int(stages), park_from=park_from, loop=loop)
     except ValueError:
         raise SystemExit(
-            f"--gemm-tile {spec!r}: expected BMxBN,WARPS,STAGES,LOOP[,pPARK_FROM][,persistent] (LOOP: {LOOPS})"
+            f"--gemm-tile {spec!r}: expected BMxBN,WARPS,STAGES,LOOP[,pPARK_FROM] (LOOP: {LOOPS})"
         ) from None
 
 
@@ -234,7 +229,6 @@ DEFAULT_GEMM_TILES = (
     "128x256,8,3,gluon,p0",
     "128x128,4,3,gluon,p0",
     "64x128,4,4,gluon,p1",
-    "128x128,8,4,gluon_pairs,p1",
 )
 
 

@@ -70,13 +70,8 @@ def test_tma_loop_gives_the_pointer_loops_bits(dtype, leaves):
             assert torch.equal(got, base), (cfg, parallel)
 
 
-# (BM, BN, warps, stages, park_from, loop) of the Gluon loops: one TMA pipeline across the leaves, wgmma kept in
-# flight; gluon_pairs takes two leaves at a time, their K tiles alternating between two accumulators.
-GLUON_TILES = [
-    (128, 128, 8, 4, 1, "gluon"), (128, 128, 4, 3, 0, "gluon"), (128, 256, 8, 3, 0, "gluon"),
-    (128, 64, 8, 4, 1, "gluon"), (64, 128, 4, 4, 1, "gluon"), (128, 128, 8, 4, 1, "gluon_pairs"),
-    (128, 128, 8, 3, 1, "gluon_pairs"), (64, 128, 4, 4, 1, "gluon_pairs"),
-]  # fmt: skip
+# (BM, BN, warps, stages, park_from) of the Gluon loop: one TMA pipeline across the leaves, wgmma kept in flight.
+GLUON_TILES = [(128, 128, 8, 4, 1), (128, 128, 4, 3, 0), (128, 256, 8, 3, 0), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -90,37 +85,11 @@ def test_gluon_loop_gives_the_pointer_loops_bits(dtype, leaves):
     bk = CONFIGS[dtype].block_k
     for out_dtype in (torch.float32, dtype):
         base = f(x, w, leaves, parallel=1, config=CONFIGS[dtype], out_dtype=out_dtype)
-        for bm, bn, warps, stages, park_from, loop in GLUON_TILES:
-            cfg = C(bm, bn, bk, warps, stages, park_from=park_from, loop=loop)
+        for bm, bn, warps, stages, park_from in GLUON_TILES:
+            cfg = C(bm, bn, bk, warps, stages, park_from=park_from, loop="gluon")
             for parallel in {1, min(leaves, 2)}:
                 got = f(x, w, leaves, parallel=parallel, config=cfg, out_dtype=out_dtype)
                 assert torch.equal(bits(got), bits(base)), (cfg, parallel, out_dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("leaves", [1, 2, 8])
-def test_persistent_gluon_programs_give_the_pointer_loops_bits(dtype, leaves, monkeypatch):
-    """``persistent=True``: fewer programs than output tiles, each walking several with the next tile's loads issued
-    under the current one's wgmmas; the SM count is lowered so that programs take 1 to 15 tiles each."""
-    from megatron_iso.ops.gemm import gemm_triton as gt
-    from megatron_iso.ops.gemm.gemm_triton import CONFIGS
-    from megatron_iso.ops.gemm.gemm_triton import GemmTileConfig as C
-    from megatron_iso.ops.gemm.gemm_triton import leaf_tree_linear_triton as f
-
-    x, w = _rand((300, 2048), dtype, 47), _rand((640, 2048), dtype, 48)  # partial tiles in M and N
-    bk = CONFIGS[dtype].block_k
-    tiles = [C(128, 128, bk, 8, 4, park_from=1, loop=loop, persistent=True) for loop in ("gluon", "gluon_pairs")]
-    tiles += [C(64, 128, bk, 4, 4, park_from=1, loop="gluon_pairs", persistent=True)]
-    if leaves == 1:
-        tiles += [C(128, 256, bk, 8, 4, loop="gluon", persistent=True)]
-    for out_dtype in (torch.float32, dtype):
-        base = f(x, w, leaves, parallel=1, config=CONFIGS[dtype], out_dtype=out_dtype)
-        for sms in (2, 7, 132):
-            monkeypatch.setattr(gt, "sm_count", lambda device, sms=sms: sms)
-            for cfg in tiles:
-                for parallel in {1, min(leaves, 2)}:
-                    got = f(x, w, leaves, parallel=parallel, config=cfg, out_dtype=out_dtype)
-                    assert torch.equal(bits(got), bits(base)), (cfg, sms, parallel, out_dtype)
 
 
 def test_selected_configs_row_bits_independent_of_m():

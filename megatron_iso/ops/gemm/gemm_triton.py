@@ -46,11 +46,7 @@ from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
 IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "4"  # 4: TMA / Gluon loops at large M; 3: a 16-row tile bucket; tiles bitwise-equivalent since 2
 # The loops over TMA descriptors: what refuses operands a loop cannot run (why, or None), and its launcher.
-_DESCRIPTOR_LOOPS = {
-    "tma": (tma_supported, launch_tma),
-    "gluon": (gluon_supported, launch_gluon),
-    "gluon_pairs": (gluon_supported, launch_gluon),
-}
+_DESCRIPTOR_LOOPS = {"tma": (tma_supported, launch_tma), "gluon": (gluon_supported, launch_gluon)}
 
 
 # The correctness profile's configs. All share BLOCK_K and the K-loop order per dtype; the bitwise
@@ -388,15 +384,11 @@ def leaf_tree_linear_triton(
     park_from = cfg.park_from if cfg.loop == "static" else min(cfg.park_from, 1)
     if cfg.loop == "gluon" and log2 <= 1:
         park_from = 0  # Triton 3.6 fails to lower the Gluon kernel's register level 0 in a 1- or 2-leaf tree
-    if cfg.loop == "gluon_pairs":
-        park_from = min(1, log2)  # level 0 never waits (two accumulators); every level above is parked
     n_park = max(0, log2 - park_from)
     target = out if parallel == 1 else torch.empty((parallel, M, N), device=x.device, dtype=torch.float32)
     # One scratch slot per parked level per subtree program; N-contiguous like the output.
     park = torch.empty((max(1, parallel * n_park), M, N), device=x.device, dtype=torch.float32) if n_park else target
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    # persistent: one program per SM (over the subtrees' programs), each walking its share of the output tiles
-    grid = (min(tiles, max(1, sm_count(x.device) // parallel)) if cfg.persistent else tiles, parallel)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), parallel)
     # Output / park strides (subtree, row, park level, park subtree), then the launch options every loop takes.
     strides = (M * N if parallel > 1 else 0, N, M * N, n_park * M * N)
     tree = dict(
@@ -406,10 +398,6 @@ def leaf_tree_linear_triton(
         IEEE=x.dtype == torch.float32 and cfg.fp32_precision == "ieee",
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    if cfg.loop == "gluon_pairs" and per_prog > 1:
-        tree["PAIRS"] = True  # one leaf per program has no pair: the single-leaf Gluon loop
-    if cfg.persistent:
-        tree["PERSISTENT"] = True
     global LAST_COMPILED
     if cfg.loop in _DESCRIPTOR_LOOPS:
         supported, launch = _DESCRIPTOR_LOOPS[cfg.loop]
@@ -444,8 +432,7 @@ leaf_tree_linear_triton.rounds_output = True  # type: ignore[attr-defined]  # se
 
 
 def _tile_record(c: GemmTileConfig) -> str:
-    persistent = " persistent" if c.persistent else ""
-    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from}{persistent}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.loop} p{c.park_from}"
 
 
 def _probe() -> dict[str, torch.Tensor]:

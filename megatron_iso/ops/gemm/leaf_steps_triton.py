@@ -12,13 +12,9 @@ import triton.language as tl
 
 @triton.jit
 def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    return _tile_coords_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-
-@triton.jit
-def _tile_coords_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Output tile ``pid``'s (row, column) in grouped order so that consecutive tiles share weight tiles in L2; it
-    # changes only which program computes a tile, never how.
+    # Grouped tile order so that consecutive programs share weight tiles in L2; it changes only
+    # which program computes a tile, never how.
+    pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * grid_n
@@ -28,15 +24,6 @@ def _tile_coords_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRO
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _pair_k_tile(tile, leaf_tiles):
-    """The K tile (counted from the subtree's first) that a two-leaf interleaved loop consumes ``tile``-th: leaves 2j
-    and 2j + 1 of ``leaf_tiles`` K tiles each alternate, the first leaf's tile t at 2t, the second's at 2t + 1 of
-    the pair's ``2 * leaf_tiles`` turns."""
-    r = tile % (2 * leaf_tiles)
-    return tile - r + (r % 2) * leaf_tiles + r // 2
 
 
 @triton.jit

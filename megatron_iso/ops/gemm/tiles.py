@@ -27,23 +27,14 @@ class GemmTileConfig:
     # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
     # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
     # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py);
-    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py);
-    # "gluon_pairs": the same with two leaves at a time, their K tiles alternating between two accumulators (half the
-    # leaf ends; level 0 is their sum, every level above parked, whatever ``park_from`` says).
+    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py).
     loop: str = "flat"
     # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
     fp32_precision: str = "ieee"
-    # The Gluon loops only: one program per SM walks output tiles one after another, the next tile's loads running
-    # under the current one's last wgmmas (an order of work, not of arithmetic).
-    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
             raise ValueError(f"GemmTileConfig: loop={self.loop!r} must be one of {LOOPS}")
-        if self.persistent and not self.loop.startswith("gluon"):
-            raise ValueError(
-                f"GemmTileConfig: persistent=True needs a Gluon loop ('gluon', 'gluon_pairs'), got {self.loop!r}"
-            )
 
 
-LOOPS = ("static", "flat", "tma", "gluon", "gluon_pairs")
+LOOPS = ("static", "flat", "tma", "gluon")
