@@ -697,7 +697,7 @@ def logprob_bench(bw: float) -> dict[str, Any]:
         return scores.token_logprobs(tgt, ids_in_range=True)
 
     res: dict[str, Any] = {}
-    for T, V in ((4096, 151936), (64, 151936), (1, 151936), (16384, 32768)):
+    for T, V in ((4096, 151936), (256, 151936), (64, 151936), (1, 151936), (16384, 32768)):
         logits = _rand((T, V), torch.bfloat16, 30) * 4
         tgt = torch.randint(0, V, (T,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(31))
         for dt in (torch.bfloat16, torch.float32):
@@ -733,13 +733,13 @@ def _small_batch_warps_rows(logits: torch.Tensor) -> dict[str, Any]:
     """The scoring kernel alone at a decode batch (graph-timed), one program per (row, leaf) at 1, 2 and 4 warps, at
     t = 1 and t = 0.7 (a tensor temperature: div_rn, as the decode graphs run it; a number: the reciprocal form):
     a few programs walking 19 slices each are latency bound, and more warps shorten each slice. Bits compared
-    with 1 warp (the warp count is a schedule choice)."""
-    from megatron_iso.ops.logprob.logprob_triton import launch_leaf_kernel
+    with 1 warp (the warp count is a schedule choice); ``chosen``: the launch's default (``leaf_kernel_warps``)."""
+    from megatron_iso.ops.logprob.logprob_triton import launch_leaf_kernel, leaf_kernel_warps
     from megatron_iso.ops.logprob.temperature_triton import division_args
 
     rows, vocab = logits.shape
     x = logits.unsqueeze(0)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"chosen": leaf_kernel_warps(rows)}
     for t, form in ((1.0, "tensor"), (0.7, "tensor"), (0.7, "number")):
         temps = torch.full((rows,), t, device=logits.device)
         args = division_args(t if form == "number" else None, logits.dtype, logits.device)
@@ -756,7 +756,7 @@ def _small_batch_warps_rows(logits: torch.Tensor) -> dict[str, Any]:
             row[f"w{warps}"] = {"us": _time_ms(kernel) * 1e3, "same_bits": _bits_equal(per_leaf, ref)}
         out[f"t{t}_{form}"] = row
         print(
-            f"logprob kernel {tuple(logits.shape)} t={t} ({form}): "
+            f"logprob kernel {tuple(logits.shape)} t={t} ({form}, chosen w{out['chosen']}): "
             + ", ".join(f"{w} {r['us']:.1f} us (same bits {r['same_bits']})" for w, r in row.items()),
             flush=True,
         )

@@ -64,6 +64,17 @@ BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a co
 # shuffles alone (no shared-memory step, no barrier), and more programs share an SM. On the H200 at 4096 x 151936
 # (same bits at 1, 2 and 4 warps): bf16 t = 1 381 / 438 / 445 us, t = 0.7 679 / 664 / 694, fp32 566 / 577 / 611.
 NUM_WARPS = 1
+# A decode step's launch (a few rows: 8 programs a row, a small share of the GPU) is latency bound: each program walks
+# 19 slices of 1024 logits one after another, and four warps take a slice in a quarter of the issue time. On the H200
+# at a vocab of 151936, one row: 9.9 -> 8.3 us at t = 1, 27.7 -> 12.7 us at a tensor t = 0.7 (div_rn); 64 rows:
+# 10.3 -> 11.4 and 28.0 -> 17.1 us (1 -> 4 warps, the same bits).
+SMALL_LAUNCH_ROWS = 64
+SMALL_LAUNCH_WARPS = 4
+
+
+def leaf_kernel_warps(rows: int) -> int:
+    """Warps per program of :func:`_leaf_kernel` for a launch over ``rows`` (rank-axis entries times rows)."""
+    return SMALL_LAUNCH_WARPS if rows <= SMALL_LAUNCH_ROWS else NUM_WARPS
 ROW_BLOCK = 64  # rows per program of the row kernels: a schedule choice (each row's numbers are its own)
 # The steps of _row_stats_kernel: one shard holds the whole vocab (max, leaf sum and log in one launch); or,
 # around the cross-rank collectives, a rank's leaf sum given the global max, then the log given the global sum.
@@ -126,16 +137,18 @@ def launch_leaf_kernel(
     division: tuple[float, float, bool],
     *,
     asm: bool = not INTERPRET,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,
 ) -> None:
     """:func:`_leaf_kernel` over ``x [R, rows, shard]`` (last dim contiguous) into ``per_leaf [R, rows, leaves, 2]``:
     ``temperature [rows]``, the vocab ids past ``valid_vocab`` masked, ``x``'s first id ``first_id``, and the
     division arguments of ``temperature_triton.division_args``. ``asm`` False: ``tl.exp`` in every slice
     (``slice_exp_triton``; the interpreter's form, and the GPU tests' reference for the same bits). ``num_warps``: a
-    schedule choice (the lanes and their tree are the same at any count; the benchmark compares them)."""
+    schedule choice (the lanes and their tree are the same at any count; the benchmark compares them), by default
+    :func:`leaf_kernel_warps`."""
     R, rows, shard = x.shape
     leaves = per_leaf.shape[2]
     recip, recip_lo, fast = division
+    num_warps = leaf_kernel_warps(R * rows) if num_warps is None else num_warps
     _leaf_kernel[(R * rows, leaves)](
         x, temperature, recip, recip_lo, per_leaf, rows, shard, shard // leaves, valid_vocab, first_id,
         x.stride(0), x.stride(1), BLOCK=BLOCK, FAST_DIV=fast, ASM=asm, num_warps=num_warps,
