@@ -75,6 +75,8 @@ SMALL_LAUNCH_WARPS = 4
 def leaf_kernel_warps(rows: int) -> int:
     """Warps per program of :func:`_leaf_kernel` for a launch over ``rows`` (rank-axis entries times rows)."""
     return SMALL_LAUNCH_WARPS if rows <= SMALL_LAUNCH_ROWS else NUM_WARPS
+
+
 ROW_BLOCK = 64  # rows per program of the row kernels: a schedule choice (each row's numbers are its own)
 # The steps of _row_stats_kernel: one shard holds the whole vocab (max, leaf sum and log in one launch); or,
 # around the cross-rank collectives, a rank's leaf sum given the global max, then the log given the global sum.
