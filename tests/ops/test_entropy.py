@@ -82,6 +82,14 @@ SCRIPT = textwrap.dedent(
     shards = [entropy_partials_triton(x[:, r * 10000 : (r + 1) * 10000], t, 4, valid, r * 10000) for r in range(2)]
     assert torch.equal(b(torch.cat(shards, dim=1)), b(got)), "two shards != one"
     assert torch.equal(b(entropy_partials_triton(x[2:], t[2:], 8, valid, 0)), b(got[2:])), "batch"
+    # -inf logits (a lane's first entry, a later one, a whole leaf but one entry) add nothing, as in the reference
+    xi = x.clone()
+    xi[0, 5] = xi[1, 3000] = float("-inf")
+    xi[2, 2500 : 2 * 2500 - 1] = float("-inf")
+    got, ref = entropy_partials_triton(xi, t, 8, valid, 0), entropy_partials_reference(xi, t, 8, valid, 0)
+    assert torch.isfinite(got).all(), got
+    rel = ((got[..., 1:].double() - ref[..., 1:].double()).abs() / ref[..., 1:].double().abs().clamp_min(1e-30)).max()
+    assert rel < 1e-4, float(rel)
     print("OK")
     """
 )

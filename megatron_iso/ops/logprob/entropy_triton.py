@@ -39,12 +39,15 @@ def _entropy_partials_kernel(
         x = tl.load(base + idx, mask=ok, other=1.0)  # 1, not 0: a masked lane must not make the slice divide
         z = scale_by_temperature(x.to(tl.float32), temp, recip, recip_lo, FAST_DIV)
         z = tl.where(ok, z, float("-inf"))
-        m_new = tl.maximum(m, z)
-        rescale = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # both -inf: keep the zeros as they are
-        e = tl.where(ok, tl.exp(z - m_new), 0.0)
-        s = s * rescale + e
-        u = u * rescale + tl.where(ok, e * z, 0.0)  # masked: 0, never 0 * -inf
-        m = m_new
+        # One exp per element, not two: where z raises the lane's max, z's own term is exp(0) = 1 and the sums
+        # rescale by exp(m - z); elsewhere the sums stay and z adds exp(z - m). A -inf z (a masked lane or a -inf
+        # logit) adds nothing: its exp is exp(-inf) = 0 and its u term 0 * 0, never 0 * -inf.
+        up = z > m
+        inf_z = z == float("-inf")
+        e = tl.exp(tl.where(up, m - z, tl.where(inf_z, float("-inf"), z - m)))
+        s = tl.where(up, s * e + 1.0, s + e)
+        u = tl.where(up, u * e + z, u + e * tl.where(inf_z, 0.0, z))
+        m = tl.maximum(m, z)
     row_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max))
     out = out_ptr + (row * tl.num_programs(1) + leaf) * 3
