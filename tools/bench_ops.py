@@ -11,6 +11,7 @@ median), so launch overhead of the Python wrappers is not what is measured: deco
     python tools/bench_ops.py --tiles --attention --skip-gemm --skip-mem   # tile equivalence, attention
     python tools/bench_ops.py --decode-tiles --skip-gemm --skip-mem        # tiles of the models' decode GEMMs
     python tools/bench_ops.py --attention-split --skip-gemm --skip-mem     # batch-1 decode: split vs unsplit
+    python tools/bench_ops.py --attention-backward-sweep --skip-gemm --skip-mem   # backward tile candidates
     python tools/bench_ops.py --moe --skip-gemm --skip-mem --out moe.json  # grouped expert GEMM (Qwen3-30B-A3B)
 """
 
@@ -651,6 +652,55 @@ def attention_backward_bench() -> list[dict[str, Any]]:
     return rows
 
 
+def attention_backward_sweep() -> list[dict[str, Any]]:
+    """Tile candidates of the three backward kernels at Qwen3-8B heads (bf16, causal, packed): each kernel's
+    candidates in turn with the other two at the shipped tiles, the whole backward timed; every candidate's
+    gradients checked for the same bits on a second call and against the shipped tiles' within bf16 rounding (a
+    tile changes the rounding, not the function)."""
+    from megatron_iso.ops.attention.backward_triton import BackwardTile as T
+    from megatron_iso.ops.attention.backward_triton import attention_backward, backward_tiles
+
+    candidates = {
+        "stats": [T(64, 64, 4, 2), T(128, 64, 8, 2), T(128, 64, 8, 3), T(128, 128, 8, 2), T(64, 128, 4, 2)],
+        "dkdv": [T(64, 64, 8, 2), T(32, 128, 4, 2), T(32, 128, 4, 3), T(64, 128, 8, 2), T(64, 128, 8, 3),
+                 T(128, 128, 8, 2)],
+        "dq": [T(64, 64, 4, 2), T(128, 64, 8, 2), T(128, 64, 8, 3), T(128, 32, 4, 3), T(128, 128, 8, 2)],
+    }  # fmt: skip
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    scale = d**-0.5
+    shipped = backward_tiles(torch.bfloat16, d)
+    for n_seq, L in ((16, 768), (4, 2048), (1, 8192)):
+        T_ = n_seq * L
+        q, k, v = (_rand((T_, h, d), torch.bfloat16, 90 + i) for i, h in enumerate((hq, hkv, hkv)))
+        g = _rand((T_, hq, d), torch.bfloat16, 95)
+        cu = torch.tensor([i * L for i in range(n_seq + 1)], device="cuda")
+        base = attention_backward(q, k, v, g, cu, L, scale, tiles=shipped)
+        for kernel, tiles in candidates.items():
+            for tile in tiles:
+                cfg = dataclasses.replace(shipped, **{kernel: tile})
+                r: dict[str, Any] = {"n_seq": n_seq, "L": L, "kernel": kernel, "tile": dataclasses.asdict(tile)}
+                try:
+                    runs = [attention_backward(q, k, v, g, cu, L, scale, tiles=cfg) for _ in range(2)]
+                except Exception as exc:  # a tile past the shared memory: recorded, the sweep goes on
+                    r["error"] = repr(exc)[:300]
+                    rows.append(r)
+                    print(f"attn bwd sweep {n_seq}x{L} {kernel} {tile}: {r['error'][:120]}", flush=True)
+                    continue
+                r["deterministic"] = all(_bits_equal(a, b) for a, b in zip(runs[0][:3], runs[1][:3], strict=True))
+                pairs = zip(runs[0][:3], base[:3], strict=True)
+                r["rel_to_shipped"] = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in pairs)
+                r["ms"] = _time_events_ms(
+                    functools.partial(attention_backward, q, k, v, g, cu, L, scale, tiles=cfg), rep=30
+                )
+                rows.append(r)
+                t = tile
+                print(f"attn bwd sweep {n_seq}x{L} {kernel} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: "
+                      f"{r['ms']:.2f} ms, deterministic {r['deterministic']}, rel to shipped "
+                      f"{r['rel_to_shipped']:.1e}", flush=True)  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------- memory-bound ops
 def norm_bench(bw: float) -> dict[str, Any]:
     try:
@@ -856,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", action="store_true", help="attention checks and timing vs SDPA, decode split")
     ap.add_argument("--attention-split", action="store_true", help="only the batch-1 decode split vs unsplit rows")
     ap.add_argument("--attention-backward", action="store_true", help="training attention backward vs SDPA")
+    ap.add_argument("--attention-backward-sweep", action="store_true", help="the backward kernels' tile candidates")
     ap.add_argument("--skip-mem", action="store_true", help="skip RMSNorm / logprob / entropy")
     ap.add_argument("--moe", action="store_true", help="grouped expert GEMM vs per-expert cuBLAS / leaf-tree loops")
     ap.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)), help="comma-separated token counts")
@@ -909,6 +960,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             res["attention_backward"] = {"error": repr(exc)[:500]}
             print("attention_backward ERROR", repr(exc)[:500], flush=True)
+    if args.attention_backward_sweep:
+        try:
+            res["attention_backward_sweep"] = attention_backward_sweep()
+        except Exception as exc:
+            res["attention_backward_sweep"] = {"error": repr(exc)[:500]}
+            print("attention_backward_sweep ERROR", repr(exc)[:500], flush=True)
     if args.moe:
         try:
             res["moe"] = moe_bench(tuple(int(t) for t in args.moe_tokens.split(",")))

@@ -18,6 +18,8 @@ tested against is ``ops.attention.autograd``'s plain padded attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -25,13 +27,44 @@ import triton.language as tl
 from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
 
 LOG2E = 1.4426950408889634
-BLOCK_M = 16 if _INTERPRET else 64  # query rows per tile
-BLOCK_N = 16 if _INTERPRET else 64  # key rows per tile
+
+
+@dataclass(frozen=True)
+class BackwardTile:
+    """One backward kernel's launch: query rows and key rows per tile, warps, pipeline stages. The backward is
+    deterministic, not invariant, so its tiles are free: any tile gives the same bits on every call (each gradient
+    element is summed by one program in a fixed order), though two tiles' gradients differ in rounding."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The tiles of the three kernels: the recomputed statistics, dK / dV, dQ."""
+
+    stats: BackwardTile
+    dkdv: BackwardTile
+    dq: BackwardTile
+
+
+_INTERPRET_TILES = BackwardTiles(*(BackwardTile(16, 16, 4, 1),) * 3)
+# 16-bit inputs: tensor-core dots.
+_TILES_16 = BackwardTiles(BackwardTile(64, 64, 4, 2), BackwardTile(64, 64, 8, 2), BackwardTile(64, 64, 4, 2))
 # fp32's dots are FMA loops; left to itself ptxas gives these kernels 32 registers and spills (on sm_90, 64 x 64
 # tiles: 7.9-17.7 KB stacks, 13-22 thousand local-memory operations in their loops). fp32 runs 32 x 32 tiles under a
-# 255-register cap: 32-576 B, 0-302. The backward is deterministic, not invariant, so its tile is free to differ.
+# 255-register cap: 32-576 B, 0-302.
 FP32_MAXNREG = 255
-FP32_BLOCK = 16 if _INTERPRET else 32  # fp32 query rows and key rows per tile
+_TILES_FP32 = BackwardTiles(BackwardTile(32, 32, 4, 2), BackwardTile(32, 32, 8, 2), BackwardTile(32, 32, 4, 2))
+
+
+def backward_tiles(dtype: torch.dtype, head_dim: int) -> BackwardTiles:
+    """The shipped tiles for inputs of ``dtype`` and ``head_dim``."""
+    if _INTERPRET:
+        return _INTERPRET_TILES
+    return _TILES_FP32 if dtype == torch.float32 else _TILES_16
 
 
 @triton.jit
@@ -189,10 +222,12 @@ def attention_backward(
     max_len: int,
     scale: float,
     gate: torch.Tensor | None = None,
+    tiles: BackwardTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients ``(dq, dk, dv, dgate)`` of ``out = causal_attention(q, k, v) * sigmoid(gate)`` over packed
     sequences (q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, gate ``[T, Hq, D or 1]`` or None) given ``grad_out``.
-    Gradients come back in their inputs' dtypes; ``max_len`` is the longest sequence (host int)."""
+    Gradients come back in their inputs' dtypes; ``max_len`` is the longest sequence (host int). ``tiles``: the
+    kernels' launches, by default :func:`backward_tiles`."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads or d & (d - 1) or d < 16:
@@ -207,15 +242,22 @@ def attention_backward(
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
-    bm, bn = (FP32_BLOCK, FP32_BLOCK) if q.dtype == torch.float32 else (BLOCK_M, BLOCK_N)
-    common = dict(GROUP=group, D=d, BM=bm, BN=bn, DOT_FP32=dot_fp32)
+    tiles = backward_tiles(q.dtype, d) if tiles is None else tiles
+    common = dict(GROUP=group, D=d, DOT_FP32=dot_fp32)
     if q.dtype == torch.float32:
         common["maxnreg"] = FP32_MAXNREG
-    q_blocks = triton.cdiv(max(max_len, 1), bm)
+
+    def launch(tile: BackwardTile, blocks_of: int) -> tuple[int, dict[str, object]]:
+        """The grid's first dimension (``blocks_of`` rows per block) and the launch's tile options."""
+        n = triton.cdiv(max(max_len, 1), blocks_of)
+        opts = dict(BM=tile.block_m, BN=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        return n, {**opts, **common}
+
     if t and nseq:
-        _stats_kernel[(q_blocks, nseq, heads)](
+        n, opts = launch(tiles.stats, tiles.stats.block_m)
+        _stats_kernel[(n, nseq, heads)](
             q, k, v, o, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-            qk_scale, num_warps=4, num_stages=2, **common,
+            qk_scale, **opts,
         )  # fmt: skip
     g_out = grad_out.float()
     dgate = None
@@ -230,12 +272,14 @@ def attention_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if t and nseq:
-        _dkdv_kernel[(triton.cdiv(max(max_len, 1), bn), nseq, kv_heads)](
+        n, opts = launch(tiles.dkdv, tiles.dkdv.block_n)
+        _dkdv_kernel[(n, nseq, kv_heads)](
             q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            dk.stride(0), dk.stride(1), qk_scale, scale, num_warps=8, num_stages=2, **common,
+            dk.stride(0), dk.stride(1), qk_scale, scale, **opts,
         )  # fmt: skip
-        _dq_kernel[(q_blocks, nseq, heads)](
+        n, opts = launch(tiles.dq, tiles.dq.block_m)
+        _dq_kernel[(n, nseq, heads)](
             q, k, v, do, lse, delta, dq, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            qk_scale, scale, num_warps=4, num_stages=2, **common,
+            qk_scale, scale, **opts,
         )  # fmt: skip
     return dq, dk, dv, dgate
