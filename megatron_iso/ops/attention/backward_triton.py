@@ -51,8 +51,14 @@ class BackwardTiles:
 
 
 _INTERPRET_TILES = BackwardTiles(*(BackwardTile(16, 16, 4, 1),) * 3)
-# 16-bit inputs: tensor-core dots.
-_TILES_16 = BackwardTiles(BackwardTile(64, 64, 4, 2), BackwardTile(64, 64, 8, 2), BackwardTile(64, 64, 4, 2))
+# 16-bit inputs: tensor-core dots. Head dims up to 128: the fastest tiles of ``bench_ops.py
+# --attention-backward-sweep`` on an H200 (Qwen3-8B heads; dK / dV at 128 x 64 took the backward from 2.01 / 2.79 /
+# 9.07 ms to 1.74 / 2.25 / 7.08 at 16 x 768 / 4 x 2048 / 1 x 8192). Larger head dims keep 64 x 64 tiles: 128-row
+# tiles of a 256-wide head pass the shared memory. In that sweep every dK / dV and dQ tile gave the same gradient
+# bits as 64 x 64 (their dots appear to add the reduced dimension in 16-wide steps in one order whatever the block);
+# a statistics tile with another key block did not.
+_TILES_16 = BackwardTiles(BackwardTile(128, 64, 8, 3), BackwardTile(128, 64, 8, 2), BackwardTile(128, 64, 8, 3))
+_TILES_16_WIDE = BackwardTiles(BackwardTile(64, 64, 4, 2), BackwardTile(64, 64, 8, 2), BackwardTile(64, 64, 4, 2))
 # fp32's dots are FMA loops; left to itself ptxas gives these kernels 32 registers and spills (on sm_90, 64 x 64
 # tiles: 7.9-17.7 KB stacks, 13-22 thousand local-memory operations in their loops). fp32 runs 32 x 32 tiles under a
 # 255-register cap: 32-576 B, 0-302.
@@ -64,7 +70,9 @@ def backward_tiles(dtype: torch.dtype, head_dim: int) -> BackwardTiles:
     """The shipped tiles for inputs of ``dtype`` and ``head_dim``."""
     if _INTERPRET:
         return _INTERPRET_TILES
-    return _TILES_FP32 if dtype == torch.float32 else _TILES_16
+    if dtype == torch.float32:
+        return _TILES_FP32
+    return _TILES_16 if head_dim <= 128 else _TILES_16_WIDE
 
 
 @triton.jit
