@@ -33,6 +33,11 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        # The gate's read and silu ahead of the row reduction: they overlap x's read and the reduction's barriers
+        # instead of starting after them (the same operations on the same values).
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
     ms = tl.math.div_rn(tl.sum(x * x, axis=0), H.to(tl.float32))
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -40,8 +45,7 @@ def _rms_norm_kernel(
         w = 1.0 + w
     y = (x * inv) * w
     if GATED:
-        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-        y = y * tl.math.div_rn(g, 1.0 + tl.exp(-g))
+        y = y * silu
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
