@@ -4,8 +4,9 @@ path's gradient on CUDA (the invariant forward kernels are forward-only).
 Deterministic, not invariant: every gradient element is accumulated by one program in a fixed loop
 order and no atomics are used, so the same inputs give the same bits on every call. Three kernels:
 
-- ``_stats_kernel``: per (query block, head) the softmax statistics ``lse`` and the fp32 output ``o``
-  (online softmax over the causal key blocks); ``delta = rowsum(dO * o)`` is then one torch reduction;
+- ``_stats_kernel``: per (query block, head) the softmax statistics ``lse`` (online softmax over the causal
+  key blocks) and ``delta = rowsum(dO * o)`` from the fp32 output ``o`` it holds; with a gate ``o`` is stored
+  instead (the gate's gradient needs it) and ``delta`` is taken in torch;
 - ``_dkdv_kernel``: per (key block, kv head) loops over the head's query group and the query blocks at
   or after the key block, accumulating ``dK`` and ``dV`` in fp32;
 - ``_dq_kernel``: per (query block, head) loops over the causal key blocks, accumulating ``dQ``.
@@ -115,11 +116,13 @@ def _probs_and_score_grads(q, k, v, do, lse, delta, rows, keys, row_ok, key_ok, 
 
 @triton.jit
 def _stats_kernel(
-    Q, K, V, OUT, LSE, CU,
+    Q, K, V, DO, OUT, LSE, DELTA, CU,
     s_qt, s_qh, s_kt, s_kh, s_ot, s_oh,
     qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr,
+    STORE_O: tl.constexpr,
 ):  # fmt: skip
+    # STORE_O: write the fp32 output to OUT; else write delta = rowsum(dO * o) to DELTA (dO rows strided as q's).
     mb, seq, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, length = _sequence(CU, seq)
     m0 = mb * BM
@@ -147,7 +150,12 @@ def _stats_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(_operand(p, DOT_FP32, Q.dtype.element_ty), v, DOT_FP32)
         m_i = m_new
-    tl.store(OUT + (start + rows)[:, None] * s_ot + h * s_oh + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
+    o = acc / l_i[:, None]
+    if STORE_O:
+        tl.store(OUT + (start + rows)[:, None] * s_ot + h * s_oh + dims[None, :], o, mask=row_ok[:, None])
+    else:
+        do = tl.load(DO + (start + rows)[:, None] * s_qt + h * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+        tl.store(DELTA + (start + rows) * (s_qt // s_qh) + h, tl.sum(do.to(tl.float32) * o, 1), mask=row_ok)
     tl.store(LSE + (start + rows) * (s_qt // s_qh) + h, m_i + tl.log2(l_i), mask=row_ok)
 
 
@@ -248,8 +256,11 @@ def attention_backward(
     group = heads // kv_heads
     qk_scale = scale * LOG2E
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
-    o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device)
+    grad_out = grad_out.contiguous()  # the statistics kernel reads it with q's strides
+    # With a gate the fp32 output is kept for the gate's gradient; without one the kernel reduces it into delta.
+    o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device) if gate is not None else None
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
+    delta = torch.empty(t, heads, dtype=torch.float32, device=q.device)
     tiles = backward_tiles(q.dtype, d) if tiles is None else tiles
     common = dict(GROUP=group, D=d, DOT_FP32=dot_fp32)
     if q.dtype == torch.float32:
@@ -263,19 +274,22 @@ def attention_backward(
 
     if t and nseq:
         n, opts = launch(tiles.stats, tiles.stats.block_m)
+        out = lse if o is None else o  # a placeholder pointer when nothing is stored there
         _stats_kernel[(n, nseq, heads)](
-            q, k, v, o, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-            qk_scale, **opts,
+            q, k, v, grad_out, out, lse, delta, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            heads * d, d, qk_scale, STORE_O=o is not None, **opts,
         )  # fmt: skip
-    g_out = grad_out.float()
     dgate = None
-    if gate is not None:
+    if o is not None:
+        g_out = grad_out.float()
         sig = torch.sigmoid(gate.float())
         dgate_full = g_out * o * sig * (1.0 - sig)
         dgate = (dgate_full.sum(-1, keepdim=True) if gate.shape[-1] == 1 else dgate_full).to(gate.dtype)
         g_out = g_out * sig
-    delta = (g_out * o).sum(-1)
-    do = g_out.to(q.dtype).contiguous()
+        delta = (g_out * o).sum(-1)
+        do = g_out.to(q.dtype).contiguous()
+    else:
+        do = grad_out.to(q.dtype)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
