@@ -130,3 +130,26 @@ def test_scoring_kernel_slices_skip_the_exp_fixup_without_spills() -> None:
     ex2 = len(re.findall(r"MUFU\.EX2", r.sass))
     fixups = len(re.findall(r"FSETP\.GEU\.AND P\d, PT, R\d+, -126", r.sass))
     assert fixups > 0 and ex2 >= fixups + 32, (ex2, fixups)  # one warp, 1024 lanes: 32 flushing exps a slice
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("gated", [False, True])
+def test_attention_backward_tiles_compile_for_sm90_within_shared_memory(head_dim: int, gated: bool) -> None:
+    """The training attention backward's shipped tiles (``backward_triton.backward_tiles``), bf16, compiled for sm_90
+    through the launches ``attention_backward`` makes: every kernel compiles and fits an SM's shared memory (128-row
+    tiles of a 256-wide head would not: that table keeps 64 x 64), with and without a gate (the statistics kernel
+    then stores the fp32 output instead of reducing delta)."""
+    import torch
+
+    from megatron_iso.ops.attention.backward_triton import attention_backward
+
+    t, hq, hkv = 256, 8, 2
+    q, g = (torch.zeros(t, hq, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.zeros(t, hkv, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    gate = torch.zeros(t, hq, head_dim, dtype=torch.bfloat16) if gated else None
+    with kr.compiled_launches() as found:
+        attention_backward(q, k, v, g, torch.tensor([0, 100, t]), 156, head_dim**-0.5, gate)
+    assert set(found) == {"_stats_kernel", "_dkdv_kernel", "_dq_kernel"}, sorted(found)
+    for name, r in found.items():
+        assert 0 < r.shared_bytes <= kr.SM90_SHARED_PER_BLOCK and r.programs_per_sm() >= 1, (name, r)
+        assert "GMMA" in r.sass or "HMMA" in r.sass, name  # tensor-core dots
