@@ -212,7 +212,7 @@ def test_cuda_contract_names_what_scoring_runs():
 
     load_op_implementations()
     impl = lookup("logprob", "cuda", "correctness")
-    assert impl.ref == "vocab_logprob.triton@2"
+    assert impl.ref == "vocab_logprob.triton@3"
     assert impl.fn is logprob_triton._triton_scores
     assert lookup("logprob", "cpu", "correctness").fn is logprob._reference_scores
 

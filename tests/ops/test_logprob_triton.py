@@ -58,6 +58,23 @@ SCRIPT = textwrap.dedent(
     pad = torch.full_like(ids, V - 1)
     assert torch.isneginf(scores.token_logprobs(pad)).all()
 
+    # -inf logits (a user's vocab mask) add nothing, as in fp64: a leaf's first slice and more, a whole leaf (its
+    # masked tail slice too), single entries; before any finite logit a slice of -infs must not give exp(NaN)
+    xi = x.clone()
+    xi[0, 0, :1100] = float("-inf")
+    xi[0, 1, 2500:5000] = float("-inf")
+    xi[1, 0, 7] = xi[1, 0, 4999] = float("-inf")
+    xi[1, 1, 7500:10000] = float("-inf")
+    got = token_logprobs_triton(xi, ids, temperature=t, leaves=8, valid_vocab=valid)
+    zi = xi.double() / t.double()
+    zi[..., valid:] = float("-inf")
+    exact = (zi - torch.logsumexp(zi, -1, keepdim=True)).gather(-1, ids[..., None]).squeeze(-1)
+    finite = torch.isfinite(exact)
+    assert finite.any() and torch.equal(torch.isfinite(got), finite), (got, exact)
+    assert (got[finite].double() - exact[finite]).abs().max() < 2e-5, (got, exact)
+    halves = token_logprobs_triton(list(xi.chunk(2, -1)), ids, temperature=t, leaves=8, valid_vocab=valid)
+    assert torch.equal(b(halves), b(got)), "-inf logits, 2 shards"
+
     # forward only: a gradient through it is refused, not silently wrong
     try:
         TritonScores(x.float().requires_grad_().unsqueeze(0), LocalShards(1), leaves=8)

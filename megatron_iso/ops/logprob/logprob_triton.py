@@ -112,8 +112,11 @@ def _leaf_kernel(
         z = scale_by_temperature(x, temp, recip, recip_lo, FAST_DIV)
         m_new = tl.maximum(m, tl.max(z, axis=1))  # a max: exact in any order
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # 1 exactly when unmoved (and while all -inf)
-        d_min = tl.min(z) - tl.max(m_new)  # the least z - m_new of the slice (subtraction is monotone)
-        acc = tl.fma(acc, scale[:, None], slice_exp(z - m_new[:, None], d_min, ASM))
+        # While every logit so far is -inf, z - m_new would be -inf - -inf (NaN): subtract 0 instead, so the slice
+        # adds exp(-inf) = 0. One select per slice; a finite m_new is subtracted as it is.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d_min = tl.min(z) - tl.max(m_sub)  # the least z - m_sub of the slice (subtraction is monotone)
+        acc = tl.fma(acc, scale[:, None], slice_exp(z - m_sub[:, None], d_min, ASM))
         m = m_new
     for start in range(n_full, LEAF, BLOCK):
         idx = start + offs
@@ -123,7 +126,8 @@ def _leaf_kernel(
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
-        acc = tl.fma(acc, scale[:, None], tl.where(ok, tl.exp(z - m_new[:, None]), 0.0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = tl.fma(acc, scale[:, None], tl.where(ok, tl.exp(z - m_sub[:, None]), 0.0))
         m = m_new
     out = out_ptr + (pr * tl.num_programs(1) + leaf) * 2 + tl.arange(0, 1)
     tl.store(out, m)
@@ -315,7 +319,7 @@ register(
     OpImpl(
         op="logprob",
         impl_id="vocab_logprob.triton",
-        version="2",
+        version="3",  # 3: -inf logits before any finite one add nothing (were NaN); 2: Triton row statistics
         device_class="cuda",
         profile=Profile.CORRECTNESS,
         fn=_triton_scores,
