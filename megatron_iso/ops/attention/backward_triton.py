@@ -55,7 +55,7 @@ _INTERPRET_TILES = BackwardTiles(*(BackwardTile(16, 16, 4, 1),) * 3)
 # 16-bit inputs: tensor-core dots. Head dims up to 128: the fastest tiles of ``bench_ops.py
 # --attention-backward-sweep`` on an H200 (Qwen3-8B heads; dK / dV at 128 x 64 took the backward from 2.01 / 2.79 /
 # 9.07 ms to 1.74 / 2.25 / 7.08 at 16 x 768 / 4 x 2048 / 1 x 8192). Larger head dims keep 64 x 64 tiles: 128-row
-# tiles of a 256-wide head pass the shared memory. In that sweep every dK / dV and dQ tile gave the same gradient
+# tiles of a 256-wide head exceed the shared memory. In that sweep every dK / dV and dQ tile gave the same gradient
 # bits as 64 x 64 (their dots appear to add the reduced dimension in 16-wide steps in one order whatever the block);
 # a statistics tile with another key block did not.
 _TILES_16 = BackwardTiles(BackwardTile(128, 64, 8, 3), BackwardTile(128, 64, 8, 2), BackwardTile(128, 64, 8, 3))
@@ -258,9 +258,10 @@ def attention_backward(
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     grad_out = grad_out.contiguous()  # the statistics kernel reads it with q's strides
     # With a gate the fp32 output is kept for the gate's gradient; without one the kernel reduces it into delta.
-    o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device) if gate is not None else None
+    gated = gate is not None
+    o = torch.empty(t, heads, d, dtype=torch.float32, device=q.device) if gated else None
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
-    delta = torch.empty(t, heads, dtype=torch.float32, device=q.device)
+    delta = None if gated else torch.empty(t, heads, dtype=torch.float32, device=q.device)
     tiles = backward_tiles(q.dtype, d) if tiles is None else tiles
     common = dict(GROUP=group, D=d, DOT_FP32=dot_fp32)
     if q.dtype == torch.float32:
@@ -274,13 +275,13 @@ def attention_backward(
 
     if t and nseq:
         n, opts = launch(tiles.stats, tiles.stats.block_m)
-        out = lse if o is None else o  # a placeholder pointer when nothing is stored there
+        # lse stands in for the pointer the kernel leaves unused (OUT without a gate, DELTA with one)
         _stats_kernel[(n, nseq, heads)](
-            q, k, v, grad_out, out, lse, delta, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            heads * d, d, qk_scale, STORE_O=o is not None, **opts,
+            q, k, v, grad_out, o if gated else lse, lse, lse if gated else delta, cu, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), heads * d, d, qk_scale, STORE_O=gated, **opts,
         )  # fmt: skip
     dgate = None
-    if o is not None:
+    if gated:
         g_out = grad_out.float()
         sig = torch.sigmoid(gate.float())
         dgate_full = g_out * o * sig * (1.0 - sig)
