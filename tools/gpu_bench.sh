@@ -44,6 +44,8 @@
 #   kvpaged  120    bench_decode iso, batch 8 and 64, 128 new tokens: paged KV reads (the CUDA default)
 #   kvstaged 120    the same with --staged-kv (staging + write-back)
 #   moe      100    bench_ops --moe: grouped expert GEMM vs a cuBLAS per-expert loop
+#   attnbwd  200    bench_ops --attention-backward --attention-backward-sweep: the training attention backward vs
+#                   SDPA's at Qwen3-8B heads, and its kernels' tile candidates (bits, time)
 #   gemmsweep 300   bench_ops --sweep --sweep-large-only: the 8-leaf GEMM's tile and loop variants (flat, TMA, Gluon)
 #                   and the one-leaf GEMM's TMA and Gluon variants at the Qwen3-8B row-parallel shapes, time against
 #                   cuBLAS and bits against the shipped tile
@@ -60,7 +62,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 decode decoderoof decode8b decodeeager kvpaged kvstaged moe gemmsweep nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 decode decoderoof decode8b decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -141,6 +143,8 @@ for s in "$@"; do
       --prompt-len 512 --new-tokens 128 --max-seconds 20 --budget-seconds 110 --staged-kv \
       --out "$OUT/bench_decode_staged.json" ;;
     moe) step moe 100 20 python3 tools/bench_ops.py --moe --skip-gemm --skip-mem --out "$OUT/bench_moe.json" ;;
+    attnbwd) step attnbwd 200 60 python3 tools/bench_ops.py --attention-backward --attention-backward-sweep \
+      --skip-gemm --skip-mem --out "$OUT/bench_attention_backward.json" ;;
     gemmsweep) step gemmsweep 300 70 python3 tools/bench_ops.py --sweep --sweep-large-only --skip-gemm --skip-mem \
       --out "$OUT/bench_gemm_sweep.json" ;;
     nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu ;;
