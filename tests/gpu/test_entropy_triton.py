@@ -52,3 +52,17 @@ def test_entropy_at_a_number_temperature_equals_the_tensor_form():
         number = row_entropy(x, temperature=t, leaves=8)
         tensor = row_entropy(x, temperature=torch.full((64, 1), t, device="cuda"), leaves=8)
         assert same_bits(number, tensor), t
+
+
+def test_entropy_minus_inf_logits_add_nothing():
+    """-inf logits (a lane's first entry, a whole leaf) add nothing to the statistic, as in fp64."""
+    from megatron_iso.ops.logprob.entropy import entropy_from_partials, entropy_partials_reference, row_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(8, 151936, device="cuda", generator=g) * 4).bfloat16()
+    x[0, 5] = float("-inf")
+    x[1, 151936 // 8 : 151936 // 4] = float("-inf")
+    t = torch.full((8,), 0.7, device="cuda")
+    ent = row_entropy(x, temperature=t.unsqueeze(-1), leaves=8)
+    ref = entropy_from_partials(entropy_partials_reference(x, t, 8, 151936, 0))
+    assert bool(torch.isfinite(ent).all()) and (ent.double() - ref.double()).abs().max() < 1e-4

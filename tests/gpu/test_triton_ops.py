@@ -230,6 +230,31 @@ def test_logprob_valid_vocab_masks_padding():
     assert float((out.double() - ref).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logprob_minus_inf_logits_add_nothing(dtype):
+    """-inf logits (a vocab mask) at Qwen3's vocab: a leaf's first slices, a whole leaf, single entries, at 1 and
+    64 rows (4 warps) and 300 (one warp), at t = 1 and a checked number t = 0.7: finite where fp64 is, within fp64
+    tolerance, and the same bits over batch and vocab shards."""
+    from megatron_iso.ops.logprob.logprob_triton import token_logprobs_triton
+
+    V, leaf = 151936, 151936 // 8
+    x = (_rand((300, V), torch.float32, 23) * 4).to(dtype)
+    x[0, :1500] = float("-inf")
+    x[1, leaf : 2 * leaf] = float("-inf")
+    x[2, 7] = x[2, 3 * leaf] = float("-inf")
+    x[3, :leaf] = float("-inf")
+    x[3, 5] = 2.0  # one finite logit after -inf ones in the same first slice
+    ids = torch.tensor([2000, 5, 9, 5] + [11] * 296, device="cuda")
+    for t in (1.0, 0.7):
+        full = token_logprobs_triton([x], ids, temperature=t, leaves=8)
+        exact = torch.log_softmax(x.double() / t, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+        assert bool(torch.isfinite(full).all()), full[:4]
+        assert float((full.double() - exact).abs().max()) < 1e-4, t
+        for m in (1, 64):
+            assert _same(token_logprobs_triton([x[:m]], ids[:m], temperature=t, leaves=8), full[:m]), (t, m)
+        assert _same(token_logprobs_triton(list(x.chunk(4, -1)), ids, temperature=t, leaves=8), full), t
+
+
 def test_scoring_runs_triton_scores_with_the_plain_backward():
     """``vocab_scoring.token_logprobs`` on CUDA (what the rollout records and the trainer recomputes) is the
     Triton kernel's forward, the same bits for any batch at Qwen3's vocab, with the native formula's gradient."""
