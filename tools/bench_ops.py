@@ -609,6 +609,21 @@ def attention_decode_split_rows() -> list[dict[str, Any]]:
     return rows
 
 
+BACKWARD_HEADS = (32, 8, 128)  # Qwen3-8B: query heads, kv heads, head dim
+
+
+def _attention_backward_cases():
+    """The backward benchmarks' inputs at ``BACKWARD_HEADS``, bf16: for each workload (16 x 768, 4 x 2048, 1 x 8192
+    packed sequences) ``(n_seq, L, q, k, v, upstream gradient, cu_seqlens as a list, cu_seqlens)``."""
+    hq, hkv, d = BACKWARD_HEADS
+    for n_seq, L in ((16, 768), (4, 2048), (1, 8192)):
+        T = n_seq * L
+        q, k, v = (_rand((T, h, d), torch.bfloat16, 90 + i) for i, h in enumerate((hq, hkv, hkv)))
+        g = _rand((T, hq, d), torch.bfloat16, 95)
+        cu_list = [i * L for i in range(n_seq + 1)]
+        yield n_seq, L, q, k, v, g, cu_list, torch.tensor(cu_list, device="cuda")
+
+
 def attention_backward_bench() -> list[dict[str, Any]]:
     """Training attention backward at Qwen3-8B heads (32 q, 8 kv, d=128, bf16, causal, packed sequences):
     the Triton kernels vs the plain fp32 formula they replace vs SDPA's backward (not deterministic)."""
@@ -618,14 +633,9 @@ def attention_backward_bench() -> list[dict[str, Any]]:
     from megatron_iso.ops.attention.backward_triton import attention_backward
 
     rows = []
-    hq, hkv, d = 32, 8, 128
+    hq, _, d = BACKWARD_HEADS
     scale = d**-0.5
-    for n_seq, L in ((16, 768), (4, 2048), (1, 8192)):
-        T = n_seq * L
-        q, k, v = (_rand((T, h, d), torch.bfloat16, 90 + i) for i, h in enumerate((hq, hkv, hkv)))
-        g = _rand((T, hq, d), torch.bfloat16, 95)
-        cu_list = [i * L for i in range(n_seq + 1)]
-        cu = torch.tensor(cu_list, device="cuda")
+    for n_seq, L, q, k, v, g, cu_list, cu in _attention_backward_cases():
         runs = [attention_backward(q, k, v, g, cu, L, scale) for _ in range(2)]
         same = all(_bits_equal(a, b) for a, b in zip(runs[0][:3], runs[1][:3], strict=True))
         ms = _time_events_ms(functools.partial(attention_backward, q, k, v, g, cu, L, scale), rep=10)
@@ -666,14 +676,10 @@ def attention_backward_sweep() -> list[dict[str, Any]]:
         "dq": [T(64, 64, 4, 2), T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 128, 4, 3), T(256, 64, 8, 2)],
     }  # fmt: skip
     rows = []
-    hq, hkv, d = 32, 8, 128
+    d = BACKWARD_HEADS[2]
     scale = d**-0.5
     shipped = backward_tiles(torch.bfloat16, d)
-    for n_seq, L in ((16, 768), (4, 2048), (1, 8192)):
-        T_ = n_seq * L
-        q, k, v = (_rand((T_, h, d), torch.bfloat16, 90 + i) for i, h in enumerate((hq, hkv, hkv)))
-        g = _rand((T_, hq, d), torch.bfloat16, 95)
-        cu = torch.tensor([i * L for i in range(n_seq + 1)], device="cuda")
+    for n_seq, L, q, k, v, g, _, cu in _attention_backward_cases():
         base = attention_backward(q, k, v, g, cu, L, scale, tiles=shipped)
         for kernel, tiles in candidates.items():
             for tile in tiles:
@@ -894,6 +900,15 @@ def entropy_bench(bw: float) -> dict[str, Any]:
     return res
 
 
+def _record(res: dict[str, Any], key: str, call) -> None:
+    """``res[key] = call()``; a failure is recorded there and printed, and the other benches still run."""
+    try:
+        res[key] = call()
+    except Exception as exc:
+        res[key] = {"error": repr(exc)[:500]}
+        print(key, "ERROR", repr(exc)[:500], flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_ops.json")
@@ -941,36 +956,16 @@ def main(argv: list[str] | None = None) -> int:
             res[key] = {"error": repr(exc)[:500]}
     print(json.dumps({"bf16": res["gemm_checks_bf16"], "fp32": res["gemm_checks_fp32"]}, indent=1), flush=True)
     if args.attention:
-        for key, call in (("attention_checks", attention_checks), ("attention", attention_bench)):
-            try:
-                res[key] = call()
-            except Exception as exc:
-                res[key] = {"error": repr(exc)[:500]}
-                print(key, "ERROR", repr(exc)[:500], flush=True)
+        _record(res, "attention_checks", attention_checks)
+        _record(res, "attention", attention_bench)
     if args.attention_split and not args.attention:
-        try:
-            res["attention_decode_split"] = attention_decode_split_rows()
-        except Exception as exc:
-            res["attention_decode_split"] = {"error": repr(exc)[:500]}
-            print("attention_decode_split ERROR", repr(exc)[:500], flush=True)
+        _record(res, "attention_decode_split", attention_decode_split_rows)
     if args.attention_backward:
-        try:
-            res["attention_backward"] = attention_backward_bench()
-        except Exception as exc:
-            res["attention_backward"] = {"error": repr(exc)[:500]}
-            print("attention_backward ERROR", repr(exc)[:500], flush=True)
+        _record(res, "attention_backward", attention_backward_bench)
     if args.attention_backward_sweep:
-        try:
-            res["attention_backward_sweep"] = attention_backward_sweep()
-        except Exception as exc:
-            res["attention_backward_sweep"] = {"error": repr(exc)[:500]}
-            print("attention_backward_sweep ERROR", repr(exc)[:500], flush=True)
+        _record(res, "attention_backward_sweep", attention_backward_sweep)
     if args.moe:
-        try:
-            res["moe"] = moe_bench(tuple(int(t) for t in args.moe_tokens.split(",")))
-        except Exception as exc:
-            res["moe"] = {"error": repr(exc)[:500]}
-            print("moe ERROR", repr(exc)[:500], flush=True)
+        _record(res, "moe", lambda: moe_bench(tuple(int(t) for t in args.moe_tokens.split(","))))
     if args.tiles:
         res["tile_equivalence"] = gemm_tile_equivalence()
         res["gemm_candidates"] = gemm_candidates()
@@ -982,11 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         res["gemm"] = gemm_table()
     mem_benches = (("rmsnorm", norm_bench), ("logprob", logprob_bench), ("entropy", entropy_bench))
     for key, call in () if args.skip_mem else mem_benches:
-        try:
-            res[key] = call(bw)
-        except Exception as exc:
-            res[key] = {"error": repr(exc)[:500]}
-            print(key, "ERROR", repr(exc)[:500], flush=True)
+        _record(res, key, functools.partial(call, bw))
     res["seconds"] = time.time() - t0
     with open(args.out, "w") as fh:
         json.dump(res, fh, indent=1)
