@@ -24,9 +24,11 @@ counts (``grouped_triton``). The CPU path, :func:`grouped_reference_static`, eva
 on every row and keeps each row's own expert's result: the same elementwise arithmetic on the same
 row and weight, so the same bits as :func:`grouped_reference`.
 
-The backward (training) is per expert: the dense op's :func:`~megatron_iso.ops.gemm.reference.linear_backward`
-applied to each expert's rows (library GEMMs whose bits depend on the row count, so the rows are split on the
-host). It needs the counts on the host. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
+The backward (training) need only be deterministic. On CUDA with 16-bit operands it is two grouped Triton
+launches over all experts (``grouped_backward_triton``: dgrad and wgrad, counts read on the device, fixed tiles).
+Elsewhere it is per expert: the dense op's :func:`~megatron_iso.ops.gemm.reference.linear_backward` applied to
+each expert's rows (library GEMMs whose bits depend on the row count, so the rows are split on the host). That
+path needs the counts on the host. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
 counts of every grouped call of the forward are copied to the host together, once, without waiting, when the
 forward ends, and each backward takes its own from that copy (it waits for the copy, which by then has long
 completed); outside, a backward reads its counts itself (one sync per call). Activation recompute runs a layer's
@@ -58,6 +60,9 @@ OP = "grouped_gemm"
 REFERENCE_ID, REFERENCE_VERSION = "grouped_leaf_tree_gemm.reference", "1"
 NATIVE_ID, NATIVE_VERSION = "grouped_gemm.native", "1"
 TRITON_MODULE = "megatron_iso.ops.gemm.grouped_triton"
+BACKWARD_TRITON_MODULE = "megatron_iso.ops.gemm.grouped_backward_triton"
+# Operand dtypes whose CUDA backward runs the grouped kernels; fp32 keeps the per-expert library loop (exact fp32).
+BACKWARD_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 Weights = Sequence[torch.Tensor] | torch.Tensor
 
@@ -256,6 +261,15 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, counts, *ws = ctx.saved_tensors
+        if x.is_cuda and x.dtype in BACKWARD_KERNEL_DTYPES and ws[0].dtype == x.dtype:
+            # Two launches over all experts, counts read on the device (grouped_backward_triton).
+            mod = import_triton_module(BACKWARD_TRITON_MODULE, "the grouped GEMM backward on cuda")
+            need_w = any(ctx.needs_input_grad[4:])
+            grad_x, grad_w = mod.grouped_linear_backward_triton(
+                grad_out, x, ws, counts, need_x=ctx.needs_input_grad[0], need_w=need_w
+            )
+            grad_ws = list(grad_w.unbind(0)) if need_w else [None] * len(ws)
+            return (grad_x, None, None, None, *grad_ws)
         if ctx.host_counts is not None and ctx.host_counts[0].host is not None:
             batch, index = ctx.host_counts
             sizes = batch.sizes(index)  # the forward's one copy
