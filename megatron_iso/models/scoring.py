@@ -4,7 +4,9 @@
 ``parallel.vocab_scoring.token_logprobs`` (and ``entropy``), taking the TP group from ``parallel_state``
 and the leaves and profile from the model config. In the correctness profile the LM head and the
 scoring run chunk by chunk over rows (``parallel.head_scoring``), so no [tokens, vocab] tensor of the
-whole batch exists; the bits are those of the unchunked call. It adds no arithmetic of its own beyond
+whole batch exists; the bits are those of the unchunked call. The performance profile chunks the same way with
+the library GEMM and torch's log-softmax (the stock baseline at long sequences, where whole-batch fp32 logits
+do not fit a GPU). It adds no arithmetic of its own beyond
 zeroing each sequence's last row.
 """
 
@@ -12,11 +14,15 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
 from megatron_iso.contract.registry import Profile
 from megatron_iso.parallel.head_scoring import head_token_logprobs
-from megatron_iso.parallel.vocab_scoring import entropy, token_logprobs, token_logprobs_and_entropy
+from megatron_iso.parallel.vocab_scoring import entropy, token_logprobs
 
 
 def _scoring_kwargs(config, temperature: float | torch.Tensor) -> dict:
@@ -58,15 +64,7 @@ def score_sequences(
     # Ids pack checked on the host (IsoBatch.ids_checked_below) need no range check, a host read per chunk on a GPU.
     checked = getattr(batch, "ids_checked_below", None)
     ids_in_range = checked is not None and checked <= model.config.vocab_size
-    if model.config.iso_profile == Profile.CORRECTNESS:
-        logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range)
-    else:
-        logits = model.forward_packed(input_ids, batch)
-        logits = logits if rows is None else logits[rows]
-        if with_entropy:
-            logp, ent = token_logprobs_and_entropy(logits, targets, **kwargs)
-        else:
-            logp, ent = token_logprobs(logits, targets, **kwargs), None
+    logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range)
     if rows is not None:
         logp = logp.new_zeros(ids.numel()).index_copy(0, rows, logp)
         ent = None if ent is None else ent.new_zeros(ids.numel()).index_copy(0, rows, ent)
@@ -80,16 +78,30 @@ def score_sequences(
     return masked(logp), None if ent is None else masked(ent)
 
 
+def _stock_head_input(head, hidden: torch.Tensor) -> torch.Tensor:
+    """What Megatron's ColumnParallelLinear does to its input: gather sequence-parallel rows, else attach the TP
+    group's gradient all-reduce."""
+    if head.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=head.tp_group)
+    return copy_to_tensor_model_parallel_region(hidden, group=head.tp_group)
+
+
 def _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range):
-    """The invariant LM head (``output_layer.local_output``) and scoring, a chunk of rows at a time (``ids_in_range``:
-    the targets are known to be in the vocab, no chunk checks them)."""
+    """The LM head and scoring, a chunk of rows at a time (``ids_in_range``: the targets are known to be in the
+    vocab, no chunk checks them). The correctness profile runs the invariant head (``output_layer.local_output``)
+    and scoring; the performance profile the library GEMM and torch's log-softmax per chunk, as stock trainers'
+    chunked logprob does: neither holds [tokens, vocab] logits of the whole batch."""
     head = model.output_layer
-    x = head.local_input(model.forward_hidden(input_ids, batch))
+    native = model.config.iso_profile == Profile.PERFORMANCE
+    hidden = model.forward_hidden(input_ids, batch)
+    x = _stock_head_input(head, hidden) if native else head.local_input(hidden)
     x = x if rows is None else x[rows]
     weight = model.output_weight()
     total = x.shape[0]
 
     def logits_of(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if native:
+            return torch.nn.functional.linear(rows, w)
         return head.local_output(rows, w)[0]
 
     def for_rows(c: slice) -> dict:

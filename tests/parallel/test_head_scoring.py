@@ -64,6 +64,17 @@ def test_chunked_head_matches_the_whole_batch(chunk_elements):
         assert float((g - ref).abs().max()) <= 1e-6 * max(float(ref.abs().max()), 1.0), name
 
 
+def test_performance_profile_scores_in_chunks():
+    """The stock baseline chunks too (library GEMM and torch's log-softmax per chunk, no whole-batch logits): the
+    same scores as its whole-batch call up to the library's rounding, and the same gradients up to their order."""
+    out = run_on_ranks(_score_both, 1, args=(["model=tiny_dense", "profile=performance"], 1))[0]
+    assert float((out["chunked"] - out["whole"]).abs().max()) <= 1e-5
+    assert out["ent"] is not None and bool(torch.isfinite(out["ent"]).all())
+    for name, g in out["grads"].items():
+        ref = out["whole_grads"][name]
+        assert float((g - ref).abs().max()) <= 1e-5 * max(float(ref.abs().max()), 1.0), name
+
+
 def test_chunked_head_at_tp2_sp_equals_tp1():
     base = ["model=tiny_dense"]
     ref = run_on_ranks(_score_both, 1, args=(base, 1))[0]
