@@ -148,6 +148,7 @@ class Trainer:
     def _build_engine(self, rollout_cfg: DictConfig, separate: bool) -> None:
         """Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced."""
         from megatron_iso.inference.engine import EngineConfig, RolloutEngine
+        from megatron_iso.inference.phase_memory import RolloutMemory
 
         rollout = self.settings.require("rollout")
         engine_cfg = EngineConfig(
@@ -157,6 +158,10 @@ class Trainer:
         )
         self.layout_rollout = LayoutRollout(rollout_cfg, self.model, engine_cfg) if separate else None
         self.engine = self.layout_rollout.engine if separate else RolloutEngine(self.model, engine_cfg)
+        # The KV pool and GDN slots, freed while the trainer runs (rollout.release_in_training).
+        self.rollout_memory = (
+            RolloutMemory(self.engine) if rollout.release_in_training and self.engine is not None else None
+        )
 
     def _build_task(self) -> None:
         self.tasks = build_tasks(self.cfg, self.settings, self.tc.vocab_size, self.engine, self.rank)
@@ -363,6 +368,8 @@ class Trainer:
 
     def publish_weights(self) -> None:
         """Make the trainer's current weights the decoder's (after an optimizer step or a checkpoint load)."""
+        if self.rollout_memory is not None:
+            self.rollout_memory.restore()  # the flush below writes the caches
         if self.layout_rollout is None:
             self.engine.on_weights_updated()  # same tensors, new values: cached prefixes are stale
         else:

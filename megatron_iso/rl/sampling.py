@@ -49,11 +49,16 @@ def generate_shares(trainer: Any, requests_of: Callable[[int], list[Request]]) -
     """This rank's outputs for ``requests_of(dp_rank)``. The colocated decoder runs this rank's own requests; a
     decoder in its own layout (``rl.rollout.LayoutRollout``) takes every DP rank's and hands back each rank's."""
     mine = requests_of(trainer.dp_rank)
+    memory = trainer.rollout_memory  # the engine's caches, freed between rollouts (rollout.release_in_training)
+    if memory is not None:
+        memory.restore()
     if trainer.layout_rollout is None:
         outs = trainer.engine.generate(mine)
     else:
         done = trainer.layout_rollout.generate([r for d in range(trainer.dp_size) for r in requests_of(d)])
         outs = [done[r.request_id] for r in mine]
+    if memory is not None:
+        memory.release()
     for out in outs:
         if out.error:
             raise RuntimeError(f"rollout request {out.request_id} failed: {out.error}")

@@ -184,6 +184,7 @@ class RolloutSettings:
     kv_cache_mb: int
     paged_kv_reads: bool
     cuda_graphs: bool
+    release_in_training: bool
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -195,4 +196,5 @@ def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
         kv_cache_mb=_int(rollout["kv_cache_mb"], "rollout.kv_cache_mb", 1),
         paged_kv_reads=bool(rollout["paged_kv_reads"]),
         cuda_graphs=bool(rollout["cuda_graphs"]),
+        release_in_training=bool(rollout.get("release_in_training", True)),
     )
