@@ -67,7 +67,7 @@ def _loss_config(rl: RLSettings) -> PolicyLossConfig:
         clip_high=rl.clip_high,
         aggregation=rl.aggregation,
         kl_coef=rl.kl_coef,
-        tis_cap=rl.tis_cap,
+        correction=rl.rollout_correction,
     )
 
 
