@@ -130,7 +130,6 @@ class RLSettings:
     ppo_mini_batch_size: int | None = 0  # prompts per optimizer step (verl's unit); 0: the whole batch
     ppo_epochs: int = 1
     recompute_old_logprobs: str = "auto"
-    dapo_max_gen_batches: int = 1  # rollout batches a DAPO step may generate to fill itself (verl: max_num_gen_batches)
     dynamic_sampling: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
@@ -221,7 +220,6 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         tis_cap=float(_get(rl, "tis_cap", 0.0)),
         rollout_correction=check_rollout_correction(rl),
         **check_ppo(rl),
-        dapo_max_gen_batches=_int(_get(rl, "dapo_max_gen_batches", 1), "rl.dapo_max_gen_batches", 1),
         dynamic_sampling=bool(rl["dynamic_sampling"]),
         overlong_buffer=int(rl["overlong_buffer"]),
         overlong_penalty=float(rl["overlong_penalty"]),

@@ -82,7 +82,7 @@ def test_mask_removes_rejected_tokens_from_the_loss_and_its_normaliser():
     loss_of = {}
     for mode in ("off", "mask", "icepop"):
         cfg = PolicyLossConfig(aggregation="token_mean", correction=RolloutCorrection(mode=mode))
-        loss_of[mode], stats = policy_loss(old, old, adv, MASK, SEQ, cfg, rollout_logp=rollout)
+        loss_of[mode], _ = policy_loss(old, old, adv, MASK, SEQ, cfg, rollout_logp=rollout)
     # logp = old: every PPO ratio is 1, each response token's term is -advantage times its weight.
     assert float(loss_of["off"]) == pytest.approx(-(3 * 1.0 + 2 * 0.5) / 5)
     assert float(loss_of["mask"]) == pytest.approx(-(2 * 1.0 + 2 * 0.5) / 4)  # token 2 rejected: 4 remain
