@@ -35,6 +35,7 @@ from megatron_iso.rl.losses import (
     informative_groups,
     overlong_penalty,
     policy_loss,
+    untrained_step_line,
 )
 from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics, write_dashboard
 from megatron_iso.rl.optim import current_lr
@@ -398,11 +399,12 @@ class Trainer:
                 adv = group_advantages(rewards_kept, group_size, scale_by_std=self.rl.scale_adv_by_std)
             out = merge_updates(run_updates(self, kept, adv, passes=passes, filler=samples[0]))
             metrics |= {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-            # The tokens the mismatch covers: those scored at the rollout's weights (rl.ppo.run_updates).
             trainer_logp, rollout_logp, entropy, trained = (out[k] for k in ("trainer_logp", "rollout_logp",
                                                                              "entropy", "trained_lengths"))  # fmt: skip
-        else:
+        else:  # no rank kept a group: the metrics have no loss to show, so one line says why
             trainer_logp = rollout_logp = entropy = trained = torch.zeros(0, dtype=torch.long)
+            if self.rank == 0:
+                print(untrained_step_line(step, len(keep) * self.dp_size), file=sys.stderr)
         metrics["optim/lr"] = current_lr(self.optimizer)
         self.schedule.step(1)  # once per RL step, trained or not: a resumed run positions it by the step
         train_s = time.perf_counter() - t1
@@ -592,8 +594,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _progress(steps: range, show: bool):
-    if not show:
-        return steps
     from tqdm.auto import tqdm
 
-    return tqdm(steps, desc="rl steps", initial=steps.start, total=steps.stop, dynamic_ncols=True)
+    return tqdm(steps, desc="rl steps", initial=steps.start, total=steps.stop, dynamic_ncols=True) if show else steps

@@ -60,6 +60,14 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r != r[:, :1]).any(dim=1)
 
 
+def untrained_step_line(step: int, groups: int) -> str:
+    """The one line a step prints when dynamic sampling kept no group on any rank (no loss, no update)."""
+    return (
+        f"step {step}: no update: dynamic sampling (rl.dynamic_sampling) dropped all {groups} groups (every sample "
+        "of each got the same reward), so the step trains nothing and logs no loss"
+    )
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment: 0 up to ``max_len - buffer``, then linear down to ``-penalty``."""
     if buffer <= 0:

@@ -72,17 +72,9 @@ def test_ppo_run_logs_its_updates(tmp_path):
 
 def test_old_logprob_source_and_schedule_checks():
     def rl(size=0, epochs=1, recompute="auto", mode="off"):
-        settings = resolve(
-            load_config(
-                [
-                    f"rl.ppo_mini_batch_size={size}",
-                    f"rl.ppo_epochs={epochs}",
-                    f"rl.recompute_old_logprobs={recompute}",
-                    f"rl.rollout_correction.mode={mode}",
-                ]
-            )  # fmt: skip
-        )
-        return settings.rl
+        keys = {"ppo_mini_batch_size": size, "ppo_epochs": epochs, "recompute_old_logprobs": recompute,
+                "rollout_correction.mode": mode}  # fmt: skip
+        return resolve(load_config([f"rl.{k}={v}" for k, v in keys.items()])).rl
 
     assert old_logprob_source(rl(), bitwise=False, updates=1) == "forward"  # today's step
     assert old_logprob_source(rl(), bitwise=True, updates=1) == "forward"
@@ -129,3 +121,19 @@ def test_performance_profile_recomputes_pi_old_once(tmp_path, monkeypatch):
         outs[0]["trainer_logp"].numel() == sum(len(s.tokens) for s in samples) == int(outs[0]["trained_lengths"].sum())
     )
     assert all(s.old_logp is not None for s in samples)
+
+
+def test_a_step_that_trains_nothing_says_why(tmp_path, capsys):
+    """DAPO's dynamic sampling dropping every group: no update, no loss, and one line on stderr naming the cause."""
+    cfg = load_config([*FAST, "rl=dapo", f"out_dir={tmp_path / 'run'}"])
+    with config_world(cfg):
+        seed_ranks(int(cfg.seed))
+        trainer = Trainer(cfg, 0)
+        trainer.task.reward = lambda prompt, tokens: 1.0  # every group all right: none informative
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        metrics = trainer.step(0)
+    assert "loss" not in metrics and metrics["samples/kept_frac"] == 0.0
+    err = capsys.readouterr().err
+    assert "step 0: no update: dynamic sampling (rl.dynamic_sampling) dropped all 2 groups" in err
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(bits(p.detach()), bits(before[n])), n
