@@ -33,12 +33,13 @@ from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
     informative_groups,
-    loss_normaliser,
     overlong_penalty,
     policy_loss,
+    untrained_step_line,
 )
 from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics, write_dashboard
 from megatron_iso.rl.optim import current_lr
+from megatron_iso.rl.ppo import check_schedule, merge_updates, run_updates, step_normaliser
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.sampling import generate_shares, train_params
 from megatron_iso.rl.tasks import Prompt
@@ -58,6 +59,7 @@ class Sample:
     rollout_logp: list[float]
     reward: float = 0.0
     finish_reason: str | None = None  # "length": truncated at rl.max_response_length
+    old_logp: torch.Tensor | None = None  # pi_old from the rollout or a recompute (rl.ppo); None: the update's forward
 
 
 def _loss_config(rl: RLSettings) -> PolicyLossConfig:
@@ -67,7 +69,7 @@ def _loss_config(rl: RLSettings) -> PolicyLossConfig:
         clip_high=rl.clip_high,
         aggregation=rl.aggregation,
         kl_coef=rl.kl_coef,
-        tis_cap=rl.tis_cap,
+        correction=rl.rollout_correction,
     )
 
 
@@ -94,6 +96,7 @@ class Trainer:
         self._build_optimizer()
         self._build_engine(rollout_cfg, separate)
         self._build_task()
+        self.ppo_schedule = check_schedule(self)  # (mini-batches per epoch, where pi_old comes from): rl.ppo
 
     def _build_transformer_config(self) -> Any:
         from megatron_iso.models.config import transformer_config
@@ -223,6 +226,7 @@ class Trainer:
         *,
         micro_batches: int | None = None,
         filler: Sample | None = None,
+        publish: bool = True,
     ) -> dict[str, Any]:
         """One optimizer step on ``samples``; returns trainer logprobs of response tokens and stats.
 
@@ -234,7 +238,7 @@ class Trainer:
 
         ``micro_batches`` (:meth:`micro_batch_count`, the same on every rank) may exceed this rank's own
         count: the extra passes run ``filler`` with its loss and MoE aux loss scaled by 0, so they add exact
-        zeros to the gradients and nothing to the logprobs or statistics.
+        zeros to the gradients and nothing to the logprobs or statistics. Samples' ``old_logp``: pi_old (rl.ppo).
         """
         from megatron.core.distributed import finalize_model_grads
 
@@ -250,7 +254,7 @@ class Trainer:
         lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
         every = torch.ones(seq_index.numel(), dtype=torch.bool)
-        normaliser = loss_normaliser(every, seq_index, self.loss_cfg.aggregation)
+        normaliser = step_normaliser(self.loss_cfg, samples, seq_index)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._scale_moe_aux_loss(1.0 / len(bounds) if bounds else 0.0)
@@ -270,14 +274,13 @@ class Trainer:
         def joined(i: int) -> torch.Tensor:  # a filler-only rank has no parts: no tokens
             return torch.cat([p[i] for p in parts]) if parts else torch.zeros(0, dtype=torch.float32)
 
-        trainer_logp, rollout_logp, entropy = joined(0), joined(1), joined(3)
+        trainer_logp, rollout_logp, entropy, old_logp = joined(0), joined(1), joined(3), joined(4)
         ref_logp = joined(2) if self.ref_model is not None else None
         # Reported once over the whole step's tokens (the same bits for every micro-batch size), not
-        # summed from micro-batches. One update per rollout: the scored policy is the behaviour
-        # policy, so logp = old gives the values the backward saw.
+        # summed from micro-batches. pi_old as the backward saw it (one update reading its own forward: logp).
         with torch.no_grad():
             loss, stats = policy_loss(
-                trainer_logp, trainer_logp, advantages, every, seq_index, self.loss_cfg,
+                trainer_logp, old_logp, advantages, every, seq_index, self.loss_cfg,
                 rollout_logp=rollout_logp, ref_logp=ref_logp, normaliser=normaliser,
             )  # fmt: skip
         # Megatron's full grad finalisation, not only the DP sync: replicated params that each TP rank
@@ -297,7 +300,8 @@ class Trainer:
             self.optimizer.zero_grad()
             ok, grad_norm, skipped = False, float("nan"), True
         t0 = time.perf_counter()
-        self.publish_weights()
+        if publish:
+            self.publish_weights()
         return {
             "timing/weight_sync_s": time.perf_counter() - t0,
             "loss": float(loss),
@@ -305,6 +309,7 @@ class Trainer:
             "update_ok": bool(ok),
             "nonfinite/skipped": float(skipped),
             "trainer_logp": trainer_logp,
+            "old_logp": old_logp,
             "rollout_logp": rollout_logp,
             "entropy": entropy,
             **stats,
@@ -326,10 +331,10 @@ class Trainer:
 
     def _accumulate_grads(
         self, samples: list[Sample], advantages: torch.Tensor, normaliser: float, weight: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``, times
-        ``weight``); returns its response tokens' trainer, rollout and reference logprobs and entropies (empty
-        without ``rl.log_entropy``), in sample order."""
+        ``weight``); returns its response tokens' trainer, rollout and reference logprobs, entropies (empty
+        without ``rl.log_entropy``) and old-policy logprobs, in sample order."""
         from megatron_iso.models.scoring import score_sequences
         from megatron_iso.rl.pipeline import pack_micro_batch
 
@@ -344,7 +349,7 @@ class Trainer:
         else:
             both = torch.stack([logp.float(), ent.detach().float()]).cpu()
             logp, ent = both[0], both[1][mask].detach()  # the stack carries logp's graph: the statistic leaves it
-        old = logp.detach()  # one update per rollout: the behaviour policy is the current one
+        old = logp.detach() if mb["old"] is None else mb["old"]  # None: one update, pi_old is this forward's
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
@@ -354,7 +359,7 @@ class Trainer:
             rollout_logp=rollout, ref_logp=ref, normaliser=normaliser,
         )  # fmt: skip
         (loss * weight if weight != 1.0 else loss).backward()
-        return old[mask], rollout[mask], None if ref is None else ref[mask], ent
+        return logp.detach()[mask], rollout[mask], None if ref is None else ref[mask], ent, old[mask]
 
     def _scale_moe_aux_loss(self, scale: float) -> None:
         # Megatron's schedules scale the MoE load-balancing loss's gradient by 1/micro-batches: each
@@ -399,17 +404,20 @@ class Trainer:
             if kept:
                 rewards_kept = torch.tensor([s.reward for s in kept])
                 adv = group_advantages(rewards_kept, group_size, scale_by_std=self.rl.scale_adv_by_std)
-            out = self.train_on(kept, adv, micro_batches=passes, filler=samples[0])
+            out = merge_updates(run_updates(self, kept, adv, passes=passes, filler=samples[0]))
             metrics |= {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-            trainer_logp, rollout_logp, entropy = out["trainer_logp"], out["rollout_logp"], out["entropy"]
-        else:
-            trainer_logp = rollout_logp = entropy = torch.zeros(0)
+            trainer_logp, rollout_logp, entropy, trained = (out[k] for k in ("trainer_logp", "rollout_logp",
+                                                                             "entropy", "trained_lengths"))  # fmt: skip
+        else:  # no rank kept a group: the metrics have no loss to show, so one line says why
+            trainer_logp = rollout_logp = entropy = trained = torch.zeros(0, dtype=torch.long)
+            if self.rank == 0:
+                print(untrained_step_line(step, len(keep) * self.dp_size), file=sys.stderr)
         metrics["optim/lr"] = current_lr(self.optimizer)
         self.schedule.step(1)  # once per RL step, trained or not: a resumed run positions it by the step
         train_s = time.perf_counter() - t1
         # Mismatch, reward, response and entropy statistics over every DP rank's tokens and samples.
         local = {"trainer_logp": trainer_logp, "rollout_logp": rollout_logp, "entropy": entropy, "rewards": rewards,
-                 "trained_lengths": torch.tensor([len(s.tokens) for s in kept], dtype=torch.long),
+                 "trained_lengths": trained,
                  "lengths": torch.tensor([len(s.tokens) for s in samples]),
                  "truncated": torch.tensor([s.finish_reason == "length" for s in samples])}  # fmt: skip
         metrics |= step_metrics(self._gather(local), self.loss_cfg.clip_low, self.loss_cfg.clip_high)
@@ -593,8 +601,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _progress(steps: range, show: bool):
-    if not show:
-        return steps
     from tqdm.auto import tqdm
 
-    return tqdm(steps, desc="rl steps", initial=steps.start, total=steps.stop, dynamic_ncols=True)
+    return tqdm(steps, desc="rl steps", initial=steps.start, total=steps.stop, dynamic_ncols=True) if show else steps

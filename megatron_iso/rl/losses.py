@@ -1,4 +1,4 @@
-"""Policy-gradient objectives over packed token rows: GRPO and DAPO (plus optional KL and TIS).
+"""Policy-gradient objectives over packed token rows: GRPO and DAPO (plus optional KL and rollout correction).
 
 Shapes: every per-token tensor is ``[T]`` over the packed rows the trainer scored; ``mask`` marks
 response tokens (the ones the policy generated); ``seq_index [T]`` says which sample a token
@@ -7,9 +7,11 @@ belongs to. Advantages are per sample, broadcast to its tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from megatron_iso.rl.correction import RolloutCorrection, correction_stats, correction_weights
 
 ALGOS = ("grpo", "dapo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
@@ -22,7 +24,8 @@ class PolicyLossConfig:
     clip_high: float = 0.2  # ratio upper bound 1 + clip_high (DAPO's clip-higher: larger than clip_low)
     aggregation: str = "seq_mean_token_mean"  # DAPO uses token_mean
     kl_coef: float = 0.0  # k3 KL to a reference policy's logprobs, 0 = off
-    tis_cap: float = 0.0  # truncated importance sampling cap on pi_train_old / pi_rollout, 0 = off
+    # Importance weights / rejection on pi_train_old / pi_rollout (rl.rollout_correction; rl.tis_cap: truncate).
+    correction: RolloutCorrection = field(default_factory=RolloutCorrection)
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -31,7 +34,7 @@ class PolicyLossConfig:
             raise ValueError(
                 f"rl.aggregation={self.aggregation!r} is not allowed; allowed values: {list(AGGREGATIONS)}"
             )
-        for name in ("clip_low", "clip_high", "kl_coef", "tis_cap"):
+        for name in ("clip_low", "clip_high", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 0")
 
@@ -57,6 +60,14 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r != r[:, :1]).any(dim=1)
 
 
+def untrained_step_line(step: int, groups: int) -> str:
+    """The one line a step prints when dynamic sampling kept no group on any rank (no loss, no update)."""
+    return (
+        f"step {step}: no update: dynamic sampling (rl.dynamic_sampling) dropped all {groups} groups (every sample "
+        "of each got the same reward), so the step trains nothing and logs no loss"
+    )
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment: 0 up to ``max_len - buffer``, then linear down to ``-penalty``."""
     if buffer <= 0:
@@ -74,7 +85,8 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def loss_normaliser(mask: torch.Tensor, seq_index: torch.Tensor, aggregation: str) -> float:
     """The aggregation's denominator: response tokens (``token_mean``) or sequences holding at least
     one (``seq_mean_token_mean``), at least 1. Computed once over a whole step and passed to every
-    micro-batch's :func:`policy_loss`, the micro-batch losses (and gradients) add up to the step's."""
+    micro-batch's :func:`policy_loss`, the micro-batch losses (and gradients) add up to the step's.
+    With ``rl.rollout_correction.mode=mask``, ``mask`` is the response rows the correction kept."""
     if aggregation == "token_mean":
         return float(max(1, int(mask.sum())))
     return float(max(1, int(seq_index[mask].unique().numel())))
@@ -111,23 +123,26 @@ def policy_loss(
     """Clipped surrogate loss (to minimise) and its statistics.
 
     ``old_logp`` is the behaviour policy's logprob as the trainer computes it; in the correctness
-    profile it equals the rollout's bit for bit. With ``tis_cap > 0`` the loss is reweighted by
-    ``min(exp(old_logp - rollout_logp), tis_cap)``, the usual patch when the two differ.
-    ``normaliser`` (default: this batch's :func:`loss_normaliser`) divides the aggregated loss; a
-    micro-batch passes its whole step's, so its loss is its share of the step's loss. The statistics
-    are this batch's own.
+    profile it equals the rollout's bit for bit. With ``cfg.correction`` on, each token's term is
+    multiplied by its weight of :func:`megatron_iso.rl.correction.correction_weights` on
+    ``exp(old_logp - rollout_logp)`` (exactly 1.0 where the two agree), and ``mode=mask``'s rejected
+    tokens leave the aggregation. ``normaliser`` (default: this batch's :func:`loss_normaliser` over the
+    kept tokens) divides the aggregated loss; a micro-batch passes its whole step's, so its loss is its
+    share of the step's loss. The statistics are this batch's own.
     """
     adv = advantages[seq_index]
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     stats: dict[str, float] = {}
-    if cfg.tis_cap > 0:
+    kept = mask
+    if cfg.correction.active:
         if rollout_logp is None:
-            raise ValueError("rl.tis_cap > 0 needs the rollout logprobs")
-        weight = torch.exp(old_logp - rollout_logp).clamp(max=cfg.tis_cap).detach()
+            raise ValueError(f"rl.rollout_correction.mode={cfg.correction.mode} needs the rollout logprobs")
+        weight, rejected = correction_weights(old_logp, rollout_logp, mask, seq_index, cfg.correction)
         per_token = per_token * weight
-        stats["tis/weight_mean"] = float((weight * mask).sum() / mask.sum().clamp(min=1))
+        kept = mask & ~rejected
+        stats |= correction_stats(weight, mask)
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("rl.kl_coef > 0 needs reference-policy logprobs")
@@ -135,10 +150,10 @@ def policy_loss(
         per_token = per_token + cfg.kl_coef * kl
         stats["kl/ref_k3"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
     if normaliser is None:
-        normaliser = loss_normaliser(mask, seq_index, cfg.aggregation)
+        normaliser = loss_normaliser(kept, seq_index, cfg.aggregation)
     elif not normaliser > 0:
         raise ValueError(f"policy_loss: normaliser={normaliser} must be > 0 (a token or sequence count)")
-    loss = _aggregate(per_token, mask, seq_index, cfg.aggregation, normaliser)
+    loss = _aggregate(per_token, kept, seq_index, cfg.aggregation, normaliser)
     with torch.no_grad():
         out_of_band = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)) & mask
         stats["policy/clip_frac"] = float(out_of_band.float().sum() / mask.float().sum().clamp(min=1))

@@ -69,7 +69,11 @@ def mismatch_metrics(
     """Statistics of ``|trainer - rollout|`` over sampled tokens (both fp32 ``[N]``).
 
     ``mismatch/k3_kl`` estimates KL(rollout || trainer) with k3; ``mismatch/clip_frac`` is the share of
-    tokens whose rollout-vs-trainer ratio alone falls outside the clip band.
+    tokens whose rollout-vs-trainer ratio alone falls outside the clip band; ``mismatch/chi2`` is the
+    chi-square divergence ``E[r^2] - 1`` of the token ratio ``r = exp(trainer - rollout)`` (verl's
+    ``rollout_corr/chi2_token``); ``mismatch/ppl_ratio`` is the rollout's perplexity over the trainer's,
+    ``exp(mean(-rollout)) / exp(mean(-trainer)) = exp(mean(trainer) - mean(rollout))`` over the tokens (one
+    ``exp``: no overflow of either perplexity). Both are exactly 0 / 1 when the logprobs agree.
     """
     if rollout_logp.numel() == 0:
         return {}
@@ -89,6 +93,34 @@ def mismatch_metrics(
         ),
         "mismatch/k3_kl": float(k3.mean()),
         "mismatch/clip_frac": float(((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).double().mean()),
+        "mismatch/chi2": float((ratio * ratio).mean() - 1.0),
+        "mismatch/ppl_ratio": float(torch.exp(trainer_logp.double().mean() - rollout_logp.double().mean())),
+    }
+
+
+# Response-position buckets of position_mismatch: quarters of each response.
+POSITION_BUCKETS = 4
+
+
+def position_mismatch(
+    rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, lengths: torch.Tensor
+) -> dict[str, float]:
+    """Mean ``|trainer - rollout|`` by where a token sits in its response (long responses drift late): token ``p``
+    (0-based) of a response of ``L`` tokens falls in quarter ``floor(4 p / L)``, so ``mismatch/abs_diff_mean_q1`` is
+    the first 25% of every response and ``..._q4`` the last 25%, whatever the lengths (a response shorter than 4
+    tokens leaves some quarters empty; a quarter no token falls in is not logged). Logprobs fp32 ``[N]``, the tokens
+    of samples of ``lengths`` tokens, in order."""
+    if rollout_logp.numel() == 0:
+        return {}
+    lengths = lengths.long()
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(rollout_logp.numel()) - torch.repeat_interleave(starts, lengths)
+    bucket = POSITION_BUCKETS * position // torch.repeat_interleave(lengths, lengths)
+    gap = (trainer_logp.double() - rollout_logp.double()).abs()
+    return {
+        f"mismatch/abs_diff_mean_q{q + 1}": float(gap[bucket == q].mean())
+        for q in range(POSITION_BUCKETS)
+        if bool((bucket == q).any())
     }
 
 
@@ -121,7 +153,7 @@ def step_metrics(parts: list[dict[str, torch.Tensor]], clip_low: float, clip_hig
     trained tokens, ``trained_lengths`` of their samples, ``entropy`` per trained token, and per sample
     ``rewards``, ``lengths``, ``truncated``):
 
-    mismatch (:func:`mismatch_metrics`) and its aliases (:func:`alias_metrics`); ``reward/mean``, ``reward/std``;
+    mismatch (:func:`mismatch_metrics`, :func:`position_mismatch`) and its aliases (:func:`alias_metrics`); ``reward/mean``, ``reward/std``;
     ``response/length_mean``, ``response/length_max`` (tokens, stop token included), ``response/truncated_frac``
     (samples that ended at the length limit, not at a stop token); ``policy/entropy``: the token mean of the
     sampling distribution's entropy (temperature-scaled full vocab, before top-k / top-p) over the trained
@@ -136,6 +168,7 @@ def step_metrics(parts: list[dict[str, torch.Tensor]], clip_low: float, clip_hig
     lengths, truncated, entropy = cat("lengths").double(), cat("truncated").double(), cat("entropy")
     out = mismatch_metrics(rollout_logp, trainer_logp, clip_low, clip_high)
     out |= alias_metrics(rollout_logp, trainer_logp, cat("trained_lengths"))
+    out |= position_mismatch(rollout_logp, trainer_logp, cat("trained_lengths"))
     out |= {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),

@@ -45,7 +45,8 @@ def join_stage_shards(shards: list[dict[str, torch.Tensor]], group: Any) -> list
 def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Tensor, weight: float) -> dict[str, Any]:
     """One micro-batch of the trainer's step packed (case ``trainer_forward``), for ``Trainer._accumulate_grads`` and
     the pipeline alike: ``ids`` and ``batch`` of the prompt+response rows, the response rows' ``mask``, each row's
-    sample (``seq_index``), the rollout's logprobs on the response rows (``rollout``), ``advantages``, ``weight``.
+    sample (``seq_index``), the rollout's logprobs on the response rows (``rollout``), the old policy's (``old``;
+    None unless every sample carries one: ``rl.ppo``), ``advantages``, ``weight``.
 
     The layout comes from the host lengths (reading ``cu_seqlens`` back would be a device sync), and the token ids
     are checked against the vocab on the host (``pack(vocab_size=...)``: the scoring does not read them back). At
@@ -61,6 +62,7 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
     mask = torch.zeros(rows, dtype=torch.bool)
     seq_index = torch.zeros(rows, dtype=torch.long)
     rollout = torch.zeros(rows, dtype=torch.float32)
+    old = torch.zeros(rows, dtype=torch.float32) if all(s.old_logp is not None for s in samples) else None
     starts = [0, *itertools.accumulate(len(s) for s in seqs)]
     for i, s in enumerate(samples):
         seq_index[starts[i] : starts[i + 1]] = i
@@ -68,7 +70,9 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
         r = torch.arange(starts[i] + len(s.prompt.ids) - 1, starts[i] + len(s.prompt.ids) - 1 + len(s.tokens))
         mask[r] = True
         rollout[r] = torch.tensor(s.rollout_logp, dtype=torch.float32)
-    return {"ids": ids, "batch": batch, "mask": mask, "seq_index": seq_index, "rollout": rollout,
+        if old is not None:
+            old[r] = s.old_logp
+    return {"ids": ids, "batch": batch, "mask": mask, "seq_index": seq_index, "rollout": rollout, "old": old,
             "advantages": advantages, "weight": weight}  # fmt: skip
 
 
@@ -80,10 +84,10 @@ def pipeline_passes(
     bounds: Sequence[tuple[int, int]],
     passes: int,
     filler: Any,
-) -> list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]]:
+) -> list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor, torch.Tensor]]:
     """``passes`` micro-batches (``bounds`` of ``samples``, then ``filler`` passes with loss x 0) forward and
     backward through the pipeline; gradients accumulate in the stage's grad buffers. Returns, on every stage,
-    each real micro-batch's response tokens' (trainer logprobs, rollout logprobs, None, entropies) as
+    each real micro-batch's response tokens' (trainer logprobs, rollout logprobs, None, entropies, old logprobs) as
     ``Trainer._accumulate_grads`` does (no reference model: rl.kl_coef > 0 is refused with a pipeline)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -97,7 +101,7 @@ def pipeline_passes(
     ]  # fmt: skip
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     with_entropy = bool(getattr(trainer.rl, "log_entropy", False))
-    parts: list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]] = []
+    parts: list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor, torch.Tensor]] = []
 
     def forward_step(data: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data)
@@ -110,13 +114,13 @@ def pipeline_passes(
 
         def loss_func(scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             logp = scored.float().cpu()
-            old = logp.detach()  # one update per rollout: the behaviour policy is the current one
+            old = logp.detach() if mb["old"] is None else mb["old"]  # None: one update, pi_old is this forward's
             loss, _ = policy_loss(
                 logp, old, mb["advantages"], mask, mb["seq_index"], trainer.loss_cfg,
                 rollout_logp=mb["rollout"], normaliser=normaliser,
             )  # fmt: skip
             if mb["weight"] == 1.0:
-                parts.append((old[mask], mb["rollout"][mask], None, ent))
+                parts.append((logp.detach()[mask], mb["rollout"][mask], None, ent, old[mask]))
             return (loss * mb["weight"] if mb["weight"] != 1.0 else loss), torch.ones((), dtype=torch.int), {}
 
         return logp, loss_func

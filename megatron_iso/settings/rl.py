@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_iso.rl.correction import RolloutCorrection
 from megatron_iso.settings.data import check_generation
 from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _positive
 
@@ -18,6 +20,9 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # Selective recompute's submodules that the iso layers run under Megatron's checkpoint (CachedSelfAttention's
 # core attention, TransformerLayer's dense MLP); the others need Transformer Engine or layers we do not build.
 RECOMPUTE_MODULES = ("core_attn", "mlp")
+# rl.recompute_old_logprobs: auto recomputes pi_old only where the rollout's logprobs are not the trainer's (the
+# performance profile) and more than one update reads them (megatron_iso.rl.ppo).
+RECOMPUTE_OLD_LOGPROBS = ("auto", "true", "false")
 
 
 def check_micro_batch_seqs(value: Any) -> int:
@@ -37,6 +42,61 @@ def check_backward_states(value: Any) -> str:
     from megatron_iso.ops.gdn import check_backward_states as check
 
     return check(str(value), "rl.gdn_backward_states")
+
+
+def check_rollout_correction(rl: Mapping[str, Any]) -> RolloutCorrection:
+    """``rl.rollout_correction`` (mode, level, lower, upper) checked; ``rl.tis_cap > 0``, its former one knob, is
+    ``mode=truncate, level=token, upper=tis_cap`` (with a deprecation warning), and refused beside another mode."""
+    group = _get(rl, "rollout_correction", {})
+    if not isinstance(group, Mapping):
+        raise SettingsError(
+            f"rl.rollout_correction={group!r} is not allowed; allowed values: a group of mode, level, lower, upper"
+        )
+    mode = _get(group, "mode", "off")
+    mode = "off" if mode is False else mode  # YAML reads a bare `off` as false
+    cap = _positive(_get(rl, "tis_cap", 0.0), "rl.tis_cap", zero=True)
+    if cap > 0:
+        if mode != "off":
+            raise SettingsError(
+                f"rl.tis_cap={cap} and rl.rollout_correction.mode={mode} both set a correction; rl.tis_cap is "
+                "deprecated: set rl.rollout_correction.mode=truncate rl.rollout_correction.upper=<cap> only"
+            )
+        warnings.warn(
+            f"rl.tis_cap is deprecated and will be removed; rl.tis_cap={cap} is now rl.rollout_correction.mode="
+            f"truncate rl.rollout_correction.level=token rl.rollout_correction.upper={cap}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        if cap < 1:
+            raise SettingsError(f"rl.tis_cap={cap} is not allowed; allowed values: 0 (off) or numbers >= 1")
+        return _correction(mode="truncate", level="token", upper=cap)
+    upper = _get(group, "upper", 2.0)
+    return _correction(mode=str(mode), level=str(_get(group, "level", "token")), lower=group.get("lower"), upper=upper)
+
+
+def _correction(**fields: Any) -> RolloutCorrection:
+    try:
+        return RolloutCorrection(**fields)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def check_ppo(rl: Mapping[str, Any]) -> dict[str, Any]:
+    """``rl.ppo_mini_batch_size`` (prompts per optimizer step, verl's unit; 0 or null: the whole batch),
+    ``rl.ppo_epochs`` (>= 1) and ``rl.recompute_old_logprobs`` (auto | true | false) checked."""
+    size = _get(rl, "ppo_mini_batch_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise SettingsError(
+            f"rl.ppo_mini_batch_size={size!r} is not allowed; allowed values: 0 or null (the whole rollout batch) "
+            "or a positive integer (prompts per optimizer step, each with its rl.group_size samples)"
+        )
+    recompute = _get(rl, "recompute_old_logprobs", "auto")
+    recompute = str(recompute).lower() if isinstance(recompute, bool) else recompute  # Hydra reads true / false
+    return {
+        "ppo_mini_batch_size": size,
+        "ppo_epochs": _int(_get(rl, "ppo_epochs", 1), "rl.ppo_epochs", 1),
+        "recompute_old_logprobs": _choice(recompute, "rl.recompute_old_logprobs", RECOMPUTE_OLD_LOGPROBS),
+    }
 
 
 @dataclass
@@ -65,7 +125,11 @@ class RLSettings:
     clip_high: float = 0.2
     aggregation: str = "seq_mean_token_mean"
     kl_coef: float = 0.0
-    tis_cap: float = 0.0
+    tis_cap: float = 0.0  # deprecated: rollout_correction.mode=truncate, upper=tis_cap
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    ppo_mini_batch_size: int | None = 0  # prompts per optimizer step (verl's unit); 0: the whole batch
+    ppo_epochs: int = 1
+    recompute_old_logprobs: str = "auto"
     dynamic_sampling: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
@@ -153,7 +217,9 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         clip_high=float(rl["clip_high"]),
         aggregation=str(rl["aggregation"]),
         kl_coef=float(rl["kl_coef"]),
-        tis_cap=float(rl["tis_cap"]),
+        tis_cap=float(_get(rl, "tis_cap", 0.0)),
+        rollout_correction=check_rollout_correction(rl),
+        **check_ppo(rl),
         dynamic_sampling=bool(rl["dynamic_sampling"]),
         overlong_buffer=int(rl["overlong_buffer"]),
         overlong_penalty=float(rl["overlong_penalty"]),

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from megatron_iso.rl.correction import RolloutCorrection
 from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
@@ -65,13 +66,14 @@ def test_aggregations_differ_and_loss_has_gradient():
     assert logp.grad is not None and logp.grad[3] == 0  # masked token gets no gradient
 
 
-def test_tis_reweights_by_trainer_over_rollout_ratio():
+def test_truncated_is_reweights_by_trainer_over_rollout_ratio():
     logp, old, adv, mask, seq = _loss_inputs()
     rollout = old - 0.1
-    _, stats = policy_loss(logp, old, adv, mask, seq, PolicyLossConfig(tis_cap=2.0), rollout_logp=rollout)
-    assert stats["tis/weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.1))), rel=1e-6)
+    cfg = PolicyLossConfig(correction=RolloutCorrection("truncate", upper=2.0))  # what rl.tis_cap=2.0 was
+    _, stats = policy_loss(logp, old, adv, mask, seq, cfg, rollout_logp=rollout)
+    assert stats["rollout_correction/weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.1))), rel=1e-6)
     with pytest.raises(ValueError, match="rollout logprobs"):
-        policy_loss(logp, old, adv, mask, seq, PolicyLossConfig(tis_cap=2.0))
+        policy_loss(logp, old, adv, mask, seq, cfg)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,12 @@ def test_bad_loss_config_names_the_field(kwargs, match):
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-@pytest.mark.parametrize("extra", [{}, {"kl_coef": 0.1, "tis_cap": 2.0}], ids=["clip", "kl_tis"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"kl_coef": 0.1, "correction": RolloutCorrection("truncate", upper=2.0)},
+     {"correction": RolloutCorrection("icepop", "geometric", upper=1.2)}],
+    ids=["clip", "kl_tis", "icepop_geometric"],
+)  # fmt: skip
 def test_micro_batch_losses_with_the_step_normaliser_add_up_to_the_step_loss(aggregation, extra):
     """Split by sequence, each part divided by the whole step's normaliser: the parts' losses sum to the
     step's loss and every token's gradient is the one-batch gradient bit for bit (the normaliser is

@@ -110,7 +110,7 @@ def test_micro_batches_change_only_the_weight_grad_sum_order(tmp_path, monkeypat
     runs = _steps(tmp_path, ["model=tiny_dense", *overrides], [0, 1, 2, 5], monkeypatch, swap_grads=True)
     first = runs[0]
     if overrides:
-        assert {"kl/ref_k3", "tis/weight_mean"} <= first["out"].keys()
+        assert {"kl/ref_k3", "rollout_correction/weight_mean"} <= first["out"].keys()
     for size in (1, 2, 5):
         run = runs[size]
         _assert_same_step_results(first["out"], run["out"])
