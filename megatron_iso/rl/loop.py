@@ -38,7 +38,7 @@ from megatron_iso.rl.losses import (
     untrained_step_line,
 )
 from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics, write_dashboard
-from megatron_iso.rl.optim import current_lr
+from megatron_iso.rl.optim import current_lr, scale_moe_aux_loss
 from megatron_iso.rl.ppo import check_schedule, merge_updates, run_updates, step_normaliser
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.sampling import generate_shares, train_params
@@ -257,7 +257,7 @@ class Trainer:
         normaliser = step_normaliser(self.loss_cfg, samples, seq_index)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._scale_moe_aux_loss(1.0 / len(bounds) if bounds else 0.0)
+        scale_moe_aux_loss(self.tc, self.device, 1.0 / len(bounds) if bounds else 0.0)
         pipelined = self.tc.pipeline_model_parallel_size > 1  # Megatron's schedule over the stages (rl.pipeline)
         parts = pipeline_passes(self, samples, advantages, normaliser, bounds, passes, filler) if pipelined else []
         for j in range(0 if pipelined else passes):
@@ -268,7 +268,7 @@ class Trainer:
                     a, b = bounds[j]
                     parts.append(self._accumulate_grads(samples[a:b], advantages[a:b], normaliser))
                 else:
-                    self._scale_moe_aux_loss(0.0)
+                    scale_moe_aux_loss(self.tc, self.device, 0.0)
                     self._accumulate_grads([filler], torch.zeros(1), normaliser, weight=0.0)
 
         def joined(i: int) -> torch.Tensor:  # a filler-only rank has no parts: no tokens
@@ -360,16 +360,6 @@ class Trainer:
         )  # fmt: skip
         (loss * weight if weight != 1.0 else loss).backward()
         return logp.detach()[mask], rollout[mask], None if ref is None else ref[mask], ent, old[mask]
-
-    def _scale_moe_aux_loss(self, scale: float) -> None:
-        # Megatron's schedules scale the MoE load-balancing loss's gradient by 1/micro-batches: each
-        # micro-batch's aux loss is a statistic of its own tokens, the step's is their mean (so with
-        # model.moe_aux_loss_coeff > 0 the micro-batch size changes that term, as in Megatron). A filler
-        # pass (train_on) scales it by 0.
-        if self.tc.num_moe_experts:
-            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, device=self.device))
 
     def publish_weights(self) -> None:
         """Make the trainer's current weights the decoder's (after an optimizer step or a checkpoint load)."""

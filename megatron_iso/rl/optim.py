@@ -188,3 +188,15 @@ def join_stage_grad_norms(optimizer: Any) -> None:
         target.get_grad_norm = types.MethodType(grad_norm, target)
     for part in parts:
         part.clip_grad_norm = types.MethodType(clip_grad_norm, part)
+
+
+def scale_moe_aux_loss(tc: Any, device: torch.device, scale: float) -> None:
+    """Scale the MoE load-balancing loss's gradient of the next backward by ``scale``.
+
+    Megatron's schedules scale it by 1/micro-batches: each micro-batch's aux loss is a statistic of its own tokens,
+    the step's is their mean (so with model.moe_aux_loss_coeff > 0 the micro-batch size changes that term, as in
+    Megatron). A filler pass (``Trainer.train_on``) scales it by 0. A no-op for models without experts."""
+    if tc.num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, device=device))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_iso.rl.correction import RolloutCorrection
+from megatron_iso.settings.correction import RolloutCorrection
 from megatron_iso.settings.data import check_generation
 from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _positive
 
