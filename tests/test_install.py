@@ -104,3 +104,34 @@ def test_iso_train_runs_anywhere_with_a_clean_stderr(installed: Installed, tmp_p
     assert noisy == [], "\n".join(noisy)
     assert (run_dir / "metrics.jsonl").is_file()
     assert sorted(p.name for p in workdir.iterdir()) == [], "iso-train wrote into its working directory"
+
+
+# Run in the installed copy's Python before anything else: ``triton`` is absent as on a CPU machine without the
+# dev extra (``importlib.util.find_spec`` finds nothing, ``import triton`` raises ModuleNotFoundError), while
+# the borrowed site-packages still hold it.
+NO_TRITON = """
+import importlib.machinery as m, sys
+class NoTriton:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            return None
+        return m.PathFinder.find_spec(name, path, target)
+sys.meta_path[:] = [NoTriton if f is m.PathFinder else f for f in sys.meta_path]
+"""
+
+
+def test_iso_train_runs_without_triton(installed: Installed, tmp_path: Path) -> None:
+    """A plain ``pip install .`` (no extras) on a CPU machine has no Triton: the op loader skips the Triton
+    modules by name, so no module it loads may import triton (issue 58: ops/gemm/gemm_gluon.py did)."""
+    run_dir = tmp_path / "run"
+    code = NO_TRITON + (
+        "from megatron_iso.cli.train import main\n"
+        f"sys.argv = ['iso-train', *{[*TINY, f'out_dir={run_dir}']!r}]\n"
+        "code = main()\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+        "sys.exit(code)\n"
+    )
+    proc = _run([str(installed.python), "-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "metrics.jsonl").is_file()

@@ -36,6 +36,7 @@ class EngineConfig:
 @dataclass
 class EngineStats:
     steps: int = 0
+    idle_steps: int = 0  # lockstep forwards of padding rows only, while a peer rank decodes (not in ``steps``)
     prefill_tokens: int = 0  # prompt tokens run through the model (prefix hits excluded)
     decode_tokens: int = 0
     prefix_hit_tokens: int = 0

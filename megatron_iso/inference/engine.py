@@ -27,7 +27,10 @@ write). GDN state cannot be rebuilt from cached KV blocks, so cross-request pref
 these models; the shared prompt prefill of a request's samples stays on.
 
 Every TP rank runs the engine in lockstep on the same requests: scheduling is a function of the
-requests alone and every rank draws the same tokens from the same gathered log-probabilities.
+requests alone and every rank draws the same tokens from the same gathered log-probabilities. Ranks with
+different requests whose forwards share collectives (an EP group across data-parallel replicas) step together
+in :meth:`RolloutEngine.generate`, a rank without work running idle forwards of padding rows
+(:mod:`megatron_iso.inference.lockstep`).
 
 Sequence parallelism (``parallel.sp``, TP > 1; the engine runs the trainer's model as it is built): each
 rank holds ``T / TP`` of a step's packed rows between the layers, so ``T`` must divide by TP
@@ -37,14 +40,11 @@ cache's scratch block (``PagedKVCache.scratch_block``, reserved at construction)
 the scratch slot (``GDNSlotCache.scratch``); their logits are dropped. They are the decode graphs' padding
 rows (whose buckets are then multiples of TP, ``inference.cuda_graphs``), and, the correctness profile being
 batch invariant, they change no other row's bits: tokens and logprobs equal TP 1's and TP 2 without SP's.
-Why padding and not a forward without SP: SP is a property of the built modules (each linear's
-``sequence_parallel``, the embedding's ``reduce_scatter_embeddings``, the shared ``config.sequence_parallel``
-that Megatron's MoE dispatcher and shared experts read per call, Megatron GDN's ``sp_size`` fixed at
-construction), with no per-call switch; turning it off for the rollout would mean flipping those attributes on
-the trainer's own modules around every rollout call, as Megatron-Core's inference does
-(``set_model_to_sequence_parallel``; its dynamic batching otherwise refuses SP), where one attribute missed
-changes the layout. Padding needs no state beyond the scratch block and slot the decode graphs already keep,
-and the model code runs unchanged.
+Why padding and not a forward without SP: SP is a property of the built modules (linears, the embedding's
+reduce-scatter, ``config.sequence_parallel`` read by the MoE dispatcher, Megatron GDN's ``sp_size``) with no
+per-call switch; flipping those attributes on the trainer's modules around every rollout call (as Megatron-Core's
+``set_model_to_sequence_parallel`` does) changes the layout when one is missed. Padding needs only the scratch
+block and slot the decode graphs keep already.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_suppor
 from megatron_iso.inference.draw import Drawer, DrawPlan, plan_draw
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
+from megatron_iso.inference.lockstep import lockstep_agreement
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
 from megatron_iso.inference.rng import request_key
 from megatron_iso.inference.state import SequenceStateCache, StepState
@@ -138,15 +139,14 @@ class RolloutEngine:
             self.gdn = GDNSlotCache.for_model(mc, self.config.max_num_seqs, device=self.device)
             self.caches.append(self.gdn)
         # Rows of every packed forward divide by it (sequence parallelism: module docstring); padding rows'
-        # keys go to the scratch block, taken now, before any admission counts on it.
+        # keys (also an idle lockstep step's) go to the scratch block, taken now, before any admission counts on it.
         self.row_multiple = row_multiple(mc)
-        if self.row_multiple > 1:
+        self.lockstep = lockstep_agreement(mc, self.device)  # None: this rank's forwards share no peer's collectives
+        if self.row_multiple > 1 or self.lockstep is not None:
             try:
                 self.kv.scratch_block()
             except ValueError as exc:
-                raise ValueError(
-                    f"parallel.sp with TP {self.row_multiple}: padding rows need a KV block of their own; {exc}"
-                ) from exc
+                raise ValueError(f"parallel.sp/ep: padding rows need a KV block of their own; {exc}") from exc
         self.weights_version = 0
         self.stats = EngineStats()
         self._waiting: deque[_Group] = deque()
@@ -269,17 +269,21 @@ class RolloutEngine:
         return bool(self._waiting or self._running or self._errors or self._inflight)
 
     def generate(self, requests: Iterable[Request], *, progress: bool | None = None) -> list[RequestOutput]:
-        """Run requests to completion; results in input order."""
+        """Run requests to completion; results in input order. The ranks of a lockstep group (``inference.lockstep``)
+        call it together and return at the same step, a rank whose requests are done running idle forwards."""
         requests = list(requests)
         for r in requests:
             self.add_request(r)
         done: dict[int, RequestOutput] = {}
         show = self.config.progress if progress is None else progress
         bar = _progress(len(requests), show)
-        while self.has_unfinished():
-            for out in self.step():
+        while self.lockstep.any(self.has_unfinished()) if self.lockstep is not None else self.has_unfinished():
+            before = self.stats.steps
+            for out in self.step() if self.has_unfinished() else ():
                 done[id(out)] = out
                 bar.update(1)
+            if self.lockstep is not None and self.stats.steps == before:
+                self._idle_forward()  # one forward per rank per lockstep step
             bar.set_postfix_str(f"{self.stats.generated_tokens} tok")
         bar.close()
         by_id = {}
@@ -398,7 +402,7 @@ class RolloutEngine:
         each sequence's last row in them. Under sequence parallelism the pack ends with padding rows (module
         docstring), one-token sequences at position 0 in the scratch block and slot; their logits are cut off."""
         n, real = len(chunks), sum(counts)
-        pad = -real % self.row_multiple
+        pad = -real % self.row_multiple if n else self.row_multiple  # no sequence: an idle lockstep step
         seq_ids = [s.seq_id for s in batch_seqs]
         views = {self.kv.kind: self.kv.step_view(seq_ids, starts, counts, padding=pad)}
         views.update({c.kind: c.step_view(seq_ids, starts, counts) for c in self.caches if c is not self.kv})
@@ -421,6 +425,13 @@ class RolloutEngine:
             logits = self.forward_fn(ids, batch)
         state.finish()
         return logits[:real], batch.cu_seqlens_q[1 : n + 1].long() - 1
+
+    def _idle_forward(self) -> None:
+        """Padding rows only, nothing drawn: this rank's part in a lockstep step's collectives (``inference.lockstep``)."""
+        t0 = time.perf_counter()
+        self._forward([], "decode", [], [], [], None)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.idle_steps += 1
 
     def _launch_ahead(self, previous: _Drawn) -> _Drawn | None:
         """The next decode step, launched before ``previous`` is recorded, when nothing waits for admission: its
@@ -564,7 +575,7 @@ class RolloutEngine:
                 vals = rows_l[r][2 + k : 2 + k + p.top_logprobs]
                 out.top_logprobs = (out.top_logprobs or []) + [list(zip(ids, vals, strict=True))]
             self.stats.generated_tokens += 1
-            out.finish_reason = _finish_reason(p, out, len(s.group.request.prompt), self.max_model_len)
+            out.finish_reason = p.finish_reason(out.tokens, len(s.group.request.prompt), self.max_model_len)
             if s.sample is None:
                 s.rows.append(token)
             else:
@@ -572,14 +583,6 @@ class RolloutEngine:
                 if out.finish_reason is not None:
                     del s.tokens[at + 1 :]  # placeholders of lookahead rows that will be dropped
         return list(groups.values())
-
-
-def _finish_reason(p: SamplingParams, out: SampleOutput, prompt_len: int, max_model_len: int) -> str | None:
-    if out.tokens[-1] in p.stop_token_ids:
-        return "stop"
-    if len(out.tokens) >= p.max_new_tokens or prompt_len + len(out.tokens) >= max_model_len:
-        return "length"
-    return None
 
 
 class _NoBar:

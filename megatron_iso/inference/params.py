@@ -35,6 +35,14 @@ class SamplingParams:
     seed: int = 0
     top_logprobs: int = 0
 
+    def finish_reason(self, tokens: Sequence[int], prompt_len: int, max_model_len: int) -> str | None:
+        """Why a sample that drew ``tokens`` ends now ("stop", "length"), None when it goes on."""
+        if tokens[-1] in self.stop_token_ids:
+            return "stop"
+        if len(tokens) >= self.max_new_tokens or prompt_len + len(tokens) >= max_model_len:
+            return "length"
+        return None
+
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first invalid field and its allowed values."""
         _check(

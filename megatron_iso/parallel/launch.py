@@ -14,6 +14,7 @@ and per-rank setup, with the ranks started by ``torchrun`` (one process per GPU,
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import queue as queue_mod
@@ -60,7 +61,7 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    layout: dict[str, int],
+    layout: dict[str, Any],
     seed: int,
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -70,7 +71,9 @@ def _rank_main(
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
         torch.set_num_threads(cpu_threads_per_rank(world_size))
 
-        init = {"backend": "gloo", "rank": rank, "world_size": world_size}
+        init: dict[str, Any] = {"backend": "gloo", "rank": rank, "world_size": world_size}
+        if layout.get("collective_timeout_s") is not None:
+            init["timeout"] = datetime.timedelta(seconds=layout["collective_timeout_s"])
         with megatron_world(init, layout["tp"], layout["pp"], layout["ep"], layout["etp"], seed):
             result = fn(*args)
             queue.put((rank, True, _dumps(result)))
@@ -123,18 +126,20 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     seed: int = 1234,
     timeout: float = 600.0,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """Call module-level ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     ``tp * pp`` must divide ``world_size`` (the rest is data parallel); ``ep`` must divide the
     data-parallel-times-TP product as Megatron requires. ``etp`` is the expert tensor-parallel size
     (1, as ``models.config`` configures MoE models: an expert lives whole on one EP rank).
+    ``collective_timeout_s``: the world's collective timeout (``dist_timeout_s``; torch's default when None).
     """
     check_layout("run_on_ranks", world_size, tp, pp, ep, etp)
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
+    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "collective_timeout_s": collective_timeout_s}
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, port, layout, seed, fn, tuple(args), queue), daemon=True)
         for r in range(world_size)

@@ -54,19 +54,33 @@ def _needs_torchrun(tp: int, pp: int, ep: int) -> str:
     )
 
 
+# The world's collective timeout (``init_process_group(timeout=...)``, i.e. ``dist_timeout_s``) while a world
+# opened by :func:`megatron_world` is up; None: torch's default.
+_TIMEOUT: datetime.timedelta | None = None
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """How long a collective of this world waits for the other ranks (None: torch's default)."""
+    return _TIMEOUT
+
+
 def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:
     """Megatron's parallel_state for a layout: the one call every launcher makes.
 
     Expert tensor parallelism defaults to 1 (megatron_iso's invariant experts are whole per EP
-    rank; Megatron would otherwise default it to the TP size).
+    rank; Megatron would otherwise default it to the TP size). Megatron's groups (TP, EP, DP, ...) get the
+    world's collective timeout: Megatron would give them its own 30 minutes, so ``dist_timeout_s`` would stop
+    only the collectives of the default group (an expert all-to-all would wait half an hour).
     """
     from megatron.core import parallel_state
 
+    timeout = {} if _TIMEOUT is None else {"distributed_timeout_minutes": _TIMEOUT / datetime.timedelta(minutes=1)}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        **timeout,
     )
 
 
@@ -102,12 +116,15 @@ def megatron_world(
     apply_cpu_patches()
     from megatron.core import parallel_state
 
+    global _TIMEOUT
     dist.init_process_group(**init)
+    _TIMEOUT = init.get("timeout")  # type: ignore[assignment]
     try:
         initialize_layout(tp, pp, ep, etp)
         seed_ranks(seed)
         yield
     finally:
+        _TIMEOUT = None
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -77,7 +77,7 @@ def test_large_m_selects_a_descriptor_loop_where_the_operands_allow_one() -> Non
     grouped expert GEMM and the other buckets keep the pointer loops. Bits are the same either way (the GPU tile
     tests hold every selectable tile to the default's)."""
     from megatron_iso.ops.gemm import gemm_triton as gt
-    from megatron_iso.ops.gemm.gemm_gluon import gluon_supported
+    from megatron_iso.ops.gemm.gemm_gluon_triton import gluon_supported
     from megatron_iso.ops.gemm.grouped_triton import grouped_config
 
     bf = torch.bfloat16

@@ -100,7 +100,7 @@ def test_gluon_gemm_tile_keeps_a_wgmma_in_flight_without_spills() -> None:
 def test_gluon_loop_refuses_what_it_cannot_run() -> None:
     import torch
 
-    from megatron_iso.ops.gemm.gemm_gluon import gluon_supported
+    from megatron_iso.ops.gemm.gemm_gluon_triton import gluon_supported
 
     ok = torch.zeros(64, 256, dtype=torch.bfloat16)
     assert gluon_supported(ok, ok) is None

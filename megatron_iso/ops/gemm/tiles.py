@@ -27,7 +27,7 @@ class GemmTileConfig:
     # "static": each leaf its own pipelined K loop (leaves unrolled); "flat": one pipelined loop over all
     # K-tiles of the subtree with the tree step predicated at leaf ends (no pipeline drain per leaf); "tma": a
     # pipelined K loop per leaf over TMA descriptor loads, the leaves in a loop (ops/gemm/gemm_tma_triton.py);
-    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon.py).
+    # "gluon": one explicit TMA pipeline across the leaves, an asynchronous wgmma per K tile (ops/gemm/gemm_gluon_triton.py).
     loop: str = "flat"
     # fp32 inputs: "ieee" (exact fp32 products, FMA path). tf32 would change the function.
     fp32_precision: str = "ieee"
