@@ -88,6 +88,7 @@ PREP_MAXNREG, CHAIN_MAXNREG, OUT_MAXNREG, SCAN_MAXNREG = 0, 0, 0, 0
 DECODE_MAXNREG, DECODE_PREP_MAXNREG = 168, 128
 CHUNK_COLS = 5  # columns of a plan's chunk table (_prep_kernel's docstring)
 CONV_BC = 256  # channels per conv program
+CONV_BWD_BT, CONV_BWD_BC = 64, 128  # rows and channels per conv backward program (fixed: the weight gradient's order)
 ELEM_BLOCK = 1024  # elements per gates program
 
 

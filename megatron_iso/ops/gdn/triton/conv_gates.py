@@ -1,5 +1,8 @@
 """conv1d + SiLU, l2norm and the gates: one element (conv, gates) or one row (l2norm) per program lane, fixed block
-sizes; nothing depends on the number of rows. Backward: autograd of a plain torch form of each."""
+sizes; nothing depends on the number of rows. Backward: the conv's by two Triton kernels (``conv_backward``: it ran
+as ~25 fp32 passes over [tokens, conv channels] in torch, the largest elementwise cost of the hybrid trainer);
+l2norm's and the gates' by autograd of a plain torch form (:func:`_conv_plain` is kept as the conv backward's
+reference)."""
 
 from __future__ import annotations
 
@@ -101,6 +104,100 @@ def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: 
     tl.store(beta_ptr + i, tl.math.div_rn(1.0, 1.0 + tl.exp(-b)), mask=m)
 
 
+@triton.jit
+def _conv_bwd_da_kernel(
+    x_ptr, w_ptr, dy_ptr, da_ptr, dwp_ptr, sid_ptr, cu_ptr, T, CD,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """BT rows x BC channels: ``da = dy * silu'(a)`` with ``a`` recomputed as the forward computes it (no conv state:
+    a training call), and this row block's partial weight gradient ``sum_t da[t] x[t - shift]`` per tap."""
+    pid_t = tl.program_id(0)
+    o_t = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_t = o_t < T
+    m_c = o_c < CD
+    m = m_t[:, None] & m_c[None, :]
+    sid = tl.load(sid_ptr + o_t, mask=m_t, other=0)
+    p = o_t - tl.load(cu_ptr + sid, mask=m_t, other=0).to(tl.int64)  # position in the sequence
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        shift = K - 1 - j
+        b_x = tl.load(x_ptr + (o_t[:, None] - shift) * CD + o_c[None, :], mask=m & (p[:, None] >= shift), other=0.0)
+        b_w = tl.load(w_ptr + o_c * K + j, mask=m_c, other=0.0).to(tl.float32)
+        acc = acc + b_w[None, :] * b_x.to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-acc))
+    b_dy = tl.load(dy_ptr + o_t[:, None] * CD + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_da = b_dy * sig * (1.0 + acc * (1.0 - sig))
+    tl.store(da_ptr + o_t[:, None] * CD + o_c[None, :], b_da, mask=m)
+    for j in tl.static_range(K):
+        shift = K - 1 - j
+        b_x = tl.load(x_ptr + (o_t[:, None] - shift) * CD + o_c[None, :], mask=m & (p[:, None] >= shift), other=0.0)
+        part = tl.sum(b_da * b_x.to(tl.float32), axis=0)
+        tl.store(dwp_ptr + (pid_t.to(tl.int64) * CD + o_c) * K + j, part, mask=m_c)
+
+
+@triton.jit
+def _conv_bwd_dx_kernel(
+    da_ptr, w_ptr, dx_ptr, sid_ptr, cu_ptr, T, CD,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """``dx[t] = sum_j w[:, j] da[t + shift_j]`` over the taps whose output row is in t's own sequence."""
+    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_t = o_t < T
+    m_c = o_c < CD
+    m = m_t[:, None] & m_c[None, :]
+    sid = tl.load(sid_ptr + o_t, mask=m_t, other=0)
+    end = tl.load(cu_ptr + sid + 1, mask=m_t, other=0).to(tl.int64)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        shift = K - 1 - j
+        ok = (o_t + shift) < end
+        b_da = tl.load(da_ptr + (o_t[:, None] + shift) * CD + o_c[None, :], mask=m & ok[:, None], other=0.0)
+        b_w = tl.load(w_ptr + o_c * K + j, mask=m_c, other=0.0).to(tl.float32)
+        acc = acc + b_w[None, :] * b_da
+    tl.store(dx_ptr + o_t[:, None] * CD + o_c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+def conv_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx in x's dtype, dweight in the weight's dtype)`` of the training conv + SiLU (no conv state).
+
+    Deterministic: the weight gradient sums fixed blocks of CONV_BWD_BT rows per program, then the blocks in one
+    fixed-shape reduction. fp32 throughout, one rounding per output, as the plain form's autograd."""
+    t, cd = x.shape
+    kw = weight.shape[-1]
+    x, w, dy = x.contiguous(), weight.contiguous(), dy.contiguous()
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
+    sid = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True).to(torch.int32)
+    bt, bc = config.CONV_BWD_BT, config.CONV_BWD_BC
+    n_blocks = triton.cdiv(t, bt)
+    da = torch.empty(t, cd, dtype=torch.float32, device=x.device)
+    dwp = torch.empty(n_blocks, cd, kw, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x)
+    if t:
+        grid = (n_blocks, triton.cdiv(cd, bc))
+        _conv_bwd_da_kernel[grid](x, w, dy, da, dwp, sid, cu, t, cd, K=kw, BT=bt, BC=bc)
+        _conv_bwd_dx_kernel[grid](da, w, dx, sid, cu, t, cd, K=kw, BT=bt, BC=bc)
+    return dx, dwp.sum(0).to(weight.dtype)
+
+
+class _ConvFunction(torch.autograd.Function):
+    """The training conv: the invariant forward kernel, the Triton backward above."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cu_seqlens, forward):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, cu_seqlens)
+        return forward(x, weight, cu_seqlens)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, weight, cu_seqlens = ctx.saved_tensors
+        dx, dw = conv_backward(dy, x, weight, cu_seqlens)
+        return dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None
+
+
 def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
     check_conv_args(x, weight)
     t, cd = x.shape
@@ -168,7 +265,7 @@ def causal_conv1d(
         raise NotImplementedError(
             "causal_conv1d (triton): gradients through a call with a conv state are not supported"
         )
-    return with_plain_backward(fwd, _conv_plain, x, weight, cu_seqlens)
+    return _ConvFunction.apply(x, weight, cu_seqlens, fwd)
 
 
 def _l2norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
