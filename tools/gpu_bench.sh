@@ -49,6 +49,13 @@
 #   gemmsweep 300   bench_ops --sweep --sweep-large-only: the 8-leaf GEMM's tile and loop variants (flat, TMA, Gluon)
 #                   and the one-leaf GEMM's TMA and Gluon variants at the Qwen3-8B row-parallel shapes, time against
 #                   cuBLAS and bits against the shipped tile
+#   rl8b4k   420    bench_rl_step iso + native, Qwen3-8B widths with 8 layers, 32 x (512 + 3584) tokens, trainer
+#                   micro-batches of 2 (RL-length row; both profiles fit one 80 GB card)
+#   rl8b8k   540    the same at 16 x (1024 + 7168), micro-batches of 1
+#   rlhybrid4k 540  bench_rl_step iso + native, qwen3p5_small_hybrid_moe, 32 x (512 + 3584), micro-batches of 4
+#   rlmoe    300    bench_rl_step iso + native, Qwen3-30B-A3B widths with 2 layers, 64 x (128 + 256), micro-batches of 16
+#   moebwd   120    bench_moe_backward: the grouped expert backward vs the per-expert loop and torch's grouped mm
+#   decode8bfull 300 bench_decode iso + native, Qwen3-8B (36 layers), batch 1 and 64, 4096-token prompts
 #   nccl     300    needs 2 GPUs: tests/multigpu over NCCL (invariance, TP-2 decode graphs)
 #   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
 # The numbers these steps produced: docs/PERFORMANCE.md.
@@ -62,7 +69,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 decode decoderoof decode8b decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd decode decoderoof decode8b decode8bfull decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -147,6 +154,22 @@ for s in "$@"; do
       --skip-gemm --skip-mem --out "$OUT/bench_attention_backward.json" ;;
     gemmsweep) step gemmsweep 300 70 python3 tools/bench_ops.py --sweep --sweep-large-only --skip-gemm --skip-mem \
       --out "$OUT/bench_gemm_sweep.json" ;;
+    rl8b4k) step rl8b4k 420 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 2 --prompts 8 --group 4 \
+      --prompt-len 512 --new-tokens 3584 --kv-cache-mb 16384 --train-micro-batch-seqs 2 \
+      --out "$OUT/rl_step_qwen3_8b_l8_4k.json" model.num_layers=8 ;;
+    rl8b8k) step rl8b8k 540 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 2 --prompts 4 --group 4 \
+      --prompt-len 1024 --new-tokens 7168 --kv-cache-mb 16384 --train-micro-batch-seqs 1 \
+      --out "$OUT/rl_step_qwen3_8b_l8_8k.json" model.num_layers=8 ;;
+    rlhybrid4k) step rlhybrid4k 540 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 2 \
+      --prompts 8 --group 4 --prompt-len 512 --new-tokens 3584 --kv-cache-mb 8192 --train-micro-batch-seqs 4 \
+      --out "$OUT/rl_step_hybrid_4k.json" ;;
+    rlmoe) step rlmoe 300 8 python3 tools/bench_rl_step.py --model qwen3_30b_a3b --steps 3 --prompts 8 --group 8 \
+      --prompt-len 128 --new-tokens 256 --kv-cache-mb 4096 --train-micro-batch-seqs 16 \
+      --out "$OUT/rl_step_qwen3_30b_a3b_l2.json" model.num_layers=2 ;;
+    moebwd) step moebwd 120 8 python3 tools/bench_moe_backward.py --out "$OUT/bench_moe_backward.json" ;;
+    decode8bfull) step decode8bfull 300 8 python3 tools/bench_decode.py --model qwen3_8b --engines iso native \
+      --batch 1 64 --prompt-len 4096 --new-tokens 256 --max-seconds 20 --budget-seconds 290 \
+      --out "$OUT/bench_decode_8b_full.json" ;;
     nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu ;;
     rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
       --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \
