@@ -98,15 +98,13 @@ def record_checksums(ckpt_dir: Path) -> None:
     """Hash (and flush to disk) every file of ``ckpt_dir`` and write ``checksums.json`` last, atomically. A collective
     over the world when one is up: call it on every rank once all have written their files; rank 0 writes."""
     names = _broadcast(_files(ckpt_dir) if _world()[0] == 0 else None)
-    digests = _hash_shared(ckpt_dir, names, sync=True)
+    digests = _hash_shared(ckpt_dir, names, sync=True)  # every rank has them all: every rank raises alike
+    vanished = [name for name in names if digests[name] is None]
+    if vanished:
+        raise CheckpointFileError(f"{ckpt_dir / vanished[0]} vanished while the checkpoint was being saved")
     if _world()[0] != 0:
         return
-    files = {}
-    for name in names:
-        found = digests[name]
-        if found is None:
-            raise CheckpointFileError(f"{ckpt_dir / name} vanished while the checkpoint was being saved")
-        files[name] = {"sha256": found[0], "bytes": found[1]}
+    files = {name: {"sha256": digests[name][0], "bytes": digests[name][1]} for name in names}
     tmp = ckpt_dir / f".{CHECKSUMS}.tmp"
     with tmp.open("w", encoding="utf-8") as f:
         json.dump({"format": FORMAT, "files": files}, f, indent=1, sort_keys=True)
