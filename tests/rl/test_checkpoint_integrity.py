@@ -67,8 +67,8 @@ def test_a_garbled_shard_is_refused_naming_it_and_the_way_back(run, capsys):
 
 @pytest.mark.parametrize("steps", [3, 2])
 def test_an_edited_step_in_meta_json_is_refused(run, steps):
-    """Rewriting the step (to replay step 1) is caught whether the run has steps left (the load) or not (the
-    finished-run check, which would otherwise believe the edited step)."""
+    """Rewriting the step (to replay step 1) is caught whether the run has steps left or not: meta.json's digest is
+    checked before its step is believed (whether the run is finished), before any world starts."""
     latest = run / "checkpoints" / "step_000001"
     meta = json.loads((latest / "meta.json").read_text())
     (latest / "meta.json").write_text(json.dumps({**meta, "step": 0}))
