@@ -16,12 +16,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.checkpoint import iso_format
-from megatron_iso.checkpoint.hf_dir import read_hf_weights, write_hf_dir
+from megatron_iso.checkpoint.files import check_input_dir, check_output_dir, staged_output
+from megatron_iso.checkpoint.hf_dir import WEIGHT_FILES, read_hf_weights, write_hf_dir
 from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
 from megatron_iso.checkpoint.tokenizer import copy_assets
 from megatron_iso.config import load_config_with_model
 from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.hf_config import (
+    HF_CONFIG_FILE,
     hf_config_from_model,
     model_config_from_hf,
     read_hf_config,
@@ -101,6 +103,8 @@ def import_hf(
     """Convert an HF safetensors directory into a megatron_iso checkpoint at layout TP=``tp``,
     EP=``ep`` (defaults: ``parallel.tp`` / ``parallel.ep`` of the config); return the manifest."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    check_input_dir(hf_dir, "--hf")
+    check_output_dir(out_dir, hf_dir)
     layout = [*([f"parallel.tp={tp}"] if tp is not None else []), *([f"parallel.ep={ep}"] if ep is not None else [])]
     cfg = hf_dir_config(hf_dir, [*overrides, *layout])
     tc = transformer_config(cfg)
@@ -108,9 +112,23 @@ def import_hf(
     iso_format.expected_shards(tc, tp, ep)  # a layout the model cannot take fails before anything is written
     identities = _identities(cfg)  # so does a config without a contract (e.g. a bad profile override)
     weights = checked_hf_weights(read_hf_weights(hf_dir), tc, read_hf_config(hf_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # No manifest while files change: readers see an incomplete checkpoint, never a mixed one.
-    (out_dir / iso_format.MANIFEST).unlink(missing_ok=True)
+    # Built aside and moved in, the manifest last (and first removed from an existing checkpoint): readers see an
+    # incomplete checkpoint, never a mixed one, and a failed import leaves no output.
+    with staged_output(out_dir, replaces=iso_format.RANK_FILE_PATTERNS, marker=iso_format.MANIFEST) as staging:
+        manifest = _write_import(staging, hf_dir, cfg, tc, tp, ep, weights, identities)
+    return manifest
+
+
+def _write_import(
+    out_dir: Path,
+    hf_dir: Path,
+    cfg: DictConfig,
+    tc: IsoTransformerConfig,
+    tp: int,
+    ep: int,
+    weights: HFWeights,
+    identities: dict[str, Any],
+) -> dict[str, Any]:
     files = iso_format.write_rank_files(out_dir, weights.tensors, tc, tp, ep)
     assets = copy_assets(hf_dir, out_dir)
     manifest = {
@@ -129,7 +147,6 @@ def import_hf(
         "source": str(hf_dir.resolve()),
     }
     iso_format.write_manifest(out_dir, manifest)
-    iso_format.remove_stale_rank_files(out_dir, [f["file"] for f in files])
     return manifest
 
 
@@ -150,12 +167,24 @@ def load_checkpoint_hf(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None) -> list[str]:
     """Write a megatron_iso checkpoint (``iso-convert import``'s, or a run's ``checkpoints/step_N``) back as an HF
-    directory (config.json, safetensors, tokenizer files); return the weight file names."""
-    from megatron_iso.checkpoint.run_ckpt import export_run_checkpoint, is_run_checkpoint
+    directory (config.json, safetensors, tokenizer files); return the weight file names. A run checkpoint's files
+    are checked against their recorded SHA-256 first. The output is built in a temporary sibling and renamed into
+    place: a refusal leaves no output directory (an existing one keeps its files)."""
+    from megatron_iso.checkpoint.run_ckpt import export_run_checkpoint, is_run_checkpoint, verify_run_checkpoint
 
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / iso_format.MANIFEST).is_file() and is_run_checkpoint(ckpt_dir):
-        return export_run_checkpoint(ckpt_dir, out_dir, max_shard_bytes)
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    check_input_dir(ckpt_dir, "--ckpt")
+    check_output_dir(out_dir, ckpt_dir)
+    run = not (ckpt_dir / iso_format.MANIFEST).is_file() and is_run_checkpoint(ckpt_dir)
+    if run:
+        verify_run_checkpoint(ckpt_dir, lambda p: f"export it instead: iso-convert export --ckpt {p} --out {out_dir}")
+    with staged_output(out_dir, replaces=WEIGHT_FILES, marker=HF_CONFIG_FILE) as staging:
+        if run:
+            return export_run_checkpoint(ckpt_dir, staging, max_shard_bytes, check=False)
+        return _export_iso(ckpt_dir, staging, max_shard_bytes)
+
+
+def _export_iso(ckpt_dir: Path, out_dir: Path, max_shard_bytes: int | None) -> list[str]:
     manifest, hf = load_checkpoint_hf(ckpt_dir)
     source = manifest.get("hf") or {}
     if source.get("tied_lm_head_stored"):

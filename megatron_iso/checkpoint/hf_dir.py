@@ -21,6 +21,8 @@ from megatron_iso.models.hf_config import HF_CONFIG_FILE
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Every weight file an HF directory may hold: a new export's replace all of a previous one's.
+WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE, "model-*-of-*.safetensors")
 # HF's loaders check this header entry.
 HF_METADATA = {"format": "pt"}
 

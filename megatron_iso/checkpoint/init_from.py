@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megatron_iso.checkpoint import iso_format
-from megatron_iso.checkpoint.files import open_safetensors, read_json
+from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json
 from megatron_iso.checkpoint.lazy import LazyHFSource
 from megatron_iso.checkpoint.run_ckpt import (
     _source_dir,
@@ -32,6 +32,7 @@ from megatron_iso.checkpoint.run_ckpt import (
     position_shard,
     read_meta,
     run_layout,
+    verify_run_checkpoint,
 )
 from megatron_iso.errors import UserError, check_finite
 from megatron_iso.models.config import IsoTransformerConfig
@@ -235,6 +236,10 @@ def load_initial_weights(model: torch.nn.Module, tc: IsoTransformerConfig, init_
             files.append((source.path / iso_format.expert_file(ep_rank, ep), True))
         _copy_into(model, _read_files(files), str(source.path))
         return
+    try:  # every file as saved (its recorded SHA-256), before any is read
+        verify_run_checkpoint(source.path, lambda p: f"start from it instead: {FIELD}={p}")
+    except CheckpointFileError as exc:
+        raise InitFromError(f"{FIELD}={source.path}: {exc}") from None
     if is_dist_checkpoint(source.path):  # reshardable: each rank reads its slices at this run's layout
         load_run_weights(source.path, model)
         return

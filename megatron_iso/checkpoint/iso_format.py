@@ -90,8 +90,12 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+# The weight files of a checkpoint, whatever its layout: another layout's are stale once this one is written.
+RANK_FILE_PATTERNS = ("model-tp*-of-*.safetensors", "experts-ep*-of-*.safetensors")
+
+
 def remove_stale_rank_files(ckpt_dir: Path, keep: Sequence[str]) -> None:
-    for pattern in ("model-tp*-of-*.safetensors", "experts-ep*-of-*.safetensors"):
+    for pattern in RANK_FILE_PATTERNS:
         for path in ckpt_dir.glob(pattern):
             if path.name not in keep:
                 path.unlink()

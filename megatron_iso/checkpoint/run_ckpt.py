@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json, write_json
 from megatron_iso.checkpoint.hf_dir import write_hf_dir
+from megatron_iso.checkpoint.integrity import IntegrityError, offer_previous, verify_checksums
 from megatron_iso.checkpoint.tokenizer import copy_assets
 from megatron_iso.config import load_config_with_model
 from megatron_iso.models.config import IsoTransformerConfig, transformer_config
@@ -302,10 +303,26 @@ def _stored_fused(source: Path | None) -> bool:
         return False
 
 
-def export_run_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None) -> list[str]:
-    """Write a run checkpoint's weights as an HF directory (config.json, safetensors, and the tokenizer and
-    generation files of the directory the run started from, when there is one); return the weight file names."""
+def verify_run_checkpoint(ckpt_dir: str | Path, use: Callable[[Path], str]) -> None:
+    """Every file of a run checkpoint is the one saved (``checkpoint.integrity``); an :class:`IntegrityError` naming
+    the file otherwise, with the previous complete checkpoint and ``use(it)``, how to use that one instead. A
+    collective over the world when one is up."""
     ckpt_dir = Path(ckpt_dir)
+    try:
+        verify_checksums(ckpt_dir)
+    except IntegrityError as exc:
+        raise IntegrityError(f"checkpoint refused: {exc}{offer_previous(ckpt_dir, use)}") from None
+
+
+def export_run_checkpoint(
+    ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None, *, check: bool = True
+) -> list[str]:
+    """Write a run checkpoint's weights as an HF directory (config.json, safetensors, and the tokenizer and
+    generation files of the directory the run started from, when there is one); return the weight file names.
+    ``check``: verify its files' recorded SHA-256 first (False: the caller has, or wrote them itself)."""
+    ckpt_dir = Path(ckpt_dir)
+    if check:
+        verify_run_checkpoint(ckpt_dir, lambda p: f"export it instead: iso-convert export --ckpt {p} --out DIR")
     meta = read_meta(ckpt_dir)
     model = meta["identity"]["model"]
     if meta.get("format") == DIST_FORMAT:  # any layout (TP, EP, PP) reads as TP 1
@@ -368,7 +385,7 @@ def save_hf(
         tmp = final.with_name(f".{final.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            export_run_checkpoint(staging, tmp)
+            export_run_checkpoint(staging, tmp, check=False)  # just written here, with no record
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         finally:
@@ -388,4 +405,5 @@ __all__ = [
     "read_meta",
     "run_layout",
     "save_hf",
+    "verify_run_checkpoint",
 ]

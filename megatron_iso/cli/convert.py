@@ -8,8 +8,10 @@ against HF transformers.
 Overrides are Hydra's (``profile=performance model.params_dtype=bf16``).
 
 Exit codes (``megatron_iso.cli.exit_codes``): 0 ok; 1 compare: the logits differ by more than --max-rel
-or are not finite; 2 usage error: a bad option or override, an unsupported config, a missing, truncated
-or corrupted file, a missing or misshapen tensor (one line on stderr naming it; nothing is written);
+or are not finite; 2 usage error: a bad option or override, an unsupported config, a missing directory, a
+missing, truncated or corrupted file (a run checkpoint's: a SHA-256 other than the recorded one), a missing or
+misshapen tensor, an --out that is the source, lies inside it or inside a training run's directory (one line on
+stderr naming it; no output is left: it is built in a temporary sibling and renamed into place when complete);
 4 internal failure (traceback). --debug (or HYDRA_FULL_ERROR=1) re-raises every error.
 """
 
@@ -78,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
         "--ep", type=int_at_least(1), default=None, help="EP layout of a MoE model's experts (default: parallel.ep)"
     )
     exp = sub.add_parser("export", help="megatron_iso checkpoint (any TP/EP layout) -> HF safetensors directory")
-    exp.add_argument("--ckpt", required=True)
-    exp.add_argument("--out", required=True)
+    exp.add_argument("--ckpt", required=True, help="iso-convert import's checkpoint, or a run's checkpoints/step_N")
+    exp.add_argument("--out", required=True, help="HF directory to write (not the source, nor in a run directory)")
     exp.add_argument(
         "--max-shard-size", type=int_at_least(1), default=None, metavar="BYTES", help="split weights into shards"
     )

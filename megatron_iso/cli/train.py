@@ -13,7 +13,11 @@ cannot be used as asked (one line on stderr); 3 the run stopped on a NaN or Inf;
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -24,13 +28,43 @@ from megatron_iso.config import conf_dir, load_config
 PROG = "iso-train"
 
 
+SUMMARY_KEYS = ("reward/mean", "mismatch/abs_diff_max", "mismatch/abs_diff_mean", "loss")
+
+
+def _last_logged(run_dir: Path) -> dict[str, Any]:
+    """The last row of ``metrics.jsonl`` holding a training metric (a torn last line skipped); {} if none."""
+    path = run_dir / "metrics.jsonl"
+    rows = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
+    for line in reversed(rows):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and any(k in row for k in SUMMARY_KEYS):
+            return row
+    return {}
+
+
 def _train(cfg: DictConfig) -> int:
     from megatron_iso.rl.loop import train
 
     summary = train(cfg)
+    if os.environ.get("RANK", "0") != "0":  # one summary per run: torchrun's other ranks print none
+        return EXIT_OK
+    if "finished_at" in summary:
+        step = summary["finished_at"]
+        last = _last_logged(Path(summary["run_dir"]))
+        print(
+            f"{PROG}: out_dir={summary['run_dir']} already finished at step {step} (rl.steps={cfg.rl.steps}): nothing "
+            f"to run; rl.steps counts every step of the run, so to train further raise it (e.g. "
+            f"rl.steps={2 * (step + 1)} resume=true)",
+            file=sys.stderr,
+        )
+        metrics = {k: last[k] for k in SUMMARY_KEYS if k in last}
+        print({"step": last.get("step"), **metrics, "run_dir": summary["run_dir"]} if metrics else "no metrics logged")
+        return EXIT_OK
     last = summary["history"][-1] if summary["history"] else {}
-    keys = ("reward/mean", "mismatch/abs_diff_max", "mismatch/abs_diff_mean", "loss")
-    print({k: last.get(k) for k in keys} | {"run_dir": summary["run_dir"], "dashboard": summary["dashboard"]})
+    print({k: last.get(k) for k in SUMMARY_KEYS} | {"run_dir": summary["run_dir"], "dashboard": summary["dashboard"]})
     return EXIT_OK
 
 

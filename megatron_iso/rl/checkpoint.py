@@ -10,11 +10,12 @@ optimizer in Megatron's ``fully_reshardable`` form), so a checkpoint written at 
 another: each rank reads its own slices. Loading copies stored bits, so weights and Adam state are those saved,
 bit for bit, whatever the layout.
 
-A checkpoint is first written to a temporary sibling directory, ``meta.json`` last, and renamed into place
-(atomic on POSIX); ``latest`` is replaced atomically after it, so a crash, or an error during the save, never
-leaves a half-written checkpoint that resume would pick. ``rl.keep_checkpoints`` prunes all but the newest N
-complete checkpoints after a publish. Weights holding a NaN or an Inf are never written nor loaded, and a damaged
-checkpoint is named together with the newest complete one before it.
+A checkpoint is first written to a temporary sibling directory, then ``meta.json``, then ``checksums.json`` (a
+SHA-256 of every other file: ``checkpoint.integrity``), and renamed into place (atomic on POSIX); ``latest`` is
+replaced atomically after it, so a crash, or an error during the save, never leaves a half-written checkpoint that
+resume would pick. A resume checks every file against its recorded digest before reading any. ``rl.keep_checkpoints``
+prunes all but the newest N complete checkpoints after a publish. Weights holding a NaN or an Inf are never written
+nor loaded, and a damaged or altered checkpoint is named together with the newest complete one before it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_iso.checkpoint.integrity import (
+    CHECKSUMS,
+    DECLARED,
+    META,
+    IntegrityError,
+    offer_previous,
+    record_checksums,
+    verify_checksums,
+)
+from megatron_iso.checkpoint.integrity import complete_checkpoints as _complete_in
 from megatron_iso.checkpoint.run_ckpt import (
     DIST_FORMAT,
     LEGACY_RANK_FILE,
@@ -91,8 +102,10 @@ def save_checkpoint(
     _barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(
-            json.dumps({"format": DIST_FORMAT, "step": step, **meta}, sort_keys=True, indent=1)
+            json.dumps({"format": DIST_FORMAT, "step": step, **meta, DECLARED: CHECKSUMS}, sort_keys=True, indent=1)
         )
+    record_checksums(tmp)  # every rank hashes its share; rank 0 writes the record last
+    if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = run_dir / "checkpoints" / "latest.tmp"
@@ -124,11 +137,8 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's published checkpoints (renamed into place, with ``meta.json``), oldest first."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "meta.json").is_file())
+    """The run's published checkpoints (renamed into place, with ``meta.json`` and ``checksums.json``), oldest first."""
+    return _complete_in(run_dir / "checkpoints")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -148,14 +158,39 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _fallback(damaged: Path) -> str:
-    """The way out of a damaged checkpoint: the newest complete one before it, if any."""
-    earlier = [p for p in complete_checkpoints(damaged.parent.parent) if p.name < damaged.name]
-    if not earlier:
-        return "; no earlier complete checkpoint exists"
-    return (
-        f"; the newest complete checkpoint before it is {earlier[-1]}: move {damaged.name} out of "
-        f"{damaged.parent} and write {earlier[-1].name} into {damaged.parent / 'latest'} to resume from it"
-    )
+    """The way out of a damaged checkpoint: the newest complete one before it, if any, and how to resume from it
+    (``latest`` names the checkpoint resume picks; a name outside ``step_*`` is never picked)."""
+
+    def resume_from(previous: Path) -> str:
+        return (
+            f"to resume from it, set the damaged one aside and point latest at it (mv {damaged} "
+            f"{damaged.with_name('damaged_' + damaged.name)} && echo {previous.name} > {damaged.parent / 'latest'}), "
+            "then run again with resume=true"
+        )
+
+    return offer_previous(damaged, resume_from)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Every file of the checkpoint is the one saved (its SHA-256 recorded in ``checksums.json``); a
+    :class:`CheckpointError` naming the file and offering the previous checkpoint otherwise. A collective."""
+    try:
+        verify_checksums(path)
+    except IntegrityError as exc:
+        raise CheckpointError(f"checkpoint refused: {exc}{_fallback(path)}") from None
+
+
+def finished_step(path: Path, steps: int) -> int | None:
+    """The step of checkpoint ``path`` when a run of ``steps`` RL steps has none left after it, else None. Its
+    ``meta.json`` is checked against the recorded digest first (an edited step is refused, not believed)."""
+    try:
+        verify_checksums(path, [META], warn=False)
+    except IntegrityError as exc:
+        raise CheckpointError(f"checkpoint refused: {exc}{_fallback(path)}") from None
+    step = read_checkpoint_meta(path).get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path / META} records step={step!r}, not a step number{_fallback(path)}")
+    return step if step + 1 >= steps else None
 
 
 def read_checkpoint_meta(path: Path) -> dict[str, Any]:
@@ -214,7 +249,8 @@ def load_checkpoint(
     checking ``meta.json`` agrees with ``expect`` (contract, data identity; not the layout)."""
     from megatron.core import dist_checkpointing
 
-    meta = read_checkpoint_meta(path)
+    meta = read_checkpoint_meta(path)  # the format first: the per-rank one is refused by name, unhashed
+    verify_checkpoint(path)  # before any value of meta.json is used: an edited step is refused here
     for key, value in expect.items():
         if meta.get(key) != value:
             raise CheckpointError(

@@ -507,7 +507,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ``out_dir`` (null) the run gets a new directory, named once the world is up and before anything is written."""
     from megatron_iso.checkpoint.init_from import apply_init_from
     from megatron_iso.checkpoint.run_ckpt import save_hf
-    from megatron_iso.rl.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_iso.rl.checkpoint import finished_step, load_checkpoint, save_checkpoint
     from megatron_iso.rl.run_dir import locked_start
 
     # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
@@ -518,7 +518,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     rl: RLSettings = settings.require("rl")
     # An out_dir given is checked before any world opens (a refusal writes nothing); the start is decided under the lock.
     if settings.out_dir is not None:
-        _plan_start(settings.out_dir, settings, cfg)
+        resume_from = _plan_start(settings.out_dir, settings, cfg)
+        done = None if resume_from is None else finished_step(resume_from, rl.steps)
+        if done is not None:  # nothing left to run: no world, nothing written
+            return {"run_dir": str(settings.out_dir), "steps_run": 0, "history": [], "dashboard": None,
+                    "validation": {}, "finished_at": done}  # fmt: skip
     with contextlib.ExitStack() as stack:
         rank = stack.enter_context(config_world(settings))
         if settings.out_dir is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -51,6 +53,7 @@ def test_bad_inputs_exit_2_naming_the_problem(hf_untied, tmp_path, capsys):
     assert "mlp_only_layers=[1] is not supported" in capsys.readouterr().err
     assert main(["import", "--hf", str(hf_untied), "--out", str(tmp_path / "c"), "--ep", "2"]) == EXIT_BAD_INPUT
     assert "parallel.ep=2" in capsys.readouterr().err
+    (tmp_path / "nothing").mkdir()  # a directory that is no checkpoint (a missing one: "no such directory", below)
     assert main(["export", "--ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == EXIT_BAD_INPUT
     assert "iso_checkpoint.json" in capsys.readouterr().err
     assert main(["compare", "--hf", str(hf_untied), "--tokens", "999"]) == EXIT_BAD_INPUT
@@ -87,3 +90,76 @@ def test_compare_fails_on_nan_logits_and_prints_valid_json(hf_untied, monkeypatc
     assert "NaN or Inf in the logits" in captured.err
     # Without a tolerance the answer is still no.
     assert main(["compare", "--hf", str(hf_untied), "--tokens", "3,1,4"]) == EXIT_DIFFERS
+
+
+def _listing(path):
+    return sorted((str(p.relative_to(path)), p.read_bytes()) for p in path.rglob("*") if p.is_file())
+
+
+def test_outputs_that_are_the_source_or_a_run_directory_are_refused_before_writing(hf_tied, tmp_path, capsys):
+    ckpt, run, hf = tmp_path / "ckpt", tmp_path / "run", tmp_path / "hf"
+    shutil.copytree(hf_tied, hf)
+    assert main(["import", "--hf", str(hf), "--out", str(ckpt)]) == EXIT_OK
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = {p: _listing(p) for p in (hf, ckpt, run)}
+    refusals = [
+        (["export", "--ckpt", str(ckpt), "--out", str(run)], f"--out {run} is the training run directory"),
+        (
+            ["export", "--ckpt", str(ckpt), "--out", str(run / "hf" / "x")],
+            f"lies inside the training run directory {run}",
+        ),
+        (["export", "--ckpt", str(ckpt), "--out", str(ckpt)], f"--out {ckpt} is the source directory itself"),
+        (["export", "--ckpt", str(ckpt), "--out", str(ckpt / "hf")], f"lies inside the source {ckpt}"),
+        (["import", "--hf", str(hf), "--out", str(hf)], f"--out {hf} is the source directory itself"),
+        (["import", "--hf", str(hf), "--out", str(hf / "sub")], f"lies inside the source {hf}"),
+        (["import", "--hf", str(hf), "--out", str(run)], f"--out {run} is the training run directory"),
+        (["export", "--ckpt", "/nope", "--out", str(tmp_path / "o")], "error: --ckpt: no such directory: /nope"),
+        (["import", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "--hf: no such directory"),
+    ]
+    for argv, message in refusals:
+        assert main(argv) == EXIT_BAD_INPUT, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert {p: _listing(p) for p in (hf, ckpt, run)} == before
+    assert not (run / "hf").exists() and not (ckpt / "hf").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_exported_files_get_the_mode_the_umask_gives(hf_tied, tmp_path, umask, mode):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    old = os.umask(umask)
+    try:
+        assert main(["import", "--hf", str(hf_tied), "--out", str(ckpt)]) == EXIT_OK
+        assert main(["export", "--ckpt", str(ckpt), "--out", str(out), "--max-shard-size", "100000"]) == EXIT_OK
+    finally:
+        os.umask(old)
+    files = [p for d in (ckpt, out) for p in d.iterdir()]
+    assert len(files) > 4 and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(mode)}
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~umask)
+
+
+def test_a_refused_export_leaves_no_output(hf_tied, tmp_path, monkeypatch, capsys):
+    """Refused after the weights are written: no output directory (nor the parents made for it), no temporary;
+    an existing output keeps its files byte for byte."""
+    import megatron_iso.checkpoint.convert as convert
+    from megatron_iso.checkpoint.files import CheckpointFileError
+
+    ckpt, previous = tmp_path / "ckpt", tmp_path / "previous"
+    assert main(["import", "--hf", str(hf_tied), "--out", str(ckpt)]) == EXIT_OK
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(previous)]) == EXIT_OK
+    kept = _listing(previous)
+    written = []
+
+    def refuse(src, dst):
+        written.extend(p.name for p in dst.iterdir())
+        raise CheckpointFileError(f"{src}/tokenizer.json: damaged")
+
+    monkeypatch.setattr(convert, "copy_assets", refuse)
+    for out in (tmp_path / "new" / "deep" / "out", previous):
+        capsys.readouterr()
+        assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == EXIT_BAD_INPUT
+        assert "tokenizer.json: damaged" in capsys.readouterr().err
+    assert "model.safetensors" in written  # refused midway, after the weights
+    assert not (tmp_path / "new").exists() and _listing(previous) == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "previous"]

@@ -132,6 +132,30 @@ def test_run_checkpoint_starts_a_run_and_exports(run_from_hf, tmp_path):
     assert meta["identity"]["model"]["init_from"] == str(ckpt.resolve())
 
 
+def test_a_garbled_run_checkpoint_is_refused_by_export_and_init_from(run_from_hf, tmp_path, capsys):
+    """Export and init_from check every file against its recorded SHA-256 first: refused by name (exit 2 for
+    iso-convert), nothing written, the previous checkpoint offered in the command's own terms."""
+    import shutil
+
+    from megatron_iso.cli.convert import main
+
+    run = shutil.copytree(run_from_hf, tmp_path / "run")
+    ckpt, previous = run / "checkpoints" / "step_000001", run / "checkpoints" / "step_000000"
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{shard} is not the file saved: expected SHA-256" in err
+    assert f"export it instead: iso-convert export --ckpt {previous} --out {out}" in err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    cfg = apply_init_from(_with(load_config(["device=cpu"]), ckpt), [])
+    with pytest.raises(InitFromError, match=rf"{shard} is not the file saved.*model\.init_from={previous}"):
+        _logits(cfg, ckpt)
+
+
 @pytest.mark.parametrize("kind", ["missing", "file", "empty"])
 def test_bad_init_from_is_an_error_naming_the_field(tmp_path, kind):
     path = tmp_path / "nowhere"

@@ -111,7 +111,7 @@ def test_a_damaged_first_checkpoint_says_there_is_no_earlier_one(world, tmp_path
     model, opt = _model()
     path = _save(tmp_path, 0, model, opt)
     (path / ".metadata").write_bytes(b"\x00garbage")
-    with pytest.raises(CheckpointError, match=r"cannot read .*step_000000.*no earlier complete checkpoint exists"):
+    with pytest.raises(CheckpointError, match=r"step_000000/\.metadata is not the file saved.*no earlier complete"):
         _load(path, *_model(trained=False))
 
 
@@ -203,3 +203,52 @@ def test_the_per_rank_format_is_refused_by_name(world, tmp_path):
     (old / "model_rank0.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"per-rank format \(model_rank<r>.safetensors .*iso-convert export"):
         _load(old, *_model(trained=False))
+
+
+def _as_written_before_checksums(path) -> None:
+    """What a checkpoint of an earlier version looks like: no checksums.json, and meta.json declares none."""
+    (path / "checksums.json").unlink()
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["checksums"]
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_from_before_checksums_loads_with_a_one_line_warning(world, tmp_path, capsys):
+    model, opt = _model(0)
+    path = _save(tmp_path, 0, model, opt)
+    _as_written_before_checksums(path)
+    assert complete_checkpoints(tmp_path) == [path]
+    capsys.readouterr()
+    fresh, fresh_opt = _model(1, trained=False)
+    _load(path, fresh, fresh_opt)
+    _same(model, opt, fresh, fresh_opt)
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"warning: {path} has no checksums.json (saved by an earlier megatron_iso version): loaded without verifying its files\n"
+    )
+
+
+def test_a_checkpoint_missing_its_declared_checksums_is_refused(world, tmp_path):
+    model, opt = _model()
+    first = _save(tmp_path, 0, model, opt)
+    path = _save(tmp_path, 1, model, opt)
+    (path / "checksums.json").unlink()
+    assert complete_checkpoints(tmp_path) == [first]  # not complete: never offered, never pruned as one
+    with pytest.raises(
+        CheckpointError, match=r"says the checkpoint was saved with checksums\.json, which is missing.*step_000000"
+    ):
+        _load(path, *_model(trained=False))
+
+
+def test_every_file_is_recorded_and_a_missing_one_is_named(world, tmp_path):
+    path = _save(tmp_path, 0, *_model())
+    recorded = json.loads((path / "checksums.json").read_text())["files"]
+    assert sorted(recorded) == sorted(p.name for p in path.iterdir() if p.name != "checksums.json")
+    assert "meta.json" in recorded and all(len(v["sha256"]) == 64 for v in recorded.values())
+    (path / "common.pt").unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"common\.pt is not the file saved: expected SHA-256 \w{64} \(\d+ bytes\), the file is missing",
+    ):
+        _load(path, *_model(trained=False))
