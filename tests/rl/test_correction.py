@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from megatron_iso.config import load_config
-from megatron_iso.rl.correction import (
-    CORRECTION_LEVELS,
-    RolloutCorrection,
-    correction_stats,
-    correction_weights,
-    level_log_ratio,
-)
+from megatron_iso.rl.correction import correction_stats, correction_weights, level_log_ratio
 from megatron_iso.rl.losses import PolicyLossConfig, policy_loss
 from megatron_iso.settings import SettingsError, resolve
+from megatron_iso.settings.correction import CORRECTION_LEVELS, RolloutCorrection
 from megatron_iso.testing.bits import bits
 
 # Two responses, then a prompt row: response 0 has log ratios 0.5, -0.25, 1.25 (sum 1.5, mean 0.5), response 1

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from megatron_iso.rl.correction import RolloutCorrection
 from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
@@ -11,6 +10,7 @@ from megatron_iso.rl.losses import (
     overlong_penalty,
     policy_loss,
 )
+from megatron_iso.settings.correction import RolloutCorrection
 
 
 def test_group_advantages_are_centred_per_group():
