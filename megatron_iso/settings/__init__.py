@@ -37,6 +37,7 @@ from megatron_iso.settings.fields import (
     WANDB_MODES,
     SettingsError,
     _group,
+    _int,
     _positive,
     check_logger,
     check_out_dir,
@@ -61,6 +62,7 @@ from megatron_iso.settings.model import (
     resolve_profile,
     shard_degrees,
 )
+from megatron_iso.settings.resources import check_memory, check_writable_dir, data_parallel, launch_world
 from megatron_iso.settings.rl import (
     LR_DECAY_STYLES,
     NONFINITE_POLICIES,
@@ -71,6 +73,8 @@ from megatron_iso.settings.rl import (
     resolve_rl,
     resolve_rollout,
 )
+from megatron_iso.settings.schema import check_overrides, check_schema
+from megatron_iso.settings.task import TaskSettings, check_task_files, resolve_task
 
 __all__ = [
     "HF_GDN_LAYOUTS",
@@ -91,6 +95,7 @@ __all__ = [
     "RolloutSettings",
     "Settings",
     "SettingsError",
+    "TaskSettings",
     "check_backward_states",
     "check_config",
     "check_gdn_choice_runs_here",
@@ -98,8 +103,10 @@ __all__ = [
     "check_logger",
     "check_micro_batch_seqs",
     "check_out_dir",
+    "check_overrides",
     "check_pipeline",
     "check_runs_here",
+    "check_schema",
     "check_shardable",
     "check_trainable",
     "config_world",
@@ -116,6 +123,7 @@ __all__ = [
     "resolve_profile",
     "resolve_rl",
     "resolve_rollout",
+    "resolve_task",
     "resume_mode",
     "shard_degrees",
 ]
@@ -136,6 +144,7 @@ class Settings:
     rl: RLSettings | None = None
     rollout: RolloutSettings | None = None
     data: DataSettings = field(default_factory=DataSettings)  # prompt files (task=dataset)
+    task: TaskSettings | None = None
     seed: int | None = None
     out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
     resume: str = "false"  # one of RESUME_MODES
@@ -204,22 +213,25 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     if isinstance(cfg, Settings):
         return cfg
     c = plain_config(cfg)
+    check_schema(c)  # every key known, every value of its key's type; ranges: the resolvers below
     resolved, inputs = _contract_part(c)
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
     if isinstance(c.get("logger"), Mapping):
         check_logger(c["logger"])
     rollout = c.get("rollout")
+    model = resolve_model(inputs.model)
     return Settings(
         profile=resolved,
-        model=resolve_model(inputs.model),
+        model=model,
         parallel=resolve_parallel(inputs.parallel, inputs.model),
         contract=inputs,
         gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
         rl=rl_settings,
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
         data=resolve_data(c.get("data") if isinstance(c.get("data"), Mapping) else None),
-        seed=None if c.get("seed") is None else int(c["seed"]),
+        task=resolve_task(c["task"], model.vocab_size) if isinstance(c.get("task"), Mapping) else None,
+        seed=None if c.get("seed") is None else _int(c["seed"], "seed", -(2**63)),
         out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),
         dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
@@ -228,7 +240,8 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
 
 def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
     """What a run of the model needs beyond a valid config: a CUDA device for ``device=cuda``; one pipeline stage,
-    unless ``pipeline`` (the RL trainer, :func:`check_pipeline`)."""
+    unless ``pipeline`` (the RL trainer, :func:`check_pipeline`); a ``parallel.dp`` that agrees with the launch's
+    world; memory for the parameters, the KV cache and a micro-batch's logits (``settings.resources``)."""
     if pipeline:
         check_pipeline(settings)
     elif settings.parallel.pp != 1:
@@ -238,6 +251,9 @@ def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
         )
     if settings.device_class == "cuda" and not torch.cuda.is_available():
         raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
+    p = settings.parallel
+    dp = data_parallel(p.tp, p.pp, p.dp, launch_world())
+    check_memory(settings, settings.task.prompts_per_step if settings.task is not None else None, dp)
 
 
 def check_pipeline(settings: Settings) -> None:
@@ -267,9 +283,12 @@ def check_pipeline(settings: Settings) -> None:
 
 def check_trainable(settings: Settings) -> None:
     """Before any world or model is built: the config's checks (:func:`check_config`, iso-contract's too), then
-    what this machine must have (:func:`check_runs_here`)."""
+    what this machine must have (:func:`check_runs_here`), the prompt files readable and the run directory
+    writable."""
     check_config(settings)
     check_runs_here(settings, pipeline=True)
+    check_task_files(settings.task, settings.data.train_files, settings.data.val_files)
+    check_writable_dir(settings.out_dir)
 
 
 def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractContextManager[int]:
