@@ -62,7 +62,13 @@ from megatron_iso.settings.model import (
     resolve_profile,
     shard_degrees,
 )
-from megatron_iso.settings.resources import check_memory, check_writable_dir, data_parallel, launch_world
+from megatron_iso.settings.resources import (
+    check_launch,
+    check_memory,
+    check_writable_dir,
+    data_parallel,
+    launch_world,
+)
 from megatron_iso.settings.rl import (
     LR_DECAY_STYLES,
     NONFINITE_POLICIES,
@@ -193,6 +199,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     validate_profile(settings.contract.profile, settings.contract.model)
     check_gdn_choice_runs_here(settings.profile)
     check_pipeline(settings)
+    check_contract_limits(settings.contract.contract, settings.model.max_position_embeddings)
     if settings.out_dir is None and settings.resume != "false":
         raise SettingsError(
             f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
@@ -230,7 +237,9 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
         rl=rl_settings,
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
         data=resolve_data(c.get("data") if isinstance(c.get("data"), Mapping) else None),
-        task=resolve_task(c["task"], model.vocab_size) if isinstance(c.get("task"), Mapping) else None,
+        task=resolve_task(c["task"], model.vocab_size, model.max_position_embeddings)
+        if isinstance(c.get("task"), Mapping)
+        else None,
         seed=None if c.get("seed") is None else _int(c["seed"], "seed", -(2**63)),
         out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),
@@ -238,10 +247,24 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     )
 
 
+def check_contract_limits(contract: Mapping[str, Any], max_positions: int) -> None:
+    """``contract.max_batch`` and ``contract.max_seq_len`` (the shape limits the contract claims): positive
+    integers, the sequence no longer than the model's positions (the contract builder's rule, checked with the rest
+    of the config rather than when the trainer builds its contract)."""
+    for key in ("max_batch", "max_seq_len"):
+        if key in contract and contract[key] is not None:
+            _int(contract[key], f"contract.{key}", 1)
+    seq = contract.get("max_seq_len")
+    if isinstance(seq, int) and seq > max_positions:
+        raise SettingsError(
+            f"contract.max_seq_len={seq} exceeds model.max_position_embeddings={max_positions}; allowed values: "
+            f"1 .. {max_positions}"
+        )
+
+
 def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
     """What a run of the model needs beyond a valid config: a CUDA device for ``device=cuda``; one pipeline stage,
-    unless ``pipeline`` (the RL trainer, :func:`check_pipeline`); a ``parallel.dp`` that agrees with the launch's
-    world; memory for the parameters, the KV cache and a micro-batch's logits (``settings.resources``)."""
+    unless ``pipeline`` (the RL trainer, :func:`check_pipeline`)."""
     if pipeline:
         check_pipeline(settings)
     elif settings.parallel.pp != 1:
@@ -251,9 +274,6 @@ def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
         )
     if settings.device_class == "cuda" and not torch.cuda.is_available():
         raise SettingsError("device=cuda but no CUDA device is visible; allowed values here: ['cpu', 'auto']")
-    p = settings.parallel
-    dp = data_parallel(p.tp, p.pp, p.dp, launch_world())
-    check_memory(settings, settings.task.prompts_per_step if settings.task is not None else None, dp)
 
 
 def check_pipeline(settings: Settings) -> None:
@@ -283,10 +303,17 @@ def check_pipeline(settings: Settings) -> None:
 
 def check_trainable(settings: Settings) -> None:
     """Before any world or model is built: the config's checks (:func:`check_config`, iso-contract's too), then
-    what this machine must have (:func:`check_runs_here`), the prompt files readable and the run directory
-    writable."""
+    what this machine and launch must have (:func:`check_runs_here`; the layout's processes and ``parallel.dp``;
+    memory for the parameters, the KV cache and a micro-batch's logits: ``settings.resources``), the prompt files
+    readable and the run directory writable."""
     check_config(settings)
     check_runs_here(settings, pipeline=True)
+    # The launch (this process or torchrun's world) holds the layout, and parallel.dp agrees with it.
+    p = settings.parallel
+    world = launch_world()
+    check_launch(p.tp, p.pp, p.ep, world)
+    dp = data_parallel(p.tp, p.pp, p.dp, world)
+    check_memory(settings, settings.task.prompts_per_step if settings.task is not None else None, dp)
     check_task_files(settings.task, settings.data.train_files, settings.data.val_files)
     check_writable_dir(settings.out_dir)
 

@@ -33,6 +33,21 @@ def launch_world() -> int:
     return 1
 
 
+def check_launch(tp: int, pp: int, ep: int, world: int) -> None:
+    """The launch can hold the layout: a single process only the layout of one rank (the launcher's message, with
+    the torchrun command that gives the layout), a torchrun world a multiple of tp x pp."""
+    # The launcher's own message (world.launched_world raises it too, later): one wording of it.
+    from megatron_iso.parallel.world import LaunchError, _needs_torchrun
+
+    if world == 1 and tp * pp * ep != 1 and "WORLD_SIZE" not in os.environ:
+        raise LaunchError(_needs_torchrun(tp, pp, ep))
+    if world % (tp * pp):
+        raise SettingsError(
+            f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}; "
+            f"start a multiple of {tp * pp} processes (torchrun --nproc-per-node)"
+        )
+
+
 def data_parallel(tp: int, pp: int, dp: int | None, world: int) -> int:
     """The data-parallel degree of a launch of ``world`` processes: world / (tp * pp). ``parallel.dp`` null takes
     it; a value must equal it (Megatron derives it from the world: a different one would be silently ignored)."""
@@ -107,7 +122,7 @@ def check_memory(settings: Any, prompts_per_step: int | None, dp: int) -> None:
         return
     part, (_, fields) = max(needs.items(), key=lambda kv: kv[1][0])
     shown = ", ".join(f"{k} {human_bytes(b)}" for k, (b, _) in needs.items() if b)
-    lower = fields.split("=", 1)[0]
+    lower = " or ".join(f.split("=", 1)[0] for f in fields.split(" x "))
     shard = (
         " or shard the model (parallel.tp / parallel.pp / parallel.ep)"
         if part in ("embedding", "layers", "experts")

@@ -46,7 +46,10 @@ def check_backward_states(value: Any) -> str:
     """``rl.gdn_backward_states`` checked by the GDN family's rule (keep | recompute)."""
     from megatron_iso.ops.gdn import check_backward_states as check
 
-    return check(str(value), "rl.gdn_backward_states")
+    try:
+        return check(str(value), "rl.gdn_backward_states")
+    except ValueError as exc:  # the op family's rule, told as a setting's error (exit 2)
+        raise SettingsError(str(exc)) from None
 
 
 @dataclass

@@ -34,7 +34,15 @@ TYPE_EXCEPTIONS: dict[str, frozenset[str]] = {
     "data.chat_template": frozenset({"str", "bool"}),  # auto | true | false (data.resolve_data)
     "model.full_attention_interval": frozenset({"int", "list"}),  # every k-th layer, or per-layer types
     "dist_timeout_s": frozenset({"float"}),  # seconds; 600 in the YAML, 0.5 is fine
+    # Null in every option, a path or a text when set.
+    "out_dir": frozenset({"str"}),
+    "model.init_from": frozenset({"str"}),
+    "data.system_prompt": frozenset({"str"}),
+    "logger.entity": frozenset({"str"}),
 }
+# Keys the settings read (with a default) that no YAML option lists. model.init_std stays out of the model YAMLs: the
+# contract's semantic identity hashes every model key, so adding it there would move every digest.
+EXTRA_KEYS: dict[str, frozenset[str]] = {"model.init_std": frozenset({"float"})}
 _TYPE_WORDS = {
     "bool": "true or false",
     "int": "integers",
@@ -58,7 +66,7 @@ def _kind(value: Any) -> str | None:
         return "float"
     if isinstance(value, Mapping):
         return "dict"
-    if isinstance(value, list | tuple):
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a list, or OmegaConf's ListConfig
         return "list"
     return "str"
 
@@ -121,7 +129,7 @@ def _schema_of(conf: str) -> Schema:
         for option in sorted((root / group).glob("*.yaml")):
             for dotted, value in _leaves(_read_yaml(option), f"{group}."):
                 add(dotted, value)
-    types = {k: frozenset(TYPE_EXCEPTIONS.get(k, v)) for k, v in seen.items()}
+    types = {k: frozenset(TYPE_EXCEPTIONS.get(k, v)) for k, v in seen.items()} | EXTRA_KEYS
     from megatron_iso.config import PACKAGE_CONF
 
     where = "megatron_iso/conf" if root == PACKAGE_CONF.resolve() else str(root)

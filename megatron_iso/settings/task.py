@@ -34,19 +34,35 @@ def _task_names() -> tuple[str, ...]:
     return tuple(TASKS)
 
 
-def resolve_task(task: Mapping[str, Any], vocab_size: int) -> TaskSettings:
-    """``task`` typed for a model of ``vocab_size`` tokens: the name, ``prompts_per_step`` >= 1, a reward name,
-    and the residue task's ``prompt_len`` >= 1 and ``modulus`` in [2, vocab_size]."""
-    name = _choice(_required(task, "name", "task"), "task.name", _task_names())
-    n = _int(_required(task, "prompts_per_step", "task"), "task.prompts_per_step", 1)
-    reward = _required(task, "reward", "task")
+def _check_reward(reward: Any) -> str:
+    """A reward the task builder can call: a registered name, or ``module:function`` importable (imported here,
+    as the run would)."""
+    from megatron_iso.rl.tasks import resolve_reward
+
     if not isinstance(reward, str) or not reward.strip():
         raise SettingsError(
             f"task.reward={reward!r} is not allowed; allowed values: a reward name or 'module:function'"
         )
+    resolve_reward(reward)  # a TaskError (a usage error) names the reward and what is allowed
+    return reward
+
+
+def resolve_task(task: Mapping[str, Any], vocab_size: int, max_positions: int) -> TaskSettings:
+    """``task`` typed for a model of ``vocab_size`` tokens and ``max_positions`` positions: the name,
+    ``prompts_per_step`` >= 1, a reward the builder finds, and the residue task's ``prompt_len`` (>= 1, leaving
+    room for a response) and ``modulus`` in [2, vocab_size]."""
+    name = _choice(_required(task, "name", "task"), "task.name", _task_names())
+    n = _int(_required(task, "prompts_per_step", "task"), "task.prompts_per_step", 1)
+    reward = _check_reward(_required(task, "reward", "task"))
     prompt_len = path = None
     if name == "residue":
         prompt_len = _int(_required(task, "prompt_len", "task"), "task.prompt_len", 1)
+        if prompt_len >= max_positions:
+            raise SettingsError(
+                f"task.prompt_len={prompt_len}: every prompt has {prompt_len} tokens: the model runs at most "
+                f"{max_positions} tokens per sequence, prompt and response (model.max_position_embeddings="
+                f"{max_positions}); allowed values: 1 .. {max_positions - 1}"
+            )
         modulus = _required(task, "modulus", "task")
         if isinstance(modulus, bool) or not isinstance(modulus, int) or not 2 <= modulus <= vocab_size:
             raise SettingsError(
