@@ -30,6 +30,7 @@ from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.schema import Contract
+from megatron_iso.errors import UserError
 from megatron_iso.settings.data import DataSettings, resolve_data
 from megatron_iso.settings.fields import (
     LOGGERS,
@@ -79,7 +80,7 @@ from megatron_iso.settings.rl import (
     resolve_rl,
     resolve_rollout,
 )
-from megatron_iso.settings.schema import check_overrides, check_schema
+from megatron_iso.settings.schema import check_keys, check_overrides, check_schema, check_types
 from megatron_iso.settings.task import TaskSettings, check_task_files, resolve_task
 
 __all__ = [
@@ -220,7 +221,19 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     if isinstance(cfg, Settings):
         return cfg
     c = plain_config(cfg)
-    check_schema(c)  # every key known, every value of its key's type; ranges: the resolvers below
+    check_keys(c)
+    try:
+        settings = _resolve_groups(c)
+    except UserError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError):
+        check_types(c)  # a value of the wrong type that a check below missed: named, not a traceback
+        raise
+    check_types(c)  # what no resolver reads (the resolvers' own errors come first: they name the range)
+    return settings
+
+
+def _resolve_groups(c: dict[str, Any]) -> Settings:
     resolved, inputs = _contract_part(c)
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None

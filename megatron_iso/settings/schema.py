@@ -191,18 +191,31 @@ def _fits(value: Any, allowed: frozenset[str]) -> bool:
     return kind in allowed
 
 
-def check_schema(cfg: Mapping[str, Any]) -> None:
-    """Every key of the plain (resolved) config ``cfg`` is known and its value has one of the key's types."""
+def check_keys(cfg: Mapping[str, Any]) -> None:
+    """Every key of the plain config ``cfg`` is known (:func:`unknown_key_error` names the nearest known one)."""
     s = schema()
     for dotted, value in _leaves(cfg, ""):
-        if dotted.split(".", 1)[0] == "hydra":
-            continue
+        if dotted.split(".", 1)[0] != "hydra" and not s.known(dotted):
+            raise unknown_key_error(dotted, value, s)
+
+
+def check_types(cfg: Mapping[str, Any]) -> None:
+    """Every value of the plain config ``cfg`` has one of its key's types. The resolvers check the keys they read
+    first (their errors name the range too: "integers >= 1"); this pass catches the rest, e.g. a key a newer YAML
+    option added and no resolver reads yet, which a raw cast would otherwise take (``bool('no')`` is True)."""
+    s = schema()
+    for dotted, value in _leaves(cfg, ""):
         allowed = s.types.get(dotted)
+        if dotted.split(".", 1)[0] == "hydra" or not s.known(dotted):
+            continue
         if allowed is None:
-            if not s.known(dotted):
-                raise unknown_key_error(dotted, value, s)
             if not isinstance(value, Mapping) and value is not None:  # an inner node (rollout.parallel) given a value
                 raise _type_error(dotted, value, frozenset({"dict"}), nullable=False)
-            continue
-        if not _fits(value, allowed):
+        elif not _fits(value, allowed):
             raise _type_error(dotted, value, allowed, nullable=dotted in s.nullable)
+
+
+def check_schema(cfg: Mapping[str, Any]) -> None:
+    """:func:`check_keys` then :func:`check_types`."""
+    check_keys(cfg)
+    check_types(cfg)
