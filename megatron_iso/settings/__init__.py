@@ -194,10 +194,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     so a config one refuses the other refuses with the same error. Not here: what depends on the machine or the
     launch (a visible GPU, the world size: :func:`check_runs_here`, ``parallel.world``) and the GPU GEMM tiles
     (:func:`check_gpu_gemm_shapes`, a capability of the kernels that iso-train checks on CUDA only)."""
-    from megatron_iso.contract.build import validate_profile
-
-    settings = resolve(cfg)
-    validate_profile(settings.contract.profile, settings.contract.model)
+    settings = resolve(cfg)  # the profile against the model included (validate_profile, in resolve)
     check_gdn_choice_runs_here(settings.profile)
     check_pipeline(settings)
     check_contract_limits(settings.contract.contract, settings.model.max_position_embeddings)
@@ -234,7 +231,12 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
 
 
 def _resolve_groups(c: dict[str, Any]) -> Settings:
+    from megatron_iso.contract.build import validate_profile
+
     resolved, inputs = _contract_part(c)
+    # The profile's leaves against the model's sizes before the model's own shape rules: its error lists the
+    # leaves this model allows.
+    validate_profile(inputs.profile, inputs.model)
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
     if isinstance(c.get("logger"), Mapping):
@@ -265,11 +267,14 @@ def check_contract_limits(contract: Mapping[str, Any], max_positions: int) -> No
     integers, the sequence no longer than the model's positions (the contract builder's rule, checked with the rest
     of the config rather than when the trainer builds its contract)."""
     for key in ("max_batch", "max_seq_len"):
-        if key in contract and contract[key] is not None:
-            _int(contract[key], f"contract.{key}", 1)
+        value = contract.get(key)
+        if key in contract and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ContractValidationError(
+                f"contract.{key}={value!r} must be a positive integer; allowed values: integers >= 1"
+            )
     seq = contract.get("max_seq_len")
     if isinstance(seq, int) and seq > max_positions:
-        raise SettingsError(
+        raise ContractValidationError(
             f"contract.max_seq_len={seq} exceeds model.max_position_embeddings={max_positions}; allowed values: "
             f"1 .. {max_positions}"
         )

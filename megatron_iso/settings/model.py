@@ -62,6 +62,15 @@ def check_gdn_choice_runs_here(profile: ProfileSettings) -> None:
         )
 
 
+def _leaves(profile: Mapping[str, Any], key: str, default: int) -> int:
+    """``profile.<key>`` as an int; the power-of-two rule and the model's sizes are the contract's
+    ``validate_profile`` (run by ``check_config``), whose error says which powers the model allows."""
+    value = _get(profile, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(f"profile.{key}={value!r} is not allowed; allowed values: powers of two (1, 2, 4, 8, ...)")
+    return value
+
+
 def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
     """``profile`` and ``device`` resolved (order of checks: device, profile.name, the GDN choice)."""
     device_class = resolve_device_class(device)
@@ -75,8 +84,8 @@ def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
     return ProfileSettings(
         name=name,
         device_class=device_class,
-        leaves=_int(_get(profile, "leaves", 8), "profile.leaves", 1) if bitwise else 1,
-        expert_leaves=_int(_get(profile, "expert_leaves", 1), "profile.expert_leaves", 1) if bitwise else 1,
+        leaves=_leaves(profile, "leaves", 8) if bitwise else 1,
+        expert_leaves=_leaves(profile, "expert_leaves", 1) if bitwise else 1,
         attention_kv_block=kv_block,
         gdn_chunk=chunk,
         gdn_form=form,
