@@ -81,6 +81,7 @@ from megatron_iso.settings.rl import (
     resolve_rollout,
 )
 from megatron_iso.settings.schema import check_keys, check_overrides, check_schema, check_types
+from megatron_iso.settings.shapes import check_size_types
 from megatron_iso.settings.task import TaskSettings, check_task_files, resolve_task
 
 __all__ = [
@@ -236,6 +237,7 @@ def _resolve_groups(c: dict[str, Any]) -> Settings:
     resolved, inputs = _contract_part(c)
     # The profile's leaves against the model's sizes before the model's own shape rules: its error lists the
     # leaves this model allows.
+    check_size_types(inputs.model)
     validate_profile(inputs.profile, inputs.model)
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None

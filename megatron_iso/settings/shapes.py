@@ -25,6 +25,22 @@ def _size(model: Mapping[str, Any], key: str, low: int = 1, *, required: bool = 
     return value
 
 
+# The model's sizes: positive integers wherever an option sets them.
+SIZE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "vocab_size", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "num_experts", "moe_topk",
+             "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size")  # fmt: skip
+
+
+def check_size_types(model: Mapping[str, Any]) -> None:
+    """Every size the model sets is an integer (a bool is not: ``True % 8`` would pass a divisibility check), so
+    the checks that divide by them (the profile's leaves, the parallel degrees) see numbers."""
+    for key in SIZE_KEYS:
+        value = model.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SettingsError(f"model.{key}={value!r} is not allowed; allowed values: integers >= 1")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
