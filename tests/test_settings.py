@@ -137,3 +137,39 @@ def test_contract_imports_neither_ops_nor_settings():
         assert not bad, f"{path.name} imports {bad}"
     model_config = _imports(REPO / "megatron_iso" / "models" / "config.py")
     assert not {n for n in model_config if n.startswith("megatron_iso.contract.build")}
+
+
+def test_schema_keys_come_from_the_conf_tree(tmp_path, monkeypatch):
+    """A key a YAML option adds is known without a code change (another group's additions, e.g.
+    rl.rollout_correction.*), and a near miss of it is refused with its name."""
+    import shutil
+
+    from megatron_iso.settings import SettingsError, check_overrides
+
+    conf = tmp_path / "conf"
+    shutil.copytree(conf_dir(), conf)
+    with (conf / "rl" / "grpo.yaml").open("a") as f:
+        f.write("rollout_correction:\n  mode: null\n  cap: 2.0\n")
+    monkeypatch.setenv("MEGATRON_ISO_CONF", str(conf))
+    check_overrides(["rl.rollout_correction.cap=3.0", "+rl.rollout_correction.mode=tis"])
+    with pytest.raises(
+        SettingsError, match=r"unknown key rl\.rollout_correction\.capp=3; did you mean rl\.rollout_correction\.cap\?"
+    ):
+        check_overrides(["rl.rollout_correction.capp=3"])
+    cfg = load_config(["rl.rollout_correction.cap=abc"])
+    with pytest.raises(
+        SettingsError, match=r"rl\.rollout_correction\.cap='abc' is not allowed; allowed values: numbers"
+    ):
+        resolve(cfg)
+
+
+def test_help_is_a_description_not_the_config():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_iso.cli.train", "--help"], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for needle in ("iso-train: reinforcement learning", "Common overrides", "Exit codes: 0", "docs/", "model: "):
+        assert needle in proc.stdout, proc.stdout
+    assert "== Config ==" not in proc.stdout and "max_position_embeddings" not in proc.stdout

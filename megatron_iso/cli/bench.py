@@ -18,9 +18,9 @@ failure (traceback). ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows every traceba
 
 from __future__ import annotations
 
-import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -29,6 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_iso.cli.exit_codes import EXIT_OK, run_cli
 from megatron_iso.config import conf_dir, load_config
 from megatron_iso.errors import UserError
+from megatron_iso.settings.fields import check_temperature
+from megatron_iso.settings.resources import check_writable_dir
+from megatron_iso.settings.schema import check_overrides
 
 PROG = "iso-bench"
 CONFIG_NAME = "iso_bench"
@@ -100,17 +103,32 @@ def _check_values(b: dict[str, Any]) -> None:
     for key in ("prompt_seed", "sample_seed", "weights_seed"):
         if not is_int(b.get(key)):
             raise _refuse(key, b.get(key), "integers")
-    t = b.get("temperature")
-    if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
-        raise _refuse("temperature", t, "finite numbers > 0")
+    check_temperature(b.get("temperature"), "bench.temperature")
     if not isinstance(b.get("full_vocab"), bool):
         raise _refuse("full_vocab", b.get("full_vocab"), "true or false")
     if b.get("launcher") not in LAUNCHERS:
         raise _refuse("launcher", b.get("launcher"), str(sorted(LAUNCHERS)))
-    if b.get("out") is not None and (not isinstance(b["out"], str) or not b["out"].strip()):
-        raise _refuse("out", b["out"], "null or a file path")
-    if b.get("plot") is not None and (not isinstance(b["plot"], str) or not b["plot"].strip()):
-        raise _refuse("plot", b["plot"], "null or a file path")
+    for key in ("out", "plot"):
+        if b.get(key) is not None:
+            _check_report_path(key, b[key])
+
+
+def _check_report_path(key: str, value: Any) -> None:
+    """``bench.out`` / ``bench.plot``: a file path to write. Missing directories are made only under the working
+    directory (``runs/sweep.json``); elsewhere the directory must exist (a typo in an absolute path would
+    otherwise make directories from the file system's root). Its nearest existing directory must be writable."""
+    if not isinstance(value, str) or not value.strip():
+        raise _refuse(key, value, "null or a file path")
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise _refuse(key, value, "null or a file path (this names a directory; add a file name, e.g. bench.json)")
+    parent = path.absolute().parent
+    if not parent.is_dir() and not parent.is_relative_to(Path.cwd()):
+        raise _refuse(
+            key, value, f"null or a file in an existing directory ({parent} does not exist; missing directories are "
+            "made only under the working directory)"
+        )  # fmt: skip
+    check_writable_dir(parent, shown=f"bench.{key}={value!r}")
 
 
 def check_bench(cfg: DictConfig) -> None:
@@ -121,6 +139,13 @@ def check_bench(cfg: DictConfig) -> None:
 
     b = OmegaConf.to_container(cfg.bench, resolve=True)
     _check_values(b)
+    longest, limit = b["prompt_len"][1] + b["new_tokens"], cfg.model.max_position_embeddings
+    if isinstance(limit, int) and longest > limit:
+        raise BenchSettingsError(
+            f"bench.prompt_len={b['prompt_len']} with bench.new_tokens={b['new_tokens']} makes sequences of up to "
+            f"{longest} tokens: the model runs at most model.max_position_embeddings={limit}; allowed values: "
+            f"prompt_len[1] + new_tokens <= {limit}"
+        )
     try:
         lays, _ = layouts(b["profiles"], b["tp"], b["ep"], b["sp"])
     except ValueError as exc:
@@ -141,6 +166,7 @@ def _prepare(argv: list[str], out: list[str]) -> int:
     a bad one is a one-line usage error and not Hydra's report or a rank's traceback."""
     out[:] = launcher_flag(argv)
     if not any(a.startswith("-") for a in out):
+        check_overrides(out)
         check_bench(load_config(out, config_name=CONFIG_NAME))
     return EXIT_OK
 

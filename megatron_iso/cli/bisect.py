@@ -63,6 +63,10 @@ def _side(flag: str, spec: str) -> Side:
         return parse_side(spec)
     except BisectInputError as exc:
         raise BisectInputError(f"{flag} {spec!r}: {exc}") from None
+    except ValueError as exc:  # shlex: "No closing quotation", "No escaped character"
+        raise BisectInputError(
+            f"{flag} {spec!r}: {exc}; allowed values: overrides as a shell would split them (close every quote)"
+        ) from None
 
 
 def _bisect(args: argparse.Namespace) -> int:

@@ -22,13 +22,30 @@ def _contract(args: argparse.Namespace, overrides: Sequence[str] | None = None) 
     """The contract of the overrides, built as the trainer builds it (``settings.contract_for``); ``--ops``
     names the implementation packages instead of the project's own."""
     from megatron_iso.config import load_config
-    from megatron_iso.contract import load_op_implementations
     from megatron_iso.settings import contract_for
 
     if args.ops:
-        load_op_implementations(packages=args.ops)
+        _load_ops(args.ops)
     cfg = load_config(args.overrides if overrides is None else overrides)
     return contract_for(cfg, load_implementations=not args.ops)
+
+
+def _load_ops(packages: Sequence[str]) -> None:
+    """``--ops``: import the named implementation packages; one that is not importable is a usage error naming it
+    (an import error inside an existing package stays a traceback: that is the package's bug)."""
+    from megatron_iso.contract import load_op_implementations
+    from megatron_iso.errors import UserError
+
+    try:
+        load_op_implementations(packages=packages)
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if not any(top == p.split(".")[0] for p in packages):
+            raise
+        raise UserError(
+            f"--ops {' '.join(packages)}: no module named {exc.name!r}; allowed values: importable packages of "
+            "implementations, e.g. megatron_iso.ops megatron_iso.parallel"
+        ) from None
 
 
 def _load_contract_file(path: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from omegaconf import DictConfig
 
 from megatron_iso.cli.exit_codes import EXIT_OK, run_cli
 from megatron_iso.config import conf_dir, load_config
+from megatron_iso.settings import Settings, check_overrides, check_trainable, resolve
 
 PROG = "iso-train"
 
@@ -43,6 +45,20 @@ def _last_logged(run_dir: Path) -> dict[str, Any]:
         if isinstance(row, dict) and any(k in row for k in SUMMARY_KEYS):
             return row
     return {}
+
+
+def validate(overrides: Sequence[str]) -> Settings:
+    """Compose and check a command line's overrides as iso-train does before any rank starts: unknown keys
+    (``settings.schema``), then the typed settings and every check of a config and of this machine
+    (``settings.check_trainable``), with ``model.init_from``'s model in place. A bad value raises a UserError
+    (exit 2, one line); the hostile-input table (tests/cli/hostile_inputs.yaml) runs through this function."""
+    from megatron_iso.checkpoint.init_from import apply_init_from
+
+    check_overrides(overrides)
+    cfg = apply_init_from(load_config(overrides), overrides)
+    settings = resolve(cfg)
+    check_trainable(settings)
+    return settings
 
 
 def _train(cfg: DictConfig) -> int:
@@ -68,8 +84,8 @@ def _train(cfg: DictConfig) -> int:
     return EXIT_OK
 
 
-def _compose(overrides: list[str]) -> int:
-    load_config(overrides)
+def _validate(overrides: list[str]) -> int:
+    validate(overrides)
     return EXIT_OK
 
 
@@ -82,8 +98,9 @@ def _run(cfg: DictConfig) -> None:
 def main() -> None:
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):
-        # Plain overrides: compose them first, so that a bad one is a one-line usage error, not Hydra's report.
-        code = run_cli(PROG, lambda: _compose(args))
+        # Plain overrides: compose and check them first, so that a bad one is a one-line usage error (not Hydra's
+        # report, nor a rank's traceback), before anything starts.
+        code = run_cli(PROG, lambda: _validate(args))
         if code != EXIT_OK:
             sys.exit(code)
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_run)()

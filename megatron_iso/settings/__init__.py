@@ -30,6 +30,7 @@ from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.schema import Contract
+from megatron_iso.errors import UserError
 from megatron_iso.settings.data import DataSettings, resolve_data
 from megatron_iso.settings.fields import (
     LOGGERS,
@@ -37,6 +38,7 @@ from megatron_iso.settings.fields import (
     WANDB_MODES,
     SettingsError,
     _group,
+    _int,
     _positive,
     check_logger,
     check_out_dir,
@@ -61,6 +63,13 @@ from megatron_iso.settings.model import (
     resolve_profile,
     shard_degrees,
 )
+from megatron_iso.settings.resources import (
+    check_launch,
+    check_memory,
+    check_writable_dir,
+    data_parallel,
+    launch_world,
+)
 from megatron_iso.settings.rl import (
     LR_DECAY_STYLES,
     NONFINITE_POLICIES,
@@ -71,6 +80,9 @@ from megatron_iso.settings.rl import (
     resolve_rl,
     resolve_rollout,
 )
+from megatron_iso.settings.schema import check_keys, check_overrides, check_schema, check_types
+from megatron_iso.settings.shapes import check_size_types
+from megatron_iso.settings.task import TaskSettings, check_task_files, resolve_task
 
 __all__ = [
     "HF_GDN_LAYOUTS",
@@ -91,6 +103,7 @@ __all__ = [
     "RolloutSettings",
     "Settings",
     "SettingsError",
+    "TaskSettings",
     "check_backward_states",
     "check_config",
     "check_gdn_choice_runs_here",
@@ -98,8 +111,10 @@ __all__ = [
     "check_logger",
     "check_micro_batch_seqs",
     "check_out_dir",
+    "check_overrides",
     "check_pipeline",
     "check_runs_here",
+    "check_schema",
     "check_shardable",
     "check_trainable",
     "config_world",
@@ -116,6 +131,7 @@ __all__ = [
     "resolve_profile",
     "resolve_rl",
     "resolve_rollout",
+    "resolve_task",
     "resume_mode",
     "shard_degrees",
 ]
@@ -136,6 +152,7 @@ class Settings:
     rl: RLSettings | None = None
     rollout: RolloutSettings | None = None
     data: DataSettings = field(default_factory=DataSettings)  # prompt files (task=dataset)
+    task: TaskSettings | None = None
     seed: int | None = None
     out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
     resume: str = "false"  # one of RESUME_MODES
@@ -178,12 +195,10 @@ def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     so a config one refuses the other refuses with the same error. Not here: what depends on the machine or the
     launch (a visible GPU, the world size: :func:`check_runs_here`, ``parallel.world``) and the GPU GEMM tiles
     (:func:`check_gpu_gemm_shapes`, a capability of the kernels that iso-train checks on CUDA only)."""
-    from megatron_iso.contract.build import validate_profile
-
-    settings = resolve(cfg)
-    validate_profile(settings.contract.profile, settings.contract.model)
+    settings = resolve(cfg)  # the profile against the model included (validate_profile, in resolve)
     check_gdn_choice_runs_here(settings.profile)
     check_pipeline(settings)
+    check_contract_limits(settings.contract.contract, settings.model.max_position_embeddings)
     if settings.out_dir is None and settings.resume != "false":
         raise SettingsError(
             f"resume={settings.resume} needs the out_dir of the run to continue (without one, every run gets a new "
@@ -204,26 +219,67 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     if isinstance(cfg, Settings):
         return cfg
     c = plain_config(cfg)
+    check_keys(c)
+    try:
+        settings = _resolve_groups(c)
+    except UserError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError):
+        check_types(c)  # a value of the wrong type that a check below missed: named, not a traceback
+        raise
+    check_types(c)  # what no resolver reads (the resolvers' own errors come first: they name the range)
+    return settings
+
+
+def _resolve_groups(c: dict[str, Any]) -> Settings:
+    from megatron_iso.contract.build import validate_profile
+
     resolved, inputs = _contract_part(c)
+    # The profile's leaves against the model's sizes before the model's own shape rules: its error lists the
+    # leaves this model allows.
+    check_size_types(inputs.model)
+    validate_profile(inputs.profile, inputs.model)
     rl = c.get("rl")
     rl_settings = resolve_rl(rl) if isinstance(rl, Mapping) else None
     if isinstance(c.get("logger"), Mapping):
         check_logger(c["logger"])
     rollout = c.get("rollout")
+    model = resolve_model(inputs.model)
     return Settings(
         profile=resolved,
-        model=resolve_model(inputs.model),
+        model=model,
         parallel=resolve_parallel(inputs.parallel, inputs.model),
         contract=inputs,
         gdn_backward_states=rl_settings.gdn_backward_states if rl_settings else "keep",
         rl=rl_settings,
         rollout=resolve_rollout(rollout) if isinstance(rollout, Mapping) else None,
         data=resolve_data(c.get("data") if isinstance(c.get("data"), Mapping) else None),
-        seed=None if c.get("seed") is None else int(c["seed"]),
+        task=resolve_task(c["task"], model.vocab_size, model.max_position_embeddings)
+        if isinstance(c.get("task"), Mapping)
+        else None,
+        seed=None if c.get("seed") is None else _int(c["seed"], "seed", -(2**63)),
         out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),
         dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
     )
+
+
+def check_contract_limits(contract: Mapping[str, Any], max_positions: int) -> None:
+    """``contract.max_batch`` and ``contract.max_seq_len`` (the shape limits the contract claims): positive
+    integers, the sequence no longer than the model's positions (the contract builder's rule, checked with the rest
+    of the config rather than when the trainer builds its contract)."""
+    for key in ("max_batch", "max_seq_len"):
+        value = contract.get(key)
+        if key in contract and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ContractValidationError(
+                f"contract.{key}={value!r} must be a positive integer; allowed values: integers >= 1"
+            )
+    seq = contract.get("max_seq_len")
+    if isinstance(seq, int) and seq > max_positions:
+        raise ContractValidationError(
+            f"contract.max_seq_len={seq} exceeds model.max_position_embeddings={max_positions}; allowed values: "
+            f"1 .. {max_positions}"
+        )
 
 
 def check_runs_here(settings: Settings, *, pipeline: bool = False) -> None:
@@ -267,9 +323,19 @@ def check_pipeline(settings: Settings) -> None:
 
 def check_trainable(settings: Settings) -> None:
     """Before any world or model is built: the config's checks (:func:`check_config`, iso-contract's too), then
-    what this machine must have (:func:`check_runs_here`)."""
+    what this machine and launch must have (:func:`check_runs_here`; the layout's processes and ``parallel.dp``;
+    memory for the parameters, the KV cache and a micro-batch's logits: ``settings.resources``), the prompt files
+    readable and the run directory writable."""
     check_config(settings)
     check_runs_here(settings, pipeline=True)
+    # The launch (this process or torchrun's world) holds the layout, and parallel.dp agrees with it.
+    p = settings.parallel
+    world = launch_world()
+    check_launch(p.tp, p.pp, p.ep, world)
+    dp = data_parallel(p.tp, p.pp, p.dp, world)
+    check_memory(settings, settings.task.prompts_per_step if settings.task is not None else None, dp)
+    check_task_files(settings.task, settings.data.train_files, settings.data.val_files)
+    check_writable_dir(settings.out_dir)
 
 
 def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractContextManager[int]:

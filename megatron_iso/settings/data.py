@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _positive
+from megatron_iso.settings.fields import SettingsError, _bool, _choice, _get, _int, check_temperature
 
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets builder
 CHAT_TEMPLATE_MODES = ("auto", "true", "false")  # auto: on when the tokenizer has a template
@@ -91,7 +91,7 @@ def resolve_data(data: Mapping[str, Any] | None) -> DataSettings:
         chat_template=_choice(mode, "data.chat_template", CHAT_TEMPLATE_MODES),
         chat_template_kwargs=dict(kwargs),
         system_prompt=None if system is None else str(system),
-        shuffle=bool(_get(data, "shuffle", True)),
+        shuffle=_bool(_get(data, "shuffle", True), "data.shuffle"),
         seed=None if seed is None else _int(seed, "data.seed", 0),
         val_max_samples=None if val_max is None else _int(val_max, "data.val_max_samples", 1),
     )
@@ -144,8 +144,8 @@ def check_generation(rl: Mapping[str, Any]) -> dict[str, Any]:
         "top_k": _int(_get(rl, "top_k", 0), "rl.top_k", 0),
         "stop_token_ids": _stop_ids(rl.get("stop_token_ids")),
         "val_every": _int(_get(rl, "val_every", 0), "rl.val_every", 0),
-        "val_before_train": bool(_get(rl, "val_before_train", True)),
-        "val_temperature": _positive(val_t, "rl.val_temperature", zero=True),
+        "val_before_train": _bool(_get(rl, "val_before_train", True), "rl.val_before_train"),
+        "val_temperature": check_temperature(val_t, "rl.val_temperature", zero=True),
         "val_n": _int(_get(rl, "val_n", 1), "rl.val_n", 1),
-        "log_entropy": bool(_get(rl, "log_entropy", True)),
+        "log_entropy": _bool(_get(rl, "log_entropy", True), "rl.log_entropy"),
     }

@@ -3,6 +3,7 @@ and the run-level fields (``resume``, ``out_dir``, ``logger``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,55 @@ def _positive(value: Any, field_name: str, zero: bool = False) -> float:
         bound = ">= 0" if zero else "> 0"
         raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: finite numbers {bound}")
     return float(value)
+
+
+def _bool(value: Any, field_name: str) -> bool:
+    """``value`` as a bool: true or false only (``bool('yes')`` is True, so a cast would accept any typo)."""
+    if not isinstance(value, bool):
+        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: true or false")
+    return value
+
+
+def _number(value: Any, field_name: str, low: float | None = None, *, open_low: bool = False) -> float:
+    """``value`` as a finite float (>= ``low``, or > ``low`` with ``open_low``)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if open_low else value >= low
+    if not ok:
+        bound = "" if low is None else f" {'>' if open_low else '>='} {low:g}"
+        raise SettingsError(f"{field_name}={value!r} is not allowed; allowed values: finite numbers{bound}")
+    return float(value)
+
+
+# The smallest sampling temperature: logits are divided by it in fp32 (largest finite value 3.4e38). At 1e-30 a
+# logit up to 3.4e8 stays finite, orders of magnitude beyond any logit a model produces; at 1e-40 (an fp32
+# subnormal) a logit of 1 already overflows to inf and every logprob is NaN.
+MIN_TEMPERATURE = 1e-30
+
+
+def check_temperature(value: Any, field_name: str, *, zero: bool = False) -> float:
+    """A sampling temperature: a finite number >= :data:`MIN_TEMPERATURE` (or 0 = greedy, with ``zero``)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value >= MIN_TEMPERATURE or (zero and value == 0)):
+        return float(value)
+    greedy = "0 (greedy) or " if zero else ""
+    raise SettingsError(
+        f"{field_name}={value!r} is not allowed; allowed values: {greedy}finite numbers >= {MIN_TEMPERATURE:g} "
+        f"(logits are divided by it in fp32: below {MIN_TEMPERATURE:g} logit/temperature overflows to inf and "
+        "the logprobs are NaN)"
+    )
+
+
+def _required(group: Mapping[str, Any], key: str, group_name: str) -> Any:
+    """``group[key]``, which every option of the group sets; a missing or null one names the key (a KeyError or
+    ``int(None)`` would be a traceback)."""
+    value = group.get(key)
+    if value is None:
+        raise SettingsError(
+            f"{group_name}.{key} is {'null' if key in group else 'missing'}; it needs a value (the shipped configs, "
+            "megatron_iso/conf/, set one)"
+        )
+    return value
 
 
 def _choice(value: Any, field_name: str, allowed: tuple[str, ...]) -> str:

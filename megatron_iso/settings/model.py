@@ -8,7 +8,8 @@ from typing import Any
 
 from megatron_iso.contract.build import ContractValidationError, check_profile_name, resolve_device_class
 from megatron_iso.contract.registry import Profile
-from megatron_iso.settings.fields import SettingsError, _get, _int
+from megatron_iso.settings.fields import SettingsError, _bool, _get, _int, _number
+from megatron_iso.settings.shapes import check_model_shapes
 
 HF_GDN_LAYOUTS = ("qkvz", "split")
 PARAMS_DTYPES = ("bf16", "fp32")
@@ -61,22 +62,31 @@ def check_gdn_choice_runs_here(profile: ProfileSettings) -> None:
         )
 
 
+def _leaves(profile: Mapping[str, Any], key: str, default: int) -> int:
+    """``profile.<key>`` as an int; the power-of-two rule and the model's sizes are the contract's
+    ``validate_profile`` (run by ``check_config``), whose error says which powers the model allows."""
+    value = _get(profile, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(f"profile.{key}={value!r} is not allowed; allowed values: powers of two (1, 2, 4, 8, ...)")
+    return value
+
+
 def resolve_profile(profile: Mapping[str, Any], device: Any) -> ProfileSettings:
     """``profile`` and ``device`` resolved (order of checks: device, profile.name, the GDN choice)."""
     device_class = resolve_device_class(device)
     name = check_profile_name(profile.get("name"))
     form, precision = resolve_gdn_form(profile, device_class)
-    chunk = int(_get(profile, "gdn_chunk", 64))
-    if chunk < 1:
-        raise ContractValidationError(f"profile.gdn_chunk={chunk} must be a positive int")
+    chunk = _int(_get(profile, "gdn_chunk", 64), "profile.gdn_chunk", 1)
+    # 0 (the performance profile's): the attention's default block of 64 keys.
+    kv_block = _int(_get(profile, "attention_kv_block", 64), "profile.attention_kv_block", 0) or 64
     bitwise = name is Profile.CORRECTNESS
     raw = {**profile, "gdn_form": form} if "gdn_form" in profile else dict(profile)
     return ProfileSettings(
         name=name,
         device_class=device_class,
-        leaves=int(_get(profile, "leaves", 8)) if bitwise else 1,
-        expert_leaves=int(_get(profile, "expert_leaves", 1)) if bitwise else 1,
-        attention_kv_block=int(_get(profile, "attention_kv_block", 64)) or 64,
+        leaves=_leaves(profile, "leaves", 8) if bitwise else 1,
+        expert_leaves=_leaves(profile, "expert_leaves", 1) if bitwise else 1,
+        attention_kv_block=kv_block,
         gdn_chunk=chunk,
         gdn_form=form,
         gdn_dot_precision=precision,
@@ -155,7 +165,7 @@ def _layer_pattern(interval: Any, num_layers: Any) -> int | tuple[str, ...]:
                 f"(every k-th layer full attention) or a list of {int(num_layers)} (model.num_layers) of {list(LAYER_TYPES)}"
             )
         return types
-    if int(interval) < 1:
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise SettingsError(
             f"model.full_attention_interval={interval!r} is not allowed; allowed values: an integer >= 1 or a list of "
             f"{int(num_layers)} (model.num_layers) of {list(LAYER_TYPES)}"
@@ -168,7 +178,7 @@ def resolve_gdn(model: Mapping[str, Any]) -> GDNSettings | None:
     interval = _get(model, "full_attention_interval")
     if interval is None:
         return None
-    pattern = _layer_pattern(interval, model["num_layers"])
+    pattern = _layer_pattern(interval, model["num_layers"])  # num_layers: checked by check_model_shapes
     layout = str(_get(model, "hf_gdn_layout", "qkvz"))
     if layout not in HF_GDN_LAYOUTS:
         raise SettingsError(f"model.hf_gdn_layout={layout!r} is not allowed; allowed values: {list(HF_GDN_LAYOUTS)}")
@@ -193,8 +203,8 @@ def resolve_moe(model: Mapping[str, Any]) -> MoESettings | None:
         topk=int(model["moe_topk"]),
         ffn_hidden_size=int(model["moe_ffn_hidden_size"]),
         shared_expert_ffn_hidden_size=None if shared is None else int(shared),
-        shared_expert_gate=bool(_get(model, "shared_expert_gate", False)),
-        norm_topk_prob=bool(_get(model, "norm_topk_prob", True)),
+        shared_expert_gate=_bool(_get(model, "shared_expert_gate", False), "model.shared_expert_gate"),
+        norm_topk_prob=_bool(_get(model, "norm_topk_prob", True), "model.norm_topk_prob"),
         aux_loss_coeff=float(_get(model, "moe_aux_loss_coeff", 0.0)),
     )
 
@@ -211,11 +221,19 @@ def check_init_from(value: Any) -> str | None:
     return value
 
 
+# The model's switches and their defaults (a key an option leaves out takes its default).
+_MODEL_FLAGS = {"zero_centered_norm": False, "qk_layernorm": True, "attention_output_gate": False,
+                "tie_word_embeddings": False}  # fmt: skip
+
+
 def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
+    """``model`` typed, once every shape rule holds (:func:`~megatron_iso.settings.shapes.check_model_shapes`)."""
     dtype = str(_get(model, "params_dtype", "fp32"))
     if dtype not in PARAMS_DTYPES:
         raise SettingsError(f"model.params_dtype={dtype!r} is not allowed; allowed values: {sorted(PARAMS_DTYPES)}")
+    check_model_shapes(model)
     gdn, moe = resolve_gdn(model), resolve_moe(model)
+    flag = {k: _bool(_get(model, k, d), f"model.{k}") for k, d in _MODEL_FLAGS.items()}
     return ModelSettings(
         num_layers=int(model["num_layers"]),
         hidden_size=int(model["hidden_size"]),
@@ -224,15 +242,15 @@ def resolve_model(model: Mapping[str, Any]) -> ModelSettings:
         num_query_groups=int(model["num_query_groups"]),
         kv_channels=int(model["kv_channels"]),
         norm_epsilon=float(model["norm_epsilon"]),
-        zero_centered_norm=bool(_get(model, "zero_centered_norm", False)),
-        qk_layernorm=bool(_get(model, "qk_layernorm", True)),
-        attention_output_gate=bool(_get(model, "attention_output_gate", False)),
-        init_std=float(_get(model, "init_std", 0.02)),
+        zero_centered_norm=flag["zero_centered_norm"],
+        qk_layernorm=flag["qk_layernorm"],
+        attention_output_gate=flag["attention_output_gate"],
+        init_std=_number(_get(model, "init_std", 0.02), "model.init_std", 0.0, open_low=True),
         rope_theta=float(model["rope_theta"]),
         rotary_fraction=float(_get(model, "rotary_fraction", 1.0)),
         vocab_size=int(model["vocab_size"]),
         max_position_embeddings=int(model["max_position_embeddings"]),
-        tie_word_embeddings=bool(_get(model, "tie_word_embeddings", False)),
+        tie_word_embeddings=flag["tie_word_embeddings"],
         params_dtype=dtype,
         gdn=gdn,
         moe=moe,
@@ -327,7 +345,7 @@ class ParallelSettings:
     pp: int = 1
     ep: int = 1
     sp: bool = False
-    dp: int = 1
+    dp: int | None = None  # data parallel: null derives it from the world size (world / (tp * pp)); a value must agree
     cp: int = 1  # context parallelism: not supported, refused unless 1 (resolve_parallel)
 
 
@@ -338,8 +356,8 @@ def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | Non
         tp=_int(_get(parallel, "tp", 1), "parallel.tp", 1),
         pp=_int(_get(parallel, "pp", 1), "parallel.pp", 1),
         ep=_int(_get(parallel, "ep", 1), "parallel.ep", 1),
-        sp=bool(_get(parallel, "sp", False)),
-        dp=_int(_get(parallel, "dp", 1), "parallel.dp", 1),
+        sp=_bool(_get(parallel, "sp", False), "parallel.sp"),
+        dp=None if parallel.get("dp") is None else _int(parallel["dp"], "parallel.dp", 1),
         cp=_int(_get(parallel, "cp", 1), "parallel.cp", 1),
     )
     if out.cp != 1:

@@ -9,7 +9,17 @@ from typing import Any
 
 from megatron_iso.settings.correction import RolloutCorrection
 from megatron_iso.settings.data import check_generation
-from megatron_iso.settings.fields import SettingsError, _choice, _get, _int, _positive
+from megatron_iso.settings.fields import (
+    SettingsError,
+    _bool,
+    _choice,
+    _get,
+    _int,
+    _number,
+    _positive,
+    _required,
+    check_temperature,
+)
 
 # What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
 NONFINITE_POLICIES = ("stop", "skip")
@@ -30,7 +40,7 @@ def check_micro_batch_seqs(value: Any) -> int:
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
+        raise SettingsError(
             f"rl.train_micro_batch_seqs={value!r} is not allowed; allowed values: 0 or null (all sequences "
             "in one batch) or a positive integer (sequences per micro-batch)"
         )
@@ -41,7 +51,10 @@ def check_backward_states(value: Any) -> str:
     """``rl.gdn_backward_states`` checked by the GDN family's rule (keep | recompute)."""
     from megatron_iso.ops.gdn import check_backward_states as check
 
-    return check(str(value), "rl.gdn_backward_states")
+    try:
+        return check(str(value), "rl.gdn_backward_states")
+    except ValueError as exc:  # the op family's rule, told as a setting's error (exit 2)
+        raise SettingsError(str(exc)) from None
 
 
 def check_rollout_correction(rl: Mapping[str, Any]) -> RolloutCorrection:
@@ -198,36 +211,54 @@ def check_recompute(rl: Mapping[str, Any]) -> Recompute:
     )
 
 
+def _loss_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The objectives and loss aggregations the loss module implements (its constants: one list of each)."""
+    from megatron_iso.rl.losses import AGGREGATIONS, ALGOS
+
+    return tuple(ALGOS), tuple(AGGREGATIONS)
+
+
 def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
     """``rl`` typed; every key the loop reads must be present (as when the loop read the DictConfig)."""
-    steps, lr, warmup = _int(rl["steps"], "rl.steps", 1), _positive(rl["lr"], "rl.lr"), _get(rl, "lr_warmup_steps", 0)
+
+    def req(key: str) -> Any:
+        return _required(rl, key, "rl")
+
+    def flag(key: str, default: bool) -> bool:
+        return _bool(_get(rl, key, default), f"rl.{key}")
+
+    def at_least_zero(key: str) -> float:
+        return _number(req(key), f"rl.{key}", 0.0)
+
+    algos, aggregations = _loss_choices()
+    steps, lr, warmup = _int(req("steps"), "rl.steps", 1), _positive(req("lr"), "rl.lr"), _get(rl, "lr_warmup_steps", 0)
     if _int(warmup, "rl.lr_warmup_steps", 0) >= steps:
         raise SettingsError(f"rl.lr_warmup_steps={warmup} is not allowed; allowed values: 0 .. {steps - 1}")
     if _positive(_get(rl, "min_lr", 0.0), "rl.min_lr", zero=True) > lr:
         raise SettingsError(f"rl.min_lr={rl['min_lr']!r} is not allowed; allowed values: 0 .. rl.lr = {lr!r}")
     recompute = check_recompute(rl)
     return RLSettings(
-        algo=str(rl["algo"]),
+        algo=_choice(req("algo"), "rl.algo", algos),
         steps=steps,
-        group_size=_int(rl["group_size"], "rl.group_size", 2),
+        group_size=_int(req("group_size"), "rl.group_size", 2),
         **check_generation(rl),
-        temperature=_positive(rl["temperature"], "rl.temperature"),
+        temperature=check_temperature(req("temperature"), "rl.temperature"),
         lr=lr,
-        clip_low=float(rl["clip_low"]),
-        clip_high=float(rl["clip_high"]),
-        aggregation=str(rl["aggregation"]),
-        kl_coef=float(rl["kl_coef"]),
-        tis_cap=float(_get(rl, "tis_cap", 0.0)),
+        clip_low=at_least_zero("clip_low"),
+        clip_high=at_least_zero("clip_high"),
+        aggregation=_choice(req("aggregation"), "rl.aggregation", aggregations),
+        kl_coef=at_least_zero("kl_coef"),
+        tis_cap=at_least_zero("tis_cap"),
         rollout_correction=check_rollout_correction(rl),
         **check_ppo(rl),
-        dynamic_sampling=bool(rl["dynamic_sampling"]),
-        overlong_buffer=int(rl["overlong_buffer"]),
-        overlong_penalty=float(rl["overlong_penalty"]),
-        scale_adv_by_std=bool(rl["scale_adv_by_std"]),
-        checkpoint_every=_int(rl["checkpoint_every"], "rl.checkpoint_every", 1),
+        dynamic_sampling=flag("dynamic_sampling", False),
+        overlong_buffer=_int(req("overlong_buffer"), "rl.overlong_buffer", 0),
+        overlong_penalty=at_least_zero("overlong_penalty"),
+        scale_adv_by_std=flag("scale_adv_by_std", True),
+        checkpoint_every=_int(req("checkpoint_every"), "rl.checkpoint_every", 1),
         keep_checkpoints=_int(_get(rl, "keep_checkpoints", 0), "rl.keep_checkpoints", 0),
         save_hf_every=_int(_get(rl, "save_hf_every", 0), "rl.save_hf_every", 0),
-        grad_clip=float(rl["grad_clip"]),
+        grad_clip=at_least_zero("grad_clip"),
         train_micro_batch_seqs=check_micro_batch_seqs(rl.get("train_micro_batch_seqs")),
         gdn_backward_states=check_backward_states(_get(rl, "gdn_backward_states", "keep")),
         nonfinite=_choice(_get(rl, "nonfinite", "stop"), "rl.nonfinite", NONFINITE_POLICIES),
@@ -239,7 +270,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         recompute_method=recompute.method,
         recompute_num_layers=recompute.num_layers,
         recompute_modules=None if recompute.modules is None else list(recompute.modules),
-        use_distributed_optimizer=bool(_get(rl, "use_distributed_optimizer", False)),
+        use_distributed_optimizer=flag("use_distributed_optimizer", False),
     )
 
 
@@ -259,8 +290,8 @@ class RolloutSettings:
 
 def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
     return RolloutSettings(
-        kv_cache_mb=_int(rollout["kv_cache_mb"], "rollout.kv_cache_mb", 1),
-        paged_kv_reads=bool(rollout["paged_kv_reads"]),
-        cuda_graphs=bool(rollout["cuda_graphs"]),
-        release_in_training=bool(rollout.get("release_in_training", True)),
+        kv_cache_mb=_int(_required(rollout, "kv_cache_mb", "rollout"), "rollout.kv_cache_mb", 1),
+        paged_kv_reads=_bool(_get(rollout, "paged_kv_reads", True), "rollout.paged_kv_reads"),
+        cuda_graphs=_bool(_get(rollout, "cuda_graphs", True), "rollout.cuda_graphs"),
+        release_in_training=_bool(_get(rollout, "release_in_training", True), "rollout.release_in_training"),
     )

@@ -45,7 +45,6 @@ def test_neutral_layout_changes_only_deployment(cfg_for, overrides):
         "profile.leaves=4,profile.tp_domain=[1,2,4]",
         "profile.gdn_chunk=32",
         "profile.attention_kv_block=128",
-        "+profile.new_knob=3",  # unknown profile keys are keyed, conservatively
         "device=cuda",
         "profile=performance",
     ],
