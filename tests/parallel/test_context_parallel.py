@@ -55,15 +55,25 @@ def _score(model_name: str, tp: int, cp: int, sp: bool, profile: str) -> dict:
     return {"logp": logp, "ent": ent, "logp_all": logp_all.detach(), "grads": grads, "local_rows": local_rows}
 
 
-def _worker(model_name: str, profile: str) -> dict:
+def _worker(model_name: str, profile: str, names: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
     from megatron_iso.parallel.layouts import ParallelLayout
 
-    layouts = {k: ParallelLayout.create(tp, cp=cp) for k, (tp, cp, _) in LAYOUTS.items()}
+    layouts = {k: ParallelLayout.create(LAYOUTS[k][0], cp=LAYOUTS[k][1]) for k in names}
     out = {}
-    for name, (tp, cp, sp) in LAYOUTS.items():
+    for name in names:
+        tp, cp, sp = LAYOUTS[name]
         with layouts[name].active():
             out[name] = _score(model_name, tp, cp, sp, profile)
     return out
+
+
+def test_performance_profile_runs_the_same_scheme_at_cp_2():
+    """The performance profile's CP: the same row split and K/V all-gather around the stock attention (SDPA), no
+    fixed-order promise: it runs forward and backward, and its logprobs are close to its CP 1's."""
+    for res in run_on_ranks(_worker, 2, args=("tiny_dense", "performance", ("cp1", "cp2"))):
+        assert res["cp2"]["local_rows"] == 26  # 50 rows padded to 52, half per rank
+        a, b = res["cp2"]["logp_all"], res["cp1"]["logp_all"]
+        assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
 @pytest.mark.parametrize("model_name", ["tiny_dense", "tiny_moe"])
