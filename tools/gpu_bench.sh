@@ -58,6 +58,8 @@
 #   decode8bfull 300 bench_decode iso + native, Qwen3-8B (36 layers), batch 1 and 64, 4096-token prompts
 #   nccl     300    needs 2 GPUs: tests/multigpu over NCCL (invariance, TP-2 decode graphs)
 #   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
+#   rlcp2    420    needs 2 GPUs: bench_rl_step at CP=2 under torchrun (correctness; the performance profile with
+#                   profile.cp_domain=[1,2], docs/CONTEXT_PARALLEL.md): rollout CP 1 vs trainer CP 2 over NCCL
 # The numbers these steps produced: docs/PERFORMANCE.md.
 set -u
 out=${OUT:-}
@@ -69,7 +71,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd decode decoderoof decode8b decode8bfull decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd decode decoderoof decode8b decode8bfull decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -174,5 +176,8 @@ for s in "$@"; do
     rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
       --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \
       --out "$OUT/rl_step_tp2.json" parallel.tp=2 ;;
+    rlcp2) step rlcp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
+      --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \
+      --out "$OUT/rl_step_cp2.json" parallel.cp=2 "profile.cp_domain=[1,2]" ;;
   esac
 done

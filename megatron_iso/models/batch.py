@@ -32,6 +32,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan
 from megatron_iso.ops.gdn.state_cache import GDNStateCache
 from megatron_iso.ops.rope import check_position
+from megatron_iso.parallel.context import ContextShard
 
 CASES = ("trainer_forward", "prefill", "decode")
 
@@ -59,6 +60,9 @@ class IsoBatch(PackedSeqParams):
     # the rows' next tokens against a vocab at least this large skips the range check, a host read per LM-head
     # chunk on a GPU (``models.scoring``). None: unchecked.
     ids_checked_below: int | None = None
+    # Context parallelism: this rank's share of a trainer pack (``models.context.shard_for_context``); its
+    # attention gathers every rank's keys. None: the rows are the whole pack.
+    cp: ContextShard | None = None
     # Per-call values every layer would compute the same way (RoPE cos/sin of ``positions``), built
     # by the first layer that needs them: the same function of the same inputs, so the same bits.
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -150,6 +150,7 @@ def _iso_config(s: Settings, dtype: torch.dtype) -> IsoTransformerConfig:
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sp and parallel.tp > 1,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,

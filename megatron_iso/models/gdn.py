@@ -153,6 +153,11 @@ class IsoGatedDeltaNet(MegatronModule):
                 "IsoGatedDeltaNet needs packed_seq_params=IsoBatch (megatron_iso.models.batch.pack); "
                 f"got {type(batch).__name__}"
             )
+        if batch.cp is not None:  # settings refuse it first (settings.model.resolve_parallel); this guards the API
+            raise ValueError(
+                "parallel.cp > 1 is not supported for Gated DeltaNet layers (the hybrid models): the recurrent state "
+                "and the conv1d history would have to pass from rank to rank in sequence order"
+            )
         x, _ = self.in_proj(hidden_states)
         x = x.squeeze(1)  # packed rows: batch dimension 1
         t = x.shape[0]

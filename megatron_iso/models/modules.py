@@ -26,8 +26,10 @@ from megatron_iso.ops.attention import (
     attention_with_paged_kv_cache,
     paged_kv_reads,
 )
+from megatron_iso.ops.attention.segments import attention_query_runs
 from megatron_iso.ops.norm import rms_norm
 from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
+from megatron_iso.parallel.context import gather_sequence_rows
 
 
 class IsoRMSNorm(torch.nn.Module):
@@ -66,6 +68,10 @@ class PackedCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
         common = {"softmax_scale": self.softmax_scale, "gate": gate, "kv_block": self.kv_block, "profile": self.profile}
+        if batch.cp is not None:
+            # Context parallelism: this rank's queries against every rank's keys, in CP 1's blocks and order.
+            k_full, v_full = gather_sequence_rows(k, batch.cp), gather_sequence_rows(v, batch.cp)
+            return attention_query_runs(q, k_full, v_full, batch.cp.runs, **common)
         if not batch.uses_cache:
             return attention_varlen(q, k, v, batch.cu_seqlens_q, **common)
         if paged_kv_reads(q, self.profile) and getattr(batch.kv_cache, "paged", False):

@@ -21,6 +21,9 @@ from megatron.core.tensor_parallel.mappings import (
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
 from megatron_iso.contract.registry import Profile
+from megatron_iso.models.batch import IsoBatch
+from megatron_iso.models.context import shard_for_context
+from megatron_iso.parallel.context import gather_scores
 from megatron_iso.parallel.head_scoring import head_token_logprobs
 from megatron_iso.parallel.vocab_scoring import entropy, token_logprobs
 
@@ -59,15 +62,19 @@ def score_sequences(
     ids = input_ids.reshape(-1)
     targets = torch.roll(ids, -1)
     kwargs = _scoring_kwargs(model.config, temperature)
-    if rows is not None:
-        kwargs, targets = _for_rows(kwargs, rows, ids.numel()), targets[rows]
     # Ids pack checked on the host (IsoBatch.ids_checked_below) need no range check, a host read per chunk on a GPU.
     checked = getattr(batch, "ids_checked_below", None)
     ids_in_range = checked is not None and checked <= model.config.vocab_size
-    logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range)
-    if rows is not None:
-        logp = logp.new_zeros(ids.numel()).index_copy(0, rows, logp)
-        ent = None if ent is None else ent.new_zeros(ids.numel()).index_copy(0, rows, ent)
+    sharded = shard_for_context(input_ids, batch, model.config) if isinstance(batch, IsoBatch) else None
+    if sharded is not None:  # context parallelism: this rank's rows, scores of the whole pack gathered
+        logp, ent = _score_context_shard(model, *sharded, targets, kwargs, with_entropy, rows, ids_in_range)
+    else:
+        if rows is not None:
+            kwargs, targets = _for_rows(kwargs, rows, ids.numel()), targets[rows]
+        logp, ent = _score_in_chunks(model, input_ids, batch, targets, kwargs, with_entropy, rows, ids_in_range)
+        if rows is not None:
+            logp = logp.new_zeros(ids.numel()).index_copy(0, rows, logp)
+            ent = None if ent is None else ent.new_zeros(ids.numel()).index_copy(0, rows, ent)
     last = batch.cu_seqlens_q[1:].long() - 1
     keep = torch.ones_like(logp, dtype=torch.bool)
     keep[last] = False
@@ -76,6 +83,35 @@ def score_sequences(
         return torch.where(keep, t, torch.zeros_like(t))
 
     return masked(logp), None if ent is None else masked(ent)
+
+
+def _score_context_shard(model, local_ids, local, targets, kwargs, with_entropy, rows, ids_in_range):
+    """:func:`score_sequences` on this CP rank's rows (``local``: ``models.context``), the whole pack's scores
+    gathered on every CP rank (``parallel.context.gather_scores``). A row's scores are those of CP 1: the same
+    row-wise ops and the same attention bits."""
+    shard = local.cp
+    real = shard.real
+    pad = shard.total - real
+    index = shard.index
+
+    def padded(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
+
+    t = kwargs["temperature"]
+    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == real:  # per-row: the filler rows' is 1
+        kwargs = kwargs | {"temperature": padded(t, 1.0)[index]}
+    targets = padded(targets, 0)[index]
+    local_rows = None
+    if rows is not None:
+        chosen = torch.zeros(shard.total, dtype=torch.bool, device=rows.device)
+        chosen[rows] = True
+        local_rows = chosen[index].nonzero()[:, 0]
+        kwargs, targets = _for_rows(kwargs, local_rows, index.numel()), targets[local_rows]
+    logp, ent = _score_in_chunks(model, local_ids, local, targets, kwargs, with_entropy, local_rows, ids_in_range)
+    if local_rows is not None:
+        logp = logp.new_zeros(index.numel()).index_copy(0, local_rows, logp)
+        ent = None if ent is None else ent.new_zeros(index.numel()).index_copy(0, local_rows, ent)
+    return gather_scores(logp, shard), None if ent is None else gather_scores(ent.detach(), shard)
 
 
 def _stock_head_input(head, hidden: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ def _rank_main(
         init: dict[str, Any] = {"backend": "gloo", "rank": rank, "world_size": world_size}
         if layout.get("collective_timeout_s") is not None:
             init["timeout"] = datetime.timedelta(seconds=layout["collective_timeout_s"])
-        with megatron_world(init, layout["tp"], layout["pp"], layout["ep"], layout["etp"], seed):
+        with megatron_world(init, layout["tp"], layout["pp"], layout["ep"], layout["etp"], seed, layout["cp"]):
             result = fn(*args)
             queue.put((rank, True, _dumps(result)))
     except BaseException:  # report every failure, including assertion errors, to the parent
@@ -87,13 +87,13 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def check_layout(who: str, world_size: int, tp: int, pp: int, ep: int, etp: int) -> None:
+def check_layout(who: str, world_size: int, tp: int, pp: int, ep: int, etp: int, cp: int = 1) -> None:
     """Refuse a layout no launcher can start, naming the field (``who`` names the launcher)."""
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{who}: {name}={value!r} must be a positive int")
-    if world_size % (tp * pp):
-        raise ValueError(f"{who}: tp*pp={tp * pp} does not divide world_size={world_size}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"{who}: tp*pp*cp={tp * pp * cp} does not divide world_size={world_size}")
 
 
 _POLL_S = 1.0
@@ -127,6 +127,7 @@ def run_on_ranks(
     seed: int = 1234,
     timeout: float = 600.0,
     collective_timeout_s: float | None = None,
+    cp: int = 1,
 ) -> list[Any]:
     """Call module-level ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order.
 
@@ -134,12 +135,13 @@ def run_on_ranks(
     data-parallel-times-TP product as Megatron requires. ``etp`` is the expert tensor-parallel size
     (1, as ``models.config`` configures MoE models: an expert lives whole on one EP rank).
     ``collective_timeout_s``: the world's collective timeout (``dist_timeout_s``; torch's default when None).
+    ``cp``: the context-parallel size (``tp * pp * cp`` must divide ``world_size``).
     """
-    check_layout("run_on_ranks", world_size, tp, pp, ep, etp)
+    check_layout("run_on_ranks", world_size, tp, pp, ep, etp, cp)
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "collective_timeout_s": collective_timeout_s}
+    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "cp": cp, "collective_timeout_s": collective_timeout_s}
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, port, layout, seed, fn, tuple(args), queue), daemon=True)
         for r in range(world_size)

@@ -48,6 +48,7 @@ class ParallelLayout:
     pp: int
     ep: int
     state: dict[str, Any] = field(repr=False, compare=False)
+    cp: int = 1
 
     @classmethod
     def current(cls) -> ParallelLayout:
@@ -61,10 +62,11 @@ class ParallelLayout:
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
             _snapshot(),
+            parallel_state.get_context_parallel_world_size(),
         )
 
     @classmethod
-    def create(cls, tp: int, pp: int = 1, ep: int = 1) -> ParallelLayout:
+    def create(cls, tp: int, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelLayout:
         """Initialise another layout's groups (every rank must call this, in the same order); the
         layout active before the call is active again after it."""
 
@@ -74,7 +76,7 @@ class ParallelLayout:
         # Not destroy_model_parallel(): it destroys the gloo DP groups, which ``before`` still uses.
         _restore({k: type(v)() if isinstance(v, dict | list) else None for k, v in before.state.items()})
         try:
-            initialize_layout(tp, pp, ep)
+            initialize_layout(tp, pp, ep, cp=cp)
             return cls.current()
         finally:
             _restore(before.state)

@@ -42,11 +42,11 @@ def _torchrun_target() -> str:
     return argv0 if argv0.endswith(".py") else "<your program>"
 
 
-def _needs_torchrun(tp: int, pp: int, ep: int) -> str:
+def _needs_torchrun(tp: int, pp: int, ep: int, cp: int = 1) -> str:
     """One line: the settings that need several processes, and the torchrun launch of this program that gives
     them."""
-    nproc = math.lcm(tp * pp, ep * pp)
-    named = [f"parallel.{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v != 1]
+    nproc = math.lcm(tp * pp * cp, ep * pp)
+    named = [f"parallel.{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)) if v != 1]
     return (
         f"{', '.join(named)} {'needs' if len(named) == 1 else 'need'} {nproc} processes, and this is a single "
         f"process (not started by torchrun); launch it with torchrun, e.g. `torchrun --nproc-per-node {nproc} "
@@ -64,9 +64,11 @@ def collective_timeout() -> datetime.timedelta | None:
     return _TIMEOUT
 
 
-def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:
+def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1) -> None:
     """Megatron's parallel_state for a layout: the one call every launcher makes.
 
+    ``cp``: context parallelism (Megatron's CP groups: ranks that split one sequence's rows, weights replicated;
+    ``parallel.context``).
     Expert tensor parallelism defaults to 1 (megatron_iso's invariant experts are whole per EP
     rank; Megatron would otherwise default it to the TP size). Megatron's groups (TP, EP, DP, ...) get the
     world's collective timeout: Megatron would give them its own 30 minutes, so ``dist_timeout_s`` would stop
@@ -80,6 +82,7 @@ def initialize_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> No
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
         **timeout,
     )
 
@@ -106,7 +109,7 @@ def seed_ranks(seed: int) -> None:
 
 @contextlib.contextmanager
 def megatron_world(
-    init: dict[str, object], tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234
+    init: dict[str, object], tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234, cp: int = 1
 ) -> Iterator[None]:
     """torch.distributed (``init_process_group(**init)``) plus Megatron's parallel_state for the
     layout, seeded, for the body; both torn down after. Every world megatron_iso starts goes here."""
@@ -120,7 +123,7 @@ def megatron_world(
     dist.init_process_group(**init)
     _TIMEOUT = init.get("timeout")  # type: ignore[assignment]
     try:
-        initialize_layout(tp, pp, ep, etp)
+        initialize_layout(tp, pp, ep, etp, cp)
         seed_ranks(seed)
         yield
     finally:
@@ -150,7 +153,13 @@ def single_process_world(seed: int = 1234) -> Iterator[None]:
 
 @contextlib.contextmanager
 def launched_world(
-    tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, etp: int = 1, timeout_s: float | None = None
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    seed: int = 1234,
+    etp: int = 1,
+    timeout_s: float | None = None,
+    cp: int = 1,
 ) -> Iterator[int]:
     """The world of a launch: torchrun's (``RANK``/``WORLD_SIZE`` in the environment; gloo on CPU,
     NCCL on CUDA with this process on ``cuda:<LOCAL_RANK>``) or, without torchrun, one local process.
@@ -159,19 +168,19 @@ def launched_world(
     is, if its layout is the one asked for. ``timeout_s``: how long a collective waits for the other ranks
     (torch's default when None)."""
     if dist.is_initialized():
-        yield _enclosing_world(tp, pp, ep)
+        yield _enclosing_world(tp, pp, ep, cp)
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        if tp * pp * ep != 1:
-            raise LaunchError(_needs_torchrun(tp, pp, ep))
+        if tp * pp * ep * cp != 1:
+            raise LaunchError(_needs_torchrun(tp, pp, ep, cp))
         with single_process_world(seed):
             yield 0
         return
     world = int(os.environ["WORLD_SIZE"])
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise LaunchError(
-            f"parallel.tp*parallel.pp={tp * pp} does not divide the launch's world size {world}; "
-            f"start a multiple of {tp * pp} processes (torchrun --nproc-per-node)"
+            f"parallel.tp*parallel.pp*parallel.cp={tp * pp * cp} does not divide the launch's world size {world}; "
+            f"start a multiple of {tp * pp * cp} processes (torchrun --nproc-per-node)"
         )
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -185,11 +194,11 @@ def launched_world(
     init: dict[str, object] = {"backend": default_backend()}
     if timeout_s is not None:
         init["timeout"] = datetime.timedelta(seconds=timeout_s)
-    with megatron_world(init, tp, pp, ep, etp, seed=seed):
+    with megatron_world(init, tp, pp, ep, etp, seed=seed, cp=cp):
         yield dist.get_rank()
 
 
-def _enclosing_world(tp: int, pp: int, ep: int) -> int:
+def _enclosing_world(tp: int, pp: int, ep: int, cp: int = 1) -> int:
     """This rank in a world someone else initialised (and will tear down), after checking its layout."""
     from megatron.core import parallel_state
 
@@ -199,10 +208,11 @@ def _enclosing_world(tp: int, pp: int, ep: int) -> int:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
     )
-    if have != (tp, pp, ep):
+    if have != (tp, pp, ep, cp):
         raise ValueError(
-            f"parallel.tp={tp}, parallel.pp={pp}, parallel.ep={ep} but the running world's Megatron layout is "
-            f"tp={have[0]}, pp={have[1]}, ep={have[2]}"
+            f"parallel.tp={tp}, parallel.pp={pp}, parallel.ep={ep}, parallel.cp={cp} but the running world's "
+            f"Megatron layout is tp={have[0]}, pp={have[1]}, ep={have[2]}, cp={have[3]}"
         )
     return dist.get_rank()

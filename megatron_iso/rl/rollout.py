@@ -47,8 +47,10 @@ def rollout_parallel(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     check_shardable(model, "tp", tp, "rollout.parallel.tp", candidates=allowed)
     # Megatron has no sequence parallelism without TP; the DP size is what the world leaves; the rollout is never
-    # pipelined (a trainer's pipeline stages send it their weights).
-    return trainer | {"tp": tp, "pp": 1, "sp": bool(trainer.get("sp", False)) and tp > 1, "dp": world_size // tp}
+    # pipelined (a trainer's pipeline stages send it their weights) nor context parallel (the engine's prefill and
+    # decode run whole sequences; a colocated decoder on CP ranks runs their DP rank's requests on each).
+    sp = bool(trainer.get("sp", False)) and tp > 1
+    return trainer | {"tp": tp, "pp": 1, "cp": 1, "sp": sp, "dp": world_size // tp}
 
 
 def separate_layout_needed(cfg: DictConfig, rollout: Mapping[str, Any]) -> bool:

@@ -55,6 +55,7 @@ from megatron_iso.settings.model import (
     ProfileSettings,
     check_gdn_choice_runs_here,
     check_shardable,
+    cp_degrees,
     resolve_gdn,
     resolve_gdn_form,
     resolve_model,
@@ -182,6 +183,8 @@ def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInput
         for axis in SHARDED_BY
         if resolved.raw.get(f"{axis}_domain") is not None
     }
+    if resolved.raw.get("cp_domain") is not None:  # the CP degrees the model runs at (a hybrid: 1)
+        shardable["cp"] = cp_degrees(model, domain_degrees(resolved.raw, "cp"))
     contract = dict(c.get("contract") or {})
     inputs = ContractInputs(resolved.device_class, resolved.raw, model, parallel, shardable, contract)
     return resolved, inputs
@@ -345,7 +348,7 @@ def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractCont
 
     s = resolve(cfg)
     p = s.parallel
-    return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s)
+    return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s, cp=p.cp)
 
 
 def gemm_block_k() -> Mapping[str, int]:

@@ -346,12 +346,40 @@ class ParallelSettings:
     ep: int = 1
     sp: bool = False
     dp: int | None = None  # data parallel: null derives it from the world size (world / (tp * pp)); a value must agree
-    cp: int = 1  # context parallelism: not supported, refused unless 1 (resolve_parallel)
+    cp: int = 1  # context parallelism: the trainer's packs split over CP ranks (parallel.context), in CP_DEGREES
+
+
+CP_DEGREES = (1, 2, 4, 8)
+
+
+def cp_degrees(model: Mapping[str, Any], candidates: Sequence[int] = CP_DEGREES) -> list[int]:
+    """The ``parallel.cp`` degrees among ``candidates`` that ``model`` runs at: every one of :data:`CP_DEGREES` for
+    attention-only models (dense, MoE), 1 for a hybrid (its Gated DeltaNet state would have to pass from rank to
+    rank; not built). The layout check and the contract's ``cp_domain`` both read it."""
+    hybrid = model.get("full_attention_interval") is not None
+    return [d for d in candidates if d in CP_DEGREES and (d == 1 or not hybrid)]
+
+
+def check_cp(model: Mapping[str, Any] | None, parallel: ParallelSettings) -> None:
+    """Refuse a ``parallel.cp`` outside :data:`CP_DEGREES`, one ``model`` cannot run, or one with a pipeline."""
+    cp = parallel.cp
+    if cp not in CP_DEGREES:
+        raise SettingsError(f"parallel.cp={cp} is not allowed; allowed values: {list(CP_DEGREES)}")
+    if cp == 1:
+        return
+    if model is not None and cp not in cp_degrees(model):
+        raise SettingsError(
+            f"parallel.cp={cp} is not supported for model '{model.get('name', '?')}': its Gated DeltaNet layers "
+            "(model.full_attention_interval) do not run context parallelism; allowed values: [1]"
+        )
+    if parallel.pp != 1:
+        raise SettingsError(f"parallel.cp={cp} with parallel.pp={parallel.pp}: a pipelined trainer runs CP 1; "
+                            "allowed values: [1]")  # fmt: skip
 
 
 def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> ParallelSettings:
     """``parallel`` checked: every degree a positive integer; with ``model``, TP and EP degrees that divide the
-    sizes Megatron shards by them (:func:`check_shardable`)."""
+    sizes Megatron shards by them (:func:`check_shardable`) and a CP degree the model runs (:func:`check_cp`)."""
     out = ParallelSettings(
         tp=_int(_get(parallel, "tp", 1), "parallel.tp", 1),
         pp=_int(_get(parallel, "pp", 1), "parallel.pp", 1),
@@ -360,11 +388,7 @@ def resolve_parallel(parallel: Mapping[str, Any], model: Mapping[str, Any] | Non
         dp=None if parallel.get("dp") is None else _int(parallel["dp"], "parallel.dp", 1),
         cp=_int(_get(parallel, "cp", 1), "parallel.cp", 1),
     )
-    if out.cp != 1:
-        raise SettingsError(
-            f"parallel.cp={out.cp}: context parallelism (attention split over ranks by sequence) is not supported: "
-            "the iso attention reduces each query's keys in one fixed order on one rank; allowed values: [1]"
-        )
+    check_cp(model, out)
     for axis in SHARDED_BY if model is not None else ():
         check_shardable(model, axis, getattr(out, axis))
     return out

@@ -49,7 +49,8 @@ BAD_SETTINGS = [
     ),
     ("parallel.pp=2", r"parallel\.pp=2 needs 2 processes, and this is a single process \(not started by torchrun\)"),
     ("parallel.pp=2 model.tie_word_embeddings=true", r"parallel\.pp=2 needs model\.tie_word_embeddings=false"),
-    ("parallel.cp=2", r"parallel\.cp=2: context parallelism .* allowed values: \[1\]"),
+    ("parallel.cp=3", r"parallel\.cp=3 is not allowed; allowed values: \[1, 2, 4, 8\]"),
+    ("parallel.cp=2", r"parallel\.cp=2 needs 2 processes, and this is a single process \(not started by torchrun\)"),
     (
         "parallel.ep=2",
         r"parallel\.ep=2 does not apply to a dense model: it has no routed experts .*allowed values: \[1\]",

@@ -30,6 +30,7 @@ def changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
         ["parallel.sp=true"],
         ["parallel.dp=16"],
         ["parallel.pp=2"],
+        ["parallel.cp=2"],  # the rollout (CP 1) and a CP 2 trainer hold one numerical_policy (profile.cp_domain)
     ],
     ids=lambda o: o[-1],
 )

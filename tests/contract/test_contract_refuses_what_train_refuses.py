@@ -36,7 +36,12 @@ BAD_CONFIGS = [
     pytest.param(["profile.name=fast"], r"profile\.name='fast' is not allowed; allowed values", id="profile_name"),
     pytest.param(["model=tiny_hybrid", "+model.hf_gdn_layout=x"], r"model\.hf_gdn_layout='x'", id="gdn_layout"),
     pytest.param(["profile.gdn_form=chunk", "model=tiny_hybrid"], r"gdn_form='chunk'.*need device=cuda", id="gdn_form"),
-    pytest.param(["parallel.cp=2"], r"parallel\.cp=2: context parallelism", id="cp"),
+    pytest.param(["parallel.cp=3"], r"^parallel\.cp=3 is not allowed; allowed values: \[1, 2, 4, 8\]$", id="cp"),
+    pytest.param(
+        ["model=tiny_hybrid", "parallel.cp=2"],
+        r"^parallel\.cp=2 is not supported for model 'tiny_hybrid': .*allowed values: \[1\]$",
+        id="cp_hybrid",
+    ),
     # A dense model has no experts for EP to shard (once a ValueError deep in the weight loader, after the contract).
     pytest.param(
         ["parallel.ep=2"],

@@ -129,7 +129,7 @@ def test_pp2_starts_from_an_hf_checkpoint_as_pp1_does(tmp_path):
         (["parallel.pp=2", "model=tiny_dense", "model.tie_word_embeddings=true"], "tie_word_embeddings"),
         (["parallel.pp=2", "model=tiny_dense", "rl.kl_coef=0.1"], "rl.kl_coef=0"),
         (["parallel.pp=2", "model=tiny_dense", "rl.save_hf_every=1"], "rl.save_hf_every=0"),
-        (["parallel.cp=2"], "parallel.cp=2: context parallelism"),
+        (["parallel.pp=2", "model=tiny_dense", "parallel.cp=2"], "parallel.cp=2 with parallel.pp=2"),
     ],
 )
 def test_unsupported_pipeline_settings_are_refused_by_name(overrides, named):

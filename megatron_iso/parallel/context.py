@@ -1,0 +1,127 @@
+"""Context parallelism (``parallel.cp``): the packed rows of one forward split over Megatron's CP group.
+
+Layout ("zigzag", load-balanced): the packed length ``T`` is cut into ``2 * CP`` equal chunks and CP rank ``i``
+holds chunks ``i`` and ``2 * CP - 1 - i``, in that order, so every rank has an early and a late chunk and the
+causal attention work is even. Every row-wise op (embedding, norms, linears, MLP / MoE, RoPE from the rows'
+true positions, LM head and logprob) runs on the local rows unchanged: batch invariance gives each row the bits
+it has at CP 1. Attention all-gathers K and V over the CP group (:func:`gather_sequence_rows`: rank order, then
+back to the packed order) and runs the local queries against the whole sequence's keys in the same fixed blocks
+and order as at CP 1 (``ops.attention.segments``). The backward of that all-gather is a reduce-scatter whose sum
+over ranks is ``ops.common.tree`` in rank order (``parallel.tree_collectives``): deterministic, not bitwise
+CP-invariant (CP 1 sums the same terms in one pass).
+
+The scores come back to every CP rank (:func:`gather_scores`), so the loss is computed as at CP 1; its
+gradient enters each rank's own rows times CP: Megatron's DDP averages gradients over data x context
+parallel ranks (1 / (DP * CP)), while the CP ranks' gradients are parts of one sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+
+from megatron_iso.ops.attention.segments import QueryRuns
+from megatron_iso.parallel.tree_collectives import all_gather_list, gather_rows
+
+
+def context_parallel_size() -> int:
+    """The CP size of Megatron's parallel_state (1 when it is not initialised)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_context_parallel_world_size()
+
+
+def zigzag_ranges(total: int, size: int, rank: int) -> list[tuple[int, int]]:
+    """The packed rows ``[a, b)`` CP rank ``rank`` of ``size`` holds, in local order: chunks ``rank`` and
+    ``2 * size - 1 - rank`` of ``2 * size`` (``total`` must divide by ``2 * size``)."""
+    if total % (2 * size):
+        raise ValueError(f"context parallelism: {total} packed rows do not divide into 2 * cp = {2 * size} chunks")
+    chunk = total // (2 * size)
+    late = 2 * size - 1 - rank
+    return [(rank * chunk, (rank + 1) * chunk), (late * chunk, (late + 1) * chunk)]
+
+
+def query_runs(bounds: list[int], ranges: list[tuple[int, int]]) -> QueryRuns:
+    """The local rows (``ranges`` of the pack whose sequences are ``bounds``, cu_seqlens as host ints) as runs
+    of one sequence each, for ``ops.attention.segments``."""
+    cu, starts, slots = [0], [], []
+    slot_of: dict[int, int] = {}
+    seq_first: list[int] = []
+    seq_keys: list[int] = []
+    for lo, hi in ranges:
+        for s, (a, b) in enumerate(pairwise(bounds)):
+            x, y = max(lo, a), min(hi, b)
+            if x >= y:
+                continue
+            if s not in slot_of:
+                slot_of[s] = len(seq_first)
+                seq_first.append(a)
+                seq_keys.append(0)
+            slot = slot_of[s]
+            cu.append(cu[-1] + y - x)
+            starts.append(x - a)
+            slots.append(slot)
+            seq_keys[slot] = max(seq_keys[slot], y - a)
+    return QueryRuns(cu, starts, slots, seq_first, seq_keys)
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """One CP rank's part of a pack: which rows it holds and how its queries read the gathered keys.
+
+    ``total``: the padded packed length (a multiple of ``2 * size``); ``real``: the caller's rows (the rest are
+    a filler sequence of its own); ``index``: the packed row of each local row, in local order."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    total: int
+    real: int
+    index: torch.Tensor
+    runs: QueryRuns
+
+    @classmethod
+    def build(cls, bounds: list[int], real: int, group, size: int, rank: int, device) -> ContextShard:
+        ranges = zigzag_ranges(bounds[-1], size, rank)
+        index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device, non_blocking=True)
+        return cls(group, size, rank, bounds[-1], real, index, query_runs(bounds, ranges))
+
+    def to_packed_order(self, by_rank: torch.Tensor) -> torch.Tensor:
+        """Rows gathered in rank order (rank r: its chunks r and 2CP-1-r) put back in packed order."""
+        chunk = self.total // (2 * self.size)
+        parts = by_rank.split(chunk)
+        early = [parts[2 * r] for r in range(self.size)]
+        late = [parts[2 * r + 1] for r in reversed(range(self.size))]
+        return torch.cat(early + late)
+
+
+def gather_sequence_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """Every rank's rows of ``local [n, ...]`` in packed order ``[total, ...]``; the backward sums each row's
+    gradient over the ranks with the tree in rank order (deterministic) and keeps this rank's rows."""
+    return shard.to_packed_order(gather_rows(local, shard.group))
+
+
+class _GatherScores(torch.autograd.Function):
+    """Forward: every rank's per-row scores in packed order (the first ``real`` rows). Backward: this rank's rows
+    of the gradient times CP (see the module docstring: DDP's 1 / (DP * CP) average)."""
+
+    @staticmethod
+    def forward(ctx, local, shard):  # type: ignore[override]
+        ctx.shard = shard
+        return shard.to_packed_order(torch.cat(all_gather_list(local, shard.group)))[: shard.real]
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shard = ctx.shard
+        full = torch.cat([grad, grad.new_zeros(shard.total - shard.real, *grad.shape[1:])])
+        return full[shard.index] * shard.size, None
+
+
+def gather_scores(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """Per-row values of the local rows ``[n]`` as the whole pack's ``[real]``, on every CP rank."""
+    return _GatherScores.apply(local, shard)
