@@ -1,8 +1,5 @@
 """Gated DeltaNet native path: what stock stacks do (HF transformers' torch fallbacks, FLA's split).
 
-On CUDA, calls without autograd (prefill and decode of the rollout) run FLA's kernels where FLA is installed
-(:mod:`.fla_stock`); training runs the torch chunk algorithm below.
-
 Training and prefill run a chunked algorithm (library matmuls, triangular solve, chunks aligned at the
 start of the call); a one-token decode step runs the plain recurrence (``.sum`` reductions). The two
 are different arithmetic, so decode drifts from the training forward: the gap this package removes.
@@ -19,7 +16,6 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_iso.contract.registry import OpImpl, Profile, register
-from megatron_iso.ops.gdn import fla_stock
 from megatron_iso.ops.gdn.checks import check_conv_args, check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _starts
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
@@ -231,8 +227,7 @@ def gated_delta_rule(
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps. On CUDA without
-    autograd (the rollout) FLA's chunk / fused recurrent kernels where FLA imports (:mod:`.fla_stock`).
+    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps.
 
     All decode steps of a call run as one batch, and all multi-token sequences as another
     (zero-padded to the longest), so the cost in launches does not grow with the number of sequences."""
@@ -243,8 +238,6 @@ def gated_delta_rule(
     hv, dv = v.shape[1:]
     rep = hv // hk
     scale = dk**-0.5 if scale is None else scale
-    if fla_stock.serves(q, k, v, g, beta):  # a CUDA rollout: FLA's kernels, as stock stacks run
-        return fla_stock.fla_gated_delta_rule(q, k, v, g, beta, cu, st, scale=scale, state=state, slots=slots)
     qh = q.float().repeat_interleave(rep, 1) * scale
     kh = k.float().repeat_interleave(rep, 1)
     out = torch.empty(q.shape[0], hv, dv, dtype=torch.float32, device=q.device)
@@ -286,8 +279,7 @@ for _dev in ("cpu", "cuda"):
         (
             "gated_delta_rule",
             gated_delta_rule,
-            {"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"}
-            | ({"rollout": "fla chunk / fused_recurrent"} if _dev == "cuda" and fla_stock.installed() else {}),
+            {"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"},
         ),
         ("gdn_conv1d", causal_conv1d, {"formula": "F.conv1d + F.silu"}),
         ("gdn_gates", gdn_gates, {"formula": "hf qwen3-next"}),
