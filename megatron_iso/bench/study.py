@@ -14,6 +14,7 @@ nothing is written.
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -147,12 +148,31 @@ def plan_study(argv: list[str], root: Path = RUNS_ROOT) -> StudyPlan:
     return StudyPlan(out, steps, warmup, run_overrides, cfg, device_class)
 
 
+def _nvml_utilization() -> Any:
+    """A function returning the current GPU utilisation in percent (NVML's, as nvidia-smi shows it) of the device the
+    runs use, the first visible one; None without NVML. Read through ``pynvml`` itself, not ``torch.cuda``, whose
+    device lookup would create a CUDA context (and take GPU memory) in the study's own process."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        handle = (
+            pynvml.nvmlDeviceGetHandleByUUID(first)
+            if first.startswith(("GPU-", "MIG-"))
+            else pynvml.nvmlDeviceGetHandleByIndex(int(first or 0))
+        )
+    except Exception:  # no pynvml, no driver, an odd CUDA_VISIBLE_DEVICES: the table says n/a
+        return None
+    return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+
 class GpuSampler:
-    """Mean GPU utilisation (NVML's percent of time a kernel ran, as nvidia-smi shows it) sampled every
-    ``period_s`` while a run's process lives; None on the CPU or where NVML cannot be read (no ``pynvml``)."""
+    """Mean GPU utilisation sampled every ``period_s`` while a run's process lives (:func:`_nvml_utilization`); None
+    on the CPU or where NVML cannot be read."""
 
     def __init__(self, device_class: str, period_s: float = 0.5) -> None:
-        self.active = device_class == "cuda"
+        self.read = _nvml_utilization() if device_class == "cuda" else None
         self.period_s = period_s
         self.samples: list[float] = []
         self._stop = threading.Event()
@@ -161,20 +181,20 @@ class GpuSampler:
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
-                self.samples.append(float(torch.cuda.utilization()))
-            except Exception:  # no NVML (pynvml missing, a driver without it): the table says n/a
+                self.samples.append(self.read())
+            except Exception:  # NVML stopped answering: no figure rather than a partial one
                 self.samples.clear()
                 return
             self._stop.wait(self.period_s)
 
     def __enter__(self) -> GpuSampler:
-        if self.active:
+        if self.read is not None:
             self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self.active:
+        if self.read is not None:
             self._thread.join()
 
     def mean(self) -> float | None:

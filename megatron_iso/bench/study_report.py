@@ -89,7 +89,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "Reward, KL (k3 estimate of KL(rollout || trainer)), clip ratio (tokens outside the PPO clip band) and loss: "
         "means over the steps. Peak MiB: GPU peak allocation on CUDA, the run process's peak RSS on the CPU "
         "(interpreter and imports included). GPU util: NVML's mean over the run's process lifetime (n/a on the "
-        "CPU or without NVML).",
+        "CPU or without pynvml).",
         "",
         "Runs: " + ", ".join(f"{p} `{r['run_dir']}`" for p, r in doc["runs"].items()) + ".",
         "",

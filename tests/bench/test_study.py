@@ -8,11 +8,13 @@ import os
 import re
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
 
-from megatron_iso.bench.study import PROFILES, StudySettingsError, overhead_pct, plan_study, summarize
+from megatron_iso.bench.study import PROFILES, GpuSampler, StudySettingsError, overhead_pct, plan_study, summarize
 from megatron_iso.rl.token_log import WORST_COLUMNS, WORST_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,3 +158,24 @@ def test_summary_and_overhead_by_hand():
         "step_s": 0.0,
     }
     assert overhead_pct({"gen_s": None, "train_s": 1.0, "step_s": 1.0}, {**base, "train_s": 0.0})["gen_s"] is None
+
+
+def test_gpu_utilisation_is_read_through_nvml_or_not_at_all(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    seen = []
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: seen.append(i) or "h",
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=42),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with GpuSampler("cuda", period_s=0.01) as gpu:
+        time.sleep(0.05)
+    assert gpu.mean() == 42.0 and seen == [3]  # the first visible device: the one the runs use
+    with GpuSampler("cpu") as cpu:
+        pass
+    assert cpu.mean() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    with GpuSampler("cuda") as missing:
+        pass
+    assert missing.mean() is None
