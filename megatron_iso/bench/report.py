@@ -30,7 +30,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _cell(value: Any, fmt: str) -> str:
+def format_cell(value: Any, fmt: str) -> str:
+    """A table cell: ``-`` for a missing value, an exact 0 as ``0`` under ``e``; ``fmt`` b | e | f | f<digits> | s."""
     if value is None:
         return "-"
     if fmt == "b":
@@ -49,7 +50,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     # Pipes inside a cell are escaped (GFM), so "|dlogp|" does not split the column.
     lines = ["| " + " | ".join(h.replace("|", "\\|") for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in cols) + " |")
+        lines.append("| " + " | ".join(format_cell(r.get(k), f) for k, _, f in cols) + " |")
     return "\n".join(lines)
 
 

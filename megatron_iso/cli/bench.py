@@ -7,8 +7,12 @@ Examples::
     iso-bench model=tiny_moe bench.ep=[1,2] bench.batch=[1,8]
     iso-bench bench.profiles=[performance] bench.tp=[1,2,4] bench.out=runs/tp_sweep.json
     iso-bench --launcher torchrun bench.tp=[1,2]       # layouts' ranks by torchrun: one per GPU, NCCL
+    iso-bench study                                    # both profiles trained side by side: study.md/json/png
+    iso-bench study model=tiny_moe bench.study.steps=8 out_dir=runs/study_moe
 
-``--launcher gloo|torchrun`` is shorthand for the ``bench.launcher=`` override.
+``--launcher gloo|torchrun`` is shorthand for the ``bench.launcher=`` override. ``iso-bench study``
+(:mod:`megatron_iso.bench.study`) takes the same overrides (``bench.study.*`` its own, the rest passed to both
+runs) and ``--help``.
 
 Exit codes (``megatron_iso.cli.exit_codes``): 0 the grid ran and its report was written; 2 usage error: a bad
 flag, override or ``bench.*`` setting, or a grid layout the model cannot run (e.g. a TP that does not divide
@@ -171,11 +175,38 @@ def _prepare(argv: list[str], out: list[str]) -> int:
     return EXIT_OK
 
 
+STUDY_USAGE = """usage: iso-bench study [OVERRIDE ...] [--debug]
+
+Train both profiles (correctness, performance) from the same config, weights, data and seeds for
+bench.study.steps RL steps each (iso-train, one run after the other, in <out_dir>/<profile>), then write
+study.md (the table: |dlogp| mean / P50 / P95 / P99 / max, reward, KL, clip ratio, loss, gen / train / step
+seconds and the overhead of correctness in percent, peak memory, GPU utilisation), study.json and study.png
+to out_dir (null: runs/study-<UTC time>-<id>). logger=wandb also logs the study to W&B (offline by default).
+
+  bench.study.steps=N          RL steps per profile (default 5)
+  bench.study.warmup_steps=K   first steps left out of the timing means (default 1)
+  any other override           both runs' (model=, task.*, rl.*, device=, logger=...); profile=, rl.steps=
+                               and resume= are the study's own
+"""
+
+
+def _study(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(STUDY_USAGE, end="")
+        return EXIT_OK
+    from megatron_iso.bench.study import run_study
+
+    run_study(argv)
+    return EXIT_OK
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if "--debug" in argv:
         argv = [a for a in argv if a != "--debug"]
         os.environ["HYDRA_FULL_ERROR"] = "1"  # run_cli and Hydra both re-raise with the traceback
+    if argv[:1] == ["study"]:
+        sys.exit(run_cli(f"{PROG} study", lambda: _study(argv[1:])))
     overrides: list[str] = []
     code = run_cli(PROG, lambda: _prepare(argv, overrides))
     if code != EXIT_OK:

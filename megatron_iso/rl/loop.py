@@ -37,12 +37,13 @@ from megatron_iso.rl.losses import (
     policy_loss,
     untrained_step_line,
 )
-from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics, write_dashboard
+from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics
 from megatron_iso.rl.optim import current_lr, scale_moe_aux_loss
 from megatron_iso.rl.ppo import check_schedule, merge_updates, run_updates, step_normaliser
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
 from megatron_iso.rl.sampling import generate_shares, train_params
 from megatron_iso.rl.tasks import Prompt
+from megatron_iso.rl.token_log import trained_token_ids
 from megatron_iso.rl.validation import due, validate
 from megatron_iso.settings import RLSettings, Settings, check_trainable, config_world, resolve
 
@@ -407,10 +408,11 @@ class Trainer:
         train_s = time.perf_counter() - t1
         # Mismatch, reward, response and entropy statistics over every DP rank's tokens and samples.
         local = {"trainer_logp": trainer_logp, "rollout_logp": rollout_logp, "entropy": entropy, "rewards": rewards,
-                 "trained_lengths": trained,
+                 "trained_lengths": trained, "token_ids": trained_token_ids(kept, trained),
                  "lengths": torch.tensor([len(s.tokens) for s in samples]),
                  "truncated": torch.tensor([s.finish_reason == "length" for s in samples])}  # fmt: skip
-        metrics |= step_metrics(self._gather(local), self.loss_cfg.clip_low, self.loss_cfg.clip_high)
+        self.step_tokens = self._gather(local)  # the log's worst tokens and |dlogp| histogram (rl.token_log)
+        metrics |= step_metrics(self.step_tokens, self.loss_cfg.clip_low, self.loss_cfg.clip_high)
         metrics |= self.tasks.step_metrics(step)
         gen_tokens = sum(len(s.tokens) for s in samples) * self.dp_size
         step_s = time.perf_counter() - t0
@@ -567,7 +569,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         try:
             for step in bar:
                 metrics = {**(validate(trainer, step) if due(rl, step) else {}), **trainer.step(step)}
-                log.log(step, metrics)
+                log.log(step, metrics, trainer.step_tokens)
                 history.append(metrics)
                 if rank == 0 and hasattr(bar, "set_postfix"):
                     bar.set_postfix(
@@ -582,14 +584,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             final = validate(trainer, steps) if due(rl, steps, last=True) else {}  # the trained policy's
             if final:
                 log.log(steps, final)
+            dashboard = log.write_dashboard()  # rank 0's, also to W&B; None elsewhere
         finally:
             log.close()
-        dashboard = None
-        if rank == 0 and (run_dir / "metrics.jsonl").exists():
-            title = (
-                f"{run_dir.name}: profile {settings.profile.name.value}, policy {identities['numerical_policy'][:12]}"
-            )
-            dashboard = write_dashboard(run_dir / "metrics.jsonl", run_dir / "dashboard.png", title=title)
         return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard),
                 "validation": final}  # fmt: skip
 

@@ -9,6 +9,7 @@ import os
 import resource
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -16,6 +17,7 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_iso.rl.run_dir import METRICS_FILE, RunDirError, rewind_metrics
+from megatron_iso.rl.token_log import TokenLog, wandb_objects
 from megatron_iso.settings import check_logger
 
 # How long an online W&B start may wait for the server before the run falls back to offline.
@@ -33,7 +35,7 @@ def _wandb_reachable(timeout_s: float = WANDB_PROBE_S) -> bool:
     return True
 
 
-def _wandb_run(run_dir: Path, logger_cfg: Any, config: dict[str, Any], mode: str):
+def open_wandb_run(run_dir: Path, logger_cfg: Any, config: dict[str, Any], mode: str):
     """A W&B run in ``mode`` (``logger.mode``, checked); an online run whose server cannot be reached falls back
     to offline (the run can be synced later with ``wandb sync``) instead of stalling the first step."""
     import wandb
@@ -196,6 +198,11 @@ class MetricsLog:
     run's. A new run never overwrites an existing log. The W&B run's config holds ``config`` (the run's, with
     the contract's identities under ``contract``), and its summary the identities as ``contract/<name>`` plus
     ``summary`` (what the run's data reported at start), so runs can be filtered by contract.
+
+    W&B: every metric is plotted against ``step`` (``wandb.define_metric``); a step's per-token detail (``log``'s
+    ``tokens``: :mod:`megatron_iso.rl.token_log`) adds the worst-tokens table and the |dlogp| histogram, which are
+    also appended to ``worst_tokens.jsonl`` / ``dlogp_hist.jsonl`` with or without W&B; the dashboard PNG
+    (:meth:`write_dashboard`) is logged as an image. Panels to pin: docs/DATA.md, "W&B panels".
     """
 
     def __init__(
@@ -211,27 +218,58 @@ class MetricsLog:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
         self.wandb = None
+        self.last_step: int | None = None
+        profile = (config.get("profile") or {}).get("name", "?")
+        policy = str((config.get("contract") or {}).get("numerical_policy", "?"))[:12]
+        self.title = f"{run_dir.name}: profile {profile}, policy {policy}"  # the dashboard's
         if not enabled:
             return
         if resume_step is not None:
             rewind_metrics(run_dir, resume_step)
         elif self.path.exists():
             raise RunDirError(f"{self.path} exists; a new run never overwrites another run's metrics")
+        self.tokens = TokenLog(run_dir, resume_step)
         name, mode = check_logger(logger_cfg)
         if name == "wandb":
-            self.wandb = _wandb_run(run_dir, logger_cfg, config, mode)
+            self.wandb = open_wandb_run(run_dir, logger_cfg, config, mode)
             run_summary = getattr(self.wandb, "summary", None)  # absent on a disabled run's stand-in
             if run_summary is not None:
                 run_summary.update({**contract_summary(config.get("contract") or {}), **(summary or {})})
+            define = getattr(self.wandb, "define_metric", None)  # absent on test stand-ins
+            if define is not None:
+                define("step")
+                define("*", step_metric="step")  # every panel's x axis: the RL step, not W&B's log counter
+                define("mismatch/abs_diff_max", step_metric="step", summary="max")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(
+        self, step: int, metrics: dict[str, float], tokens: Sequence[dict[str, torch.Tensor]] | None = None
+    ) -> None:
+        """Append ``step``'s ``metrics``; ``tokens`` (the step's gathered per-token parts, ``Trainer.step_tokens``)
+        also writes its worst tokens and |dlogp| histogram (:mod:`megatron_iso.rl.token_log`)."""
         if not self.enabled:
             return
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        media = {}
+        if tokens is not None:
+            worst, hist = self.tokens.write(step, tokens)
+            media = wandb_objects(worst, hist) if self.wandb is not None else {}
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log({**metrics, **media, "step": step}, step=step)
+        self.last_step = step
+
+    def write_dashboard(self) -> Path | None:
+        """The PNG dashboard of the log so far (:func:`write_dashboard`, ``dashboard.png`` beside it), also logged to
+        W&B as ``dashboard`` (a ``wandb.Image``) at the last logged step; None where nothing was logged."""
+        if not self.enabled or not self.path.exists():
+            return None
+        png = write_dashboard(self.path, self.path.with_name("dashboard.png"), title=self.title)
+        if self.wandb is not None and self.last_step is not None:
+            import wandb
+
+            self.wandb.log({"dashboard": wandb.Image(str(png)), "step": self.last_step}, step=self.last_step)
+        return png
 
     def close(self) -> None:
         if self.wandb is not None:

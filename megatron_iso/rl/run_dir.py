@@ -145,14 +145,16 @@ def locked_start(run_dir: Path, plan: Callable[[], Path | None], rank: int = 0) 
         yield value
 
 
-def rewind_metrics(run_dir: Path, resume_step: int) -> int:
-    """Cut ``metrics.jsonl`` back to the steps before ``resume_step``; returns the lines kept.
+def rewind_metrics(run_dir: Path, resume_step: int, name: str = METRICS_FILE) -> int:
+    """Cut ``metrics.jsonl`` (or another per-step log of the run, ``name``: every line a JSON object with a
+    ``step``) back to the steps before ``resume_step``; returns the lines kept.
 
     The cut lines (the steps the resumed run recomputes) and a torn last line are appended to
-    ``metrics.rewound.jsonl``. A damaged line before the last one is an error naming it: that is not
-    a crash mid-write, and guessing would lose data.
+    ``metrics.rewound.jsonl`` (``<name's stem>.rewound.jsonl``). A damaged line before the last one is an error
+    naming it: that is not a crash mid-write, and guessing would lose data.
     """
-    path = run_dir / METRICS_FILE
+    path = run_dir / name
+    rewound = REWOUND_FILE if name == METRICS_FILE else f"{Path(name).stem}.rewound.jsonl"
     if not path.exists():
         return 0
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -170,7 +172,7 @@ def rewind_metrics(run_dir: Path, resume_step: int) -> int:
             continue
         (kept if step < resume_step else moved).append(line)
     if moved:
-        with (run_dir / REWOUND_FILE).open("a") as f:
+        with (run_dir / rewound).open("a") as f:
             f.write("".join(line + "\n" for line in moved))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))

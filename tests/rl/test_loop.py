@@ -65,6 +65,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
     assert [r["step"] for r in cut] == [0, 1, 2, 3]
     assert [_computed(r) for r in full] == [_computed(r) for r in cut]
+    for name in ("worst_tokens.jsonl", "dlogp_hist.jsonl"):  # the per-token logs continue exactly as well
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
 
 
 def test_refuses_to_overwrite_or_resume_under_another_contract(tmp_path):
