@@ -141,7 +141,7 @@ def test_contract_imports_neither_ops_nor_settings():
 
 def test_schema_keys_come_from_the_conf_tree(tmp_path, monkeypatch):
     """A key a YAML option adds is known without a code change (another group's additions, e.g.
-    rl.rollout_correction.*), and a near miss of it is refused with its name."""
+    rl.future_group.*), and a near miss of it is refused with its name."""
     import shutil
 
     from megatron_iso.settings import SettingsError, check_overrides
@@ -149,16 +149,16 @@ def test_schema_keys_come_from_the_conf_tree(tmp_path, monkeypatch):
     conf = tmp_path / "conf"
     shutil.copytree(conf_dir(), conf)
     with (conf / "rl" / "grpo.yaml").open("a") as f:
-        f.write("rollout_correction:\n  mode: null\n  cap: 2.0\n")
+        f.write("future_group:\n  mode: null\n  cap: 2.0\n")
     monkeypatch.setenv("MEGATRON_ISO_CONF", str(conf))
-    check_overrides(["rl.rollout_correction.cap=3.0", "+rl.rollout_correction.mode=tis"])
+    check_overrides(["rl.future_group.cap=3.0", "+rl.future_group.mode=tis"])
     with pytest.raises(
-        SettingsError, match=r"unknown key rl\.rollout_correction\.capp=3; did you mean rl\.rollout_correction\.cap\?"
+        SettingsError, match=r"unknown key rl\.future_group\.capp=3; did you mean rl\.future_group\.cap\?"
     ):
-        check_overrides(["rl.rollout_correction.capp=3"])
-    cfg = load_config(["rl.rollout_correction.cap=abc"])
+        check_overrides(["rl.future_group.capp=3"])
+    cfg = load_config(["rl.future_group.cap=abc"])
     with pytest.raises(
-        SettingsError, match=r"rl\.rollout_correction\.cap='abc' is not allowed; allowed values: numbers"
+        SettingsError, match=r"rl\.future_group\.cap='abc' is not allowed; allowed values: numbers"
     ):
         resolve(cfg)
 

@@ -39,11 +39,11 @@ from megatron_iso.rl.tasks import (
     checked_tokenizer,
     make_task,
     resolve_reward,
-    resolve_task_path,
     rollout_refusal,
     stop_token_ids,
 )
 from megatron_iso.settings.data import DATA_FORMATS, DataSettings
+from megatron_iso.settings.task import resolve_task_path
 
 
 def load_rows(files: Sequence[str], field_name: str) -> list[dict[str, Any]]:

@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_iso.rl.correction import RolloutCorrection, correction_stats, correction_weights
-
-ALGOS = ("grpo", "dapo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+from megatron_iso.settings.rl import AGGREGATIONS, ALGOS
 
 
 @dataclass(frozen=True)

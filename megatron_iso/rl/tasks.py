@@ -14,20 +14,14 @@ prompt a task can yield is checked against the rollout's limits before the first
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from megatron_iso.errors import UserError
-
-
-class TaskError(UserError, ValueError):
-    """A task setting, or the data it names, that the run cannot use; the message names the ``task.<field>``."""
+from megatron_iso.settings.task import REWARD_NAMES, TASKS, TaskError, import_callable, resolve_task_path
 
 
 def check_template(template: str) -> str:
@@ -39,20 +33,6 @@ def check_template(template: str) -> str:
     if not uses_prompt:
         raise TaskError(f"task.template={template!r} must hold the field {{prompt}} and no other field")
     return template
-
-
-def resolve_task_path(value: str, field_name: str, *, directory: bool = False, group: str = "task") -> Path:
-    """``<group>.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
-    the working directory, else in the config directory (where the shipped example data lives)."""
-    from megatron_iso.config import conf_dir
-
-    path = Path(value).expanduser()
-    tried = [path] if path.is_absolute() else [Path.cwd() / path, conf_dir() / path]
-    for candidate in tried:
-        if candidate.is_dir() if directory else candidate.is_file():
-            return candidate
-    kind = "directory" if directory else "file"
-    raise TaskError(f"{group}.{field_name}={value!r}: no such {kind} ({' nor '.join(str(t) for t in tried)})")
 
 
 # --- tokenizers ---------------------------------------------------------------------------
@@ -170,20 +150,15 @@ def math_verify_reward(prompt: Prompt, response: list[int], tokenizer: Tokenizer
 REWARDS: dict[str, RewardFn] = {"residue_match": residue_match_reward, "math_verify": math_verify_reward}
 
 
+if set(REWARDS) != set(REWARD_NAMES):  # the settings check the names this registry serves
+    raise ImportError(f"rl.tasks.REWARDS {sorted(REWARDS)} != settings.task.REWARD_NAMES {sorted(REWARD_NAMES)}")
+
+
 def resolve_reward(name: str) -> RewardFn:
     """A registered reward name or ``package.module:function``."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" not in name:
-        raise TaskError(f"task.reward={name!r} is not allowed; allowed values: {sorted(REWARDS)} or 'module:function'")
-    module, func = name.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), func, None)
-    except ImportError as exc:
-        raise TaskError(f"task.reward={name!r}: cannot import {module} ({exc})") from exc
-    if not callable(fn):
-        raise TaskError(f"task.reward={name!r}: {module} has no callable {func!r}")
-    return fn
+    return import_callable(name, "task.reward")
 
 
 class Task:
@@ -273,9 +248,6 @@ class JsonlTask(Task):
         start = (step * self.prompts_per_step) % len(self.rows)
         picks = [int(order[(start + i) % len(self.rows)]) for i in range(self.prompts_per_step)]
         return [Prompt(ids=self._ids(i), meta=self.rows[i]) for i in picks]
-
-
-TASKS = ("residue", "jsonl", "dataset")
 
 
 def make_task(cfg: Any, vocab_size: int, seed: int, tokenizer: Tokenizer | None = None) -> Task:

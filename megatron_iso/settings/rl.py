@@ -23,6 +23,8 @@ from megatron_iso.settings.fields import (
 
 # What a NaN or Inf in the rollout logprobs or the gradients does: stop the run, or skip the step's update.
 NONFINITE_POLICIES = ("stop", "skip")
+ALGOS = ("grpo", "dapo")  # rl.algo (rl.losses)
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean")  # rl.aggregation (rl.losses)
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # rl.lr_decay_style (megatron_iso.rl.optim)
 # Activation recompute (Megatron's TransformerConfig fields of the same names; models.config passes them on).
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -211,13 +213,6 @@ def check_recompute(rl: Mapping[str, Any]) -> Recompute:
     )
 
 
-def _loss_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The objectives and loss aggregations the loss module implements (its constants: one list of each)."""
-    from megatron_iso.rl.losses import AGGREGATIONS, ALGOS
-
-    return tuple(ALGOS), tuple(AGGREGATIONS)
-
-
 def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
     """``rl`` typed; every key the loop reads must be present (as when the loop read the DictConfig)."""
 
@@ -230,7 +225,6 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
     def at_least_zero(key: str) -> float:
         return _number(req(key), f"rl.{key}", 0.0)
 
-    algos, aggregations = _loss_choices()
     steps, lr, warmup = _int(req("steps"), "rl.steps", 1), _positive(req("lr"), "rl.lr"), _get(rl, "lr_warmup_steps", 0)
     if _int(warmup, "rl.lr_warmup_steps", 0) >= steps:
         raise SettingsError(f"rl.lr_warmup_steps={warmup} is not allowed; allowed values: 0 .. {steps - 1}")
@@ -238,7 +232,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         raise SettingsError(f"rl.min_lr={rl['min_lr']!r} is not allowed; allowed values: 0 .. rl.lr = {lr!r}")
     recompute = check_recompute(rl)
     return RLSettings(
-        algo=_choice(req("algo"), "rl.algo", algos),
+        algo=_choice(req("algo"), "rl.algo", ALGOS),
         steps=steps,
         group_size=_int(req("group_size"), "rl.group_size", 2),
         **check_generation(rl),
@@ -246,7 +240,7 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         lr=lr,
         clip_low=at_least_zero("clip_low"),
         clip_high=at_least_zero("clip_high"),
-        aggregation=_choice(req("aggregation"), "rl.aggregation", aggregations),
+        aggregation=_choice(req("aggregation"), "rl.aggregation", AGGREGATIONS),
         kl_coef=at_least_zero("kl_coef"),
         tis_cap=at_least_zero("tis_cap"),
         rollout_correction=check_rollout_correction(rl),

@@ -9,7 +9,8 @@ prompt file that must be readable UTF-8 (:func:`check_task_files`, a check of th
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Mapping
+import importlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,23 +29,56 @@ class TaskSettings:
     prompt_len: int | None = None  # task=residue: tokens per prompt
 
 
-def _task_names() -> tuple[str, ...]:
-    from megatron_iso.rl.tasks import TASKS
+class TaskError(SettingsError):
+    """A task setting, or the data it names, that the run cannot use; the message names the ``task.<field>``."""
 
-    return tuple(TASKS)
+
+TASKS = ("residue", "jsonl", "dataset")  # task.name (rl.tasks builds them)
+REWARD_NAMES = ("math_verify", "residue_match")  # task.reward's registered names (rl.tasks.REWARDS)
+
+
+def _task_names() -> tuple[str, ...]:
+    return TASKS
+
+
+def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
+    """``package.module:function`` imported, as a run calls it; a UserError naming ``field_name`` otherwise."""
+    if ":" not in spec:
+        raise TaskError(
+            f"{field_name}={spec!r} is not allowed; allowed values: {list(REWARD_NAMES)} or 'module:function'"
+        )
+    module, func = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), func, None)
+    except ImportError as exc:
+        raise TaskError(f"{field_name}={spec!r}: cannot import {module} ({exc})") from exc
+    if not callable(fn):
+        raise TaskError(f"{field_name}={spec!r}: {module} has no callable {func!r}")
+    return fn
 
 
 def _check_reward(reward: Any) -> str:
     """A reward the task builder can call: a registered name, or ``module:function`` importable (imported here,
     as the run would)."""
-    from megatron_iso.rl.tasks import resolve_reward
-
     if not isinstance(reward, str) or not reward.strip():
-        raise SettingsError(
-            f"task.reward={reward!r} is not allowed; allowed values: a reward name or 'module:function'"
-        )
-    resolve_reward(reward)  # a TaskError (a usage error) names the reward and what is allowed
+        raise TaskError(f"task.reward={reward!r} is not allowed; allowed values: a reward name or 'module:function'")
+    if reward not in REWARD_NAMES:
+        import_callable(reward, "task.reward")
     return reward
+
+
+def resolve_task_path(value: str, field_name: str, *, directory: bool = False, group: str = "task") -> Path:
+    """``<group>.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
+    the working directory, else in the config directory (where the shipped example data lives)."""
+    from megatron_iso.config import conf_dir
+
+    path = Path(value).expanduser()
+    tried = [path] if path.is_absolute() else [Path.cwd() / path, conf_dir() / path]
+    for candidate in tried:
+        if candidate.is_dir() if directory else candidate.is_file():
+            return candidate
+    kind = "directory" if directory else "file"
+    raise TaskError(f"{group}.{field_name}={value!r}: no such {kind} ({' nor '.join(str(t) for t in tried)})")
 
 
 def resolve_task(task: Mapping[str, Any], vocab_size: int, max_positions: int) -> TaskSettings:
@@ -108,8 +142,6 @@ def check_task_files(task: TaskSettings | None, train_files: Iterable[str] = (),
     """The prompt files a run reads, on this machine: ``task.path`` (found as the task builder finds it) and the
     JSON lines files of ``data.train_files`` / ``data.val_files`` that exist, each readable UTF-8. (A file that
     does not exist is the builders' to name, with the places they looked.)"""
-    from megatron_iso.rl.tasks import resolve_task_path
-
     if task is not None and task.path is not None:
         # No such file: a TaskError (a usage error) naming the places looked in, as the builder would.
         check_utf8(resolve_task_path(task.path, "path"), f"task.path={task.path!r}")
