@@ -157,9 +157,7 @@ def test_schema_keys_come_from_the_conf_tree(tmp_path, monkeypatch):
     ):
         check_overrides(["rl.future_group.capp=3"])
     cfg = load_config(["rl.future_group.cap=abc"])
-    with pytest.raises(
-        SettingsError, match=r"rl\.future_group\.cap='abc' is not allowed; allowed values: numbers"
-    ):
+    with pytest.raises(SettingsError, match=r"rl\.future_group\.cap='abc' is not allowed; allowed values: numbers"):
         resolve(cfg)
 
 
