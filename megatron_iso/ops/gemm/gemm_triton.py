@@ -62,7 +62,7 @@ CONFIGS: dict[torch.dtype, GemmTileConfig] = {
         block_m=64, block_n=64, block_k=TRITON_BLOCK_K["fp32"], num_warps=4, num_stages=3, loop="static"
     ),
 }
-# Buckets picked from candidate sweeps on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/PERFORMANCE.md), for
+# Buckets picked from candidate sweeps on an H200 (``bench_ops.py``, ``gemm_candidates``; docs/perf/NOTES_gemm.md), for
 # bf16 and fp16 alike (the tables are named after the dtype they were timed on); every tile here is held to the
 # default's bits by tests/gpu/test_gemm_tiles.py (``selectable_tiles``).
 _BF16_TILES = {
@@ -77,7 +77,7 @@ _BF16_TILES = {
     ("large", True): GemmTileConfig(block_m=128, block_n=256, block_k=_BK16, num_warps=8, num_stages=3),
 }
 # Large M where the operands allow TMA descriptors (sm_90, 16-byte aligned rows): the descriptor loops, chosen from
-# ``bench_ops.py --sweep`` at the Qwen3-8B row-parallel shapes (docs/PERFORMANCE.md). At 8 leaves the Gluon loop (one
+# ``bench_ops.py --sweep`` at the Qwen3-8B row-parallel shapes (docs/perf/NOTES_gemm.md). At 8 leaves the Gluon loop (one
 # load pipeline across the leaves, level 0 in registers) runs 1.5-1.7x the flat loop; at one leaf the TMA loop's
 # 128x256 tile gains 2-5% over the flat one. Elsewhere, and in the grouped expert GEMM, the pointer loops above.
 _BF16_DESCRIPTOR_TILES = {
