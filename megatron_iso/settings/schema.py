@@ -31,6 +31,7 @@ OPEN_NODES = ("data.chat_template_kwargs",)
 # Keys that take more than their YAML default's type says (the resolver named in each comment checks the value).
 TYPE_EXCEPTIONS: dict[str, frozenset[str]] = {
     "resume": frozenset({"bool", "str"}),  # true | false | auto (fields.resume_mode)
+    "rl.recompute_old_logprobs": frozenset({"bool", "str"}),  # auto | true | false (rl.check_ppo)
     "data.chat_template": frozenset({"str", "bool"}),  # auto | true | false (data.resolve_data)
     "model.full_attention_interval": frozenset({"int", "list"}),  # every k-th layer, or per-layer types
     "dist_timeout_s": frozenset({"float"}),  # seconds; 600 in the YAML, 0.5 is fine

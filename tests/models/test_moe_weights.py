@@ -51,7 +51,7 @@ def test_ep_that_does_not_divide_the_experts_is_named():
         (["model=tiny_dense"], 1, 2, r"^parallel\.ep=2 does not apply to a dense model: .*allowed values: \[1\]$"),
         # Sizes the loader's own guard did not know: it failed later, on a tensor's rows, or in its GDN code.
         (
-            ["model.vocab_size=255"],
+            ["model.vocab_size=255", "profile.leaves=1", "profile.tp_domain=[1]"],
             2,
             1,
             r"^parallel\.tp=2 does not divide model\.vocab_size=255: .*allowed values: \[1\]$",
