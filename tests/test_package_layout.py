@@ -1,4 +1,5 @@
-"""The package's shape: imports run down the layers, no import cycle anywhere, no oversized module.
+"""The package's shape: imports run down the layers, no import cycle anywhere, no oversized module (in the package
+or among the scripts under tools/).
 
 Imports are read from the source with ``ast`` (nothing is imported), including imports inside
 functions: a lazy import that points up the layers is still a dependency of the module that holds it.
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megatron_iso"
+TOOLS = PACKAGE.parent / "tools"
 
 # Layers, top to bottom: a module may import its own layer or any layer below it. Two packages of one
 # layer may import each other's modules only without forming a cycle (checked below).
@@ -32,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 
 MAX_LINES = 600
-# Modules allowed past MAX_LINES, each with its reason. Keep this short.
+# Modules (package or tools/ scripts) allowed past MAX_LINES, each with its reason. Keep this short.
 LONG_MODULES = {
     "megatron_iso/models/hf_config.py": "one table of HF <-> model field maps for the five Qwen families, read as a whole",
 }
@@ -169,7 +171,9 @@ def test_ops_common_imports_no_op_family(graph) -> None:
 
 
 def test_no_module_over_the_size_limit() -> None:
-    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    files = [*PACKAGE.rglob("*.py"), *TOOLS.rglob("*.py")]
+    assert any(p.parent == TOOLS for p in files), "tools/ scripts not found: the limit would check nothing there"
+    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in files}
     over = {path: n for path, n in sizes.items() if n > MAX_LINES and path not in LONG_MODULES}
     assert over == {}
     stale = sorted(path for path in LONG_MODULES if sizes.get(path, 0) <= MAX_LINES)

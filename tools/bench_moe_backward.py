@@ -3,7 +3,8 @@
     python tools/bench_moe_backward.py --out moe_backward.json
 
 Rows: fc1 (K 2048 -> N 1536, gate|up) and fc2 (K 768 -> N 2048) at several token counts routed top-8 over 128
-experts with a skewed popularity (``bench_ops.moe_counts``). Columns, each the time of dgrad + wgrad of one call:
+experts with a skewed popularity (``megatron_iso.bench.kernels.moe.moe_counts``). Columns, each the time of
+dgrad + wgrad of one call:
 - ``loop``: the per-expert library loop the trainer ran before (``reference.linear_backward`` on each expert's
   rows), counts already on the host (what it costs without its host sync);
 - ``triton``: ``grouped_backward_triton`` (two launches, counts on the device);
@@ -24,8 +25,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import MOE_E, MOE_F, MOE_H, _bits_equal, _rand, _time_ms, moe_counts
+from megatron_iso.bench.kernels.moe import MOE_E, MOE_F, MOE_H, moe_counts
+from megatron_iso.bench.kernels.timing import rand, time_ms
+from megatron_iso.testing.bits import same_bits
 
 SHAPES = (("fc1", MOE_H, 2 * MOE_F), ("fc2", MOE_F, MOE_H))
 TOKENS = (512, 2048, 8192)
@@ -64,13 +66,13 @@ def bench(tokens_list=TOKENS) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     dt = torch.bfloat16
     for name, k, n in SHAPES:
-        ws = [_rand((n, k), dt, 1000 + e) / k**0.5 for e in range(MOE_E)]
+        ws = [rand((n, k), dt, 1000 + e) / k**0.5 for e in range(MOE_E)]
         stacked = torch.stack(ws)
         for tokens in tokens_list:
             counts = moe_counts(tokens)
             t = sum(counts)
-            x = _rand((t, k), dt, 2000 + tokens)
-            g = _rand((t, n), torch.float32, 3000 + tokens)
+            x = rand((t, k), dt, 2000 + tokens)
+            g = rand((t, n), torch.float32, 3000 + tokens)
             g16 = g.to(dt).float()
             ref_x = torch.cat([g16[s : s + c] @ ws[e].float() for e, (s, c) in enumerate(_spans(counts))])
             ref_w = torch.stack([g16[s : s + c].t() @ x[s : s + c].float() for s, c in _spans(counts)])
@@ -79,10 +81,10 @@ def bench(tokens_list=TOKENS) -> list[dict[str, Any]]:
                 try:
                     gx, gw = fn(g, x)
                     gx2, gw2 = fn(g, x)
-                    row[f"{key}_deterministic"] = _bits_equal(gx, gx2) and _bits_equal(gw, gw2)
+                    row[f"{key}_deterministic"] = same_bits(gx, gx2) and same_bits(gw, gw2)
                     row[f"{key}_rel_err_x"] = float((gx.float() - ref_x).norm() / ref_x.norm())
                     row[f"{key}_rel_err_w"] = float((gw.float() - ref_w).norm() / ref_w.norm())
-                    ms = _time_ms(lambda fn=fn, g=g, x=x: fn(g, x))
+                    ms = time_ms(lambda fn=fn, g=g, x=x: fn(g, x))
                     row[f"{key}_ms"] = ms
                     row[f"{key}_tflops"] = 4 * t * n * k / ms / 1e9
                 except Exception as exc:  # a torch without _grouped_mm, or a shape it refuses: a result too
