@@ -111,7 +111,7 @@ def _required(group: Mapping[str, Any], key: str, group_name: str) -> Any:
     if value is None:
         raise SettingsError(
             f"{group_name}.{key} is {'null' if key in group else 'missing'}; it needs a value (the shipped configs, "
-            "megatron_iso/conf/, set one)"
+            "conf/, set one)"
         )
     return value
 
@@ -132,6 +132,6 @@ def _group(c: Mapping[str, Any], key: str) -> dict[str, Any]:
     group = c.get(key)
     if not isinstance(group, Mapping):
         raise ContractValidationError(
-            f"config has no '{key}' group; compose the root config (megatron_iso/conf/config.yaml)"
+            f"config has no '{key}' group; compose the root config (conf/config.yaml)"
         )
     return dict(group)
