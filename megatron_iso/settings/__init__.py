@@ -166,9 +166,7 @@ class Settings:
     def require(self, name: str) -> Any:
         value = getattr(self, name)
         if value is None:
-            raise ContractValidationError(
-                f"config has no '{name}' group; compose the root config (conf/config.yaml)"
-            )
+            raise ContractValidationError(f"config has no '{name}' group; compose the root config (conf/config.yaml)")
         return value
 
 

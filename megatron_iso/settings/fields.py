@@ -131,7 +131,5 @@ def _get(group: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
 def _group(c: Mapping[str, Any], key: str) -> dict[str, Any]:
     group = c.get(key)
     if not isinstance(group, Mapping):
-        raise ContractValidationError(
-            f"config has no '{key}' group; compose the root config (conf/config.yaml)"
-        )
+        raise ContractValidationError(f"config has no '{key}' group; compose the root config (conf/config.yaml)")
     return dict(group)
