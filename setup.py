@@ -17,11 +17,12 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
-    packages=find_packages(include=["megatron_iso", "megatron_iso.*"]),
-    # The Hydra configs (megatron_iso/conf/, every group directory) and the example data beside them travel
-    # with the package: the CLIs find them next to the installed modules, whatever the working directory
-    # (MANIFEST.in: the same for sdists).
-    package_data={"megatron_iso": ["py.typed", "conf/*.yaml", "conf/**/*.yaml", "conf/**/*.jsonl"]},
+    # The Hydra configs live in the top-level conf/ (every group directory, and the example data beside them);
+    # they install as megatron_iso/conf/, so the CLIs find them next to the installed modules whatever the
+    # working directory (megatron_iso/config.py: conf_dir; MANIFEST.in: the same files for sdists).
+    packages=[*find_packages(include=["megatron_iso", "megatron_iso.*"]), "megatron_iso.conf"],
+    package_dir={"megatron_iso.conf": "conf"},
+    package_data={"megatron_iso": ["py.typed"], "megatron_iso.conf": ["*.yaml", "**/*.yaml", "**/*.jsonl"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1,<0.17",

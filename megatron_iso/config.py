@@ -1,6 +1,9 @@
 """The one place that knows where the Hydra configs live and how to compose them outside ``@hydra.main``.
 
-The configs are ``megatron_iso/conf/``, package data: a wheel or a non-editable install carries them.
+The configs live in the repository's top-level ``conf/``. setup.py installs that folder as the package
+``megatron_iso.conf`` (a ``package_dir`` mapping), so a wheel or a non-editable install carries them at
+``site-packages/megatron_iso/conf/``; a source checkout or an editable install (whose modules are the checkout's)
+reads ``<checkout>/conf/`` beside ``megatron_iso/``. :func:`conf_dir` looks in those two places, in that order.
 
 CLIs, tests and library code call :func:`load_config` with command-line style overrides
 (``model=tiny_dense profile=performance parallel.tp=2``) and get the same DictConfig a
@@ -18,23 +21,34 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-# Set to use a config tree other than the one installed with the package (a copy of megatron_iso/conf/ with
-# groups of one's own added).
+# Set to use a config tree other than the shipped one (a copy of conf/ with groups of one's own added).
 CONF_ENV = "MEGATRON_ISO_CONF"
 ROOT_CONFIG = "config"
-# The config tree shipped inside the package (package data: an installed wheel has it as a checkout does).
-PACKAGE_CONF = Path(__file__).resolve().parent / "conf"
+_PACKAGE = Path(__file__).resolve().parent
+# Where the shipped config tree is, first match wins: installed (setup.py's package_dir puts conf/ inside the
+# package), then the source layout (a checkout, or an editable install, whose megatron_iso/ is the checkout's).
+# Plain paths rather than importing megatron_iso.conf: conf/ holds no Python, and setuptools' editable finder
+# only maps the top-level package.
+SHIPPED_CONFS = (_PACKAGE / "conf", _PACKAGE.parent / "conf")
+# How messages name the shipped tree: its place in the repository.
+SHIPPED_NAME = "conf"
+
+
+def shipped_conf() -> Path | None:
+    """The config tree shipped with megatron_iso (installed or in the checkout), or None when neither is there."""
+    return next((p for p in SHIPPED_CONFS if (p / f"{ROOT_CONFIG}.yaml").is_file()), None)
 
 
 def conf_dir() -> Path:
-    """Absolute path of the Hydra config directory: ``$MEGATRON_ISO_CONF`` when set, else the package's ``conf/``."""
+    """Absolute path of the Hydra config directory: ``$MEGATRON_ISO_CONF`` when set, else the shipped ``conf/``."""
     override = os.environ.get(CONF_ENV)
-    path = (Path(override) if override else PACKAGE_CONF).resolve()
-    if not (path / f"{ROOT_CONFIG}.yaml").is_file():
+    path = Path(override).resolve() if override else shipped_conf()
+    if path is None or not (path / f"{ROOT_CONFIG}.yaml").is_file():
         where = f"${CONF_ENV}={override}" if override else "the installed package"
+        looked = path if override else " nor ".join(map(str, SHIPPED_CONFS))
         raise FileNotFoundError(
-            f"Hydra config directory {path} ({where}) has no {ROOT_CONFIG}.yaml; "
-            f"point ${CONF_ENV} at a copy of megatron_iso/conf/, or reinstall megatron_iso"
+            f"Hydra config directory {looked} ({where}) has no {ROOT_CONFIG}.yaml; "
+            f"point ${CONF_ENV} at a copy of conf/, or reinstall megatron_iso"
         )
     return path
 

@@ -1,6 +1,8 @@
 """megatron_iso as a user gets it: a non-editable ``pip install`` into a fresh virtual environment, run
 from a directory that is not the checkout. Its commands must find the configs (and example data) the
-package ships, write nothing into the working directory, and keep stderr free of warnings.
+package ships, write nothing into the working directory, and keep stderr free of warnings. The configs live
+in the checkout's top-level ``conf/``, which setup.py installs as ``megatron_iso/conf/``; an editable install
+(``make venv``) and a plain source checkout read ``conf/`` where it is.
 
 The new environment borrows this one's third-party packages through a ``.pth`` line naming this
 environment's site-packages. Python appends such a line to ``sys.path`` without running the ``.pth``
@@ -22,7 +24,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # What `pip install <repo>` reads: the build files and the package (tests, tools and docs stay behind).
-SOURCES = ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "megatron_iso")
+SOURCES = ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "megatron_iso", "conf")
+CONF_QUERY = "import megatron_iso, megatron_iso.config as c; print(megatron_iso.__file__); print(c.conf_dir())"
 TINY = [
     "model=tiny_dense",
     "rl.steps=1",
@@ -53,9 +56,9 @@ class Installed:
         return str(self.venv / "bin" / name)
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    root = tmp_path_factory.mktemp("install")
+def _install(root: Path, *mode: str) -> Installed:
+    """A fresh virtual environment under ``root`` with a copy of the checkout installed by pip (``mode``:
+    pip's extra flags, e.g. ``-e``)."""
     src = root / "src"
     src.mkdir()
     for name in SOURCES:
@@ -74,24 +77,56 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
     (site / "_megatron_iso_test_deps.pth").write_text("".join(f"{path}\n" for path in ours))
     pip = [str(installed.python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index"]
-    proc = _run([*pip, "--ignore-installed", "--quiet", str(src)], cwd=root)
+    proc = _run([*pip, "--ignore-installed", "--quiet", *mode, str(src)], cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return installed
 
 
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    return _install(tmp_path_factory.mktemp("install"))
+
+
+def _files(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
 def test_the_installed_copy_is_the_one_imported_with_its_configs(installed: Installed, tmp_path: Path) -> None:
-    code = "import megatron_iso, megatron_iso.config as c; print(megatron_iso.__file__); print(c.conf_dir())"
-    proc = _run([str(installed.python), "-c", code], cwd=tmp_path)
+    proc = _run([str(installed.python), "-c", CONF_QUERY], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     module, conf = (Path(line) for line in proc.stdout.split())
     assert module.is_relative_to(installed.site), f"megatron_iso imported from {module}, not the new environment"
     assert conf == installed.site / "megatron_iso" / "conf"
+    shipped = _files(conf)  # every config and the example data beside them
+    assert shipped == _files(REPO / "conf") and "task/arith.jsonl" in shipped
 
-    def files(root: Path) -> set[str]:
-        return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
 
-    shipped = files(conf)  # every config and the example data beside them
-    assert shipped == files(REPO / "megatron_iso" / "conf") and "task/arith.jsonl" in shipped
+def test_the_checkout_keeps_its_configs_at_the_top() -> None:
+    """The design card's layout: ``conf/`` beside ``megatron_iso/``, not inside it; a source checkout reads it."""
+    from megatron_iso.config import conf_dir
+
+    assert (REPO / "conf" / "config.yaml").is_file() and not (REPO / "megatron_iso" / "conf").exists()
+    assert conf_dir() == REPO / "conf"
+
+
+def test_an_editable_install_reads_the_checkouts_conf(tmp_path: Path) -> None:
+    """``make venv`` installs with ``pip install -e``: its modules and its configs are the checkout's."""
+    editable = _install(tmp_path, "-e")
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    proc = _run([str(editable.python), "-c", CONF_QUERY], cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, conf = (Path(line) for line in proc.stdout.split())
+    assert module == tmp_path / "src" / "megatron_iso" / "__init__.py"
+    assert conf == tmp_path / "src" / "conf"
+
+
+def test_a_conf_override_without_a_root_config_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_iso.config import conf_dir
+
+    monkeypatch.setenv("MEGATRON_ISO_CONF", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"\$MEGATRON_ISO_CONF=.* has no config\.yaml; point"):
+        conf_dir()
 
 
 @pytest.mark.parametrize("task", ["residue", "jsonl_math"])

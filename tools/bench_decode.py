@@ -425,7 +425,7 @@ def _version(package: str) -> str | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny_dense", help="megatron_iso/conf/model name (qwen3_0p6b on the GPU)")
+    p.add_argument("--model", default="tiny_dense", help="conf/model name (qwen3_0p6b on the GPU)")
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
     p.add_argument("--prompt-len", type=int, default=512)

@@ -1,6 +1,6 @@
 """Gated DeltaNet on one GPU: ours (ops.gdn, cuda/correctness = CPR Triton kernels) vs FLA, per layer.
 
-Shapes: one Qwen3-Next GDN layer (megatron_iso/conf/model/qwen3_next_80b_a3b.yaml: Hk=16, Hv=32, Dk=Dv=128; CPR chunk 64).
+Shapes: one Qwen3-Next GDN layer (conf/model/qwen3_next_80b_a3b.yaml: Hk=16, Hv=32, Dk=Dv=128; CPR chunk 64).
 What is timed is the gated delta rule of one layer (the part FLA's two entry points cover), not the layer's
 projections, conv and norms around it: those are GEMMs and elementwise ops outside this comparison, so ratios
 here are the rule's, the hardest part of the layer-level target.

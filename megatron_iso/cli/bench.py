@@ -1,4 +1,4 @@
-"""``iso-bench``: the rollout-vs-trainer logprob mismatch benchmark (a Hydra app over ``megatron_iso/conf/``).
+"""``iso-bench``: the rollout-vs-trainer logprob mismatch benchmark (a Hydra app over ``conf/``).
 
 Examples::
 

@@ -1,4 +1,4 @@
-"""``iso-train``: the RL loop as a Hydra app over ``megatron_iso/conf/`` (run directly or under torchrun).
+"""``iso-train``: the RL loop as a Hydra app over ``conf/`` (run directly or under torchrun).
 
 Examples::
 

@@ -1,4 +1,4 @@
-"""HF ``config.json`` <-> megatron_iso's model config (the keys of ``megatron_iso/conf/model/*.yaml``).
+"""HF ``config.json`` <-> megatron_iso's model config (the keys of ``conf/model/*.yaml``).
 
 One registry, :data:`FAMILIES`, maps an HF ``model_type`` to the functions that translate its
 config both ways. A family another engineer is still building is registered without translators,
@@ -22,7 +22,7 @@ from megatron_iso.errors import UserError
 
 HF_CONFIG_FILE = "config.json"
 
-# HF dtype names <-> megatron_iso/conf/model params_dtype names.
+# HF dtype names <-> conf/model params_dtype names.
 HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 # Fields every PreTrainedConfig may carry that have no effect on a causal LM's forward.
@@ -60,7 +60,7 @@ class UnsupportedHFConfig(UserError, ValueError):
 class HFFamily:
     """How one HF ``model_type`` maps to a megatron_iso model family.
 
-    ``to_model(hf, name) -> megatron_iso/conf/model dict`` and ``to_hf(model) -> config.json dict`` are None for a
+    ``to_model(hf, name) -> conf/model dict`` and ``to_hf(model) -> config.json dict`` are None for a
     family that is recognised but not implemented yet; ``pending`` then says what is missing.
     """
 
@@ -104,7 +104,7 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
 
 
 def model_config_from_hf(hf: Mapping[str, Any], name: str | None = None) -> dict[str, Any]:
-    """The ``megatron_iso/conf/model`` dict (``name``, ``family``, shapes, ...) described by an HF config dict."""
+    """The ``conf/model`` dict (``name``, ``family``, shapes, ...) described by an HF config dict."""
     entry = _family_for_type(hf.get("model_type"))
     assert entry.to_model is not None
     return entry.to_model(hf, name or f"hf_{entry.model_type}")
@@ -219,7 +219,7 @@ def _check_attention(hf: Mapping[str, Any]) -> None:
 
 
 def _decoder_fields(hf: Mapping[str, Any], name: str, family: str, rope_extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The megatron_iso/conf/model keys every Qwen3 family shares (shapes, RoPE base, norms, dtype)."""
+    """The conf/model keys every Qwen3 family shares (shapes, RoPE base, norms, dtype)."""
     _check_attention(hf)
     heads = int(hf["num_attention_heads"])
     return {
@@ -348,7 +348,7 @@ def _num_experts(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
 
 
 def _moe_fields(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """megatron_iso/conf/model MoE keys (read by ``models.config.moe_fields``); every decoder layer is MoE, so
+    """conf/model MoE keys (read by ``models.config.moe_fields``); every decoder layer is MoE, so
     sparse steps and dense-only layers other than the defaults are refused."""
     experts = _num_experts(hf, defaults)  # before the defaults: num_local_experts may carry it
     hf = {**defaults, **hf}
@@ -442,7 +442,7 @@ _QWEN3_NEXT_FIELDS = (
         "linear_num_value_heads",
     }
 )
-# megatron_iso/conf/model key: how the HF checkpoint stores GDN's input projections (models/weights.py: HF_GDN_LAYOUTS).
+# conf/model key: how the HF checkpoint stores GDN's input projections (models/weights.py: HF_GDN_LAYOUTS).
 HF_GDN_LAYOUT_KEY = "hf_gdn_layout"
 _GDN_KEYS = (
     "linear_conv_kernel_dim",

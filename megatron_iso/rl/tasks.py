@@ -6,7 +6,7 @@ registered reward or a ``module:function`` path taking ``(prompt: Prompt, respon
 tokenizer) -> float``.
 
 File settings (``task.path``, a ``task.tokenizer`` directory) that are relative paths name a file in the
-working directory or, when there is none there, in the config directory (``megatron_iso/conf/``: the
+working directory or, when there is none there, in the config directory (``conf/``: the
 shipped example data, e.g. ``task/arith.jsonl``), so the shipped tasks run from any directory. Every
 prompt a task can yield is checked against the rollout's limits before the first step
 (:func:`check_prompts_fit`). A setting or data file the task cannot use is a :class:`TaskError`.

@@ -1,6 +1,6 @@
 """The one reading of the Hydra config: the composed DictConfig, validated once into typed settings.
 
-:func:`resolve` turns the root config (``megatron_iso/conf/``) into :class:`Settings`: typed groups (``model``, ``parallel``,
+:func:`resolve` turns the root config (``conf/``) into :class:`Settings`: typed groups (``model``, ``parallel``,
 ``rl``, ``rollout``, the run's ``seed`` / ``out_dir`` / ``resume``) and a resolved :class:`ProfileSettings`: the
 device class from ``device: auto|cpu|cuda``, the GDN output form from ``profile.gdn_form: auto|scan|chunk`` and its
 dot precision (the GDN op family says which forms exist where), the leaves the layers use. Errors name the field
@@ -166,9 +166,7 @@ class Settings:
     def require(self, name: str) -> Any:
         value = getattr(self, name)
         if value is None:
-            raise ContractValidationError(
-                f"config has no '{name}' group; compose the root config (megatron_iso/conf/config.yaml)"
-            )
+            raise ContractValidationError(f"config has no '{name}' group; compose the root config (conf/config.yaml)")
         return value
 
 
@@ -376,7 +374,7 @@ def check_gpu_gemm_shapes(cfg: DictConfig | Mapping[str, Any] | Settings) -> Non
 
 
 # Structured-config schemas of the groups whose keys are fixed (validation of the YAML files against them:
-# tests/test_settings.py). Stored under schema/ only: the megatron_iso/conf/ groups' defaults and keys stay as they are.
+# tests/test_settings.py). Stored under schema/ only: the conf/ groups' defaults and keys stay as they are.
 _STORE = ConfigStore.instance()
 _STORE.store(group="schema", name="rl", node=RLSettings)
 _STORE.store(group="schema", name="parallel", node=ParallelSettings)

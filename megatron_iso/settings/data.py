@@ -24,7 +24,7 @@ CHAT_TEMPLATE_MODES = ("auto", "true", "false")  # auto: on when the tokenizer h
 
 @dataclass(frozen=True)
 class DataSettings:
-    """``data`` (megatron_iso/conf/data/*.yaml), typed."""
+    """``data`` (conf/data/*.yaml), typed."""
 
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()

@@ -111,7 +111,7 @@ def _required(group: Mapping[str, Any], key: str, group_name: str) -> Any:
     if value is None:
         raise SettingsError(
             f"{group_name}.{key} is {'null' if key in group else 'missing'}; it needs a value (the shipped configs, "
-            "megatron_iso/conf/, set one)"
+            "conf/, set one)"
         )
     return value
 
@@ -131,7 +131,5 @@ def _get(group: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
 def _group(c: Mapping[str, Any], key: str) -> dict[str, Any]:
     group = c.get(key)
     if not isinstance(group, Mapping):
-        raise ContractValidationError(
-            f"config has no '{key}' group; compose the root config (megatron_iso/conf/config.yaml)"
-        )
+        raise ContractValidationError(f"config has no '{key}' group; compose the root config (conf/config.yaml)")
     return dict(group)

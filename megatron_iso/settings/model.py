@@ -339,7 +339,7 @@ def check_shardable(
 
 @dataclass
 class ParallelSettings:
-    """``parallel`` (megatron_iso/conf/parallel/*.yaml). Also the group's structured-config schema."""
+    """``parallel`` (conf/parallel/*.yaml). Also the group's structured-config schema."""
 
     tp: int = 1
     pp: int = 1

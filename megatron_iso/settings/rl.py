@@ -116,7 +116,7 @@ def check_ppo(rl: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class RLSettings:
-    """``rl`` (megatron_iso/conf/rl/*.yaml), typed. Also the group's structured-config schema (defaults: rl/grpo.yaml)."""
+    """``rl`` (conf/rl/*.yaml), typed. Also the group's structured-config schema (defaults: rl/grpo.yaml)."""
 
     algo: str = "grpo"
     steps: int = 20

@@ -1,6 +1,6 @@
 """The config's schema, read from the config tree itself: which dotted keys exist and which types their values take.
 
-The known keys are the root config's keys plus, for every config group (a directory of ``megatron_iso/conf/``), the
+The known keys are the root config's keys plus, for every config group (a directory of ``conf/``), the
 union of the keys of all its options (``model.*``: every key some ``conf/model/*.yaml`` sets). A key added to a YAML
 file is known at once: nothing here lists keys by hand. A value's type is the union of the types the options give it
 (an int everywhere: integers; a float somewhere: numbers; a bool: true or false; null in every option: any type, the
@@ -131,9 +131,9 @@ def _schema_of(conf: str) -> Schema:
             for dotted, value in _leaves(_read_yaml(option), f"{group}."):
                 add(dotted, value)
     types = {k: frozenset(TYPE_EXCEPTIONS.get(k, v)) for k, v in seen.items()} | EXTRA_KEYS
-    from megatron_iso.config import PACKAGE_CONF
+    from megatron_iso.config import SHIPPED_NAME, shipped_conf
 
-    where = "megatron_iso/conf" if root == PACKAGE_CONF.resolve() else str(root)
+    where = SHIPPED_NAME if root == shipped_conf() else str(root)
     return Schema(types, frozenset(nulls), frozenset(groups), where)
 
 

@@ -20,7 +20,7 @@ from megatron_iso.settings.fields import SettingsError, _bool, _choice, _get, _i
 
 @dataclass(frozen=True)
 class TaskSettings:
-    """``task`` (megatron_iso/conf/task/*.yaml), the fields every task has; the builders read the rest."""
+    """``task`` (conf/task/*.yaml), the fields every task has; the builders read the rest."""
 
     name: str
     prompts_per_step: int

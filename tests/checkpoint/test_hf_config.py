@@ -1,4 +1,4 @@
-"""HF config.json -> megatron_iso/conf/model: the mapping, and errors that name the unsupported field."""
+"""HF config.json -> conf/model: the mapping, and errors that name the unsupported field."""
 
 from __future__ import annotations
 

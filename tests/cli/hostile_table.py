@@ -136,7 +136,7 @@ machine's checks). `{{tmp}}` is a scratch directory holding a file (`afile`), a 
 file that is not UTF-8 (`bad.jsonl`). Memory figures are those of the machine that wrote the table.
 
 The schema (`megatron_iso/settings/schema.py`): the known keys are the root config's plus, per group, the union of
-the keys of all its options in `megatron_iso/conf/`; a value takes the types the options give it. Open node (any key
+the keys of all its options in `conf/`; a value takes the types the options give it. Open node (any key
 below it is accepted, as it goes to another library): `data.chat_template_kwargs` (the tokenizer's
 `apply_chat_template`). Ranges and shape rules: `megatron_iso/settings/` (`shapes.py` model shapes,
 `resources.py` memory, world size and writable directories, `task.py` the task group).

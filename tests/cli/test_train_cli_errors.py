@@ -60,7 +60,7 @@ BAD_SETTINGS = [
     ("device=tpu", r"device='tpu' is not allowed; allowed values"),
     ("profile.leaves=3", r"profile\.leaves=3 must be a power of two"),
     ("model=nope", r"Could not find 'model/nope'"),
-    ("rl.nosuchkey=1", r"unknown key rl\.nosuchkey=1; the known keys are those of megatron_iso/conf/rl/\*\.yaml"),
+    ("rl.nosuchkey=1", r"unknown key rl\.nosuchkey=1; the known keys are those of conf/rl/\*\.yaml"),
     ("+rl.lrr=0.1", r"unknown key rl\.lrr=0\.1; did you mean rl\.lr\?"),
     ("dist_timeout_s=0", r"dist_timeout_s=0 is not allowed; allowed values: finite numbers > 0"),
     ("logger.name=tensorboard", r"logger\.name='tensorboard' is not allowed; allowed values: \['none', 'wandb'\]"),

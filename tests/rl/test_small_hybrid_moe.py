@@ -1,4 +1,4 @@
-"""megatron_iso/conf/model/qwen3p5_small_hybrid_moe.yaml, the model of the hybrid GDN + MoE RL-step run on one H200
+"""conf/model/qwen3p5_small_hybrid_moe.yaml, the model of the hybrid GDN + MoE RL-step run on one H200
 (docs/PERFORMANCE.md): its full-size contract validates for CUDA, its shapes meet the GPU kernels' tile
 rules, its size matches the config's comment, and a shrunk copy runs tools/bench_rl_step.py on the CPU
 with the iso rollout and trainer logprobs bitwise equal."""
