@@ -25,11 +25,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "inference"),
     ("models",),
     ("settings",),
+    # The contract reads the registry the layers below fill (the root ``registry`` module) and finds
+    # the registering modules by name (``contract/loader.py``), so no op or layer imports it.
+    ("contract",),
     ("parallel",),
     ("ops",),
-    ("contract",),
     ("config",),
-    ("platform", "extras", "errors", "<root>"),
+    ("platform", "extras", "errors", "registry", "<root>"),
 )
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 
@@ -157,6 +159,18 @@ def test_imports_run_down_the_layers(graph) -> None:
         if RANK[_layer(dep)] > RANK[_layer(module)]
     )
     assert upward == []
+
+
+def test_ops_never_import_the_contract(graph) -> None:
+    """Issue 59's proof item, stated on its own so a reordering of LAYERS cannot drop it."""
+    bad = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if m.startswith("megatron_iso.ops")
+        for d in deps
+        if d == "megatron_iso.contract" or d.startswith("megatron_iso.contract.")
+    )
+    assert bad == []
 
 
 def test_ops_common_imports_no_op_family(graph) -> None:

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from megatron_iso.config import conf_dir, load_config
 from megatron_iso.contract import ContractValidationError
-from megatron_iso.contract.registry import PROFILES, Profile
+from megatron_iso.registry import PROFILES, Profile
 from megatron_iso.settings import ParallelSettings, RLSettings, resolve
 
 REPO = Path(__file__).resolve().parents[1]

@@ -277,7 +277,7 @@ def _layer(module: str) -> int | None:
 
 def _impls(ops: Sequence[str], config: dict[str, Any], case: str) -> dict[str, str]:
     from megatron_iso.contract import load_op_implementations, resolve_device_class
-    from megatron_iso.contract.registry import lookup
+    from megatron_iso.registry import lookup
 
     load_op_implementations()
     device = resolve_device_class(str(config.get("device", "auto")))

@@ -5,7 +5,7 @@ The incumbent is the registry entry serving (op, device class, profile) of the c
 candidate is one of
 
 - ``package.module:function``: a drop-in function with the incumbent's signature;
-- ``package.module:NAME`` where NAME is an :class:`~megatron_iso.contract.registry.OpImpl`
+- ``package.module:NAME`` where NAME is an :class:`~megatron_iso.registry.OpImpl`
   (its own identity and probe);
 - ``impl_id@version``: a registered entry of the same op (another device class or profile).
 
@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl
 from megatron_iso.errors import UserError
+from megatron_iso.registry import OpImpl
 
 # iso-gate's exit codes. 0, 1 and 2 follow megatron_iso.cli.exit_codes (yes / no / usage error); 3 (NaN stop)
 # and 4 (internal failure) keep their shared meaning; 5 and 6 are the gate's own.
@@ -209,7 +209,7 @@ def _import_attr(spec: str) -> Any:
 
 def resolve_candidate(spec: str, op: str) -> Candidate:
     """``module:function``, ``module:OPIMPL`` or ``impl_id@version`` (see the module doc)."""
-    from megatron_iso.contract import registry
+    from megatron_iso import registry
 
     if ":" in spec:
         obj = _import_attr(spec)
@@ -292,7 +292,7 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 def swapped_in(incumbent: OpImpl, cand: Candidate, *, new_identity: OpImpl | None) -> Iterator[OpImpl]:
     """The candidate serves the op: registry entry replaced, ``megatron_iso`` module attributes that are
     the incumbent function rebound. Identity: the incumbent's (a drop-in) unless ``new_identity``."""
-    from megatron_iso.contract.registry import swapped
+    from megatron_iso.registry import swapped
 
     base = new_identity or incumbent
     probe = cand.impl.probe if cand.impl is not None and cand.impl.probe is not None else incumbent.probe
@@ -374,7 +374,7 @@ def run_gate(
     from megatron_iso.config import load_config
     from megatron_iso.contract import load_op_implementations, read_lock, verify_lock, write_lock
     from megatron_iso.contract.build import resolve_device_class
-    from megatron_iso.contract.registry import lookup
+    from megatron_iso.registry import lookup
     from megatron_iso.settings import contract_for
 
     check_numbers(runs, warmup, min_speedup)

@@ -108,7 +108,7 @@ def layouts(
     profiles: Sequence[str], tp: Sequence[int], ep: Sequence[int], sp: Sequence[bool]
 ) -> tuple[list[Layout], list[str]]:
     """The grid's layouts and notes on the combinations skipped (SP needs TP > 1)."""
-    from megatron_iso.contract.registry import PROFILES
+    from megatron_iso.registry import PROFILES
 
     _check_choice("profiles", profiles, lambda p: p in PROFILES, f"profiles from {list(PROFILES)}")
     _check_choice("tp", tp, lambda v: isinstance(v, int) and v >= 1, "ints >= 1")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_iso.contract.registry import Profile
+from megatron_iso.registry import Profile
 
 # (row key, column header, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (

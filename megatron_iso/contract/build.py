@@ -20,9 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_iso.contract import registry
+from megatron_iso import registry
 from megatron_iso.contract.canonical import to_canonical
-from megatron_iso.contract.registry import CASES, DEVICE_CLASSES, PROFILES, OpImpl, Profile
 from megatron_iso.contract.schema import (
     CASE_SIDES,
     AxisClaim,
@@ -36,6 +35,7 @@ from megatron_iso.contract.schema import (
     Semantic,
 )
 from megatron_iso.errors import UserError
+from megatron_iso.registry import CASES, DEVICE_CLASSES, PROFILES, OpImpl, Profile
 
 DEVICES = (*DEVICE_CLASSES, "auto")
 # Axes whose value never enters a row's arithmetic: replicas see disjoint rows.

@@ -13,6 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_iso.registry import float_bits
+
 
 class CanonicalError(TypeError):
     """A value cannot be serialized canonically (a float, a non-string key, an unknown type)."""
@@ -25,7 +27,7 @@ def check_canonical(value: Any, path: str = "$") -> None:
     if isinstance(value, float):
         raise CanonicalError(
             f"{path} = {value!r}: canonical JSON forbids decimal floats; store it as a bit pattern "
-            "with megatron_iso.contract.registry.float_bits()"
+            "with megatron_iso.registry.float_bits()"
         )
     if isinstance(value, int):
         return
@@ -58,8 +60,6 @@ def to_canonical(value: Any, path: str = "$") -> Any:
 
     Floats become bit patterns; tuples become lists; everything else must already be exact.
     """
-    from megatron_iso.contract.registry import float_bits  # local: registry imports nothing from here
-
     if isinstance(value, float):
         return float_bits(value)
     if isinstance(value, Mapping):

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_iso.contract import registry
+from megatron_iso import registry
 from megatron_iso.contract.canonical import canonical_json, sha256_of
 from megatron_iso.contract.handshake import contract_diffs
-from megatron_iso.contract.registry import OpImpl
 from megatron_iso.contract.schema import Contract, ContractFormatError
 from megatron_iso.errors import UserError
+from megatron_iso.registry import OpImpl
 
 LOCK_VERSION = 1
 LOCK_KEYS = ("lock_version", "contract", "overrides", "probes", "self_digest")

@@ -73,7 +73,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.inference import draw as draw_rows
 from megatron_iso.inference.draw import Drawer, DrawPlan
 from megatron_iso.inference.gdn_slots import GDNSlotCache
@@ -82,6 +81,7 @@ from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
 from megatron_iso.ops.logprob import host_checked_temperature
 from megatron_iso.ops.rope import check_position
+from megatron_iso.registry import Profile
 
 MIN_STAGING = 256  # tokens: the shortest staging length bucket (performance profile)
 # Rows of a bucket's host-written inputs (``_Bucket.inputs``, int64): token ids, positions (a decode

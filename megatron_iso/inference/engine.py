@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 import torch
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
-from megatron_iso.contract.registry import Profile
 from megatron_iso.inference.config import EngineConfig, EngineStats
 from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
 from megatron_iso.inference.draw import Drawer, DrawPlan, plan_draw
@@ -70,6 +69,7 @@ from megatron_iso.inference.rng import request_key
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack, row_multiple
 from megatron_iso.models.gdn import gdn_layer_indices
+from megatron_iso.registry import Profile
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_iso.contract.registry import PROFILES, Profile
+from megatron_iso.registry import PROFILES, Profile
 from megatron_iso.settings import (
     HF_GDN_LAYOUTS,
     ModelSettings,

@@ -21,10 +21,10 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.gdn import GDNStateCache, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
 from megatron_iso.ops.norm import gated_rms_norm
+from megatron_iso.registry import Profile
 
 
 def gdn_layer_indices(config) -> list[int]:

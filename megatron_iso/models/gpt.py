@@ -9,7 +9,6 @@ from collections.abc import Iterator, Mapping
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
@@ -19,6 +18,7 @@ from megatron_iso.models.stages import current_stage, stage_block_spec
 from megatron_iso.models.weights import load_hf_state_dict
 from megatron_iso.parallel.embedding import IsoVocabParallelEmbedding
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear
+from megatron_iso.registry import Profile
 
 
 class _UnknownMlpWarningFilter(logging.Filter):

@@ -17,7 +17,6 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.attention import (
@@ -30,6 +29,7 @@ from megatron_iso.ops.attention.segments import attention_query_runs
 from megatron_iso.ops.norm import rms_norm
 from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
 from megatron_iso.parallel.context import gather_sequence_rows
+from megatron_iso.registry import Profile
 
 
 class IsoRMSNorm(torch.nn.Module):

@@ -52,7 +52,6 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
@@ -60,6 +59,7 @@ from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
+from megatron_iso.registry import Profile
 
 _STATIC_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("iso_moe_static_shapes", default=False)
 

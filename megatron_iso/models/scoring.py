@@ -20,12 +20,12 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
-from megatron_iso.contract.registry import Profile
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.models.context import shard_for_context
 from megatron_iso.parallel.context import gather_scores
 from megatron_iso.parallel.head_scoring import head_token_logprobs
 from megatron_iso.parallel.vocab_scoring import entropy, token_logprobs
+from megatron_iso.registry import Profile
 
 
 def _scoring_kwargs(config, temperature: float | torch.Tensor) -> dict:

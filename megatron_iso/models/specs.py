@@ -27,7 +27,6 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_iso.contract.registry import PROFILES, Profile
 from megatron_iso.models.gdn import GatedRMSNorm, IsoGatedDeltaNet
 from megatron_iso.models.modules import CachedSelfAttention, IsoMLP, IsoRMSNorm, PackedCoreAttention
 from megatron_iso.models.moe import (
@@ -38,6 +37,7 @@ from megatron_iso.models.moe import (
     IsoTopKRouter,
 )
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
+from megatron_iso.registry import PROFILES, Profile
 
 
 @dataclass(frozen=True)

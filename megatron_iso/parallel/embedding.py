@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.parallel.tree_collectives import gather_along, split_along
+from megatron_iso.registry import Profile, register_per_device
 
 
 class IsoVocabParallelEmbedding(VocabParallelEmbedding):
@@ -50,29 +50,22 @@ def _probe_embedding() -> dict[str, torch.Tensor]:
     return {"bf16": table[torch.tensor([[3, 0, 31], [7, 3, 3]])]}
 
 
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="embedding",
-            impl_id="vocab_embedding.select",
-            version="1",
-            device_class=_device,
-            profile=Profile.CORRECTNESS,
-            fn=IsoVocabParallelEmbedding,
-            constants={"combine": "all_gather_select_owner"},
-            probe=_probe_embedding,
-        )
-    )
-    register(
-        OpImpl(
-            op="embedding",
-            impl_id="vocab_embedding.native",
-            version="1",
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=VocabParallelEmbedding,
-            constants={"combine": "backend_all_reduce_sum"},
-        )
-    )
+register_per_device(
+    op="embedding",
+    impl_id="vocab_embedding.select",
+    version="1",
+    profile=Profile.CORRECTNESS,
+    fn=IsoVocabParallelEmbedding,
+    constants={"combine": "all_gather_select_owner"},
+    probe_for=lambda device: _probe_embedding,  # one CPU probe serves both device classes
+)
+register_per_device(
+    op="embedding",
+    impl_id="vocab_embedding.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=VocabParallelEmbedding,
+    constants={"combine": "backend_all_reduce_sum"},
+)
 
 __all__ = ["IsoVocabParallelEmbedding"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from megatron_iso.contract.registry import PROFILES, Profile
 from megatron_iso.ops.gemm import DEFAULT_LEAVES, linear, validate_leaves
 from megatron_iso.parallel.tree_collectives import (
     copy_to_tp,
@@ -29,6 +28,7 @@ from megatron_iso.parallel.tree_collectives import (
     tree_all_reduce,
     tree_reduce_scatter,
 )
+from megatron_iso.registry import PROFILES, Profile
 
 DEFAULT_COLUMN_LEAVES = 1
 

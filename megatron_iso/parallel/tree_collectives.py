@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.tree import tree_sum
+from megatron_iso.registry import Profile, register_per_device
 
 Group = dist.ProcessGroup | None
 
@@ -204,27 +204,20 @@ def _probe_tree() -> dict[str, torch.Tensor]:
     }
 
 
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="tp_reduce",
-            impl_id="tree_all_reduce",
-            version="1",
-            device_class=_device,
-            profile=Profile.CORRECTNESS,
-            fn=tree_all_reduce,
-            constants={"transport": "all_gather", "combine": "balanced_tree_rank_order", "dtype": "fp32"},
-            probe=_probe_tree,
-        )
-    )
-    register(
-        OpImpl(
-            op="tp_reduce",
-            impl_id="native_all_reduce",
-            version="1",
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=native_all_reduce,
-            constants={"combine": "backend_sum"},
-        )
-    )
+register_per_device(
+    op="tp_reduce",
+    impl_id="tree_all_reduce",
+    version="1",
+    profile=Profile.CORRECTNESS,
+    fn=tree_all_reduce,
+    constants={"transport": "all_gather", "combine": "balanced_tree_rank_order", "dtype": "fp32"},
+    probe_for=lambda device: _probe_tree,  # one CPU probe serves both device classes
+)
+register_per_device(
+    op="tp_reduce",
+    impl_id="native_all_reduce",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=native_all_reduce,
+    constants={"combine": "backend_sum"},
+)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob import LocalShards, vocab_scores
 from megatron_iso.ops.logprob.entropy import row_entropy
 from megatron_iso.parallel.tree_collectives import Group, _rank, _size, all_gather_list, gather_along, tree_all_reduce
+from megatron_iso.registry import Profile
 
 
 class GroupComm:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_iso.contract.build import ContractValidationError, check_profile_name, resolve_device_class
-from megatron_iso.contract.registry import Profile
+from megatron_iso.registry import Profile
 from megatron_iso.settings.fields import SettingsError, _bool, _get, _int, _number
 from megatron_iso.settings.shapes import check_model_shapes
 

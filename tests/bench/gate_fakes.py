@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, register
+from megatron_iso.registry import OpImpl, register
 
 OP = "gate_fake"
 

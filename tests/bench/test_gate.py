@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from megatron_iso import registry
 from megatron_iso.cli.gate import main
-from megatron_iso.contract import registry, write_lock
+from megatron_iso.contract import write_lock
 from megatron_iso.settings import contract_for
 
 FAKES = "tests.bench.gate_fakes"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig
 
-from megatron_iso.contract import registry
+from megatron_iso import registry
 from megatron_iso.contract.loader import PLUGIN_ENV
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from megatron_iso.contract.registry import DEVICE_CLASSES, PROFILES, OpImpl, register
+from megatron_iso.registry import DEVICE_CLASSES, PROFILES, OpImpl, register
 
 ATTN_NOTE = "decode kernel reduces keys in the same fixed blocks and tree as prefill; proven by test_attention_parity"
 

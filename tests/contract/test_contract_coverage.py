@@ -36,7 +36,7 @@ import json, os, sys
 from pathlib import Path
 import torch
 from megatron_iso.config import load_config
-from megatron_iso.contract import registry
+from megatron_iso import registry
 from megatron_iso.ops.common import dispatch
 
 looked_up = set()

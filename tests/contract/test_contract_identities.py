@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from megatron_iso.contract import Contract, ContractFormatError, canonical_json, registry, sha256_of
+from megatron_iso import registry
+from megatron_iso.contract import Contract, ContractFormatError, canonical_json, sha256_of
 from megatron_iso.contract.canonical import CanonicalError, diff_paths
 from tests.contract.conftest import contract_of
 

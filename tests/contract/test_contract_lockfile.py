@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from megatron_iso.contract import LockfileError, read_lock, registry, verify_lock, write_lock
+from megatron_iso import registry
+from megatron_iso.contract import LockfileError, read_lock, verify_lock, write_lock
 from megatron_iso.contract.canonical import sha256_of
 from megatron_iso.contract.lockfile import tensor_digest
 from tests.contract.conftest import contract_of

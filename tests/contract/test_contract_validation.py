@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from megatron_iso.contract import ContractValidationError, registry
-from megatron_iso.contract.registry import OpImpl
+from megatron_iso import registry
+from megatron_iso.contract import ContractValidationError
+from megatron_iso.registry import OpImpl
 from megatron_iso.settings import SettingsError
 from tests.contract.conftest import contract_of
 

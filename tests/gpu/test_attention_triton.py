@@ -160,8 +160,8 @@ def test_accuracy_vs_fp64(at, dtype):
 
 
 def test_dispatch_and_registry(at):
-    from megatron_iso.contract.registry import lookup
     from megatron_iso.ops import attention
+    from megatron_iso.registry import lookup
 
     q, k, v, _ = _qkvg(70, torch.bfloat16, 14)
     cu = torch.tensor([0, 70])

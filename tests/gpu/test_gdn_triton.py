@@ -397,8 +397,8 @@ def test_backward_deterministic_and_close_to_reference(gt, chunk, d, variant):
 
 
 def test_dispatch_selects_triton():
-    from megatron_iso.contract.registry import lookup
     from megatron_iso.ops import gdn
+    from megatron_iso.registry import lookup
 
     x = inputs(5, 1, 32)
     out = gdn.gated_delta_rule(*x, cu([5]), chunk=16)

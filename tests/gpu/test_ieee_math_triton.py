@@ -137,7 +137,7 @@ def test_probes_equal_cpu_reference_probes(op):
 
     for module in ("megatron_iso.ops.activation.activation_triton", "megatron_iso.ops.rope.rope_triton"):
         importlib.import_module(module)  # registers the cuda entries
-    from megatron_iso.contract.registry import lookup
+    from megatron_iso.registry import lookup
 
     gpu = lookup(op, "cuda", "correctness").probe()
     cpu = lookup(op, "cpu", "correctness").probe()

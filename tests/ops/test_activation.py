@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.activation import swiglu, swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_exp, iso_sigmoid, iso_silu
+from megatron_iso.registry import lookup
 from megatron_iso.testing.bits import bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]

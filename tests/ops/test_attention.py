@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.attention import (
     KVCache,
     attention_decode,
     attention_varlen,
     attention_with_kv_cache,
 )
+from megatron_iso.registry import lookup
 from megatron_iso.testing.bits import bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.gemm import leaf_tree_linear, linear, native_linear, validate_leaves
 from megatron_iso.parallel.tree_collectives import tree_combine
+from megatron_iso.registry import lookup
 from megatron_iso.testing.bits import same_bits
 from megatron_iso.testing.matmul_log import MatmulLog
 
@@ -176,8 +176,8 @@ def test_linear_runs_the_registered_implementation():
     """A registry swap (what iso-gate does with a candidate kernel) reaches every linear() call."""
     import dataclasses
 
-    from megatron_iso.contract.registry import lookup, swapped
     from megatron_iso.ops.gemm.reference import leaf_tree_linear_forward
+    from megatron_iso.registry import lookup, swapped
 
     seen = []
 

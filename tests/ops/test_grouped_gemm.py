@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.gemm import leaf_tree_linear
 from megatron_iso.ops.gemm.grouped import grouped_linear, grouped_native, grouped_reference
+from megatron_iso.registry import lookup
 from megatron_iso.testing.bits import bits
 
 

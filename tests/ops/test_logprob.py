@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.logprob import (
     entropy_native,
     entropy_shards,
@@ -15,6 +14,7 @@ from megatron_iso.ops.logprob import (
     token_logprobs_shards,
 )
 from megatron_iso.parallel.vocab_scoring import entropy, log_softmax, token_logprobs, token_logprobs_and_entropy
+from megatron_iso.registry import lookup
 from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -206,9 +206,9 @@ def test_cuda_contract_names_what_scoring_runs():
     """Scoring on CUDA runs the Triton leaf-sum kernel (``TritonScores``); the CPU keeps the torch reference. The
     registry, hence the contract, says so wherever triton is installed (CI)."""
     from megatron_iso.contract import load_op_implementations
-    from megatron_iso.contract.registry import lookup
     from megatron_iso.ops import logprob
     from megatron_iso.ops.logprob import logprob_triton
+    from megatron_iso.registry import lookup
 
     load_op_implementations()
     impl = lookup("logprob", "cuda", "correctness")
@@ -221,8 +221,8 @@ def test_scoring_runs_the_registered_implementation() -> None:
     """A registry swap (what iso-gate does with a candidate kernel) reaches trainer/rollout scoring."""
     import dataclasses
 
-    from megatron_iso.contract.registry import swapped
     from megatron_iso.ops.logprob import VocabScores
+    from megatron_iso.registry import swapped
 
     seen = []
 

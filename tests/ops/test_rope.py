@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_iso.contract.registry import lookup
 from megatron_iso.ops.rope import MAX_POSITION, apply_rope, inv_frequencies, rope_cos_sin, rotary_dim_for
 from megatron_iso.ops.rope import reference as rope_ref
+from megatron_iso.registry import lookup
 from megatron_iso.testing.bits import same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]

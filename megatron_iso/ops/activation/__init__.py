@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.activation import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import select
+from megatron_iso.registry import Profile
 
 TRITON_MODULE = "megatron_iso.ops.activation.activation_triton"
 

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA, f32_to, sigmoid64, to_f32
+from megatron_iso.registry import OpImpl, Profile, register
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = 1024  # elements per program along the row; a launch constant that never changes a bit

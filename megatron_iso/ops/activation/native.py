@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.registry import Profile, register_per_device
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -21,16 +21,12 @@ def _probe(device: str = "cpu") -> dict[str, torch.Tensor]:
     return {"fp32": swiglu(a, b), "bf16": swiglu(a.bfloat16(), b.bfloat16())}
 
 
-for _dev in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="swiglu",
-            impl_id="swiglu.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=swiglu,
-            constants={"formula": "F.silu(gate) * up in input dtype"},
-            probe=functools.partial(_probe, _dev),
-        )
-    )
+register_per_device(
+    op="swiglu",
+    impl_id="swiglu.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=swiglu,
+    constants={"formula": "F.silu(gate) * up in input dtype"},
+    probe_for=lambda device: functools.partial(_probe, device),
+)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import sigmoid64
+from megatron_iso.registry import OpImpl, Profile, register
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

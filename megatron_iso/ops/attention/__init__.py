@@ -16,12 +16,12 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan, PagedKVLayer
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
 from megatron_iso.ops.common.dispatch import device_class_of, import_triton_module, runs_triton, select
+from megatron_iso.registry import Profile
 
 TRITON_MODULE = "megatron_iso.ops.attention.attention_triton"
 

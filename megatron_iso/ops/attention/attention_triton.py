@@ -22,7 +22,6 @@ from itertools import pairwise
 import torch
 import triton
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.forward_launch_triton import (
     CONFIGS,
     DECODE_CONFIGS,
@@ -42,6 +41,7 @@ from megatron_iso.ops.attention.reference import (
     _check_qkv,
     _scale,
 )
+from megatron_iso.registry import OpImpl, Profile, register
 
 IMPL_ID = "attention.triton"
 KVCACHE_IMPL_ID = "attention_kvcache.triton"

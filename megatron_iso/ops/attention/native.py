@@ -14,9 +14,9 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.autograd import padded_index
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
+from megatron_iso.registry import Profile, register_per_device
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None) -> torch.Tensor:
@@ -246,33 +246,26 @@ def _probe(device: str = "cpu") -> dict[str, torch.Tensor]:
     }
 
 
-for _dev in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="attention",
-            impl_id="attention.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=attention_varlen,
-            constants={
-                "kernel": "torch sdpa: one masked call over the sequences padded to the longest (per-sequence "
-                "is_causal where padding would more than double the work); ATen chooses the backend"
-            },
-            cases=("trainer_forward", "trainer_score"),
-            probe=functools.partial(_probe, _dev),
-        )
-    )
-    register(
-        OpImpl(
-            op="attention_kvcache",
-            impl_id="attention_kvcache.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=attention_with_kv_cache,
-            constants={"kernel": "torch sdpa over the cache prefix (no mask for decode, offset mask for chunks)"},
-            cases=("prefill", "decode"),
-            equivalence_note="none claimed: stock execution, the mismatch baseline",
-        )
-    )
+register_per_device(
+    op="attention",
+    impl_id="attention.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=attention_varlen,
+    constants={
+        "kernel": "torch sdpa: one masked call over the sequences padded to the longest (per-sequence "
+        "is_causal where padding would more than double the work); ATen chooses the backend"
+    },
+    cases=("trainer_forward", "trainer_score"),
+    probe_for=lambda device: functools.partial(_probe, device),
+)
+register_per_device(
+    op="attention_kvcache",
+    impl_id="attention_kvcache.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=attention_with_kv_cache,
+    constants={"kernel": "torch sdpa over the cache prefix (no mask for decode, offset mask for chunks)"},
+    cases=("prefill", "decode"),
+    equivalence_note="none claimed: stock execution, the mismatch baseline",
+)

@@ -28,11 +28,11 @@ from itertools import pairwise
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.attention.kv_cache import KVStepPlan, resolve_plan
 from megatron_iso.ops.common.ieee_math import iso_exp, iso_sigmoid
 from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.common.tree import tree_sum_dim
+from megatron_iso.registry import OpImpl, Profile, register
 
 DEFAULT_KV_BLOCK = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from megatron_iso.contract.registry import Profile, lookup
 from megatron_iso.extras import require
+from megatron_iso.registry import Profile, lookup
 
 
 def device_class_of(t: torch.Tensor) -> str:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.dispatch import device_class_of, runs_triton, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
+from megatron_iso.registry import Profile
 
 TRITON_MODULE = "megatron_iso.ops.gdn.triton"
 # What a GPU training forward keeps for the backward (rl.gdn_backward_states): "keep" its chunk-form state pass (u, W,

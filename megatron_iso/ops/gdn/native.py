@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gdn.checks import check_conv_args, check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _starts
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
+from megatron_iso.registry import Profile, register_per_device
 
 
 def causal_conv1d(
@@ -274,28 +274,22 @@ def _probe_rule(device: str = "cpu") -> dict[str, torch.Tensor]:
     return {"chunk8": gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 13, 21]), chunk=8)}
 
 
-for _dev in ("cpu", "cuda"):
-    for _op, _fn, _consts in (
-        (
-            "gated_delta_rule",
-            gated_delta_rule,
-            {"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"},
-        ),
-        ("gdn_conv1d", causal_conv1d, {"formula": "F.conv1d + F.silu"}),
-        ("gdn_gates", gdn_gates, {"formula": "hf qwen3-next"}),
-        ("gdn_l2norm", l2norm, {"formula": "x * rsqrt(sum(x^2) + eps)", "eps": L2NORM_EPS}),
-    ):
-        register(
-            OpImpl(
-                op=_op,
-                impl_id=f"{_op}.native",
-                # gated_delta_rule 2: one triangular inverse + matmuls (was a solve per right-hand side), chunk-major
-                # loop with fused matmul-adds; the other ops are unchanged.
-                version="2" if _op == "gated_delta_rule" else "1",
-                device_class=_dev,
-                profile=Profile.PERFORMANCE,
-                fn=_fn,
-                constants=_consts,
-                probe=functools.partial(_probe_rule, _dev) if _op == "gated_delta_rule" else None,
-            )
-        )
+register_per_device(
+    op="gated_delta_rule",
+    impl_id="gated_delta_rule.native",
+    # 2: one triangular inverse + matmuls (was a solve per right-hand side), chunk-major loop with fused
+    # matmul-adds.
+    version="2",
+    profile=Profile.PERFORMANCE,
+    fn=gated_delta_rule,
+    constants={"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"},
+    probe_for=lambda device: functools.partial(_probe_rule, device),
+)
+for _op, _fn, _consts in (
+    ("gdn_conv1d", causal_conv1d, {"formula": "F.conv1d + F.silu"}),
+    ("gdn_gates", gdn_gates, {"formula": "hf qwen3-next"}),
+    ("gdn_l2norm", l2norm, {"formula": "x * rsqrt(sum(x^2) + eps)", "eps": L2NORM_EPS}),
+):
+    register_per_device(
+        op=_op, impl_id=f"{_op}.native", version="1", profile=Profile.PERFORMANCE, fn=_fn, constants=_consts
+    )

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import exp64, iso_exp, iso_silu, sigmoid64, softplus64
 from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.common.tree import tree_sum_dim
@@ -42,6 +41,7 @@ from megatron_iso.ops.gdn.checks import (
     check_state_slots,
 )
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
+from megatron_iso.registry import OpImpl, Profile, register
 
 DEFAULT_CHUNK = 64
 L2NORM_EPS = 1e-6

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
@@ -25,6 +24,7 @@ from megatron_iso.ops.gemm.reference import (
     leaf_tree_linear_forward,
     validate_leaves,
 )
+from megatron_iso.registry import OpImpl, Profile, register, register_per_device
 
 OP = "gemm"
 REFERENCE_ID, REFERENCE_VERSION = "leaf_tree_gemm.reference", "1"
@@ -126,16 +126,12 @@ register(
         probe=_probe_reference,
     )
 )
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op=OP,
-            impl_id=NATIVE_ID,
-            version=NATIVE_VERSION,
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=native_linear,
-            constants={"algorithm": "library_matmul", "accumulate": "library"},
-            probe=_probe_native(_device),
-        )
-    )
+register_per_device(
+    op=OP,
+    impl_id=NATIVE_ID,
+    version=NATIVE_VERSION,
+    profile=Profile.PERFORMANCE,
+    fn=native_linear,
+    constants={"algorithm": "library_matmul", "accumulate": "library"},
+    probe_for=_probe_native,
+)

@@ -35,13 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
 from megatron_iso.ops.common.sm_count import sm_count
 from megatron_iso.ops.gemm.gemm_gluon_triton import gluon_supported, launch_gluon
 from megatron_iso.ops.gemm.gemm_tma_triton import launch_tma, tma_supported
 from megatron_iso.ops.gemm.leaf_steps_triton import _dot, _tile_coords, _tree_step
 from megatron_iso.ops.gemm.tiles import TRITON_BLOCK_K, GemmTileConfig
+from megatron_iso.registry import OpImpl, Profile, register
 
 IMPL_ID = "leaf_tree_gemm.triton"
 VERSION = "4"  # 4: TMA / Gluon loops at large M; 3: a 16-row tile bucket; tiles bitwise-equivalent since 2

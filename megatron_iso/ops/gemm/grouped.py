@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.dispatch import import_triton_module
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
@@ -55,6 +54,7 @@ from megatron_iso.ops.gemm.reference import (
     linear_backward,
     validate_leaves,
 )
+from megatron_iso.registry import OpImpl, Profile, register, register_per_device
 
 OP = "grouped_gemm"
 REFERENCE_ID, REFERENCE_VERSION = "grouped_leaf_tree_gemm.reference", "1"
@@ -371,19 +371,15 @@ register(
         probe=_probe_reference,
     )
 )
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op=OP,
-            impl_id=NATIVE_ID,
-            version=NATIVE_VERSION,
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=grouped_native,
-            constants={"algorithm": "library_matmul per expert", "accumulate": "library"},
-            probe=_probe_native(_device),
-        )
-    )
+register_per_device(
+    op=OP,
+    impl_id=NATIVE_ID,
+    version=NATIVE_VERSION,
+    profile=Profile.PERFORMANCE,
+    fn=grouped_native,
+    constants={"algorithm": "library_matmul per expert", "accumulate": "library"},
+    probe_for=_probe_native,
+)
 
 __all__ = [
     "OP",

@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
 from megatron_iso.ops.gemm.gemm_triton import (
     CONFIGS,
@@ -50,6 +49,7 @@ from megatron_iso.ops.gemm.gemm_triton import (
     select_config,
 )
 from megatron_iso.ops.gemm.grouped import OP, Weights, check_inputs, expert_weights
+from megatron_iso.registry import OpImpl, Profile, register
 
 IMPL_ID = "grouped_leaf_tree_gemm.triton"
 VERSION = "1"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
 from megatron_iso.ops.logprob.native import NativeScores, entropy_native, log_softmax_native, token_logprobs_native
@@ -30,6 +29,7 @@ from megatron_iso.ops.logprob.reference import (
     scale_logits,
     token_logprobs_shards,
 )
+from megatron_iso.registry import OpImpl, Profile, register, register_per_device
 
 OP = "logprob"
 TRITON_MODULE = "megatron_iso.ops.logprob.logprob_triton"
@@ -132,16 +132,13 @@ register(
         probe=_probe(_ref),
     )
 )
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op=OP,
-            impl_id="vocab_logprob.native",
-            version="1",
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=_native_scores,
-            constants={"algorithm": "torch_log_softmax_gathered_vocab"},
-            probe=_probe(_nat) if _device == "cpu" else None,
-        )
-    )
+register_per_device(
+    op=OP,
+    impl_id="vocab_logprob.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=_native_scores,
+    constants={"algorithm": "torch_log_softmax_gathered_vocab"},
+    # The probe's inputs are CPU tensors whatever the device, so only the CPU entry carries it.
+    probe_for=lambda device: _probe(_nat) if device == "cpu" else None,
+)

@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA
 from megatron_iso.ops.common.interpret import INTERPRET
 from megatron_iso.ops.common.tree_triton import fixed_tree_rowsum
@@ -58,6 +57,7 @@ from megatron_iso.ops.logprob.reference import (
 )
 from megatron_iso.ops.logprob.slice_exp_triton import slice_exp
 from megatron_iso.ops.logprob.temperature_triton import division_args, scale_by_temperature
+from megatron_iso.registry import OpImpl, Profile, register
 
 BLOCK = 1024  # lanes of a leaf's accumulator: part of the summation order (a contract constant)
 # A schedule choice (the lane tree's order does not depend on it): one warp per program takes a slice's max with

@@ -15,8 +15,8 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import PROFILES, OpImpl, Profile, register
 from megatron_iso.ops.moe import native, reference
+from megatron_iso.registry import PROFILES, Profile, register_per_device
 
 
 def _impl(profile: str):
@@ -60,36 +60,29 @@ def _probe(mod, device: str) -> dict[str, torch.Tensor]:
     return {"probs": probs, "weights": w, "experts": e, "combine": mod.combine_routed(y, w)}
 
 
-for _device in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="moe_route_combine",
-            impl_id="moe_route_combine.reference",
-            version="1",
-            device_class=_device,
-            profile=Profile.CORRECTNESS,
-            fn=reference.combine_routed,
-            constants={
-                "router_logits": "fp32 batch-invariant GEMM",
-                "softmax": "exact max, iso_exp (fp64 IEEE-composed, one rounding), tree sum",
-                "top_k": "stable descending sort: ties to the lowest expert index",
-                "combine_order": "ascending expert index",
-                "combine": "fp32 products, balanced tree over k, one rounding after the shared expert",
-            },
-            probe=functools.partial(_probe, reference, _device),
-        )
-    )
-    register(
-        OpImpl(
-            op="moe_route_combine",
-            impl_id="moe_route_combine.native",
-            version="1",
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=native.combine_routed,
-            constants={"softmax": "torch.softmax", "top_k": "torch.topk", "combine": "library sum"},
-            probe=functools.partial(_probe, native, _device),
-        )
-    )
+register_per_device(
+    op="moe_route_combine",
+    impl_id="moe_route_combine.reference",
+    version="1",
+    profile=Profile.CORRECTNESS,
+    fn=reference.combine_routed,
+    constants={
+        "router_logits": "fp32 batch-invariant GEMM",
+        "softmax": "exact max, iso_exp (fp64 IEEE-composed, one rounding), tree sum",
+        "top_k": "stable descending sort: ties to the lowest expert index",
+        "combine_order": "ascending expert index",
+        "combine": "fp32 products, balanced tree over k, one rounding after the shared expert",
+    },
+    probe_for=lambda device: functools.partial(_probe, reference, device),
+)
+register_per_device(
+    op="moe_route_combine",
+    impl_id="moe_route_combine.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=native.combine_routed,
+    constants={"softmax": "torch.softmax", "top_k": "torch.topk", "combine": "library sum"},
+    probe_for=lambda device: functools.partial(_probe, native, device),
+)
 
 __all__ = ["combine_routed", "router_probs", "top_k_route"]

@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.registry import Profile, register_per_device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered: bool = False) -> torch.Tensor:
@@ -52,28 +52,21 @@ def _probe_gated(device: str = "cpu") -> dict[str, torch.Tensor]:
     return {"fp32": gated_rms_norm(x, z, w), "bf16": gated_rms_norm(x.bfloat16(), z.bfloat16(), w.bfloat16())}
 
 
-for _dev in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="rmsnorm",
-            impl_id="rmsnorm.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=rms_norm,
-            constants={"formula": "hf: x.float() * rsqrt(mean(x^2) + eps); weight * y.to(dtype)"},
-            probe=functools.partial(_probe_rms_norm, _dev),
-        )
-    )
-    register(
-        OpImpl(
-            op="rmsnorm_gated",
-            impl_id="rmsnorm_gated.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=gated_rms_norm,
-            constants={"formula": "hf qwen3-next: weight * y.to(dtype) * silu(gate.float())"},
-            probe=functools.partial(_probe_gated, _dev),
-        )
-    )
+register_per_device(
+    op="rmsnorm",
+    impl_id="rmsnorm.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=rms_norm,
+    constants={"formula": "hf: x.float() * rsqrt(mean(x^2) + eps); weight * y.to(dtype)"},
+    probe_for=lambda device: functools.partial(_probe_rms_norm, device),
+)
+register_per_device(
+    op="rmsnorm_gated",
+    impl_id="rmsnorm_gated.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=gated_rms_norm,
+    constants={"formula": "hf qwen3-next: weight * y.to(dtype) * silu(gate.float())"},
+    probe_for=lambda device: functools.partial(_probe_gated, device),
+)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.registry import OpImpl, Profile, register
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HIDDEN = 65536

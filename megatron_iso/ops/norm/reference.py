@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math import iso_silu
 from megatron_iso.ops.common.tree import tree_sum_dim
+from megatron_iso.registry import OpImpl, Profile, register
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

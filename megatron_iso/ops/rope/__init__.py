@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_iso.contract.registry import Profile
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.rope import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.rope.reference import MAX_POSITION, check_position, inv_frequencies, rotary_dim_for
+from megatron_iso.registry import Profile
 
 TRITON_MODULE = "megatron_iso.ops.rope.rope_triton"
 

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
+from megatron_iso.registry import Profile, register_per_device
 
 
 def rope_cos_sin(
@@ -47,27 +47,20 @@ def _probe(device: str = "cpu") -> dict[str, torch.Tensor]:
     }
 
 
-for _dev in ("cpu", "cuda"):
-    register(
-        OpImpl(
-            op="rope_cos_sin",
-            impl_id="rope_cos_sin.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=rope_cos_sin,
-            constants={"formula": "hf: fp32 inv_freq, fp32 angle, torch.cos/sin"},
-        )
-    )
-    register(
-        OpImpl(
-            op="rope",
-            impl_id="rope.native",
-            version="1",
-            device_class=_dev,
-            profile=Profile.PERFORMANCE,
-            fn=apply_rope,
-            constants={"formula": "hf apply_rotary_pos_emb in input dtype"},
-            probe=functools.partial(_probe, _dev),
-        )
-    )
+register_per_device(
+    op="rope_cos_sin",
+    impl_id="rope_cos_sin.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=rope_cos_sin,
+    constants={"formula": "hf: fp32 inv_freq, fp32 angle, torch.cos/sin"},
+)
+register_per_device(
+    op="rope",
+    impl_id="rope.native",
+    version="1",
+    profile=Profile.PERFORMANCE,
+    fn=apply_rope,
+    constants={"formula": "hf apply_rotary_pos_emb in input dtype"},
+    probe_for=lambda device: functools.partial(_probe, device),
+)

@@ -18,9 +18,9 @@ import functools
 
 import torch
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_constants import MAX_ANGLE
 from megatron_iso.ops.common.ieee_math import sincos64
+from megatron_iso.registry import OpImpl, Profile, register
 
 # inv_freq[0] = theta ** 0 = 1 exactly, so a call's largest |angle| is its largest |position|: the
 # range check needs only that integer, which whoever builds the positions knows on the host.

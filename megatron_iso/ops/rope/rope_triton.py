@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.common.ieee_math_triton import NO_FMA, f32_to, neg, sincos64, to_f32
 from megatron_iso.ops.rope.reference import check_position, inv_frequencies_on, max_abs_position
+from megatron_iso.registry import OpImpl, Profile, register
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 2048  # elements per program (heads x head_dim); launch shape only, never changes a bit

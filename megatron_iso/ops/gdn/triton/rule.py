@@ -10,7 +10,6 @@ import functools
 import torch
 import triton
 
-from megatron_iso.contract.registry import OpImpl, Profile, register
 from megatron_iso.ops.gdn.checks import check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
@@ -23,6 +22,7 @@ from megatron_iso.ops.gdn.triton.decode import decode_step
 from megatron_iso.ops.gdn.triton.plan import cached_plan, decode_plan
 from megatron_iso.ops.gdn.triton.scan import scan_outputs
 from megatron_iso.ops.gdn.triton.state_pass import no_entries, no_state, state_pass, state_rows
+from megatron_iso.registry import OpImpl, Profile, register
 
 # The implementation version the contract registers for each op below (OpImpl.version): it names the kernels' bits,
 # so a change that moves a bit of any output bumps it.

@@ -1,6 +1,7 @@
 """The op registry: every implementation of an op declares itself here.
 
-An implementation is identified by ``impl_id@version`` and carries the constants
+A root module: ``ops/`` and ``parallel/`` register into it, ``contract/`` reads it, and it imports
+nothing from the package, so the op layers never depend on the contract. An implementation is identified by ``impl_id@version`` and carries the constants
 that can change a bit of its output (leaves, tiles, chunk size, accumulation
 dtype). The contract builder reads the registry to write the ``composition``
 section; the ops' dispatch points read it to pick the function to call. One
@@ -112,6 +113,8 @@ class OpImpl:
 
 
 _REGISTRY: dict[tuple[str, str, str], OpImpl] = {}
+# Runs an implementation on fixed seeded inputs: {output name: tensor}.
+Probe = Callable[[], Mapping[str, Any]]
 
 
 def register(impl: OpImpl) -> OpImpl:
@@ -126,6 +129,40 @@ def register(impl: OpImpl) -> OpImpl:
         )
     _REGISTRY[key] = impl
     return impl
+
+
+def register_per_device(
+    *,
+    op: str,
+    impl_id: str,
+    version: str,
+    profile: str,
+    fn: Callable[..., Any],
+    constants: Mapping[str, Any],
+    probe_for: Callable[[str], Probe | None] | None = None,
+    cases: tuple[str, ...] = CASES,
+    equivalence_note: str = "",
+) -> tuple[OpImpl, ...]:
+    """Register one implementation, the same code and constants, for every device class: the stock
+    (native) paths and the torch references run unchanged on CPU and CUDA. ``probe_for(device_class)``
+    gives that device's probe (its inputs on that device), or None where the device has none."""
+    return tuple(
+        register(
+            OpImpl(
+                op=op,
+                impl_id=impl_id,
+                version=version,
+                device_class=device_class,
+                profile=profile,
+                fn=fn,
+                constants=dict(constants),  # each entry owns its constants
+                cases=cases,
+                equivalence_note=equivalence_note,
+                probe=None if probe_for is None else probe_for(device_class),
+            )
+        )
+        for device_class in DEVICE_CLASSES
+    )
 
 
 def lookup(op: str, device_class: str, profile: str) -> OpImpl:
