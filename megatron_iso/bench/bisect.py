@@ -33,7 +33,7 @@ from megatron_iso.testing.bits import same_bits
 
 CASES = ("trainer_forward", "prefill_decode")
 
-# Module-name patterns -> op families of the contract registry that serve the module (first match).
+# Module-name patterns -> op families of the op registry that serve the module (first match).
 # The attention family depends on the case: a cached prefill/decode reads the KV cache.
 _OP_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|\.)core_attention$", ("attention",)),

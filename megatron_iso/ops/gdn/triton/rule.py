@@ -1,6 +1,6 @@
 """The gated delta rule's forward driver (checks, plan, state pass, outputs or a decode step), its autograd Function
 with the Triton chunk backward, and the registration of the package's cuda/correctness implementations with the
-contract registry (importing this module registers them; the package imports it)."""
+op registry (importing this module registers them; the package imports it)."""
 
 from __future__ import annotations
 
