@@ -12,12 +12,19 @@
 # MODEL_DIR; task=gsm8k + data=gsm8k map the columns, apply Qwen3's chat template and grade with math-verify;
 # the stop tokens come from the tokenizer and generation_config.json. docs/DATA.md explains every setting.
 set -euo pipefail
+# shellcheck source=/dev/null  # examples/launcher.sh, checked on its own
+source "$(dirname "${BASH_SOURCE[0]}")/launcher.sh"
+torchrun=$(find_torchrun)
 
 : "${MODEL_DIR:?set MODEL_DIR to the Qwen3-0.6B directory}"
 : "${DATA_DIR:?set DATA_DIR to the directory holding train.parquet and test.parquet}"
+require_path MODEL_DIR "$MODEL_DIR" dir
+require_path MODEL_DIR "$MODEL_DIR/config.json" file
+require_path DATA_DIR "$DATA_DIR/train.parquet" file
+require_path DATA_DIR "$DATA_DIR/test.parquet" file
 nproc="${NPROC_PER_NODE:-gpu}"   # one rank per visible GPU; extra ranks beyond parallel.tp are data parallel
 
-exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" -m megatron_iso.cli.train \
+exec "$torchrun" --standalone --nnodes 1 --nproc-per-node "$nproc" -m megatron_iso.cli.train \
     model.init_from="$MODEL_DIR" \
     task=gsm8k data=gsm8k \
     data.train_files="$DATA_DIR/train.parquet" data.val_files="$DATA_DIR/test.parquet" \

@@ -13,6 +13,9 @@
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 examples/torchrun_multi_node.sh model=qwen3_30b_a3b parallel.tp=8 ...
 set -euo pipefail
+# shellcheck source=/dev/null  # examples/launcher.sh, checked on its own
+source "$(dirname "${BASH_SOURCE[0]}")/launcher.sh"
+torchrun=$(find_torchrun)
 
 nnodes="${NNODES:-${SLURM_NNODES:-}}"
 node_rank="${NODE_RANK:-${SLURM_NODEID:-}}"
@@ -23,7 +26,7 @@ port="${MASTER_PORT:-29500}"
 rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-megatron_iso}}"
 nproc="${NPROC_PER_NODE:-gpu}"
 
-exec torchrun \
+exec "$torchrun" \
     --nnodes "$nnodes" \
     --node-rank "$node_rank" \
     --nproc-per-node "$nproc" \

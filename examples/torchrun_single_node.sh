@@ -8,8 +8,11 @@
 # In the GPU image:  docker run --gpus all --ipc=host -v "$PWD/runs:/workspace/runs" megatron-iso:gpu \
 #                        /opt/megatron_iso/examples/torchrun_single_node.sh parallel.tp=8
 set -euo pipefail
+# shellcheck source=/dev/null  # examples/launcher.sh, checked on its own
+source "$(dirname "${BASH_SOURCE[0]}")/launcher.sh"
+torchrun=$(find_torchrun)
 
 # torchrun's "gpu" counts the visible CUDA devices; CPU runs must say how many processes they want.
 nproc="${NPROC_PER_NODE:-gpu}"
 
-exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" -m megatron_iso.cli.train "$@"
+exec "$torchrun" --standalone --nnodes 1 --nproc-per-node "$nproc" -m megatron_iso.cli.train "$@"
