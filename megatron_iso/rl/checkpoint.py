@@ -59,6 +59,21 @@ def _dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
+def _write_failure(exc: BaseException) -> str | None:
+    """Why a checkpoint write failed, when the disk refused it (full, over quota, or over the process's file size
+    limit: torch's writers then report a short write as "unexpected pos"); None for any other error."""
+    import errno
+
+    causes = [exc, exc.__cause__, exc.__context__, *getattr(exc, "failures", {}).values()]  # per-rank failures
+    for e in causes:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return f"{os.strerror(e.errno)} (disk full, quota or file size limit)"
+    text = " ".join(str(e) for e in causes if e is not None)
+    if "unexpected pos" in text or "file write failed" in text:
+        return "the file could not be written in full (disk full, quota or file size limit)"
+    return None
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -95,16 +110,26 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
         tmp.mkdir(parents=True)
     _barrier()
-    with quiet_dist_checkpointing():
-        dist_checkpointing.save(
-            _sharded_state(model, optimizer, loading=False), str(tmp), sharded_strategy=dist_backend()
-        )
-    _barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(
-            json.dumps({"format": DIST_FORMAT, "step": step, **meta, DECLARED: CHECKSUMS}, sort_keys=True, indent=1)
-        )
-    record_checksums(tmp)  # every rank hashes its share; rank 0 writes the record last
+    try:
+        with quiet_dist_checkpointing():
+            dist_checkpointing.save(
+                _sharded_state(model, optimizer, loading=False), str(tmp), sharded_strategy=dist_backend()
+            )
+        _barrier()
+        if rank == 0:
+            (tmp / "meta.json").write_text(
+                json.dumps({"format": DIST_FORMAT, "step": step, **meta, DECLARED: CHECKSUMS}, sort_keys=True, indent=1)
+            )
+        record_checksums(tmp)  # every rank hashes its share; rank 0 writes the record last
+    except BaseException as exc:  # torch's checkpoint writer raises CheckpointException, a BaseException
+        reason = None if isinstance(exc, KeyboardInterrupt | SystemExit) else _write_failure(exc)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left to look like a checkpoint
+        previous = latest_checkpoint(run_dir)
+        kept = f"the previous checkpoint {previous} is intact (resume=true continues from it)" if previous else (
+            "no earlier checkpoint exists")  # fmt: skip
+        raise CheckpointError(f"step {step}: writing checkpoint {final} failed: {reason}; {kept}") from exc
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
