@@ -1,20 +1,19 @@
 """From the Hydra config (model, profile, parallel) to Megatron's TransformerConfig.
 
-:class:`IsoTransformerConfig` is Megatron's config plus the few fields megatron_iso's layers read;
-they are dataclass fields (not attributes patched on later) so a reader sees them in one place.
+:class:`IsoTransformerConfig` (declared in :mod:`megatron_iso.parallel.layer_config`, the lowest layer that reads
+it) is Megatron's config plus the fields megatron_iso's layers read; :func:`transformer_config` fills every one.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_iso.registry import PROFILES, Profile
+from megatron_iso.parallel.layer_config import IsoTransformerConfig
+from megatron_iso.registry import PROFILES
 from megatron_iso.settings import (
     HF_GDN_LAYOUTS,
     ModelSettings,
@@ -38,27 +37,6 @@ __all__ = [
     "moe_fields",
     "sharded_sizes",
 ]
-
-
-@dataclass
-class IsoTransformerConfig(TransformerConfig):
-    iso_profile: str = Profile.CORRECTNESS.value  # correctness = invariant ops; performance = stock ops
-    iso_leaves: int = 8  # leaves of row-parallel GEMMs and of the vocab log-sum-exp
-    iso_column_leaves: int = 1  # column-parallel GEMMs never split K across ranks
-    iso_expert_leaves: int = 1  # routed experts' down projection: expert TP is 1, K never split
-    iso_kv_block: int = 64  # attention reduces keys in blocks of this many positions
-    rope_theta: float = 1_000_000.0
-    rotary_fraction: float = 1.0  # share of head_dim rotated (Qwen3-Next: 0.25)
-    vocab_size: int = 0
-    max_sequence_length: int = 0
-    tie_word_embeddings: bool = False
-    iso_gdn_chunk: int = 64  # CPR chunk of the Gated DeltaNet layers (profile.gdn_chunk)
-    iso_gdn_form: str = "scan"  # GDN output form on the GPU (profile.gdn_form resolved: scan or chunk)
-    iso_gdn_dot_precision: str | None = None  # GDN kernels' dot precision on the GPU (profile.gdn_dot_precision)
-    iso_gdn_backward_states: str = "keep"  # what a GPU GDN forward keeps for the backward (rl.gdn_backward_states)
-    # How HF checkpoints store GDN's input projections (model.hf_gdn_layout; naming only, same computation):
-    # "qkvz" = Qwen3-Next's in_proj_qkvz/in_proj_ba grouped per key head, "split" = Qwen3.5's flat in_proj_qkv/z/b/a.
-    hf_gdn_layout: str = "qkvz"
 
 
 def is_hybrid(model: Any) -> bool:

@@ -24,7 +24,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.gdn import GDNStateCache, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
 from megatron_iso.ops.norm import gated_rms_norm
-from megatron_iso.registry import Profile
+from megatron_iso.parallel.layer_config import iso_config
 
 
 def gdn_layer_indices(config) -> list[int]:
@@ -48,7 +48,7 @@ class GatedRMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
         super().__init__()
         self.eps = eps
-        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
+        self.profile = iso_config(config, type(self).__name__).iso_profile
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -60,13 +60,14 @@ class IsoGatedDeltaNet(MegatronModule):
     gated RMSNorm with z -> out_proj. Returns Megatron's ``(output, bias)``."""
 
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int, **_: object) -> None:
+        config = iso_config(config, type(self).__name__)
         super().__init__(config=config)
         self.layer_index = layer_number - 1  # Megatron numbers layers from 1
-        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
-        self.chunk = int(getattr(config, "iso_gdn_chunk", 64))
-        self.form = getattr(config, "iso_gdn_form", "scan")
-        self.dot_precision = getattr(config, "iso_gdn_dot_precision", None)
-        self.backward_states = getattr(config, "iso_gdn_backward_states", "keep")
+        self.profile = config.iso_profile
+        self.chunk = config.iso_gdn_chunk
+        self.form = config.iso_gdn_form
+        self.dot_precision = config.iso_gdn_dot_precision
+        self.backward_states = config.iso_gdn_backward_states
         tp = config.tensor_model_parallel_size
         hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
@@ -203,12 +204,13 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
     tp = config.tensor_model_parallel_size
     hk, hv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    form = getattr(config, "iso_gdn_form", "scan")
+    config = iso_config(config, "allocate_gdn_cache")
+    form = config.iso_gdn_form
     u_dtype = torch.float32
     if form == "chunk":  # the chunk form exists only on the GPU kernels, which decide how they store u
         from megatron_iso.ops.gdn.triton.config import chunk_u_dtype
 
-        u_dtype = chunk_u_dtype(getattr(config, "iso_gdn_dot_precision", None))
+        u_dtype = chunk_u_dtype(config.iso_gdn_dot_precision)
     return GDNStateCache.allocate(
         gdn_layer_indices(config),
         slots,
@@ -218,7 +220,7 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
         value_heads=hv,
         key_dim=dk,
         value_dim=dv,
-        chunk=int(getattr(config, "iso_gdn_chunk", 64)),
+        chunk=config.iso_gdn_chunk,
         dtype=config.params_dtype,
         device=device,
         form=form,

@@ -29,7 +29,7 @@ from megatron_iso.ops.attention.segments import attention_query_runs
 from megatron_iso.ops.norm import rms_norm
 from megatron_iso.ops.rope import apply_rope, rope_cos_sin, rotary_dim_for
 from megatron_iso.parallel.context import gather_sequence_rows
-from megatron_iso.registry import Profile
+from megatron_iso.parallel.layer_config import iso_config
 
 
 class IsoRMSNorm(torch.nn.Module):
@@ -37,8 +37,9 @@ class IsoRMSNorm(torch.nn.Module):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
         super().__init__()
+        config = iso_config(config, type(self).__name__)
         self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
+        self.profile = config.iso_profile
         self.eps = eps
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
@@ -57,11 +58,12 @@ class PackedCoreAttention(MegatronModule):
     """Causal GQA attention over packed rows or from a KV cache (``ops.attention``)."""
 
     def __init__(self, config, layer_number: int, softmax_scale: float | None = None, **_: object) -> None:
+        config = iso_config(config, type(self).__name__)
         super().__init__(config=config)
         self.layer_index = layer_number - 1  # Megatron numbers layers from 1
         self.softmax_scale = softmax_scale
-        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
-        self.kv_block = int(getattr(config, "iso_kv_block", 64))
+        self.profile = config.iso_profile
+        self.kv_block = config.iso_kv_block
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: IsoBatch, gate: torch.Tensor | None = None
@@ -113,13 +115,14 @@ class CachedSelfAttention(SelfAttention):
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=None, **kwargs: object) -> None:
         from megatron.core.transformer.enums import AttnMaskType
 
+        config = iso_config(config, type(self).__name__)
         super().__init__(
             config, submodules, layer_number, attn_mask_type=attn_mask_type or AttnMaskType.causal, **kwargs
         )
         head_dim = self.hidden_size_per_attention_head
-        self.rotary_dim = rotary_dim_for(head_dim, float(getattr(config, "rotary_fraction", 1.0)))
-        self.rope_theta = float(getattr(config, "rope_theta", 10000.0))
-        self.profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
+        self.rotary_dim = rotary_dim_for(head_dim, float(config.rotary_fraction))
+        self.rope_theta = float(config.rope_theta)
+        self.profile = config.iso_profile
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_: object):
         batch = packed_seq_params
@@ -167,12 +170,13 @@ class IsoMLP(MLP):
     with one rounding. Biases and fusions are off in megatron_iso's configs.
     """
 
+    def __init__(self, config, *args: object, **kwargs: object) -> None:
+        super().__init__(iso_config(config, type(self).__name__), *args, **kwargs)
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **_: object):
         if per_token_scale is not None:
             raise ValueError("IsoMLP: per_token_scale is not supported")
         intermediate, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             raise ValueError("IsoMLP: add_bias_linear must be False")
-        return self.linear_fc2(
-            swiglu_packed(intermediate, profile=getattr(self.config, "iso_profile", Profile.CORRECTNESS))
-        )
+        return self.linear_fc2(swiglu_packed(intermediate, profile=self.config.iso_profile))

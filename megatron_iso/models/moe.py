@@ -58,6 +58,7 @@ from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
 from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
+from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import Profile
 
@@ -117,10 +118,6 @@ def _routed_experts(routing_map: torch.Tensor, k: int) -> torch.Tensor:
         (routing_map.sum(1) == k).all(), f"routing_map must select exactly moe_router_topk={k} experts per token"
     )
     return torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
-
-
-def _profile(config) -> str:
-    return getattr(config, "iso_profile", Profile.CORRECTNESS)
 
 
 def _mlp_fp32(mlp, x: torch.Tensor) -> torch.Tensor:
@@ -365,7 +362,7 @@ class IsoMoELayer(MoELayer):
         # TransformerLayer hands pg_collection only to the exact stock MoELayer class; the default is the same groups.
         pg_collection = pg_collection or get_default_pg_collection()
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
-        self.iso = _profile(config) == Profile.CORRECTNESS
+        self.iso = iso_config(config, type(self).__name__).iso_profile == Profile.CORRECTNESS
         if self.iso:
             if config.moe_shared_expert_overlap:
                 raise ValueError("moe_shared_expert_overlap=True is not supported by IsoMoELayer; use False")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 
+from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.tree_collectives import gather_along, split_along
 from megatron_iso.registry import Profile, register_per_device
 
@@ -21,8 +22,9 @@ class IsoVocabParallelEmbedding(VocabParallelEmbedding):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method, config, **kwargs) -> None:
+        config = iso_config(config, type(self).__name__)
         super().__init__(num_embeddings, embedding_dim, init_method=init_method, config=config, **kwargs)
-        self.iso_profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
+        self.iso_profile = config.iso_profile
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.iso_profile == Profile.PERFORMANCE:

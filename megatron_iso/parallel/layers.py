@@ -1,11 +1,11 @@
 """Invariant Megatron parallel linears: drop-in ModuleSpec submodules.
 
-Config attributes read from the TransformerConfig (set by the model builder; defaults shown):
-- ``iso_leaves`` (int, 8): leaves G of row-parallel GEMMs. A power of two, >= the largest TP ever
+Config attributes read from the :class:`~megatron_iso.parallel.layer_config.IsoTransformerConfig` (required):
+- ``iso_leaves`` (int): leaves G of row-parallel GEMMs. A power of two, >= the largest TP ever
   used for this model, dividing the layer's input size. The contract records it.
-- ``iso_column_leaves`` (int, 1): leaves of column-parallel GEMMs. Their K is never split across
+- ``iso_column_leaves`` (int, default 1): leaves of column-parallel GEMMs. Their K is never split across
   ranks, so batch invariance is all they need; 1 leaf is the cheapest on GPU.
-- ``iso_expert_leaves`` (int, 1): leaves of a routed expert's row-parallel (down) projection (``is_expert``).
+- ``iso_expert_leaves`` (int): leaves of a routed expert's row-parallel (down) projection (``is_expert``).
 - ``iso_profile`` ("correctness" | "performance"): "performance" runs stock Megatron forward.
 
 Row-parallel at TP=C: rank i holds K columns [iK/C, (i+1)K/C) = leaves [iG/C, (i+1)G/C). It
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from megatron_iso.ops.gemm import DEFAULT_LEAVES, linear, validate_leaves
+from megatron_iso.ops.gemm import linear, validate_leaves
+from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.tree_collectives import (
     copy_to_tp,
     gather_along,
@@ -28,19 +29,7 @@ from megatron_iso.parallel.tree_collectives import (
     tree_all_reduce,
     tree_reduce_scatter,
 )
-from megatron_iso.registry import PROFILES, Profile
-
-DEFAULT_COLUMN_LEAVES = 1
-
-
-def iso_settings(config) -> tuple[int, int, str]:
-    """(row leaves, column leaves, profile) from a Megatron config, with documented defaults."""
-    leaves = getattr(config, "iso_leaves", DEFAULT_LEAVES)
-    column_leaves = getattr(config, "iso_column_leaves", DEFAULT_COLUMN_LEAVES)
-    profile = getattr(config, "iso_profile", Profile.CORRECTNESS)
-    if profile not in PROFILES:
-        raise ValueError(f"config.iso_profile={profile!r}; expected one of {PROFILES}")
-    return leaves, column_leaves, profile
+from megatron_iso.registry import Profile
 
 
 def _finish(out_fp32: torch.Tensor, bias: torch.Tensor | None, skip_bias_add: bool, dtype: torch.dtype):
@@ -70,7 +59,8 @@ class LeafTreeColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs) -> None:
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
-        _, self.iso_leaves, self.iso_profile = iso_settings(config)
+        config = iso_config(config, type(self).__name__)
+        self.iso_leaves, self.iso_profile = config.iso_column_leaves, config.iso_profile
         if self.iso_profile == Profile.CORRECTNESS:
             _check_supported(config, type(self).__name__)
             validate_leaves(self.iso_leaves, k=input_size)
@@ -117,12 +107,12 @@ class LeafTreeRowParallelLinear(RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, **kwargs) -> None:
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
-        self.iso_leaves, _, self.iso_profile = iso_settings(config)
-        if self.is_expert:
-            # A routed expert's down projection is never split across ranks (expert TP is 1): its own
-            # leaf count (profile.expert_leaves, default 1) also keeps the leaf depth a whole number of the
-            # GPU kernels' K tiles (Qwen3-30B-A3B: 768 / 8 = 96 is not).
-            self.iso_leaves = getattr(config, "iso_expert_leaves", 1)
+        config = iso_config(config, type(self).__name__)
+        # A routed expert's down projection is never split across ranks (expert TP is 1): its own
+        # leaf count (profile.expert_leaves, default 1) also keeps the leaf depth a whole number of the
+        # GPU kernels' K tiles (Qwen3-30B-A3B: 768 / 8 = 96 is not).
+        self.iso_leaves = config.iso_expert_leaves if self.is_expert else config.iso_leaves
+        self.iso_profile = config.iso_profile
         tp = self.tp_group.size() if self.tp_group is not None else 1
         if self.iso_profile == Profile.CORRECTNESS:
             _check_supported(config, type(self).__name__)

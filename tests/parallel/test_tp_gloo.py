@@ -44,10 +44,10 @@ def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return t
 
 
-def _config(tp: int, sp: bool, dtype: torch.dtype, profile: str = "correctness"):
-    from megatron.core.transformer import TransformerConfig
+def _config(tp: int, sp: bool, dtype: torch.dtype, profile: str = "correctness", leaves: int = 8):
+    from megatron_iso.models.config import IsoTransformerConfig
 
-    cfg = TransformerConfig(
+    return IsoTransformerConfig(
         num_layers=1,
         hidden_size=K,
         num_attention_heads=4,
@@ -56,10 +56,16 @@ def _config(tp: int, sp: bool, dtype: torch.dtype, profile: str = "correctness")
         use_cpu_initialization=True,
         perform_initialization=False,
         params_dtype=dtype,
+        iso_profile=profile,
+        iso_leaves=leaves,
+        iso_expert_leaves=1,
+        iso_kv_block=64,
+        rope_theta=1e6,
+        rotary_fraction=1.0,
+        vocab_size=V,
+        max_sequence_length=S,
+        tie_word_embeddings=False,
     )
-    cfg.iso_leaves = 8
-    cfg.iso_profile = profile
-    return cfg
 
 
 def _worker(dtype_names: tuple[str, ...]) -> dict:
@@ -147,8 +153,7 @@ def _checks(dtype_names: tuple[str, ...], tp: int, group, rank: int) -> dict:
             r["row_native"] = native_row(t["x"].chunk(tp, -1)[rank])[0]
 
         for leaves, k in ((2, K), (6, K), (8, 36)):  # build-time errors name the offending value
-            cfg = _config(tp, False, dtype)
-            cfg.iso_leaves = leaves
+            cfg = _config(tp, False, dtype, leaves=leaves)
             try:
                 LeafTreeRowParallelLinear(
                     k,
