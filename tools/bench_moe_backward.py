@@ -34,20 +34,14 @@ TOKENS = (512, 2048, 8192)
 
 
 def _paths(ws: list[torch.Tensor], stacked: torch.Tensor, counts: list[int]):
+    from megatron_iso.ops.gemm.grouped import per_expert_backward
     from megatron_iso.ops.gemm.grouped_backward_triton import grouped_linear_backward_triton
-    from megatron_iso.ops.gemm.reference import linear_backward
 
     counts_dev = torch.tensor(counts, device="cuda")
     offs = counts_dev.to(torch.int32).cumsum(0, dtype=torch.int32)
 
     def loop(g, x):
-        gx = torch.empty_like(x)
-        gws, start = [], 0
-        for w, c in zip(ws, counts, strict=True):
-            a, b = linear_backward(g[start : start + c], x[start : start + c], w)
-            gx[start : start + c] = a
-            gws.append(b)
-            start += c
+        gx, gws = per_expert_backward(g, x, ws, counts)
         return gx, torch.stack(gws)
 
     def triton_path(g, x):

@@ -52,9 +52,7 @@ class RolloutMemory:
             raise RuntimeError("RolloutMemory.release: the engine still has sequences; finish the rollout first")
         if self.released:
             return 0
-        engine.kv.flush()
-        if engine.gdn is not None:
-            engine.gdn.flush()
+        engine.kv.flush()  # its reusable prefixes point into the pool about to go; the GDN slots keep no prefixes
         tensors = cache_tensors(engine)
         self._addresses = [t.data_ptr() for t in tensors]
         freed = 0

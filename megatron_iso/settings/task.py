@@ -37,10 +37,6 @@ TASKS = ("residue", "jsonl", "dataset")  # task.name (rl.tasks builds them)
 REWARD_NAMES = ("math_verify", "residue_match")  # task.reward's registered names (rl.tasks.REWARDS)
 
 
-def _task_names() -> tuple[str, ...]:
-    return TASKS
-
-
 def import_callable(spec: str, field_name: str) -> Callable[..., Any]:
     """``package.module:function`` imported, as a run calls it; a UserError naming ``field_name`` otherwise."""
     if ":" not in spec:
@@ -85,7 +81,7 @@ def resolve_task(task: Mapping[str, Any], vocab_size: int, max_positions: int) -
     """``task`` typed for a model of ``vocab_size`` tokens and ``max_positions`` positions: the name,
     ``prompts_per_step`` >= 1, a reward the builder finds, and the residue task's ``prompt_len`` (>= 1, leaving
     room for a response) and ``modulus`` in [2, vocab_size]."""
-    name = _choice(_required(task, "name", "task"), "task.name", _task_names())
+    name = _choice(_required(task, "name", "task"), "task.name", TASKS)
     n = _int(_required(task, "prompts_per_step", "task"), "task.prompts_per_step", 1)
     reward = _check_reward(_required(task, "reward", "task"))
     prompt_len = path = None

@@ -26,10 +26,11 @@ row and weight, so the same bits as :func:`grouped_reference`.
 
 The backward (training) need only be deterministic. On CUDA with 16-bit operands it is two grouped Triton
 launches over all experts (``grouped_backward_triton``: dgrad and wgrad, counts read on the device, fixed tiles).
-Elsewhere it is per expert: the dense op's :func:`~megatron_iso.ops.gemm.reference.linear_backward` applied to
-each expert's rows (library GEMMs whose bits depend on the row count, so the rows are split on the host). That
-path needs the counts on the host. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
-counts of every grouped call of the forward are copied to the host together, once, without waiting, when the
+Elsewhere it is per expert (:func:`per_expert_backward`): the dense op's
+:func:`~megatron_iso.ops.gemm.reference.linear_backward` applied to each expert's rows (library GEMMs whose bits depend
+on the row count, so the rows are split on the host). That path needs the counts on the host, and only its calls
+record them. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
+counts of every such grouped call of the forward are copied to the host together, once, without waiting, when the
 forward ends, and each backward takes its own from that copy (it waits for the copy, which by then has long
 completed); outside, a backward reads its counts itself (one sync per call). Activation recompute runs a layer's
 forward twice: first without autograd (its calls are kept in the copy when the forward asks for it,
@@ -247,13 +248,45 @@ def counts_replayed(first: HostCounts) -> Iterator[None]:
         _HOST_COUNTS.reset(token)
 
 
+def device_backward(x: torch.Tensor, ws: Sequence[torch.Tensor]) -> bool:
+    """Whether the backward runs the grouped Triton kernels (CUDA, 16-bit operands): they read the counts on the
+    device, so the forward records none for the host."""
+    return x.is_cuda and x.dtype in BACKWARD_KERNEL_DTYPES and ws[0].dtype == x.dtype
+
+
+def per_expert_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    ws: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    *,
+    need_x: bool = True,
+    need_ws: Sequence[bool] | None = None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """``(grad_x, [grad_w per expert])``: :func:`~megatron_iso.ops.gemm.reference.linear_backward` on each expert's
+    rows (``sizes``: rows per expert, on the host), one library GEMM pair per expert."""
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_ws: list[torch.Tensor | None] = []
+    start = 0
+    for i, (w, c) in enumerate(zip(ws, sizes, strict=True)):
+        rows = slice(start, start + c)
+        need_w = True if need_ws is None else need_ws[i]
+        gx, gw = linear_backward(grad_out[rows], x[rows], w, need_x=need_x, need_w=need_w)
+        if grad_x is not None:
+            grad_x[rows] = gx
+        grad_ws.append(gw)
+        start += c
+    return grad_x, grad_ws
+
+
 class _GroupedLinear(torch.autograd.Function):
-    """Invariant grouped forward; backward = the dense op's matmul backward on each expert's rows."""
+    """Invariant grouped forward; backward: the grouped kernels (:func:`device_backward`), else the dense op's matmul
+    backward on each expert's rows."""
 
     @staticmethod
     def forward(ctx, x, counts, leaves, kernel, *ws):  # type: ignore[override]
         ctx.save_for_backward(x, counts, *ws)
-        batch = _HOST_COUNTS.get()
+        batch = None if device_backward(x, ws) else _HOST_COUNTS.get()
         index = None if batch is None else batch.add(counts, id(ws[0]))
         ctx.host_counts = None if index is None else (batch, index)
         return kernel(x, list(ws), counts, leaves)
@@ -261,7 +294,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, counts, *ws = ctx.saved_tensors
-        if x.is_cuda and x.dtype in BACKWARD_KERNEL_DTYPES and ws[0].dtype == x.dtype:
+        if device_backward(x, ws):
             # Two launches over all experts, counts read on the device (grouped_backward_triton).
             mod = import_triton_module(BACKWARD_TRITON_MODULE, "the grouped GEMM backward on cuda")
             need_w = any(ctx.needs_input_grad[4:])
@@ -275,18 +308,9 @@ class _GroupedLinear(torch.autograd.Function):
             sizes = batch.sizes(index)  # the forward's one copy
         else:
             sizes = [int(c) for c in counts.tolist()]  # host sync: backward only
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_ws = []
-        start = 0
-        for i, (w, c) in enumerate(zip(ws, sizes, strict=True)):
-            rows = slice(start, start + c)
-            gx, gw = linear_backward(
-                grad_out[rows], x[rows], w, need_x=grad_x is not None, need_w=ctx.needs_input_grad[4 + i]
-            )
-            if grad_x is not None:
-                grad_x[rows] = gx
-            grad_ws.append(gw)
-            start += c
+        grad_x, grad_ws = per_expert_backward(
+            grad_out, x, ws, sizes, need_x=ctx.needs_input_grad[0], need_ws=ctx.needs_input_grad[4:]
+        )
         return (grad_x, None, None, None, *grad_ws)
 
 
@@ -325,7 +349,7 @@ def grouped_linear(
     check_inputs(x, ws, counts, leaves, read_counts=not static)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
         return _GroupedLinear.apply(x, counts, leaves, kernel, *ws)
-    kept = _HOST_COUNTS.get()
+    kept = None if device_backward(x, ws) else _HOST_COUNTS.get()
     if kept is not None and kept.keep_no_grad:  # a checkpointed region's first run: its recomputation takes these
         kept.add(counts, id(ws[0]))
     return kernel(x, ws, counts, leaves)
@@ -392,4 +416,5 @@ __all__ = [
     "grouped_native",
     "grouped_reference",
     "grouped_reference_static",
+    "per_expert_backward",
 ]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.common.interpret import INTERPRET as _INTERPRET
-from megatron_iso.ops.gemm.grouped_triton import m_tiles_bound, weight_table
+from megatron_iso.ops.gemm.grouped_triton import _expert_of_tile, m_tiles_bound, weight_table
 from megatron_iso.ops.gemm.leaf_steps_triton import _dot
 
 SUPPORTED = (torch.bfloat16, torch.float16)
@@ -49,25 +49,6 @@ class BackwardTiles:
 
 TILES = BackwardTiles()
 INTERPRET_TILES = BackwardTiles(16, 8, 16, 4, 1, 16, 16, 8, 4, 1)
-
-
-@triton.jit
-def _expert_of_tile(counts_ptr, pid_m, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """(expert, its first row, its rows, the tile's index within the expert) of the ``pid_m``-th M-tile, tiles of
-    each expert starting fresh at its first row; expert == E for programs past the last tile."""
-    idx = tl.arange(0, E_POW2)
-    rows = tl.maximum(tl.load(counts_ptr + idx, mask=idx < E, other=0), 0)
-    ends = tl.cumsum(rows, 0)
-    starts = tl.minimum(ends - rows, T)  # clamped so that bad counts never address outside the tensors
-    rows = tl.minimum(ends, T) - starts
-    tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    tiles_done = tl.cumsum(tiles, 0)
-    e = tl.sum((tiles_done <= pid_m).to(tl.int32), 0)
-    sel = idx == e
-    row0 = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int64)
-    m_e = tl.sum(tl.where(sel, rows, 0), 0).to(tl.int32)
-    local = pid_m - tl.sum(tl.where(sel, tiles_done - tiles, 0), 0).to(tl.int32)
-    return e, row0, m_e, local
 
 
 @triton.jit

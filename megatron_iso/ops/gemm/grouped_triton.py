@@ -59,6 +59,25 @@ _TABLES: OrderedDict[tuple, tuple[torch.Tensor, bool]] = OrderedDict()
 
 
 @triton.jit
+def _expert_of_tile(counts_ptr, pid_m, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """(expert, its first row, its rows, the tile's index within the expert) of the ``pid_m``-th M-tile, tiles of
+    each expert starting fresh at its first row; expert == E for programs past the last tile."""
+    idx = tl.arange(0, E_POW2)
+    rows = tl.maximum(tl.load(counts_ptr + idx, mask=idx < E, other=0), 0)
+    ends = tl.cumsum(rows, 0)
+    starts = tl.minimum(ends - rows, T)  # clamped so that bad counts never address outside the tensors
+    rows = tl.minimum(ends, T) - starts
+    tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    tiles_done = tl.cumsum(tiles, 0)
+    e = tl.sum((tiles_done <= pid_m).to(tl.int32), 0)
+    sel = idx == e
+    row0 = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int64)
+    m_e = tl.sum(tl.where(sel, rows, 0), 0).to(tl.int32)
+    local = pid_m - tl.sum(tl.where(sel, tiles_done - tiles, 0), 0).to(tl.int32)
+    return e, row0, m_e, local
+
+
+@triton.jit
 def _grouped_leaf_tree_kernel(
     x_ptr, w_ptr, w_off_ptr, counts_ptr, out_ptr, park_ptr,
     T, N, E, M_TILES,
@@ -70,20 +89,8 @@ def _grouped_leaf_tree_kernel(
 ):  # fmt: skip
     # Grouped order over the virtual [M_TILES * BLOCK_M, N] output, as the dense kernel orders its tiles.
     pid_m, pid_n = _tile_coords(M_TILES * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    idx = tl.arange(0, E_POW2)
-    rows = tl.maximum(tl.load(counts_ptr + idx, mask=idx < E, other=0), 0)
-    ends = tl.cumsum(rows, 0)
-    # Clamped to T so that counts not summing to T can never address memory outside x / out.
-    starts = tl.minimum(ends - rows, T)
-    rows = tl.minimum(ends, T) - starts
-    tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    tiles_done = tl.cumsum(tiles, 0)
-    e = tl.sum((tiles_done <= pid_m).to(tl.int32), 0)  # the expert whose tiles contain pid_m
+    e, row0, m_e, local_m = _expert_of_tile(counts_ptr, pid_m, T, E, BLOCK_M, E_POW2)
     if e < E:
-        sel = idx == e
-        m_e = tl.sum(tl.where(sel, rows, 0), 0).to(tl.int32)
-        row0 = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int64)
-        local_m = pid_m - tl.sum(tl.where(sel, tiles_done - tiles, 0), 0).to(tl.int32)
         w_e = w_ptr + tl.multiple_of(tl.load(w_off_ptr + e), W_ALIGN)
         x_e = x_ptr + row0 * stride_xm
         out_e = out_ptr + row0 * stride_om
