@@ -6,6 +6,8 @@ silu, RMSNorm), which autograd would have to store for the backward. The policy 
 backward be deterministic, not invariant, so :func:`with_plain_backward` runs the invariant
 function without a graph and, in the backward, recomputes the op with its plain differentiable
 formula (the native implementation) and differentiates that. The forward's bits are unchanged.
+Where the plain form's autograd is many elementwise passes (the norms, SwiGLU), a GPU backward kernel
+that computes the same gradients in one pass replaces it: :func:`with_fused_backward`.
 """
 
 from __future__ import annotations
@@ -67,3 +69,34 @@ def with_plain_backward(
     if not needs_grad:
         return invariant(*args)
     return _PlainBackward.apply(invariant, plain, *args)
+
+
+class _FusedBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, invariant, backward, *args):  # type: ignore[override]
+        ctx.backward_fn = backward
+        ctx.tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_pos))
+        with torch.no_grad():
+            return invariant(*args)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        args = list(ctx.others)
+        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
+            args[i] = t
+        grads = ctx.backward_fn(grad_out.contiguous(), *args)
+        needs = ctx.needs_input_grad[2:]
+        return (None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+
+
+def with_fused_backward(
+    invariant: Callable[..., torch.Tensor], backward: Callable[..., Sequence[torch.Tensor | None]], *args: Any
+) -> torch.Tensor:
+    """``invariant(*args)``; when a gradient is needed, ``backward(grad_out, *args)`` returns one gradient per
+    argument (None for non-tensors). ``backward`` must be deterministic; it need not be invariant."""
+    needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not needs_grad:
+        return invariant(*args)
+    return _FusedBackward.apply(invariant, backward, *args)

@@ -116,6 +116,7 @@ _CONSTANTS = {
     "sqrt_div": "sqrt_rn, div_rn",
     "exp": "tl.exp (fp32)",
     "output_rounding": "once, to input dtype",
+    "backward": "norm_backward_triton: one fp32 pass, fixed row blocks per program, partial dw summed in fixed order",
     "triton": triton.__version__,
 }
 register(OpImpl(op="rmsnorm", impl_id="rmsnorm.triton", version="1", device_class="cuda", profile=Profile.CORRECTNESS,

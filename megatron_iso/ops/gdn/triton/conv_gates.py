@@ -1,8 +1,8 @@
 """conv1d + SiLU, l2norm and the gates: one element (conv, gates) or one row (l2norm) per program lane, fixed block
 sizes; nothing depends on the number of rows. Backward: the conv's by two Triton kernels (``conv_backward``: it ran
 as ~25 fp32 passes over [tokens, conv channels] in torch, the largest elementwise cost of the hybrid trainer);
-l2norm's and the gates' by autograd of a plain torch form (:func:`_conv_plain` is kept as the conv backward's
-reference)."""
+l2norm's by the row-norm backward kernel (``ops.norm.norm_backward_triton``); the gates' (small: [tokens, heads]) by
+autograd of a plain torch form (:func:`_conv_plain` is kept as the conv backward's reference)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.common.autograd import with_plain_backward
+from megatron_iso.ops.common.autograd import with_fused_backward, with_plain_backward
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.checks import check_conv_args, check_state_slots
 from megatron_iso.ops.gdn.reference import L2NORM_EPS
 from megatron_iso.ops.gdn.triton import config
+from megatron_iso.ops.norm.norm_backward_triton import l2norm_backward
 
 
 @triton.jit
@@ -280,7 +281,7 @@ def _l2norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """fp32 ``x / sqrt(sum(x^2) + eps)`` over the last dim: one row per program, fixed block."""
-    return with_plain_backward(_l2norm_forward, native.l2norm, x, eps)
+    return with_fused_backward(_l2norm_forward, l2norm_backward, x, eps)
 
 
 def _gates_forward(a, b, A_log, dt_bias):

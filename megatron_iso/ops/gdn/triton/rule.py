@@ -310,14 +310,15 @@ for _op, _fn, _probe, _consts in (
     ("gated_delta_rule", gated_delta_rule, _probe_rule, _RULE_CONSTANTS),
     ("gdn_conv1d", causal_conv1d, _probe_conv,
      {"sum": "sequential fp32 over K (FMA contraction allowed)", "silu": "acc / (1 + tl.exp(-acc)), div_rn",
-      "block_channels": config.CONV_BC, "triton": triton.__version__}),
+      "block_channels": config.CONV_BC, "backward": "conv_backward: two triton kernels, fp32, fixed row blocks",
+      "triton": triton.__version__}),
     ("gdn_gates", gdn_gates, _probe_gates,
      {"formula": "g: fp64 -exp(A_log) * (max(x,0) + log1p(exp(-|x|))), log1p = log(u) y/(u-1), rounded once; "
                  "beta: fp32 1/(1+exp(-b)) div_rn",
       "block": config.ELEM_BLOCK, "triton": triton.__version__}),
     ("gdn_l2norm", l2norm, _probe_gates,
      {"eps": L2NORM_EPS, "reduction": "one row per program, tl.sum over next_pow2(D)", "sqrt_div": "sqrt_rn, div_rn",
-      "triton": triton.__version__}),
+      "backward": "norm_backward_triton row-norm kernel, fp32", "triton": triton.__version__}),
 ):  # fmt: skip
     register(
         OpImpl(
