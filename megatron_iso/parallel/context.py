@@ -8,7 +8,8 @@ it has at CP 1. Attention all-gathers K and V over the CP group (:func:`gather_s
 back to the packed order) and runs the local queries against the whole sequence's keys in the same fixed blocks
 and order as at CP 1 (``ops.attention.segments``). The backward of that all-gather is a reduce-scatter whose sum
 over ranks is ``ops.common.tree`` in rank order (``parallel.tree_collectives``): deterministic, not bitwise
-CP-invariant (CP 1 sums the same terms in one pass).
+CP-invariant (CP 1 sums the same terms in one pass). Gated DeltaNet layers gather their conv and gate inputs the
+same way and run the whole pack (``models.gdn``): their recurrence needs every earlier row in sequence order.
 
 The scores come back to every CP rank (:func:`gather_scores`), so the loss is computed as at CP 1; its
 gradient enters each rank's own rows times CP: Megatron's DDP averages gradients over data x context
