@@ -1,6 +1,6 @@
 """The mismatch benchmark: rollout logprobs (the bundled decoder) vs trainer logprobs over a grid.
 
-A *layout* is (profile, TP, EP, SP); each one runs as its own process group (see :data:`LAUNCHERS`),
+A *layout* is (profile, TP, EP, SP, CP); each one runs as its own process group (see :data:`LAUNCHERS`),
 and every batch size of the grid runs inside it. Per row, on every rank of the layout:
 
 1. build the model from the same seeded random HF weights (digest recorded);
@@ -16,7 +16,9 @@ and every batch size of the grid runs inside it. Per row, on every rank of the l
 The rollout engine never runs sequence-parallel (decode rows do not split over ranks; production
 decoders do not use SP either): with ``sp`` on, the trainer's model is SP and the rollout's model is
 the same TP layout without SP, both built from the same weights. This is exactly the pairing the
-invariance claim covers.
+invariance claim covers. Nor does it run context parallelism: with ``cp`` > 1 the trainer's pack is split over
+the CP ranks (``models.context``) and its scores and full-vocab log-softmax are gathered back, while every CP rank
+runs the rollout of the whole batch, as the RL loop's colocated engine does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from megatron_iso.contract.lockfile import tensor_digest
 from megatron_iso.rl.metrics import mismatch_metrics, peak_memory_bytes
 
-# How one layout's ranks are started: (fn, world_size, tp=, ep=, args=) -> per-rank results.
+# How one layout's ranks are started: (fn, world_size, tp=, ep=, args=, cp=) -> per-rank results.
 # "gloo": forked CPU processes, one per rank (megatron_iso.parallel.launch).
 # "torchrun": ranks started by `torchrun --nproc-per-node world_size` (megatron_iso.parallel.torchrun),
 # one per GPU on cuda:<LOCAL_RANK> over NCCL when CUDA is available, gloo CPU ranks otherwise.
@@ -42,16 +44,20 @@ from megatron_iso.rl.metrics import mismatch_metrics, peak_memory_bytes
 LAUNCHERS: dict[str, Callable[..., list[Any]]] = {}
 
 
-def _gloo_launcher(fn: Callable[..., Any], world_size: int, *, tp: int, ep: int, args: Sequence[Any]) -> list[Any]:
+def _gloo_launcher(
+    fn: Callable[..., Any], world_size: int, *, tp: int, ep: int, args: Sequence[Any], cp: int = 1
+) -> list[Any]:
     from megatron_iso.parallel.launch import run_on_ranks
 
-    return run_on_ranks(fn, world_size, tp=tp, ep=ep, args=args)
+    return run_on_ranks(fn, world_size, tp=tp, ep=ep, args=args, cp=cp)
 
 
-def _torchrun_launcher(fn: Callable[..., Any], world_size: int, *, tp: int, ep: int, args: Sequence[Any]) -> list[Any]:
+def _torchrun_launcher(
+    fn: Callable[..., Any], world_size: int, *, tp: int, ep: int, args: Sequence[Any], cp: int = 1
+) -> list[Any]:
     from megatron_iso.parallel.torchrun import run_under_torchrun
 
-    return run_under_torchrun(fn, world_size, tp=tp, ep=ep, args=args)
+    return run_under_torchrun(fn, world_size, tp=tp, ep=ep, args=args, cp=cp)
 
 
 LAUNCHERS["gloo"] = _gloo_launcher
@@ -71,15 +77,18 @@ class Layout:
     tp: int
     ep: int
     sp: bool
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        # Every rank runs the same requests in lockstep; EP > TP needs data-parallel ranks to hold experts.
-        return math.lcm(self.tp, self.ep)
+        # Every rank runs the same requests in lockstep; EP > TP needs data-parallel ranks to hold experts; each
+        # of those is CP ranks that split the trainer's rows.
+        return math.lcm(self.tp, self.ep) * self.cp
 
     @property
     def name(self) -> str:
-        return f"{self.profile}/tp{self.tp}/ep{self.ep}/sp{int(self.sp)}"
+        # CP 1 layouts keep the name they had before the CP axis (earlier reports stay comparable).
+        return f"{self.profile}/tp{self.tp}/ep{self.ep}/sp{int(self.sp)}" + (f"/cp{self.cp}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ def _check_choice(name: str, values: Sequence[Any], allowed: Callable[[Any], boo
 
 
 def layouts(
-    profiles: Sequence[str], tp: Sequence[int], ep: Sequence[int], sp: Sequence[bool]
+    profiles: Sequence[str], tp: Sequence[int], ep: Sequence[int], sp: Sequence[bool], cp: Sequence[int] = (1,)
 ) -> tuple[list[Layout], list[str]]:
     """The grid's layouts and notes on the combinations skipped (SP needs TP > 1)."""
     from megatron_iso.registry import PROFILES
@@ -114,6 +123,7 @@ def layouts(
     _check_choice("tp", tp, lambda v: isinstance(v, int) and v >= 1, "ints >= 1")
     _check_choice("ep", ep, lambda v: isinstance(v, int) and v >= 1, "ints >= 1")
     _check_choice("sp", sp, lambda v: isinstance(v, bool), "booleans")
+    _check_choice("cp", cp, lambda v: isinstance(v, int) and v >= 1, "ints >= 1")  # the degrees: check_bench
     out, notes = [], []
     for p in profiles:
         for t in tp:
@@ -122,7 +132,7 @@ def layouts(
                     if s and t == 1:
                         notes.append(f"skipped {p}/tp1/ep{e}/sp1: sequence parallelism needs tp > 1")
                         continue
-                    out.append(Layout(p, t, e, s))
+                    out += [Layout(p, t, e, s, c) for c in cp]
     return out, notes
 
 
@@ -198,19 +208,26 @@ def _rollout_full(sample, vocab: int) -> torch.Tensor:
 def _trainer(model, seqs: list[list[int]], settings: BenchSettings) -> tuple[torch.Tensor, torch.Tensor | None, list]:
     """Teacher-forced logprobs [T] (and full log-softmax [T, V] when asked) plus cu_seqlens."""
     from megatron_iso.models.batch import pack, row_multiple
+    from megatron_iso.models.context import shard_for_context
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.parallel.context import gather_scores
 
     tc = model.config
     # Ids checked against the vocab here, on the host: the scoring then reads none back (no sync per LM-head chunk).
     ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc), vocab_size=tc.vocab_size)
+    full = None
     with torch.no_grad():
         logp, _ = score_sequences(model, ids, batch, temperature=settings.temperature, with_entropy=False)
-        # The whole vocab's logits of every row: one more forward, only when the full distribution is compared.
-        full = (
-            _full_log_softmax(model.forward_packed(ids, batch), tc, settings.temperature)
-            if settings.full_vocab
-            else None
-        )
+        # The whole vocab's logits of every row: one more forward, only when the full distribution is compared; under
+        # context parallelism of this rank's rows, the log-softmax gathered back as the scores are.
+        sharded = shard_for_context(ids, batch, tc) if settings.full_vocab else None
+        if sharded is not None:
+            local_ids, local = sharded
+            full = gather_scores(
+                _full_log_softmax(model.forward_packed(local_ids, local), tc, settings.temperature), local.cp
+            )
+        elif settings.full_vocab:
+            full = _full_log_softmax(model.forward_packed(ids, batch), tc, settings.temperature)
     return logp, full, batch.cu_seqlens_q.tolist()
 
 
@@ -233,7 +250,7 @@ def layout_config(base: Mapping[str, Any] | None, layout: Layout) -> dict[str, A
     cfg = dict(stock if base is None else base)
     if cfg["profile"]["name"] != layout.profile:
         cfg["profile"] = stock["profile"]
-    cfg["parallel"] = {**cfg["parallel"], "tp": layout.tp, "ep": layout.ep, "sp": layout.sp}
+    cfg["parallel"] = {**cfg["parallel"], "tp": layout.tp, "ep": layout.ep, "sp": layout.sp, "cp": layout.cp}
     return cfg
 
 
@@ -303,7 +320,7 @@ def run_grid(
     rows = []
     for lay in layouts_:
         config = layout_config(settings.config, lay)
-        per_rank = launch(run_layout, lay.world_size, tp=lay.tp, ep=lay.ep, args=(config, settings))
+        per_rank = launch(run_layout, lay.world_size, tp=lay.tp, ep=lay.ep, args=(config, settings), cp=lay.cp)
         first = per_rank[0]
         for i, row in enumerate(first):
             # Ranks run in lockstep on gathered log-probabilities: a disagreement is a bug, not noise.

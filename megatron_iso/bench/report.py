@@ -16,6 +16,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tp", "TP", "d"),
     ("ep", "EP", "d"),
     ("sp", "SP", "b"),
+    ("cp", "CP", "d"),
     ("batch", "batch", "d"),
     ("generated_tokens", "tokens", "d"),
     ("dlogp_mean", "mean |dlogp|", "e"),

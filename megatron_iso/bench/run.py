@@ -59,7 +59,13 @@ def bench_out(cfg: DictConfig, root: Path = RUNS_ROOT) -> Path:
 def run_bench(cfg: DictConfig, *, console: bool = True) -> dict[str, Any]:
     """Run the grid of ``cfg.bench``; write the JSON report (:func:`bench_out`) and the plot; return the document."""
     b = cfg.bench
-    lays, notes = layouts(list(b.profiles), [int(x) for x in b.tp], [int(x) for x in b.ep], [bool(x) for x in b.sp])
+    lays, notes = layouts(
+        list(b.profiles),
+        [int(x) for x in b.tp],
+        [int(x) for x in b.ep],
+        [bool(x) for x in b.sp],
+        [int(x) for x in b.cp],
+    )
     settings = settings_from_config(cfg)
     out = bench_out(cfg)
     if console and b.get("out") is None:

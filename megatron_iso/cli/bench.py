@@ -93,7 +93,7 @@ def _check_values(b: dict[str, Any]) -> None:
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    for key in ("profiles", "tp", "ep", "sp", "batch", "prompt_len"):
+    for key in ("profiles", "tp", "ep", "sp", "cp", "batch", "prompt_len"):
         if not isinstance(b.get(key), list):
             raise _refuse(key, b.get(key), "a list, e.g. [1, 2]")
     if not b["batch"] or not all(is_int(v) and v >= 1 for v in b["batch"]):
@@ -151,17 +151,17 @@ def check_bench(cfg: DictConfig) -> None:
             f"prompt_len[1] + new_tokens <= {limit}"
         )
     try:
-        lays, _ = layouts(b["profiles"], b["tp"], b["ep"], b["sp"])
+        lays, _ = layouts(b["profiles"], b["tp"], b["ep"], b["sp"], b["cp"])
     except ValueError as exc:
         raise BenchSettingsError(str(exc)) from None
     base = OmegaConf.to_container(cfg, resolve=True)
     # What no layout changes (device, model, profile, pipeline) first, told plainly; then each layout's sizes.
-    check_config_runs({**base, "parallel": {**base["parallel"], "tp": 1, "ep": 1, "sp": False}})
+    check_config_runs({**base, "parallel": {**base["parallel"], "tp": 1, "ep": 1, "sp": False, "cp": 1}})
     for lay in lays:
         try:
             check_config_runs(layout_config(base, lay))
         except UserError as exc:
-            axes = f"bench.tp={b['tp']}, bench.ep={b['ep']}, bench.sp={b['sp']}"
+            axes = f"bench.tp={b['tp']}, bench.ep={b['ep']}, bench.sp={b['sp']}, bench.cp={b['cp']}"
             raise BenchSettingsError(f"layout {lay.name} of the grid ({axes}): {exc}") from exc
 
 

@@ -10,6 +10,9 @@ TP shards heads: rank i holds key heads [i Hk/tp, (i+1) Hk/tp) and their value h
 (column-parallel) yields, per rank, ``[q | k | v | z | b | a]`` of its heads; conv, l2norm, gates,
 the delta rule and the gated norm are per head; ``out_proj`` is row-parallel (the leaf tree in the
 correctness profile), so every TP size computes the same expression.
+
+Context parallelism (``IsoBatch.cp``): the conv and the delta rule run over the whole pack on every CP rank (its rows
+gathered in packed order), the row-wise rest (in_proj, the gated norm, out_proj) on the rank's own rows.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron_iso.models.batch import IsoBatch
 from megatron_iso.ops.gdn import GDNStateCache, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
 from megatron_iso.ops.norm import gated_rms_norm
+from megatron_iso.parallel.context import ContextShard, gather_sequence_rows
 from megatron_iso.parallel.layer_config import iso_config
 
 
@@ -154,16 +158,30 @@ class IsoGatedDeltaNet(MegatronModule):
                 "IsoGatedDeltaNet needs packed_seq_params=IsoBatch (megatron_iso.models.batch.pack); "
                 f"got {type(batch).__name__}"
             )
-        if batch.cp is not None:  # settings refuse it first (settings.model.resolve_parallel); this guards the API
-            raise ValueError(
-                "parallel.cp > 1 is not supported for Gated DeltaNet layers (the hybrid models): the recurrent state "
-                "and the conv1d history would have to pass from rank to rank in sequence order"
-            )
         x, _ = self.in_proj(hidden_states)
         x = x.squeeze(1)  # packed rows: batch dimension 1
-        t = x.shape[0]
-        kd, vd = self.hk * self.dk, self.hv * self.dv
+        vd = self.hv * self.dv
         qkv, z, b, a = torch.split(x, [self.conv_dim, vd, self.hv, self.hv], dim=-1)
+        o = self._mix(qkv, b, a, batch) if batch.cp is None else self._mix_whole_pack(qkv, b, a, batch.cp)
+        o = self.out_norm(o.to(hidden_states.dtype), z.reshape(-1, self.hv, self.dv))
+        return self.out_proj(o.reshape(-1, 1, vd))
+
+    def _mix_whole_pack(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+        """Context parallelism: the conv and the delta rule need each sequence's rows in order from its first token,
+        so every CP rank gathers the conv and gate inputs of the whole (padded) pack in packed order, runs them as
+        CP 1 does on the same rows (the same bits), and keeps its own rows' outputs. The gather's backward sums each
+        row's gradient over the ranks (``parallel.context.gather_sequence_rows``): deterministic, not bitwise CP 1's.
+        Costs and the state-passing alternative: docs/CONTEXT_PARALLEL.md."""
+        width = [qkv.shape[-1], b.shape[-1], a.shape[-1]]
+        whole = gather_sequence_rows(torch.cat([qkv, b, a], dim=-1), shard)
+        qkv, b, a = torch.split(whole, width, dim=-1)
+        whole_batch = IsoBatch(qkv_format="thd", cu_seqlens_q=shard.packed_cu, cu_seqlens_kv=shard.packed_cu)
+        return self._mix(qkv, b, a, whole_batch)[shard.index]
+
+    def _mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
+        """conv1d + SiLU, l2norm, gates and the gated delta rule over ``batch``'s sequences: fp32 ``[T, Hv, Dv]``."""
+        t = qkv.shape[0]
+        kd, vd = self.hk * self.dk, self.hv * self.dv
         state = batch.gdn_cache.layer(self.layer_index) if batch.gdn_cache is not None else None
         slots = batch.gdn_slots if batch.gdn_slots is not None else batch.slots
         common = {"slots": slots, "starts": batch.cache_seqlens if state is not None else None}
@@ -179,7 +197,7 @@ class IsoGatedDeltaNet(MegatronModule):
         q = l2norm(q.reshape(t, self.hk, self.dk), profile=self.profile)
         k = l2norm(k.reshape(t, self.hk, self.dk), profile=self.profile)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, profile=self.profile)
-        o = gated_delta_rule(
+        return gated_delta_rule(
             q,
             k,
             v.reshape(t, self.hv, self.dv),
@@ -194,9 +212,7 @@ class IsoGatedDeltaNet(MegatronModule):
             dot_precision=self.dot_precision,
             backward_states=self.backward_states,
             **common,
-        ).to(hidden_states.dtype)
-        o = self.out_norm(o, z.reshape(t, self.hv, self.dv))
-        return self.out_proj(o.reshape(t, 1, vd))
+        )
 
 
 def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -> GDNStateCache:

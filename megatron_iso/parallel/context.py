@@ -8,7 +8,8 @@ it has at CP 1. Attention all-gathers K and V over the CP group (:func:`gather_s
 back to the packed order) and runs the local queries against the whole sequence's keys in the same fixed blocks
 and order as at CP 1 (``ops.attention.segments``). The backward of that all-gather is a reduce-scatter whose sum
 over ranks is ``ops.common.tree`` in rank order (``parallel.tree_collectives``): deterministic, not bitwise
-CP-invariant (CP 1 sums the same terms in one pass).
+CP-invariant (CP 1 sums the same terms in one pass). Gated DeltaNet layers gather their conv and gate inputs the
+same way and run the whole pack (``models.gdn``): their recurrence needs every earlier row in sequence order.
 
 The scores come back to every CP rank (:func:`gather_scores`), so the loss is computed as at CP 1; its
 gradient enters each rank's own rows times CP: Megatron's DDP averages gradients over data x context
@@ -75,7 +76,8 @@ class ContextShard:
     """One CP rank's part of a pack: which rows it holds and how its queries read the gathered keys.
 
     ``total``: the padded packed length (a multiple of ``2 * size``); ``real``: the caller's rows (the rest are
-    a filler sequence of its own); ``index``: the packed row of each local row, in local order."""
+    a filler sequence of its own); ``index``: the packed row of each local row, in local order; ``packed_cu``: the
+    padded pack's cu_seqlens (int32, on the rows' device), for layers that run the whole pack (Gated DeltaNet)."""
 
     group: dist.ProcessGroup | None
     size: int
@@ -84,12 +86,14 @@ class ContextShard:
     real: int
     index: torch.Tensor
     runs: QueryRuns
+    packed_cu: torch.Tensor
 
     @classmethod
     def build(cls, bounds: list[int], real: int, group, size: int, rank: int, device) -> ContextShard:
         ranges = zigzag_ranges(bounds[-1], size, rank)
         index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device, non_blocking=True)
-        return cls(group, size, rank, bounds[-1], real, index, query_runs(bounds, ranges))
+        packed_cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
+        return cls(group, size, rank, bounds[-1], real, index, query_runs(bounds, ranges), packed_cu)
 
     def to_packed_order(self, by_rank: torch.Tensor) -> torch.Tensor:
         """Rows gathered in rank order (rank r: its chunks r and 2CP-1-r) put back in packed order."""

@@ -46,7 +46,14 @@ class IsoTransformerConfig(TransformerConfig):
     hf_gdn_layout: str | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        cp = self.context_parallel_size
+        if self.experimental_attention_variant == "gated_delta_net":
+            # Megatron refuses CP for its own GatedDeltaNet; ours (models.gdn.IsoGatedDeltaNet) runs it.
+            self.context_parallel_size = 1
+        try:
+            super().__post_init__()
+        finally:
+            self.context_parallel_size = cp
         if self.iso_profile not in PROFILES:
             raise ValueError(f"config.iso_profile={self.iso_profile!r}; expected one of {PROFILES}")
         if self.experimental_attention_variant == "gated_delta_net":

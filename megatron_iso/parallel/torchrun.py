@@ -89,13 +89,14 @@ def run_under_torchrun(
     seed: int = 1234,
     timeout: float = 600.0,
     devices: str = "auto",
+    cp: int = 1,
 ) -> list[Any]:
     """Call module-level ``fn(*args)`` on ``world_size`` torchrun ranks; return results in rank order.
 
     The layout arguments mean what they mean for ``run_on_ranks``. ``devices``: "auto" puts each
     rank on its GPU (NCCL) when CUDA is available, and then ``world_size`` must not exceed the GPU
     count (one process per GPU); "cpu" runs gloo CPU ranks whatever the machine has."""
-    check_layout("run_under_torchrun", world_size, tp, pp, ep, etp)
+    check_layout("run_under_torchrun", world_size, tp, pp, ep, etp, cp)
     if devices not in DEVICES:
         raise ValueError(f"run_under_torchrun: devices={devices!r} is not allowed; allowed values: {list(DEVICES)}")
     if devices == "auto" and torch.cuda.is_available() and world_size > torch.cuda.device_count():
@@ -108,7 +109,7 @@ def run_under_torchrun(
         job = {
             "fn": fn,
             "args": tuple(args),
-            "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp},
+            "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "cp": cp},
             "seed": seed,
             "world_size": world_size,
         }
@@ -171,7 +172,7 @@ def _rank_main(job_dir: Path) -> int:
         if not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads_per_rank(world))
         lay = job["layout"]
-        with launched_world(lay["tp"], lay["pp"], lay["ep"], seed=job["seed"], etp=lay["etp"]):
+        with launched_world(lay["tp"], lay["pp"], lay["ep"], seed=job["seed"], etp=lay["etp"], cp=lay["cp"]):
             payload = job["fn"](*job["args"])
         ok = True
     except BaseException:  # every failure, assertion errors included, goes back to the caller

@@ -353,25 +353,20 @@ CP_DEGREES = (1, 2, 4, 8)
 
 
 def cp_degrees(model: Mapping[str, Any], candidates: Sequence[int] = CP_DEGREES) -> list[int]:
-    """The ``parallel.cp`` degrees among ``candidates`` that ``model`` runs at: every one of :data:`CP_DEGREES` for
-    attention-only models (dense, MoE), 1 for a hybrid (its Gated DeltaNet state would have to pass from rank to
-    rank; not built). The layout check and the contract's ``cp_domain`` both read it."""
-    hybrid = model.get("full_attention_interval") is not None
-    return [d for d in candidates if d in CP_DEGREES and (d == 1 or not hybrid)]
+    """The ``parallel.cp`` degrees among ``candidates`` that ``model`` runs at: every one of :data:`CP_DEGREES`, for
+    attention-only models and Gated DeltaNet hybrids alike (``models.gdn``: the GDN layers run the whole pack on
+    every CP rank). The layout check and the contract's ``cp_domain`` both read it."""
+    return [d for d in candidates if d in CP_DEGREES]
 
 
 def check_cp(model: Mapping[str, Any] | None, parallel: ParallelSettings) -> None:
-    """Refuse a ``parallel.cp`` outside :data:`CP_DEGREES`, one ``model`` cannot run, or one with a pipeline."""
+    """Refuse a ``parallel.cp`` outside :data:`CP_DEGREES`, or one with a pipeline (every model family runs every
+    degree: :func:`cp_degrees`)."""
     cp = parallel.cp
     if cp not in CP_DEGREES:
         raise SettingsError(f"parallel.cp={cp} is not allowed; allowed values: {list(CP_DEGREES)}")
     if cp == 1:
         return
-    if model is not None and cp not in cp_degrees(model):
-        raise SettingsError(
-            f"parallel.cp={cp} is not supported for model '{model.get('name', '?')}': its Gated DeltaNet layers "
-            "(model.full_attention_interval) do not run context parallelism; allowed values: [1]"
-        )
     if parallel.pp != 1:
         raise SettingsError(f"parallel.cp={cp} with parallel.pp={parallel.pp}: a pipelined trainer runs CP 1; "
                             "allowed values: [1]")  # fmt: skip

@@ -45,7 +45,7 @@ def test_iso_bench_default_grid(tmp_path):
             assert r["dlogp_max"] > 0.0 or r["batch"] == 1, r["layout"]
     assert all(r["dlogp_max"] > 0 for r in rows if r["profile"] == "performance" and r["batch"] == 8)
     assert out.with_suffix(".png").stat().st_size > 10_000
-    assert "| correctness | 2 | 1 | on | 8 |" in proc.stdout  # the markdown table on the console
+    assert "| correctness | 2 | 1 | on | 1 | 8 |" in proc.stdout  # the markdown table on the console (CP 1)
     print(doc["table"] if "table" in doc else proc.stdout[-3000:])
 
 

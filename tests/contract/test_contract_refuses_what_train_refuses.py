@@ -38,9 +38,9 @@ BAD_CONFIGS = [
     pytest.param(["profile.gdn_form=chunk", "model=tiny_hybrid"], r"gdn_form='chunk'.*need device=cuda", id="gdn_form"),
     pytest.param(["parallel.cp=3"], r"^parallel\.cp=3 is not allowed; allowed values: \[1, 2, 4, 8\]$", id="cp"),
     pytest.param(
-        ["model=tiny_hybrid", "parallel.cp=2"],
-        r"^parallel\.cp=2 is not supported for model 'tiny_hybrid': .*allowed values: \[1\]$",
-        id="cp_hybrid",
+        ["model=tiny_hybrid", "parallel.cp=2", "parallel.pp=2"],
+        r"^parallel\.cp=2 with parallel\.pp=2: a pipelined trainer runs CP 1; allowed values: \[1\]$",
+        id="cp_pipeline",
     ),
     # A dense model has no experts for EP to shard (once a ValueError deep in the weight loader, after the contract).
     pytest.param(

@@ -231,9 +231,9 @@ def test_register_refuses_a_constant_the_contract_cannot_record() -> None:
     assert registry.register(ok).canonical()["constants"] == {"block": [16, 32]}
 
 
-def test_cp_domain_is_claimed_for_attention_models_and_narrowed_to_1_for_hybrids(cfg_for):
-    """Context parallelism is an invariant claim of the correctness profile where the model runs it (dense, MoE);
-    a hybrid (GDN) claims CP 1 only, and the performance profile pins it (its CP 2 is another policy)."""
+def test_cp_domain_is_claimed_for_every_model_family(cfg_for):
+    """Context parallelism is an invariant claim of the correctness profile for dense, MoE and hybrid (GDN) models;
+    the performance profile pins it (its CP 2 is another policy); a pipeline with CP is refused."""
     from megatron_iso.settings import check_config
 
     def cp_claim(*overrides: str) -> dict:
@@ -241,11 +241,12 @@ def test_cp_domain_is_claimed_for_attention_models_and_narrowed_to_1_for_hybrids
 
     assert cp_claim()["domain"] == [1, 2, 4, 8] and cp_claim()["kind"] == "invariant"
     assert cp_claim("model=tiny_moe", "parallel.cp=4")["domain"] == [1, 2, 4, 8]
-    assert cp_claim("model=tiny_hybrid")["domain"] == [1]
+    assert cp_claim("model=tiny_hybrid", "parallel.cp=2")["domain"] == [1, 2, 4, 8]
     assert cp_claim("profile=performance") == {"kind": "pinned", "domain": None, "value": 1, "tolerance": None}
     assert cp_claim("profile=performance", "parallel.cp=2")["value"] == 2
     check_config(cfg_for("parallel.cp=8"))
-    with pytest.raises(SettingsError, match=r"^parallel\.cp=2 is not supported for model 'tiny_hybrid'"):
-        check_config(cfg_for("model=tiny_hybrid", "parallel.cp=2"))
+    check_config(cfg_for("model=tiny_hybrid", "parallel.cp=4"))
+    with pytest.raises(SettingsError, match=r"^parallel\.cp=2 with parallel\.pp=2: a pipelined trainer runs CP 1"):
+        check_config(cfg_for("model=tiny_hybrid", "parallel.cp=2", "parallel.pp=2"))
     with pytest.raises(SettingsError, match=r"^parallel\.cp=6 is not allowed; allowed values: \[1, 2, 4, 8\]$"):
         check_config(cfg_for("parallel.cp=6"))
