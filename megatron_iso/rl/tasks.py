@@ -172,8 +172,9 @@ class Task:
 
     # A step's extra generation batches (DAPO re-sampling, rl.max_gen_batches) read the prompt stream this far past
     # the step: a function of (step, draw) alone, so a resumed run draws the same prompts, and clear of the run's own
-    # steps for any run shorter than 2**32 steps.
-    RESAMPLE_STRIDE = 1 << 32
+    # steps for any run shorter than 2**31 steps. Not a power of two: torch's CPU generator keeps only a seed's low
+    # 32 bits, and the seeds derive from the step.
+    RESAMPLE_STRIDE = 2**31 - 1
 
     def prompts(self, step: int) -> list[Prompt]:
         raise NotImplementedError
