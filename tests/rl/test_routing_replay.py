@@ -148,3 +148,31 @@ def test_routing_replay_refused_for_a_dense_model():
 def test_routing_replay_refused_with_sequence_parallelism():
     with pytest.raises(SettingsError, match=r"rl.routing_replay=true is not supported with parallel.sp=true"):
         check_config(load_config(["model=tiny_moe", "rl.routing_replay=true", "parallel.tp=2", "parallel.sp=true"]))
+
+
+def _counted(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def test_decode_graph_buffers_record_the_routing_of_the_packed_steps(world):
+    """A decode step served from the static bucket buffers (what a CUDA graph replays; run eagerly here, attention
+    through the paged kernel's stand-in) records each token's experts as the packed decode step does."""
+    from tests.inference.engine_cases import paged_reads_as_on_cuda
+
+    _, model = setup(["model=tiny_moe"])
+    reqs = [Request(i, list(range(3 + i, 10 + 2 * i)), SamplingParams(max_new_tokens=7, n=2, seed=1)) for i in range(3)]
+    runs, served = [], []
+    for graphs in (False, True):
+        with paged_reads_as_on_cuda([], active=True):
+            engine = RolloutEngine(model, EngineConfig(record_routing=True, block_size=4))
+            if graphs:
+                buckets = engine.enable_decode_graphs(capture=False)
+                buckets.decode_step = _counted(buckets.decode_step, served)
+            runs.append([s for o in engine.generate(reqs) for s in o.samples])
+    assert served  # decode steps came from the bucket buffers
+    for a, b in zip(*runs, strict=True):
+        assert a.tokens == b.tokens and torch.equal(a.routing, b.routing)
