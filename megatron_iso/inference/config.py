@@ -19,7 +19,9 @@ class EngineConfig:
     Hybrid models also hold ``max_num_seqs`` GDN state slots (one per running sample).
     lookahead: while no request waits for admission, launch decode step n + 1 before reading step n's tokens
     (the next step's input ids come from the device): the host's bookkeeping of step n overlaps the GPU's step
-    n + 1. A sample that stops on a stop token gets one extra row computed and dropped; outputs are unchanged."""
+    n + 1. A sample that stops on a stop token gets one extra row computed and dropped; outputs are unchanged.
+    record_routing: MoE models: keep each token's top-k experts per layer beside its keys and hand every sample's
+    on its output (``SampleOutput.routing``; ``inference.routing_record``, for ``rl.routing_replay``)."""
 
     kv_cache_bytes: int = 64 << 20
     block_size: int = 16
@@ -31,6 +33,7 @@ class EngineConfig:
     paged_kv_reads: bool = True
     cuda_graphs: bool = True
     lookahead: bool = True
+    record_routing: bool = False
 
 
 @dataclass

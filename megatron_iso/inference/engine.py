@@ -11,14 +11,12 @@ samples one token for every row:
   this rank's vocab shard, the noise keyed by (seed, request id, sample index, position) and the token id),
   or, for a row with top-k / top-p, ``parallel.vocab_scoring.log_softmax`` (full vocab gathered) ->
   :func:`~megatron_iso.inference.sampler.select_tokens` with one Philox uniform under the same key;
-- the recorded logprob is ``parallel.vocab_scoring.token_logprobs`` on those logits and the drawn
-  token: the trainer's function, so an iso-profile rollout logprob equals the trainer's recompute
-  bit for bit.
+- the recorded logprob is ``parallel.vocab_scoring.token_logprobs`` on those logits and the drawn token: the
+  trainer's function, so an iso-profile rollout logprob equals the trainer's recompute bit for bit.
 
-Prefix sharing: with ``prefix_caching`` the prompt of a request is prefilled once and its ``n``
-samples fork its KV blocks; full prompt blocks are also kept for later requests with the same
-leading tokens. Contract rule ``prefix_cache flushed on weight_sync``: call
-:meth:`on_weights_updated` after every weight change (it bumps :attr:`weights_version` and flushes).
+Prefix sharing: with ``prefix_caching`` the prompt of a request is prefilled once and its ``n`` samples fork its
+KV blocks; full prompt blocks are also kept for later requests with the same leading tokens. Contract rule
+``prefix_cache flushed on weight_sync``: call :meth:`on_weights_updated` after every weight change.
 
 Hybrid models (Gated DeltaNet layers) add a :class:`~megatron_iso.inference.gdn_slots.GDNSlotCache`
 beside the paged KV cache (KV blocks then cover only the attention layers): one slot of conv and
@@ -40,11 +38,10 @@ cache's scratch block (``PagedKVCache.scratch_block``, reserved at construction)
 the scratch slot (``GDNSlotCache.scratch``); their logits are dropped. They are the decode graphs' padding
 rows (whose buckets are then multiples of TP, ``inference.cuda_graphs``), and, the correctness profile being
 batch invariant, they change no other row's bits: tokens and logprobs equal TP 1's and TP 2 without SP's.
-Why padding and not a forward without SP: SP is a property of the built modules (linears, the embedding's
-reduce-scatter, ``config.sequence_parallel`` read by the MoE dispatcher, Megatron GDN's ``sp_size``) with no
-per-call switch; flipping those attributes on the trainer's modules around every rollout call (as Megatron-Core's
-``set_model_to_sequence_parallel`` does) changes the layout when one is missed. Padding needs only the scratch
-block and slot the decode graphs keep already.
+Why padding and not a forward without SP: SP is a property of the built modules (linears, embedding, MoE
+dispatcher, GDN) with no per-call switch, and flipping it around every rollout call (Megatron-Core's
+``set_model_to_sequence_parallel``) breaks the layout when one is missed; padding needs only the scratch block.
+With ``EngineConfig.record_routing`` each token's MoE experts are kept beside its keys (``inference.routing_record``).
 """
 
 from __future__ import annotations
@@ -66,6 +63,7 @@ from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.lockstep import lockstep_agreement
 from megatron_iso.inference.params import Request, RequestOutput, SampleOutput, SamplingParams
 from megatron_iso.inference.rng import request_key
+from megatron_iso.inference.routing_record import enable_routing_record, sequence_routing
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack, row_multiple
 from megatron_iso.models.gdn import gdn_layer_indices
@@ -147,6 +145,8 @@ class RolloutEngine:
                 self.kv.scratch_block()
             except ValueError as exc:
                 raise ValueError(f"parallel.sp/ep: padding rows need a KV block of their own; {exc}") from exc
+        if self.config.record_routing:  # each token's MoE experts, kept beside its keys (rl.routing_replay)
+            enable_routing_record(self.kv, mc)
         self.weights_version = 0
         self.stats = EngineStats()
         self._waiting: deque[_Group] = deque()
@@ -490,13 +490,14 @@ class RolloutEngine:
             if child.out.finish_reason is None:
                 children.append(child)
             else:
-                for c in self.caches:
-                    c.release(child.seq_id)
+                self._release(child)
         for c in self.caches:
             c.release(leader.seq_id)
         return children
 
     def _release(self, s: _Seq) -> None:
+        if self.kv.routes is not None and s.out is not None:  # every position but the last token ran a forward
+            s.out.routing = sequence_routing(self.kv, s.seq_id, len(s.group.request.prompt) + len(s.out.tokens) - 1)
         for c in self.caches:
             c.release(s.seq_id)
 

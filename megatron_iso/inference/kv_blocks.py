@@ -71,6 +71,8 @@ class PagedKVCache:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._scratch: int | None = None  # the padding rows' block, out of circulation (scratch_block)
+        # [num_blocks, block_size, layers, k]: each cached token's MoE experts (inference.routing_record); None: off.
+        self.routes: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -159,7 +161,7 @@ class PagedKVCache:
         if first < len(table) and self.refcount[table[first]] > 1:
             # Shared partial block: this sequence's writes go to its own copy.
             new = self._alloc()
-            for pool in (*self.k.values(), *self.v.values()):
+            for pool in (*self.k.values(), *self.v.values(), *([] if self.routes is None else [self.routes])):
                 pool[new] = pool[table[first]]
             self._drop(table[first])
             table[first] = new

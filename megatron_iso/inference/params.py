@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FINISH_REASONS = ("stop", "length", "error")
 
@@ -100,6 +104,9 @@ class SampleOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
+    # With EngineConfig.record_routing (MoE): [prompt + response - 1, layers, k] int64, the experts each position
+    # was routed to in its forward (the last token never was an input); on the engine's device.
+    routing: torch.Tensor | None = None
 
 
 @dataclass

@@ -25,8 +25,9 @@ from megatron_iso.inference.engine import RolloutEngine
 
 
 def cache_tensors(engine: RolloutEngine) -> list[torch.Tensor]:
-    """Every tensor holding per-sequence decoding state: the KV pool's and the GDN slots'."""
-    out = [*engine.kv.k.values(), *engine.kv.v.values()]
+    """Every tensor holding per-sequence decoding state: the KV pool's (with its recorded routing) and the GDN
+    slots'."""
+    out = [*engine.kv.k.values(), *engine.kv.v.values(), *([] if engine.kv.routes is None else [engine.kv.routes])]
     if engine.gdn is not None:
         for layer in engine.gdn.state.layers.values():
             out += [getattr(layer, f.name) for f in fields(layer) if isinstance(getattr(layer, f.name), torch.Tensor)]

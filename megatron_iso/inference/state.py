@@ -17,6 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
+from megatron_iso.inference.routing_record import record_step_routing
+
 
 @runtime_checkable
 class SequenceStateCache(Protocol):
@@ -85,6 +89,13 @@ class StepState:
         if kind not in self.views:
             raise KeyError(f"no {kind!r} state in this step; have {sorted(self.views)}")
         return self.views[kind]
+
+    def record_routing(self, layer: int, experts: torch.Tensor) -> None:
+        """An MoE layer's top-k ``experts [T, k]`` of the step's rows, kept beside their keys when the KV cache
+        records routing (``inference.routing_record``); a no-op otherwise."""
+        view = self.views.get("attention_kv")
+        if view is not None and view.cache.routes is not None:
+            record_step_routing(view.cache.routes, view.write_idx, layer, experts)
 
     def finish(self) -> None:
         """Write back whatever the views staged (called once after the forward)."""

@@ -63,6 +63,9 @@ class IsoBatch(PackedSeqParams):
     # Context parallelism: this rank's share of a trainer pack (``models.context.shard_for_context``); its
     # attention gathers every rank's keys. None: the rows are the whole pack.
     cp: ContextShard | None = None
+    # A trainer pack's recorded rollout routing (``models.routing.RoutingTarget``, ``rl.routing_replay``): its MoE
+    # routers compare their top-k with it and, with replay, use it. None: they route on their own.
+    routing: object | None = None
     # Per-call values every layer would compute the same way (RoPE cos/sin of ``positions``), built
     # by the first layer that needs them: the same function of the same inputs, so the same bits.
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)

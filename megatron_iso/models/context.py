@@ -59,5 +59,6 @@ def shard_for_context(input_ids: torch.Tensor, batch: IsoBatch, config) -> tuple
         static_shapes=batch.static_shapes,
         ids_checked_below=batch.ids_checked_below,
         cp=shard,
+        routing=None if batch.routing is None else batch.routing.cut(shard.index, pad),
     )
     return ids[shard.index].unsqueeze(0), local

@@ -53,11 +53,12 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_iso.models.batch import IsoBatch
+from megatron_iso.models.routing import moe_layer_index, routed_experts, routing_scope
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
-from megatron_iso.ops.moe import combine_routed, router_probs, top_k_route
+from megatron_iso.ops.moe import combine_routed, route_weights, router_probs, top_k_route
 from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import Profile
@@ -155,6 +156,9 @@ class IsoTopKRouter(TopKRouter):
         logits = logits.reshape(-1, self.config.num_moe_experts)
         scores = router_probs(logits)
         weights, experts = top_k_route(scores, self.topk, normalize=self.normalize)
+        used = routed_experts(experts)  # recorded in a rollout; compared, perhaps replayed, in training
+        if used is not experts:
+            weights, experts = route_weights(scores, used, normalize=self.normalize)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, experts, True)
         probs = torch.zeros_like(scores).scatter(1, experts, weights)
         if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
@@ -164,6 +168,28 @@ class IsoTopKRouter(TopKRouter):
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         return self.routing(self.gating(input), padding_mask=padding_mask)
+
+
+class _ReplayHook:
+    """Megatron's ``router_replay`` slot of ``TopKRouter`` (``moe_utils.topk_routing_with_score_function`` asks it
+    for the top-k) filled with :func:`models.routing.routed_experts`: the stock router's own top-k, recorded,
+    compared or replayed as the layer's batch says; a replayed row's scores are gathered at the recorded experts,
+    so the gate is still computed from the trainer's logits."""
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, top = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        used = routed_experts(top)
+        return (probs, top) if used is top else (scores.gather(1, used), used)
+
+
+class ReplayTopKRouter(TopKRouter):
+    """The performance profile's router: Megatron's ``TopKRouter`` unchanged but for routing replay (R3)."""
+
+    def __init__(self, config, pg_collection=None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if config.moe_router_fusion:
+            raise ValueError("moe_router_fusion=True bypasses the routing record and replay; use False")
+        self.router_replay = _ReplayHook()
 
 
 class IsoSequentialExperts(SequentialMLP):
@@ -381,8 +407,9 @@ class IsoMoELayer(MoELayer):
 
 class IsoMoETransformerLayer(TransformerLayer):
     """Megatron's TransformerLayer for layers with an MoE MLP: a forward outside the model call (activation
-    recompute) runs under :func:`recomputed_static_shapes`, so its experts take the model call's path."""
+    recompute) runs under :func:`recomputed_static_shapes`, so its experts take the model call's path; every forward
+    opens the layer's routing scope (``models.routing``: record, compare, replay)."""
 
     def forward(self, *args, packed_seq_params=None, **kwargs):
-        with recomputed_static_shapes(packed_seq_params):
+        with recomputed_static_shapes(packed_seq_params), routing_scope(moe_layer_index(self), packed_seq_params):
             return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)

@@ -20,7 +20,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -35,6 +34,7 @@ from megatron_iso.models.moe import (
     IsoSequentialExperts,
     IsoSharedExpertMLP,
     IsoTopKRouter,
+    ReplayTopKRouter,
 )
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import PROFILES, Profile
@@ -84,7 +84,8 @@ def moe_mlp_spec(profile: str) -> ModuleSpec:
     """Megatron's MoELayer tree (router, experts.local_experts.{i}, shared_experts) for ``profile``.
 
     correctness: invariant router, experts, shared expert and dispatcher (``models.moe``);
-    performance: Megatron's stock TopKRouter, SequentialMLP, SharedExpertMLP and all-to-all dispatcher.
+    performance: Megatron's stock TopKRouter (``ReplayTopKRouter``: with routing replay's hook, ``models.routing``),
+    SequentialMLP, SharedExpertMLP and all-to-all dispatcher.
     """
     kit = layer_kit(profile)
     iso = profile == Profile.CORRECTNESS
@@ -92,7 +93,7 @@ def moe_mlp_spec(profile: str) -> ModuleSpec:
     return ModuleSpec(
         module=IsoMoELayer if iso else MoELayer,
         submodules=MoESubmodules(
-            router=IsoTopKRouter if iso else TopKRouter,
+            router=IsoTopKRouter if iso else ReplayTopKRouter,
             experts=ModuleSpec(module=IsoSequentialExperts if iso else SequentialMLP, submodules=expert_mlp),
             shared_experts=ModuleSpec(module=IsoSharedExpertMLP if iso else SharedExpertMLP, submodules=expert_mlp),
         ),

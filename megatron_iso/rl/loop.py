@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -29,10 +28,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megatron_iso.errors import NonFiniteError, UserError
 from megatron_iso.rl.data import build_tasks
+from megatron_iso.rl.dynamic_sampling import collect_step_batch
 from megatron_iso.rl.losses import (
     PolicyLossConfig,
     group_advantages,
-    informative_groups,
     overlong_penalty,
     policy_loss,
     untrained_step_line,
@@ -41,6 +40,7 @@ from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics
 from megatron_iso.rl.optim import current_lr, scale_moe_aux_loss
 from megatron_iso.rl.ppo import check_schedule, merge_updates, run_updates, step_normaliser
 from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
+from megatron_iso.rl.routing_replay import RoutingMeter, records_routing
 from megatron_iso.rl.sampling import generate_shares, train_params
 from megatron_iso.rl.tasks import Prompt
 from megatron_iso.rl.token_log import trained_token_ids
@@ -61,6 +61,7 @@ class Sample:
     reward: float = 0.0
     finish_reason: str | None = None  # "length": truncated at rl.max_response_length
     old_logp: torch.Tensor | None = None  # pi_old from the rollout or a recompute (rl.ppo); None: the update's forward
+    routing: torch.Tensor | None = None  # MoE: the rollout's experts per position and layer (rl.routing_replay)
 
 
 def _loss_config(rl: RLSettings) -> PolicyLossConfig:
@@ -159,7 +160,9 @@ class Trainer:
             kv_cache_bytes=rollout.kv_cache_bytes,
             paged_kv_reads=rollout.paged_kv_reads,
             cuda_graphs=rollout.cuda_graphs,
+            record_routing=records_routing(self.tc, OmegaConf.to_container(rollout_cfg.parallel, resolve=True)),
         )
+        self.routing_meter = RoutingMeter(engine_cfg.record_routing, next(self.model.parameters()).device)
         self.layout_rollout = LayoutRollout(rollout_cfg, self.model, engine_cfg) if separate else None
         self.engine = self.layout_rollout.engine if separate else RolloutEngine(self.model, engine_cfg)
         # The KV pool and GDN slots, freed while the trainer runs (rollout.release_in_training).
@@ -173,22 +176,25 @@ class Trainer:
         self.device = next(self.model.parameters()).device
 
     # --- one RL step ------------------------------------------------------------------------
-    def rollout(self, step: int) -> list[Sample]:
+    def rollout(self, step: int, draw: int = 0) -> list[Sample]:
+        """This rank's samples of step ``step``'s generation batch ``draw`` (> 0: DAPO re-sampling, rl.dynamic_sampling)."""
         from megatron_iso.inference.params import Request
 
-        every = self.task.prompts(step)
+        every = self.task.resample_prompts(step, draw)
         prompts = every[self.dp_rank :: self.dp_size]
         params = train_params(self.rl, self.tasks.stop_ids, self.settings.require("seed"))
+        tag = f"{step}" if draw == 0 else f"{step}+{draw}"
 
-        # The request id keys the sampler's random stream: it names the trainer DP rank and the
+        # The request id keys the sampler's random stream: it names the step's batch, the trainer DP rank and the
         # prompt's place in that rank's share, whichever rollout rank generates it.
         def requests(d: int) -> list[Request]:
-            return [Request(f"{step}:{d}:{i}", p.ids, params) for i, p in enumerate(every[d :: self.dp_size])]
+            return [Request(f"{tag}:{d}:{i}", p.ids, params) for i, p in enumerate(every[d :: self.dp_size])]
 
         samples = []
         for g, (prompt, out) in enumerate(zip(prompts, generate_shares(self, requests), strict=True)):
             for s in out.samples:
-                samples.append(Sample(g, prompt, list(s.tokens), list(s.logprobs), finish_reason=s.finish_reason))
+                samples.append(Sample(g, prompt, list(s.tokens), list(s.logprobs), finish_reason=s.finish_reason,
+                                      routing=s.routing))  # fmt: skip
         return samples
 
     def score_rewards(self, samples: list[Sample]) -> torch.Tensor:
@@ -373,20 +379,9 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        samples = self.rollout(step)
-        gen_s = time.perf_counter() - t0
-        bad = sum(not all(math.isfinite(x) for x in s.rollout_logp) for s in samples)
-        if bad and self.rl.nonfinite == "stop":
-            raise NonFiniteError(
-                f"step {step}: the rollout recorded NaN or Inf logprobs for {bad} of {len(samples)} samples "
-                "(non-finite logits: the weights diverged; lower rl.lr, or rl.nonfinite=skip to drop such updates)"
-            )
-        rewards = self.score_rewards(samples)
-        group_size = self.rl.group_size
-        keep = torch.ones(len(samples) // group_size, dtype=torch.bool)
-        if self.rl.dynamic_sampling:
-            keep = informative_groups(rewards, group_size)
-        kept = [s for s in samples if bool(keep[s.group])]
+        collected = collect_step_batch(self, step)  # rollout batches, rewards, DAPO's filter and re-sampling
+        samples, kept, gen_s, group_size = collected.samples, collected.kept, collected.gen_s, self.rl.group_size
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}
         passes = self.micro_batch_count(len(kept))  # every rank trains, or none (a collective)
@@ -402,7 +397,8 @@ class Trainer:
         else:  # no rank kept a group: the metrics have no loss to show, so one line says why
             trainer_logp = rollout_logp = entropy = trained = torch.zeros(0, dtype=torch.long)
             if self.rank == 0:
-                print(untrained_step_line(step, len(keep) * self.dp_size), file=sys.stderr)
+                print(untrained_step_line(step, len(samples) // group_size * self.dp_size, collected.gen_batches),
+                      file=sys.stderr)  # fmt: skip
         metrics["optim/lr"] = current_lr(self.optimizer)
         self.schedule.step(1)  # once per RL step, trained or not: a resumed run positions it by the step
         train_s = time.perf_counter() - t1
@@ -414,6 +410,7 @@ class Trainer:
         self.step_tokens = self._gather(local)  # the log's worst tokens and |dlogp| histogram (rl.token_log)
         metrics |= step_metrics(self.step_tokens, self.loss_cfg.clip_low, self.loss_cfg.clip_high)
         metrics |= self.tasks.step_metrics(step)
+        metrics |= self.routing_meter.metrics()  # moe/routing_agreement (a collective for MoE models)
         gen_tokens = sum(len(s.tokens) for s in samples) * self.dp_size
         step_s = time.perf_counter() - t0
         peak = peak_memory_bytes(self.device)
@@ -423,6 +420,7 @@ class Trainer:
             peak = int(peak_t.item())
         metrics |= {
             "samples/kept_frac": len(kept) / max(1, len(samples)),
+            "samples/gen_batches": float(collected.gen_batches),
             "timing/gen_s": gen_s,
             "timing/train_s": train_s,
             "timing/step_s": step_s,

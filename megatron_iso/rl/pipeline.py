@@ -53,6 +53,7 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
     expert parallel size 1 the batch is marked ``static_shapes``: MoE layers route and run their experts without
     host reads (``models.moe``), the same bits as their eager path."""
     from megatron_iso.models.batch import pack, row_multiple
+    from megatron_iso.rl.routing_replay import attach_routing
 
     seqs = [s.prompt.ids + s.tokens for s in samples]
     tc = trainer.tc
@@ -64,6 +65,8 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
     rollout = torch.zeros(rows, dtype=torch.float32)
     old = torch.zeros(rows, dtype=torch.float32) if all(s.old_logp is not None for s in samples) else None
     starts = [0, *itertools.accumulate(len(s) for s in seqs)]
+    attach_routing(batch, samples, starts, trainer.rl.routing_replay)  # the rollout's experts (rl.routing_replay)
+    trainer.routing_meter.track(batch, weight)
     for i, s in enumerate(samples):
         seq_index[starts[i] : starts[i + 1]] = i
         # Row t scores token t+1: the response tokens are scored by rows P-1 .. P+R-2.

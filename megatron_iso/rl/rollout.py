@@ -133,6 +133,8 @@ class LayoutRollout:
         exchange the outputs: every rank gets all of them, by request id."""
         with self.layout.active():
             mine = self.engine.generate(list(requests)[self.dp_rank :: self.dp_size])
+        for sample in (s for o in mine for s in o.samples if s.routing is not None):
+            sample.routing = sample.routing.cpu()  # recorded routing (MoE) crosses ranks as host tensors
         gathered: list[dict[str, RequestOutput]] = [{} for _ in range(dist.get_world_size())]
         # Ranks of one rollout TP group hold identical outputs (lockstep); any copy will do.
         dist.all_gather_object(gathered, {o.request_id: o for o in mine})

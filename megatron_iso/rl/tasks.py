@@ -170,8 +170,18 @@ class Task:
         self.prompts_per_step = prompts_per_step
         self.seed = seed
 
+    # A step's extra generation batches (DAPO re-sampling, rl.max_gen_batches) read the prompt stream this far past
+    # the step: a function of (step, draw) alone, so a resumed run draws the same prompts, and clear of the run's own
+    # steps for any run shorter than 2**31 steps. Not a power of two: torch's CPU generator keeps only a seed's low
+    # 32 bits, and the seeds derive from the step.
+    RESAMPLE_STRIDE = 2**31 - 1
+
     def prompts(self, step: int) -> list[Prompt]:
         raise NotImplementedError
+
+    def resample_prompts(self, step: int, draw: int) -> list[Prompt]:
+        """The prompts of step ``step``'s generation batch ``draw`` (0: :meth:`prompts`, the step's own)."""
+        return self.prompts(step + draw * self.RESAMPLE_STRIDE)
 
     def prompt_lengths(self) -> Iterator[tuple[str, int]]:
         """Every prompt this task can yield, as (where it comes from, for an error message; its token count)."""

@@ -78,6 +78,7 @@ from megatron_iso.settings.rl import (
     RolloutSettings,
     check_backward_states,
     check_micro_batch_seqs,
+    check_routing_replay,
     resolve_rl,
     resolve_rollout,
 )
@@ -199,6 +200,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     settings = resolve(cfg)  # the profile against the model included (validate_profile, in resolve)
     check_gdn_choice_runs_here(settings.profile)
     check_pipeline(settings)
+    check_routing_replay(settings.rl, settings.model.moe, settings.parallel.sp and settings.parallel.tp > 1)
     check_contract_limits(settings.contract.contract, settings.model.max_position_embeddings)
     if settings.out_dir is None and settings.resume != "false":
         raise SettingsError(

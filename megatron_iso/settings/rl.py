@@ -146,6 +146,8 @@ class RLSettings:
     ppo_epochs: int = 1
     recompute_old_logprobs: str = "auto"
     dynamic_sampling: bool = False
+    max_gen_batches: int = 1  # rollout batches a dynamic-sampling step may generate to fill its groups
+    routing_replay: bool = False  # MoE: the trainer routes each token as the rollout did (models.routing)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     scale_adv_by_std: bool = True
@@ -246,6 +248,8 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
         rollout_correction=check_rollout_correction(rl),
         **check_ppo(rl),
         dynamic_sampling=flag("dynamic_sampling", False),
+        max_gen_batches=_int(_get(rl, "max_gen_batches", 1), "rl.max_gen_batches", 1),
+        routing_replay=flag("routing_replay", False),
         overlong_buffer=_int(req("overlong_buffer"), "rl.overlong_buffer", 0),
         overlong_penalty=at_least_zero("overlong_penalty"),
         scale_adv_by_std=flag("scale_adv_by_std", True),
@@ -289,3 +293,20 @@ def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
         cuda_graphs=_bool(_get(rollout, "cuda_graphs", True), "rollout.cuda_graphs"),
         release_in_training=_bool(_get(rollout, "release_in_training", True), "rollout.release_in_training"),
     )
+
+
+def check_routing_replay(rl: RLSettings | None, moe: object | None, sequence_parallel: bool) -> None:
+    """``rl.routing_replay=true`` needs routed experts to replay (an MoE model) and a rollout that records them
+    (no sequence parallelism: each TP rank would route only a share of a step's rows)."""
+    if rl is None or not rl.routing_replay:
+        return
+    if moe is None:
+        raise SettingsError(
+            "rl.routing_replay=true needs an MoE model (model.num_experts set); this model is dense: set "
+            "rl.routing_replay=false"
+        )
+    if sequence_parallel:
+        raise SettingsError(
+            "rl.routing_replay=true is not supported with parallel.sp=true (the rollout records routing without "
+            "sequence parallelism); set parallel.sp=false"
+        )

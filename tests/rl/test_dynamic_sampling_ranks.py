@@ -22,11 +22,14 @@ from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
 GROUP = 4
-FAST = [f"rl.group_size={GROUP}", "rl.max_response_length=5", "task.prompts_per_step=6", "model=tiny_dense"]
+# One generation batch per step (no re-sampling): the ranks keep what the patched filter says.
+FAST = [f"rl.group_size={GROUP}", "rl.max_response_length=5", "task.prompts_per_step=6", "model=tiny_dense",
+        "rl.max_gen_batches=1"]  # fmt: skip
 
 
 def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:
     """Two RL steps where rank 0 keeps every group and rank 1 its first ``rank1_keeps`` groups."""
+    import megatron_iso.rl.dynamic_sampling as dynamic_sampling
     import megatron_iso.rl.loop as loop
 
     rank = dist.get_rank()
@@ -42,7 +45,7 @@ def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:
         passes_seen.append(count(self, n))
         return passes_seen[-1]
 
-    loop.informative_groups = keep
+    dynamic_sampling.informative_groups = keep
     loop.Trainer.micro_batch_count = counted
     cfg = load_config([*FAST, "rl=dapo", f"out_dir={out_dir}", *overrides])
     with config_world(cfg) as r:

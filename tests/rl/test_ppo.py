@@ -134,6 +134,11 @@ def test_a_step_that_trains_nothing_says_why(tmp_path, capsys):
         metrics = trainer.step(0)
     assert "loss" not in metrics and metrics["samples/kept_frac"] == 0.0
     err = capsys.readouterr().err
-    assert "step 0: no update: dynamic sampling (rl.dynamic_sampling) dropped all 2 groups" in err
+    # rl=dapo re-samples up to rl.max_gen_batches=4 batches of 2 groups before it gives up on the step
+    assert (
+        "step 0: no update: dynamic sampling (rl.dynamic_sampling) dropped all 8 groups of 4 generation batches "
+        "(rl.max_gen_batches=4)" in err
+    )
+    assert metrics["samples/gen_batches"] == 4.0
     for n, p in trainer.model.named_parameters():
         assert torch.equal(bits(p.detach()), bits(before[n])), n

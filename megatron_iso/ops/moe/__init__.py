@@ -38,6 +38,14 @@ def top_k_route(
     return _impl(profile).top_k_route(probs, k, normalize=normalize)
 
 
+def route_weights(
+    probs: torch.Tensor, experts: torch.Tensor, *, normalize: bool, profile: str = Profile.CORRECTNESS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`top_k_route` returns for the experts ``experts [N, k]`` given instead of selected (a replayed
+    routing, ``models.routing``): the weights at them (renormalised as there), experts in the combine order."""
+    return _impl(profile).route_weights(probs, experts, normalize=normalize)
+
+
 def combine_routed(
     expert_out: torch.Tensor, weights: torch.Tensor, *, profile: str = Profile.CORRECTNESS
 ) -> torch.Tensor:
@@ -85,4 +93,4 @@ register_per_device(
     probe_for=lambda device: functools.partial(_probe, native, device),
 )
 
-__all__ = ["combine_routed", "router_probs", "top_k_route"]
+__all__ = ["combine_routed", "route_weights", "router_probs", "top_k_route"]

@@ -20,5 +20,12 @@ def top_k_route(probs: torch.Tensor, k: int, *, normalize: bool) -> tuple[torch.
     return weights, experts
 
 
+def route_weights(probs: torch.Tensor, chosen: torch.Tensor, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = probs.gather(-1, chosen)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
 def combine_routed(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (expert_out.float() * weights.float().unsqueeze(-1)).sum(dim=1)

@@ -40,6 +40,11 @@ def top_k_route(probs: torch.Tensor, k: int, *, normalize: bool) -> tuple[torch.
     if not 1 <= k <= num_experts:
         raise ValueError(f"moe_router_topk={k} must be in [1, num_moe_experts={num_experts}]")
     chosen = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
+    return route_weights(probs, chosen, normalize=normalize)
+
+
+def route_weights(probs: torch.Tensor, chosen: torch.Tensor, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, experts ascending)`` of the experts ``chosen`` per row (the top-k, or a replayed routing)."""
     experts = torch.sort(chosen, dim=-1).values
     weights = probs.gather(-1, experts)
     if normalize:
