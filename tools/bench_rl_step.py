@@ -150,8 +150,8 @@ def _layout() -> dict[str, int]:
 
 def run_profile(profile: str, args: argparse.Namespace) -> dict:
     from megatron_iso.parallel.world import seed_ranks
-    from megatron_iso.rl.loop import Trainer
-    from megatron_iso.settings import config_world
+    from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings import config_world, resolve
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(profile, args, tmp)
@@ -161,7 +161,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
             seed_ranks(int(cfg.seed))
             layout = _layout()
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, rank)
+            trainer = Trainer(resolve(cfg), rank)
             build_s = time.perf_counter() - t0
             flops = train_model_flops(trainer.model, args.prompts * args.group, args.prompt_len + args.new_tokens)
             if torch.cuda.is_available():

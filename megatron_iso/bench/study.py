@@ -1,6 +1,6 @@
 """``iso-bench study``: what exactness costs and what it changes, from one command.
 
-Both profiles train as ``iso-train`` (:func:`megatron_iso.rl.loop.train`) from the same config: the same model and
+Both profiles train as ``iso-train`` (:func:`megatron_iso.rl.run.train`) from the same config: the same model and
 weights seed, the same data and sampling seeds, ``bench.study.steps`` RL steps each, into ``<study>/correctness``
 and ``<study>/performance``. Each run is a process of its own, started one after the other: its timings, peak
 memory and device state are its own (two runs in one process would share the peak-RSS counter, allocator and

@@ -62,7 +62,7 @@ def validate(overrides: Sequence[str]) -> Settings:
 
 
 def _train(cfg: DictConfig) -> int:
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     summary = train(cfg)
     if os.environ.get("RANK", "0") != "0":  # one summary per run: torchrun's other ranks print none

@@ -15,6 +15,7 @@ builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builde
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.contract.build import ContractInputs, ContractValidationError, domain_degrees, plain_config
 from megatron_iso.contract.build import build_contract as _build_contract
@@ -119,6 +120,7 @@ __all__ = [
     "check_shardable",
     "check_trainable",
     "config_world",
+    "config_yaml",
     "contract_for",
     "contract_inputs",
     "gemm_block_k",
@@ -134,7 +136,10 @@ __all__ = [
     "resolve_rollout",
     "resolve_task",
     "resume_mode",
+    "rollout_layout",
+    "rollout_parallel",
     "shard_degrees",
+    "with_out_dir",
 ]
 
 # --- the whole config --------------------------------------------------------------------------------------------
@@ -158,6 +163,9 @@ class Settings:
     out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
     resume: str = "false"  # one of RESUME_MODES
     dist_timeout_s: float | None = None  # collectives' timeout (dist_timeout_s); None: torch's default
+    # The config as resolved plain containers: what a run records of itself (config.yaml, the logger, the run
+    # identity a resume must match). Nothing decides from it: the typed groups above are the reading.
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def device_class(self) -> str:
@@ -262,6 +270,7 @@ def _resolve_groups(c: dict[str, Any]) -> Settings:
         out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),
         dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
+        config=c,
     )
 
 
@@ -347,6 +356,63 @@ def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractCont
     s = resolve(cfg)
     p = s.parallel
     return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s, cp=p.cp)
+
+
+def with_out_dir(settings: Settings, out_dir: Path) -> Settings:
+    """``settings`` of a run given the directory ``out_dir`` (its recorded config too)."""
+    return dataclasses.replace(settings, out_dir=out_dir, config={**settings.config, "out_dir": str(out_dir)})
+
+
+def config_yaml(settings: Settings) -> str:
+    """The resolved config as YAML (a run's ``config.yaml``)."""
+    return OmegaConf.to_yaml(OmegaConf.create(dict(settings.config)))
+
+
+# --- the rollout's layout ----------------------------------------------------------------------------------------
+
+ROLLOUT_PARALLEL_KEYS = ("tp",)
+
+
+def rollout_parallel(settings: Settings, world_size: int) -> dict[str, Any]:
+    """The rollout's ``parallel`` block: the trainer's, with ``rollout.parallel``'s keys over it."""
+    trainer = dict(settings.contract.parallel)
+    given = dict(settings.require("rollout").parallel)
+    unknown = sorted(set(given) - set(ROLLOUT_PARALLEL_KEYS))
+    if unknown:
+        raise SettingsError(f"rollout.parallel has unknown keys {unknown}; allowed keys: {list(ROLLOUT_PARALLEL_KEYS)}")
+    tp = given.get("tp", trainer["tp"])
+    allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp not in allowed:
+        raise SettingsError(
+            f"rollout.parallel.tp={tp!r} must divide the world size {world_size}; allowed values: {allowed}"
+        )
+    check_shardable(settings.contract.model, "tp", tp, "rollout.parallel.tp", candidates=allowed)
+    # Megatron has no sequence parallelism without TP; the DP size is what the world leaves; the rollout is never
+    # pipelined (a trainer's pipeline stages send it their weights) nor context parallel (the engine's prefill and
+    # decode run whole sequences; a colocated decoder on CP ranks runs their DP rank's requests on each).
+    sp = bool(trainer.get("sp", False)) and tp > 1
+    return trainer | {"tp": tp, "pp": 1, "cp": 1, "sp": sp, "dp": world_size // tp}
+
+
+def rollout_layout(settings: Settings, world_size: int) -> tuple[Settings, bool]:
+    """The rollout side's settings (the trainer's with the parallel group of :func:`rollout_parallel`: its contract
+    and model config) and whether that layout differs from the trainer's, so the decoder needs a model of its own
+    (refused when the trainer's weights cannot be synced to it: expert parallelism)."""
+    parallel = rollout_parallel(settings, world_size)
+    p = settings.parallel
+    separate = parallel["tp"] != p.tp or p.pp != 1
+    if separate and p.ep != 1:
+        raise SettingsError(
+            f"a rollout layout of its own (rollout.parallel.tp={parallel['tp']}, parallel.tp={p.tp}, "
+            f"parallel.pp={p.pp}) syncs the trainer's TP and pipeline shards only and needs parallel.ep=1 (got {p.ep})"
+        )
+    rollout = dataclasses.replace(
+        settings,
+        parallel=resolve_parallel(parallel, settings.contract.model),
+        contract=dataclasses.replace(settings.contract, parallel=parallel),
+        config={**settings.config, "parallel": parallel},
+    )
+    return rollout, separate
 
 
 def gemm_block_k() -> Mapping[str, int]:

@@ -270,12 +270,14 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """``rollout``: the bundled decoder. (``rollout.parallel`` is read by :mod:`megatron_iso.rl.rollout`.)"""
+    """``rollout``: the bundled decoder. ``parallel``: ``rollout.parallel`` as given (its keys over the trainer's
+    ``parallel`` make the rollout's layout, once the world size is known: :func:`megatron_iso.settings.rollout_layout`)."""
 
     kv_cache_mb: int
     paged_kv_reads: bool
     cuda_graphs: bool
     release_in_training: bool
+    parallel: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -288,4 +290,5 @@ def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
         paged_kv_reads=_bool(_get(rollout, "paged_kv_reads", True), "rollout.paged_kv_reads"),
         cuda_graphs=_bool(_get(rollout, "cuda_graphs", True), "rollout.cuda_graphs"),
         release_in_training=_bool(_get(rollout, "release_in_training", True), "rollout.release_in_training"),
+        parallel=dict(_get(rollout, "parallel", {})),
     )

@@ -48,7 +48,7 @@ def hf_start(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def run_from_hf(hf_start, tmp_path_factory) -> Path:
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     run = tmp_path_factory.mktemp("runs") / "from_hf"
     cfg = load_config([f"model.init_from={hf_start}", *RUN, "rl.save_hf_every=2", f"out_dir={run}"])
@@ -118,7 +118,7 @@ def _with(cfg, init_from: Path):
 
 def test_run_checkpoint_starts_a_run_and_exports(run_from_hf, tmp_path):
     from megatron_iso.cli.convert import main
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     ckpt = run_from_hf / "checkpoints" / "step_000001"
     assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
@@ -169,7 +169,7 @@ def test_bad_init_from_is_an_error_naming_the_field(tmp_path, kind):
 
 def test_bad_init_from_in_iso_train_is_a_usage_error(tmp_path, capsys):
     from megatron_iso.cli.exit_codes import EXIT_USAGE, run_cli
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     cfg = load_config([f"model.init_from={tmp_path / 'nowhere'}", f"out_dir={tmp_path / 'run'}"])
     assert run_cli("iso-train", lambda: train(cfg)) == EXIT_USAGE

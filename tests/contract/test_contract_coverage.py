@@ -3,7 +3,7 @@ contract ``iso-contract`` builds for the same config, and the two tools agree on
 
 Each side runs in a fresh interpreter, so what one has imported cannot hide what the other misses: the
 tool side builds the contract as ``iso-contract`` does; the run side trains one GRPO step (rollout prefill
-and decode, trainer forward and backward) through ``rl.loop.train``, recording every registry lookup made
+and decode, trainer forward and backward) through ``rl.run.train``, recording every registry lookup made
 outside the autograd engine, and reports the implementations registered at its end and the digest it wrote
 into its checkpoint. Lookups inside a backward pass are not the contract's: ``with_plain_backward``
 differentiates the stock formula (the backward is deterministic, not invariant, and no case of the contract).
@@ -49,7 +49,7 @@ def recording_lookup(op, device_class, profile):
     return impl
 
 registry.lookup = dispatch.lookup = recording_lookup
-from megatron_iso.rl.loop import train
+from megatron_iso.rl.run import train
 cfg = load_config(sys.argv[2:])
 train(cfg)
 from megatron_iso.settings import resolve

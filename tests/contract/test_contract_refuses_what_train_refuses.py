@@ -14,7 +14,7 @@ from megatron_iso.cli.contract import main as iso_contract
 from megatron_iso.cli.exit_codes import EXIT_USAGE
 from megatron_iso.config import load_config
 from megatron_iso.errors import UserError
-from megatron_iso.rl.loop import train
+from megatron_iso.rl.run import train
 from megatron_iso.settings import contract_for
 
 BAD_CONFIGS = [
