@@ -30,7 +30,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("contract",),
     ("parallel",),
     ("ops",),
-    ("config",),
     ("platform", "extras", "errors", "registry", "<root>"),
 )
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}

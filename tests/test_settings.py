@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_iso.config import conf_dir, load_config
 from megatron_iso.contract import ContractValidationError
 from megatron_iso.registry import PROFILES, Profile
 from megatron_iso.settings import ParallelSettings, RLSettings, resolve
+from megatron_iso.settings.compose import conf_dir, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

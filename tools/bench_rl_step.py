@@ -114,7 +114,7 @@ def train_model_flops(model, n_seq: int, seq_len: int) -> float:
 
 def _config(profile: str, args: argparse.Namespace, out_dir: str):
     from megatron_iso.checkpoint.init_from import apply_init_from
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     # model.init_from=DIR (an HF directory or a megatron_iso checkpoint) replaces the model group's shapes and
     # random weights with the checkpoint's, as in iso-train.

@@ -276,8 +276,9 @@ def _layer(module: str) -> int | None:
 
 
 def _impls(ops: Sequence[str], config: dict[str, Any], case: str) -> dict[str, str]:
-    from megatron_iso.contract import load_op_implementations, resolve_device_class
+    from megatron_iso.contract import load_op_implementations
     from megatron_iso.registry import lookup
+    from megatron_iso.settings import resolve_device_class
 
     load_op_implementations()
     device = resolve_device_class(str(config.get("device", "auto")))
@@ -357,7 +358,7 @@ def compare_sides(
 def side_config(side: Side) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     return OmegaConf.to_container(load_config(list(side.overrides)), resolve=True)
 

@@ -227,7 +227,7 @@ def layout_config(base: Mapping[str, Any] | None, layout: Layout) -> dict[str, A
     profile (then its own node, with any ``profile.*`` overrides, is kept)."""
     from omegaconf import OmegaConf
 
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     stock = OmegaConf.to_container(load_config([f"profile={layout.profile}"]), resolve=True)
     cfg = dict(stock if base is None else base)

@@ -109,8 +109,8 @@ def plan_study(argv: list[str], root: Path = RUNS_ROOT) -> StudyPlan:
     """The study ``argv`` (Hydra overrides of ``iso_bench``) asks for, every setting checked for both profiles
     (:func:`megatron_iso.settings.check_trainable`, what ``iso-train`` checks at start) before anything runs."""
     from megatron_iso.checkpoint.init_from import apply_init_from
-    from megatron_iso.config import load_config
     from megatron_iso.settings import check_trainable, resolve
+    from megatron_iso.settings.compose import load_config
 
     for arg in argv:
         if arg.startswith("-"):

@@ -20,7 +20,6 @@ from megatron_iso.checkpoint.files import check_input_dir, check_output_dir, sta
 from megatron_iso.checkpoint.hf_dir import WEIGHT_FILES, read_hf_weights, write_hf_dir
 from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
 from megatron_iso.checkpoint.tokenizer import copy_assets
-from megatron_iso.config import load_config_with_model
 from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.hf_config import (
     HF_CONFIG_FILE,
@@ -36,6 +35,7 @@ from megatron_iso.models.weights import (
     hf_shapes,
     split_fused_experts,
 )
+from megatron_iso.settings.compose import load_config_with_model
 
 
 @dataclass

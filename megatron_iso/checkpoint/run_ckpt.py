@@ -32,10 +32,10 @@ from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors,
 from megatron_iso.checkpoint.hf_dir import write_hf_dir
 from megatron_iso.checkpoint.integrity import IntegrityError, offer_previous, verify_checksums
 from megatron_iso.checkpoint.tokenizer import copy_assets
-from megatron_iso.config import load_config_with_model
 from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.hf_config import hf_config_from_model, read_hf_config
 from megatron_iso.models.weights import EXPERT_PARAM, fuse_experts, hf_from_megatron_shards
+from megatron_iso.settings.compose import load_config_with_model
 
 META = "meta.json"
 RANK_FILE = "model_rank{}.safetensors"

@@ -9,7 +9,9 @@ that reads only the config: ``iso-train`` (:func:`check_trainable`) and ``iso-co
 both run it, so neither accepts a config the other refuses.
 
 Layering: this package sits above ``ops`` and ``contract``: it may ask the op families (lazily) and fills the contract
-builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder and ``models/config.py`` read.
+builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder reads; the groups live in modules
+by concern (``profile``, ``model``, ``parallel``, ``rl``, ``task``, ``data``), the composition of the Hydra config
+in ``compose``. Only this package and ``cli/`` touch OmegaConf objects: everything else gets :class:`Settings`.
 :func:`contract_for` is every tool's one way from a config to its contract: it loads every registered implementation.
 """
 
@@ -26,12 +28,13 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_iso.contract.build import ContractInputs, ContractValidationError, domain_degrees, plain_config
+from megatron_iso.contract.build import ContractInputs, ContractValidationError
 from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.schema import Contract
 from megatron_iso.errors import UserError
+from megatron_iso.settings.compose import plain_config
 from megatron_iso.settings.data import DataSettings, resolve_data
 from megatron_iso.settings.fields import (
     LOGGERS,
@@ -48,22 +51,31 @@ from megatron_iso.settings.fields import (
 from megatron_iso.settings.model import (
     HF_GDN_LAYOUTS,
     PARAMS_DTYPES,
-    SHARDED_BY,
     GDNSettings,
     ModelSettings,
     MoESettings,
-    ParallelSettings,
-    ProfileSettings,
-    check_gdn_choice_runs_here,
-    check_shardable,
-    cp_degrees,
     resolve_gdn,
-    resolve_gdn_form,
     resolve_model,
     resolve_moe,
+)
+from megatron_iso.settings.parallel import (
+    SHARDED_BY,
+    ParallelSettings,
+    check_shardable,
+    cp_degrees,
     resolve_parallel,
-    resolve_profile,
     shard_degrees,
+)
+from megatron_iso.settings.profile import (
+    DEVICES,
+    ProfileSettings,
+    check_gdn_choice_runs_here,
+    check_profile_name,
+    domain_degrees,
+    resolve_device_class,
+    resolve_gdn_form,
+    resolve_profile,
+    validate_profile,
 )
 from megatron_iso.settings.resources import (
     check_launch,
@@ -87,6 +99,7 @@ from megatron_iso.settings.shapes import check_size_types
 from megatron_iso.settings.task import TaskSettings, check_task_files, resolve_task
 
 __all__ = [
+    "DEVICES",
     "HF_GDN_LAYOUTS",
     "LOGGERS",
     "LR_DECAY_STYLES",
@@ -115,6 +128,7 @@ __all__ = [
     "check_out_dir",
     "check_overrides",
     "check_pipeline",
+    "check_profile_name",
     "check_runs_here",
     "check_schema",
     "check_shardable",
@@ -123,9 +137,11 @@ __all__ = [
     "config_yaml",
     "contract_for",
     "contract_inputs",
+    "domain_degrees",
     "gemm_block_k",
     "resolve",
     "resolve_data",
+    "resolve_device_class",
     "resolve_gdn",
     "resolve_gdn_form",
     "resolve_model",
@@ -139,6 +155,7 @@ __all__ = [
     "rollout_layout",
     "rollout_parallel",
     "shard_degrees",
+    "validate_profile",
     "with_out_dir",
 ]
 
@@ -198,7 +215,7 @@ def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInput
 
 def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     """The one validation of a config, :func:`resolve` and every check that reads nothing but the config: the
-    profile against the model (``contract.build.validate_profile``), the GDN choice against the device class,
+    profile against the model (``settings.profile.validate_profile``), the GDN choice against the device class,
     the pipeline's needs (:func:`check_pipeline`), an ``out_dir`` for ``resume``. ``iso-contract`` (through
     :func:`contract_for`) and ``iso-train`` (through :func:`check_trainable`) both call it before anything else,
     so a config one refuses the other refuses with the same error. Not here: what depends on the machine or the
@@ -241,8 +258,6 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
 
 
 def _resolve_groups(c: dict[str, Any]) -> Settings:
-    from megatron_iso.contract.build import validate_profile
-
     resolved, inputs = _contract_part(c)
     # The profile's leaves against the model's sizes before the model's own shape rules: its error lists the
     # leaves this model allows.

@@ -68,7 +68,7 @@ def _check_reward(reward: Any) -> str:
 def resolve_task_path(value: str, field_name: str, *, directory: bool = False, group: str = "task") -> Path:
     """``<group>.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
     the working directory, else in the config directory (where the shipped example data lives)."""
-    from megatron_iso.config import conf_dir
+    from megatron_iso.settings.compose import conf_dir
 
     path = Path(value).expanduser()
     tried = [path] if path.is_absolute() else [Path.cwd() / path, conf_dir() / path]

@@ -13,8 +13,8 @@ import torch
 
 from megatron_iso.checkpoint.compare import compare_with_transformers
 from megatron_iso.checkpoint.init_from import InitFromError, apply_init_from, build_initial_model, init_assets
-from megatron_iso.config import load_config
 from megatron_iso.models.hf_config import hf_config_from_model, model_config_from_hf
+from megatron_iso.settings.compose import load_config
 from tests.checkpoint.conftest import WORDS, make_hf_model
 from tests.checkpoint.test_hf_checkpoint import REL_TOL
 

@@ -23,7 +23,7 @@ FAST = ["rl.steps=1", "rl.group_size=2", "rl.max_response_length=3", "task.promp
 
 _TOOL_SIDE = """
 import json, sys
-from megatron_iso.config import load_config
+from megatron_iso.settings.compose import load_config
 from megatron_iso.settings import contract_for
 c = contract_for(load_config(sys.argv[1:]))
 entries = c.numerical_policy.composition
@@ -35,7 +35,7 @@ _RUN_SIDE = """
 import json, os, sys
 from pathlib import Path
 import torch
-from megatron_iso.config import load_config
+from megatron_iso.settings.compose import load_config
 from megatron_iso import registry
 from megatron_iso.ops.common import dispatch
 

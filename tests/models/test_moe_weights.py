@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.models.config import transformer_config
 from megatron_iso.models.weights import hf_shapes, megatron_shard, random_hf_state_dict
+from megatron_iso.settings.compose import load_config
 
 
 def test_qwen3_30b_a3b_shapes_have_the_published_parameter_counts():

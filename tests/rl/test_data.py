@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.rl.data import DatasetTask, _tokenizer_spec, build_tasks
 from megatron_iso.rl.metrics import alias_metrics
 from megatron_iso.rl.tasks import (
@@ -21,6 +20,7 @@ from megatron_iso.rl.tasks import (
 )
 from megatron_iso.rl.validation import due, val_metrics
 from megatron_iso.settings import SettingsError, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.settings.data import DataSettings
 from tests.rl.data_cases import chat_tokenizer_dir, gsm8k_rows, write_jsonl, write_parquet
 

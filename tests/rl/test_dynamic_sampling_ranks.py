@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
 from megatron_iso.rl.losses import group_advantages
 from megatron_iso.rl.trainer import Trainer
 from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 

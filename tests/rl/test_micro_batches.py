@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
 from megatron_iso.rl import trainer as trainer_module
 from megatron_iso.rl.losses import group_advantages
 from megatron_iso.rl.run import TIMING_PREFIXES, train
 from megatron_iso.rl.trainer import Trainer
 from megatron_iso.settings import check_micro_batch_seqs, config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 

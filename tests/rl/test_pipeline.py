@@ -25,9 +25,9 @@ FAST = ["rl.group_size=4", "rl.max_response_length=3", "task.prompts_per_step=2"
 
 
 def _run(root: str, overrides: list[str]) -> list[dict]:
-    from megatron_iso.config import load_config
     from megatron_iso.parallel.launch import cpu_threads_per_rank
     from megatron_iso.rl import run, trainer
+    from megatron_iso.settings.compose import load_config
 
     # The CPU's fp32 GEMMs (the backward's) sum in an order that depends on the thread count: PP 1 on one rank
     # runs with the threads of one of PP 2's ranks.
@@ -133,8 +133,8 @@ def test_pp2_starts_from_an_hf_checkpoint_as_pp1_does(tmp_path):
     ],
 )
 def test_unsupported_pipeline_settings_are_refused_by_name(overrides, named):
-    from megatron_iso.config import load_config
     from megatron_iso.settings import check_trainable, resolve
+    from megatron_iso.settings.compose import load_config
 
     with pytest.raises(SettingsError, match=named):
         check_trainable(resolve(load_config(overrides)))

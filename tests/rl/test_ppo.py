@@ -8,7 +8,6 @@ import types
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
 from megatron_iso.rl.losses import group_advantages
 from megatron_iso.rl.ppo import (
@@ -22,6 +21,7 @@ from megatron_iso.rl.ppo import (
 from megatron_iso.rl.run import train
 from megatron_iso.rl.trainer import Trainer
 from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 
 GROUP = 4

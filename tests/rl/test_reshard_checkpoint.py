@@ -31,9 +31,9 @@ DIST = "rl.use_distributed_optimizer=true"
 
 
 def _train(out: str, overrides: list[str]) -> list[dict]:
-    from megatron_iso.config import load_config
     from megatron_iso.parallel.world import seed_ranks
     from megatron_iso.rl.run import train
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config([*FAST, f"out_dir={out}", *overrides])
     seed_ranks(int(cfg.seed))
@@ -45,9 +45,9 @@ def _reload(ckpt: str, out: str, overrides: list[str], then_train: list[str] | N
     of the run ``ckpt`` belongs to with ``then_train`` overrides."""
     import torch.distributed as dist
 
-    from megatron_iso.config import load_config
     from megatron_iso.rl.checkpoint import load_checkpoint, save_checkpoint
     from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings.compose import load_config
 
     rank = dist.get_rank()
     trainer = Trainer(resolve(load_config([*FAST, f"out_dir={out}/unused", *overrides])), rank)
@@ -142,9 +142,9 @@ def _initial(out: str, tp: int) -> None:
     """Each family's seeded initial policy (the same HF weights at every layout) saved at TP ``tp``."""
     import torch.distributed as dist
 
-    from megatron_iso.config import load_config
     from megatron_iso.rl.checkpoint import save_checkpoint
     from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings.compose import load_config
 
     for name, overrides in FAMILIES.items():
         trainer = Trainer(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_iso.config import load_config
 from megatron_iso.settings import SettingsError, check_shardable, resolve, rollout_parallel
+from megatron_iso.settings.compose import load_config
 
 
 @pytest.mark.parametrize(

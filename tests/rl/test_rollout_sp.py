@@ -23,9 +23,9 @@ ODD = [
 
 
 def _train(root: str) -> dict:
-    from megatron_iso.config import load_config
     from megatron_iso.rl import run, trainer
     from megatron_iso.rl.run import TIMING_PREFIXES
+    from megatron_iso.settings.compose import load_config
 
     runs = {}
     train_on = trainer.Trainer.train_on

@@ -167,7 +167,7 @@ def test_a_run_that_wrote_while_this_one_was_built_is_not_overwritten(tmp_path, 
     """The race: the early check passes on a free out_dir, another run writes there (and ends) while this one
     builds its model; the start decided under the lock refuses, and config.yaml stays the other run's."""
     import megatron_iso.rl.run as run_module
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     run = tmp_path / "run"
 

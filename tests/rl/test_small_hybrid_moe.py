@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_iso.config import load_config
+from megatron_iso.settings.compose import load_config
 
 MODEL = "qwen3p5_small_hybrid_moe"
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_rl_step.py"

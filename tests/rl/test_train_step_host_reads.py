@@ -23,10 +23,10 @@ from collections import Counter
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
 from megatron_iso.rl.trainer import Sample, Trainer
 from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.host_reads import HostReadCounter
 
