@@ -18,7 +18,7 @@ in ``compose``. Only this package and ``cli/`` touch OmegaConf objects: everythi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,7 @@ from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.schema import Contract
 from megatron_iso.errors import UserError
-from megatron_iso.settings.compose import plain_config
+from megatron_iso.settings.compose import load_config_with_model, plain_config
 from megatron_iso.settings.data import DataSettings, resolve_data
 from megatron_iso.settings.fields import (
     LOGGERS,
@@ -154,6 +154,7 @@ __all__ = [
     "resume_mode",
     "rollout_layout",
     "rollout_parallel",
+    "settings_with_model",
     "shard_degrees",
     "validate_profile",
     "with_out_dir",
@@ -371,6 +372,12 @@ def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractCont
     s = resolve(cfg)
     p = s.parallel
     return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s, cp=p.cp)
+
+
+def settings_with_model(model: Mapping[str, Any], overrides: Sequence[str] = ()) -> Settings:
+    """The root config's settings with its ``model`` group given (a checkpoint's, or one derived from an HF
+    config.json); ``model.KEY=VALUE`` overrides still apply on top of it, other overrides as usual."""
+    return resolve(load_config_with_model(model, overrides))
 
 
 def with_out_dir(settings: Settings, out_dir: Path) -> Settings:

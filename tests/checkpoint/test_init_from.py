@@ -204,14 +204,14 @@ def test_irregular_qwen3_next_layer_types_import_and_match_transformers(tmp_path
 def test_sliced_reads_give_the_shards_of_the_full_read(request, fixture, ep):
     """Each (TP, EP) rank's shard read by safetensors slices equals the one cut from the whole model: GDN's
     per-head projections and conv channels, a multimodal prefix, experts per EP rank, a stored tied head."""
-    from megatron_iso.checkpoint import checked_hf_weights, hf_dir_config, read_hf_weights
+    from megatron_iso.checkpoint import checked_hf_weights, hf_dir_settings, read_hf_weights
     from megatron_iso.checkpoint.lazy import LazyHFSource
     from megatron_iso.models.config import transformer_config
     from megatron_iso.models.hf_config import read_hf_config
     from megatron_iso.models.weights import megatron_shard
 
     hf_dir = request.getfixturevalue(fixture)
-    tc = transformer_config(hf_dir_config(hf_dir, ["parallel.tp=2", f"parallel.ep={ep}"]))
+    tc = transformer_config(hf_dir_settings(hf_dir, ["parallel.tp=2", f"parallel.ep={ep}"]))
     config = read_hf_config(hf_dir)
     full = checked_hf_weights(read_hf_weights(hf_dir), tc, config).tensors
     with LazyHFSource(hf_dir, config, tied=tc.tie_word_embeddings) as lazy:
