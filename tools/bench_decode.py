@@ -238,8 +238,8 @@ def build_runners(args: argparse.Namespace, failures: dict[str, str]) -> dict[st
     """All engines' models on the same HF-named random weights (call inside the launched world)."""
     from omegaconf import OmegaConf
 
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
 

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_iso.inference.engine import EngineConfig, RolloutEngine
     from megatron_iso.inference.params import Request, SamplingParams
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.parallel.world import launched_world
     from megatron_iso.settings.compose import load_config

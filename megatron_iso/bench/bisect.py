@@ -185,8 +185,8 @@ def _canonical(rec: _Recorder, tp: int, sp: bool) -> dict[str, torch.Tensor]:
 def run_side(config: dict[str, Any], case: str, inp: BisectInput) -> dict[str, Any]:
     """One side on this rank: ``{"outputs": {module: tensor}, "order": [...], "kinds": {...}}``."""
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.ops.attention.kv_cache import KVCache
 
@@ -359,7 +359,7 @@ def side_config(side: Side) -> dict[str, Any]:
 
 
 def _check_case(side: Side, cfg: dict[str, Any]) -> None:
-    from megatron_iso.models.config import is_hybrid
+    from megatron_iso.models.transformer_config import is_hybrid
 
     if side.case != "prefill_decode":
         return

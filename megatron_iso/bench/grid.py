@@ -237,8 +237,8 @@ def layout_config(base: Mapping[str, Any] | None, layout: Layout) -> dict[str, A
 
 def run_layout(config: dict[str, Any], settings: BenchSettings) -> list[dict[str, Any]]:
     """One layout (``config`` from :func:`layout_config`), every batch size; runs on every rank."""
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
 
     tc = transformer_config(config)

@@ -16,8 +16,8 @@ from megatron_iso.models.hf_config import read_hf_config
 
 def _ours(hf_dir: Path, overrides: Sequence[str], ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.parallel.world import single_process_world
 
     # fp32 unless the caller overrides it; TP=1 because the whole vocab's logits are compared here.

@@ -19,7 +19,6 @@ from megatron_iso.checkpoint.files import check_input_dir, check_output_dir, sta
 from megatron_iso.checkpoint.hf_dir import WEIGHT_FILES, read_hf_weights, write_hf_dir
 from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
 from megatron_iso.checkpoint.tokenizer import copy_assets
-from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.hf_config import (
     HF_CONFIG_FILE,
     hf_config_from_model,
@@ -27,6 +26,7 @@ from megatron_iso.models.hf_config import (
     read_hf_config,
     text_model_hf_config,
 )
+from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.weights import (
     check_hf_state_dict,
     fuse_experts,

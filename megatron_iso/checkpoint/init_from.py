@@ -33,8 +33,8 @@ from megatron_iso.checkpoint.run_ckpt import (
     verify_run_checkpoint,
 )
 from megatron_iso.errors import UserError, check_finite
-from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
+from megatron_iso.models.transformer_config import IsoTransformerConfig
 from megatron_iso.models.weights import hf_shapes, is_expert_param, load_hf_state_dict
 from megatron_iso.settings.compose import replace_model
 

@@ -24,8 +24,8 @@ from megatron.core import parallel_state
 
 from megatron_iso.inference.engine import EngineConfig, RolloutEngine
 from megatron_iso.inference.params import Request, RequestOutput
-from megatron_iso.models.config import transformer_config
 from megatron_iso.models.stages import Stage, current_stage, to_global_names
+from megatron_iso.models.transformer_config import transformer_config
 from megatron_iso.models.weights import hf_from_megatron_shards
 from megatron_iso.parallel.layouts import ParallelLayout
 from megatron_iso.rl.pipeline import join_stage_shards

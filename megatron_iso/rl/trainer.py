@@ -30,7 +30,7 @@ from megatron_iso.errors import NonFiniteError, UserError
 from megatron_iso.inference.engine import EngineConfig, RolloutEngine
 from megatron_iso.inference.params import Request
 from megatron_iso.inference.phase_memory import RolloutMemory
-from megatron_iso.models.config import IsoTransformerConfig, transformer_config
+from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
 from megatron_iso.rl.data import build_tasks
 from megatron_iso.rl.losses import (
     PolicyLossConfig,

@@ -59,7 +59,7 @@ def run_from_hf(hf_start, tmp_path_factory) -> Path:
 
 def _logits(tc_cfg, init_from: Path) -> torch.Tensor:
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.parallel.world import single_process_world
 
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0))
@@ -206,8 +206,8 @@ def test_sliced_reads_give_the_shards_of_the_full_read(request, fixture, ep):
     per-head projections and conv channels, a multimodal prefix, experts per EP rank, a stored tied head."""
     from megatron_iso.checkpoint import checked_hf_weights, hf_dir_settings, read_hf_weights
     from megatron_iso.checkpoint.lazy import LazyHFSource
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.hf_config import read_hf_config
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import megatron_shard
 
     hf_dir = request.getfixturevalue(fixture)

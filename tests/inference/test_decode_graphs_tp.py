@@ -127,7 +127,7 @@ def _support_at_tp2() -> dict[str, str | None]:
     from types import SimpleNamespace
 
     from megatron_iso.inference import cuda_graphs
-    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(["profile=correctness", "parallel.tp=2"]))

@@ -20,8 +20,8 @@ def _layer_outputs(overrides: list[str], tokens: int = 40):
     the rows; also the whole slice reversed and its first row alone. Returns (rows, out, rev, one)."""
     from megatron.core import parallel_state
 
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
 
@@ -116,9 +116,9 @@ def _grads(overrides: list[str]) -> dict[str, torch.Tensor]:
     """One training forward/backward of summed logprobs; gradients of the first layer's router and
     shared-expert gate and of the last layer's expert 0 (which no load-balancing loss reaches)."""
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
 

@@ -24,9 +24,9 @@ def _logprobs_and_grads(model_overrides: list[str]) -> dict:
     from megatron.core.tensor_parallel import random as mrandom
 
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
 

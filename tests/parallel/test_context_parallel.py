@@ -21,9 +21,9 @@ LAYOUTS = {"cp1": (1, 1, False), "cp2": (1, 2, False), "cp4": (1, 4, False), "tp
 
 def _score(model_name: str, tp: int, cp: int, sp: bool, profile: str) -> dict:
     from megatron_iso.models.batch import pack, row_multiple
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
 

@@ -32,8 +32,8 @@ def world():
 
 def _model(seed: int = 0, *overrides: str, trained: bool = True):
     """A tiny dense policy and its optimizer; ``trained``: after one Adam step on random gradients (Adam state set)."""
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.rl.optim import build_optimizer
     from megatron_iso.settings import resolve
