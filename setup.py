@@ -19,7 +19,7 @@ setup(
     python_requires=">=3.10,<3.14",
     # The Hydra configs live in the top-level conf/ (every group directory, and the example data beside them);
     # they install as megatron_iso/conf/, so the CLIs find them next to the installed modules whatever the
-    # working directory (megatron_iso/config.py: conf_dir; MANIFEST.in: the same files for sdists).
+    # working directory (megatron_iso/settings/compose.py: conf_dir; MANIFEST.in: the same files for sdists).
     packages=[*find_packages(include=["megatron_iso", "megatron_iso.*"]), "megatron_iso.conf"],
     package_dir={"megatron_iso.conf": "conf"},
     package_data={"megatron_iso": ["py.typed"], "megatron_iso.conf": ["*.yaml", "**/*.yaml", "**/*.jsonl"]},

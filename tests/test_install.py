@@ -25,7 +25,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # What `pip install <repo>` reads: the build files and the package (tests, tools and docs stay behind).
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "megatron_iso", "conf")
-CONF_QUERY = "import megatron_iso, megatron_iso.config as c; print(megatron_iso.__file__); print(c.conf_dir())"
+CONF_QUERY = (
+    "import megatron_iso, megatron_iso.settings.compose as c; print(megatron_iso.__file__); print(c.conf_dir())"
+)
 TINY = [
     "model=tiny_dense",
     "rl.steps=1",
@@ -103,7 +105,7 @@ def test_the_installed_copy_is_the_one_imported_with_its_configs(installed: Inst
 
 def test_the_checkout_keeps_its_configs_at_the_top() -> None:
     """The design card's layout: ``conf/`` beside ``megatron_iso/``, not inside it; a source checkout reads it."""
-    from megatron_iso.config import conf_dir
+    from megatron_iso.settings.compose import conf_dir
 
     assert (REPO / "conf" / "config.yaml").is_file() and not (REPO / "megatron_iso" / "conf").exists()
     assert conf_dir() == REPO / "conf"
@@ -122,7 +124,7 @@ def test_an_editable_install_reads_the_checkouts_conf(tmp_path: Path) -> None:
 
 
 def test_a_conf_override_without_a_root_config_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_iso.config import conf_dir
+    from megatron_iso.settings.compose import conf_dir
 
     monkeypatch.setenv("MEGATRON_ISO_CONF", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"\$MEGATRON_ISO_CONF=.* has no config\.yaml; point"):

@@ -30,7 +30,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("contract",),
     ("parallel",),
     ("ops",),
-    ("config",),
     ("platform", "extras", "errors", "registry", "<root>"),
 )
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
@@ -192,3 +191,72 @@ def test_no_module_over_the_size_limit() -> None:
     assert over == {}
     stale = sorted(path for path in LONG_MODULES if sizes.get(path, 0) <= MAX_LINES)
     assert stale == [], "allow-listed modules that no longer need it"
+
+
+# Packages that may handle OmegaConf objects: the one reading of the config (settings/) and the Hydra apps (cli/).
+# Everything else gets typed settings, or the plain resolved config that settings/ produces.
+OMEGACONF_PACKAGES = ("settings", "cli")
+OMEGACONF_NAMES = {"OmegaConf", "DictConfig", "ListConfig", "open_dict"}
+
+
+def _omegaconf_uses(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "omegaconf"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "omegaconf":
+            found.append(f"from {node.module}")
+        elif isinstance(node, ast.Name) and node.id in OMEGACONF_NAMES:
+            found.append(node.id)
+    return found
+
+
+def test_omegaconf_only_in_settings_and_cli() -> None:
+    """Issue 59's proof item: no module outside settings/ and cli/ reads the raw Hydra config."""
+    bad = {
+        str(p.relative_to(PACKAGE.parent)): uses
+        for p in PACKAGE.rglob("*.py")
+        if _layer(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)) not in OMEGACONF_PACKAGES
+        and (uses := _omegaconf_uses(p))
+    }
+    assert bad == {}
+
+
+def test_the_omegaconf_check_finds_a_use(tmp_path) -> None:
+    planted = tmp_path / "m.py"
+    planted.write_text("from omegaconf import OmegaConf\n\ndef f(cfg: 'x') -> None:\n    DictConfig\n")
+    assert _omegaconf_uses(planted) == ["from omegaconf", "DictConfig"]
+
+
+# Module names held by more than one package, each because the modules mean the same thing in their packages
+# (the reason says which). Any other repeated name is two concepts under one name: rename one.
+SHARED_NAMES = {
+    "native": "an op family's stock (non-invariant) implementation",
+    "reference": "an op family's CPU reference implementation",
+    "autograd": "an op family's trainable forward and its deterministic backward",
+    "tiles": "an op family's tile constants",
+    "bisect": "cli/bisect.py is the command line of bench/bisect.py",
+    "convert": "cli/convert.py is the command line of checkpoint/convert.py",
+    "gate": "cli/gate.py is the command line of bench/gate.py",
+    "correction": "settings/correction.py is the settings group of rl/correction.py",
+    "data": "settings/data.py is the settings group of rl/data.py",
+    "moe": "bench/kernels/moe.py benchmarks the kernels of models/moe.py",
+    "context": "context parallelism: the layout (parallel/) and the trainer pack cut by it (models/)",
+    "run": "a run of its package's job: an RL run (rl/), a benchmark run (bench/)",
+    "schema": "the schema of the document its package defines: the contract (contract/), the config (settings/)",
+}
+
+
+def test_no_module_name_means_two_things() -> None:
+    """Issue 59's proof item: one name, one meaning; ``config.py`` only as the settings' (none: they are named
+    by concern, ``settings/compose.py`` composes the Hydra config)."""
+    where: dict[str, list[str]] = {}
+    for p in PACKAGE.rglob("*.py"):
+        if p.name != "__init__.py":
+            where.setdefault(p.stem, []).append(str(p.relative_to(PACKAGE.parent)))
+    repeated = {name: sorted(paths) for name, paths in where.items() if len(paths) > 1 and name not in SHARED_NAMES}
+    assert repeated == {}
+    configs = sorted(path for path in where.get("config", []) if not path.startswith("megatron_iso/settings/"))
+    assert configs == []
+    stale = sorted(name for name in SHARED_NAMES if len(where.get(name, [])) < 2)
+    assert stale == [], "allow-listed names no longer repeated"

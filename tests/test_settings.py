@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_iso.config import conf_dir, load_config
 from megatron_iso.contract import ContractValidationError
 from megatron_iso.registry import PROFILES, Profile
 from megatron_iso.settings import ParallelSettings, RLSettings, resolve
+from megatron_iso.settings.compose import conf_dir, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_contract_imports_neither_ops_nor_settings():
     for path in (REPO / "megatron_iso" / "contract").glob("*.py"):
         bad = {n for n in _imports(path) if n.startswith(("megatron_iso.ops", "megatron_iso.settings"))}
         assert not bad, f"{path.name} imports {bad}"
-    model_config = _imports(REPO / "megatron_iso" / "models" / "config.py")
+    model_config = _imports(REPO / "megatron_iso" / "models" / "transformer_config.py")
     assert not {n for n in model_config if n.startswith("megatron_iso.contract.build")}
 
 

@@ -238,10 +238,10 @@ def build_runners(args: argparse.Namespace, failures: dict[str, str]) -> dict[st
     """All engines' models on the same HF-named random weights (call inside the launched world)."""
     from omegaconf import OmegaConf
 
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     base = load_config([f"model={args.model}", *args.overrides])
     if torch.cuda.is_available():  # refuse GEMM shapes the GPU kernels cannot walk before building anything

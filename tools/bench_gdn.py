@@ -43,7 +43,7 @@ printed when it completes and the JSON is rewritten after every row (a failed ca
 Usage: ``python3 tools/bench_gdn.py --out $OUT/bench_gdn.json`` (``--quick`` for a short run). FLA is used
 when ``import fla`` works (wheel fla-core + einops); otherwise its rows say why they are missing.
 
-Dot-precision variants of the state pass (``triton.config.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
+Dot-precision variants of the state pass (``triton.tuning.DOT_PRECISIONS``, or ``PREP/CHAIN`` such as
 ``ieee/tf32x3``; docs/GDN.md, "GPU speed"): ``--dot-precision ieee tf32x3 ieee/tf32x3`` runs, per variant, the
 training forward, the first ``--prefill`` length, decode at every ``--decode`` batch and the mismatch case (our rule
 called with ``dot_precision=P``), then prints one summary line per variant: forward ms, ours vs fp64 (max / mean

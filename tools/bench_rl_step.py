@@ -114,7 +114,7 @@ def train_model_flops(model, n_seq: int, seq_len: int) -> float:
 
 def _config(profile: str, args: argparse.Namespace, out_dir: str):
     from megatron_iso.checkpoint.init_from import apply_init_from
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     # model.init_from=DIR (an HF directory or a megatron_iso checkpoint) replaces the model group's shapes and
     # random weights with the checkpoint's, as in iso-train.
@@ -150,8 +150,8 @@ def _layout() -> dict[str, int]:
 
 def run_profile(profile: str, args: argparse.Namespace) -> dict:
     from megatron_iso.parallel.world import seed_ranks
-    from megatron_iso.rl.loop import Trainer
-    from megatron_iso.settings import config_world
+    from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings import config_world, resolve
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(profile, args, tmp)
@@ -161,7 +161,7 @@ def run_profile(profile: str, args: argparse.Namespace) -> dict:
             seed_ranks(int(cfg.seed))
             layout = _layout()
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, rank)
+            trainer = Trainer(resolve(cfg), rank)
             build_s = time.perf_counter() - t0
             flops = train_model_flops(trainer.model, args.prompts * args.group, args.prompt_len + args.new_tokens)
             if torch.cuda.is_available():

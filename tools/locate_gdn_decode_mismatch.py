@@ -50,8 +50,8 @@ def locate(x: tuple[torch.Tensor, ...], chunk: int, form: str, dot_precision: st
     """One row per prefix length L in 1..steps: which quantities of ``prefill(L) + decode(1)`` have the bits of
     ``prefill(L + 1)`` (cache rows, entry state) and of the training forward (the output row)."""
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn.triton import config as gc
     from megatron_iso.ops.gdn.triton import rule as gt
+    from megatron_iso.ops.gdn.triton import tuning as gc
 
     q, k, v = x[0], x[1], x[2]
     hk, hv, dk, dv, dev = k.shape[1], v.shape[1], k.shape[2], v.shape[2], q.device

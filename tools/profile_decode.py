@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="--graph-split: decode steps timed")
     args = parser.parse_args(argv)
 
-    from megatron_iso.config import load_config
     from megatron_iso.inference.engine import EngineConfig, RolloutEngine
     from megatron_iso.inference.params import Request, SamplingParams
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.parallel.world import launched_world
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config([f"model={args.model}", f"profile={args.profile}", *args.set])
     with launched_world(seed=0):

@@ -184,16 +184,13 @@ def _canonical(rec: _Recorder, tp: int, sp: bool) -> dict[str, torch.Tensor]:
 
 def run_side(config: dict[str, Any], case: str, inp: BisectInput) -> dict[str, Any]:
     """One side on this rank: ``{"outputs": {module: tensor}, "order": [...], "kinds": {...}}``."""
-    from omegaconf import OmegaConf
-
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.ops.attention.kv_cache import KVCache
 
-    cfg = OmegaConf.create(config)
-    tc = transformer_config(cfg)
+    tc = transformer_config(config)
     model = build_model(tc, random_hf_state_dict(tc, seed=inp.weights_seed)).eval()
     seqs = inp.sequences(int(tc.vocab_size))
     tp, sp = tc.tensor_model_parallel_size, bool(tc.sequence_parallel)
@@ -276,8 +273,9 @@ def _layer(module: str) -> int | None:
 
 
 def _impls(ops: Sequence[str], config: dict[str, Any], case: str) -> dict[str, str]:
-    from megatron_iso.contract import load_op_implementations, resolve_device_class
+    from megatron_iso.contract import load_op_implementations
     from megatron_iso.registry import lookup
+    from megatron_iso.settings import resolve_device_class
 
     load_op_implementations()
     device = resolve_device_class(str(config.get("device", "auto")))
@@ -355,15 +353,13 @@ def compare_sides(
 
 
 def side_config(side: Side) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+    from megatron_iso.settings.compose import load_config, plain_config
 
-    from megatron_iso.config import load_config
-
-    return OmegaConf.to_container(load_config(list(side.overrides)), resolve=True)
+    return plain_config(load_config(list(side.overrides)))
 
 
 def _check_case(side: Side, cfg: dict[str, Any]) -> None:
-    from megatron_iso.models.config import is_hybrid
+    from megatron_iso.models.transformer_config import is_hybrid
 
     if side.case != "prefill_decode":
         return
@@ -387,8 +383,7 @@ def check_config_runs(cfg: dict[str, Any]) -> None:
 
 def side_configs(side_a: Side, side_b: Side) -> list[dict[str, Any]]:
     """Both sides' resolved configs, checked before any rank starts; an error names the side."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from megatron_iso.settings.compose import CONFIG_ERRORS
 
     configs = []
     for flag, side in (("--a", side_a), ("--b", side_b)):
@@ -396,7 +391,7 @@ def side_configs(side_a: Side, side_b: Side) -> list[dict[str, Any]]:
             cfg = side_config(side)
             check_config_runs(cfg)
             _check_case(side, cfg)
-        except (UserError, HydraException, OmegaConfBaseException) as exc:
+        except (UserError, *CONFIG_ERRORS) as exc:
             # A side's config error, told as the side's: which of the two sides holds the bad setting.
             raise BisectInputError(f"{flag} {side.label!r}: {' '.join(str(exc).split())}") from exc
         configs.append(cfg)

@@ -371,11 +371,10 @@ def run_gate(
     """Run both checks (see the module doc); raises :class:`GateInputError` on bad input (before anything is
     timed or written) and :class:`CandidateError` when the candidate raises. ``ops_packages``: the
     implementation packages to load instead of the project's own."""
-    from megatron_iso.config import load_config
     from megatron_iso.contract import load_op_implementations, read_lock, verify_lock, write_lock
-    from megatron_iso.contract.build import resolve_device_class
     from megatron_iso.registry import lookup
-    from megatron_iso.settings import contract_for
+    from megatron_iso.settings import contract_for, resolve_device_class
+    from megatron_iso.settings.compose import load_config
 
     check_numbers(runs, warmup, min_speedup)
     check_candidate_id(candidate_id)

@@ -242,11 +242,9 @@ def layout_config(base: Mapping[str, Any] | None, layout: Layout) -> dict[str, A
 
     The profile node is the stock one of the layout's profile, unless ``base`` already runs that
     profile (then its own node, with any ``profile.*`` overrides, is kept)."""
-    from omegaconf import OmegaConf
+    from megatron_iso.settings.compose import load_config, plain_config
 
-    from megatron_iso.config import load_config
-
-    stock = OmegaConf.to_container(load_config([f"profile={layout.profile}"]), resolve=True)
+    stock = plain_config(load_config([f"profile={layout.profile}"]))
     cfg = dict(stock if base is None else base)
     if cfg["profile"]["name"] != layout.profile:
         cfg["profile"] = stock["profile"]
@@ -256,23 +254,20 @@ def layout_config(base: Mapping[str, Any] | None, layout: Layout) -> dict[str, A
 
 def run_layout(config: dict[str, Any], settings: BenchSettings) -> list[dict[str, Any]]:
     """One layout (``config`` from :func:`layout_config`), every batch size; runs on every rank."""
-    from omegaconf import OmegaConf
-
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
 
-    cfg = OmegaConf.create(config)
-    tc = transformer_config(cfg)
+    tc = transformer_config(config)
     hf = random_hf_state_dict(tc, seed=settings.weights_seed)
     trainer_model = build_model(tc, hf).eval()
     rollout_model = trainer_model
     if tc.sequence_parallel:
-        cfg.parallel.sp = False
-        rollout_model = build_model(transformer_config(cfg), hf).eval()
+        rollout = {**config, "parallel": {**config["parallel"], "sp": False}}
+        rollout_model = build_model(transformer_config(rollout), hf).eval()
     digest = weights_digest(hf)
     vocab = int(tc.vocab_size)
-    clip = (float(cfg.rl.clip_low), float(cfg.rl.clip_high))
+    clip = (float(config["rl"]["clip_low"]), float(config["rl"]["clip_high"]))
     device = next(trainer_model.parameters()).device
     # Warm-up (first-call allocations, lazy imports) so the first row's tokens/s is not penalised.
     _rollout(rollout_model, bench_prompts(settings, 1, vocab), dataclasses.replace(settings, new_tokens=2))

@@ -1,6 +1,6 @@
 """``iso-bench study``: what exactness costs and what it changes, from one command.
 
-Both profiles train as ``iso-train`` (:func:`megatron_iso.rl.loop.train`) from the same config: the same model and
+Both profiles train as ``iso-train`` (:func:`megatron_iso.rl.run.train`) from the same config: the same model and
 weights seed, the same data and sampling seeds, ``bench.study.steps`` RL steps each, into ``<study>/correctness``
 and ``<study>/performance``. Each run is a process of its own, started one after the other: its timings, peak
 memory and device state are its own (two runs in one process would share the peak-RSS counter, allocator and
@@ -20,12 +20,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from megatron_iso.errors import NonFiniteError, UserError
 from megatron_iso.rl.run_dir import METRICS_FILE, RUNS_ROOT, new_run_name
@@ -76,7 +76,7 @@ class StudyPlan:
     steps: int
     warmup_steps: int
     run_overrides: tuple[str, ...]  # the user's overrides every run gets (bench.* and out_dir taken out)
-    cfg: DictConfig  # the composed iso-bench config
+    cfg: Mapping[str, Any]  # the composed iso-bench config, resolved to plain containers
     device_class: str  # cpu | cuda, as the runs resolve it
 
 
@@ -98,8 +98,8 @@ def run_command(plan: StudyPlan, profile: str) -> list[str]:
     ]
 
 
-def _int_setting(cfg: DictConfig, key: str, minimum: int) -> int:
-    value = cfg.bench.study.get(key)
+def _int_setting(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
+    value = (cfg["bench"].get("study") or {}).get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise StudySettingsError(f"bench.study.{key}={value!r} is not allowed; allowed values: integers >= {minimum}")
     return value
@@ -109,8 +109,8 @@ def plan_study(argv: list[str], root: Path = RUNS_ROOT) -> StudyPlan:
     """The study ``argv`` (Hydra overrides of ``iso_bench``) asks for, every setting checked for both profiles
     (:func:`megatron_iso.settings.check_trainable`, what ``iso-train`` checks at start) before anything runs."""
     from megatron_iso.checkpoint.init_from import apply_init_from
-    from megatron_iso.config import load_config
     from megatron_iso.settings import check_trainable, resolve
+    from megatron_iso.settings.compose import load_config, plain_config
 
     for arg in argv:
         if arg.startswith("-"):
@@ -121,7 +121,7 @@ def plan_study(argv: list[str], root: Path = RUNS_ROOT) -> StudyPlan:
         key = override_key(arg)
         if key in RESERVED:
             raise StudySettingsError(f"{arg!r} is not allowed: {RESERVED[key]}")
-    cfg = load_config(argv, config_name="iso_bench")
+    cfg = plain_config(load_config(argv, config_name="iso_bench"))
     steps = _int_setting(cfg, "steps", 1)
     warmup = _int_setting(cfg, "warmup_steps", 0)
     run_overrides = tuple(a for a in argv if not override_key(a).startswith("bench") and override_key(a) != "out_dir")
@@ -135,7 +135,7 @@ def plan_study(argv: list[str], root: Path = RUNS_ROOT) -> StudyPlan:
             raise StudySettingsError(f"the {profile} run: {' '.join(str(exc).split())}") from exc
         device_class = settings.device_class
     if cfg.get("out_dir") is not None:
-        out = Path(str(cfg.out_dir))
+        out = Path(str(cfg["out_dir"]))
         taken = [name for name in (*STUDY_FILES, *PROFILES) if (out / name).exists()]
         if taken:
             raise StudySettingsError(
@@ -299,7 +299,7 @@ def study_document(plan: StudyPlan, runs: dict[str, dict[str, Any]]) -> dict[str
 
     summaries = {p: runs[p]["summary"] for p in PROFILES}
     return {
-        "model": str(plan.cfg.model.name),
+        "model": str(plan.cfg["model"]["name"]),
         "device": plan.device_class,
         "study": {
             "steps": plan.steps,

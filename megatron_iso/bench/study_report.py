@@ -146,19 +146,15 @@ def log_study_wandb(plan: Any, doc: dict[str, Any]) -> None:
     table (``study/table``), the plot (``study/plot``), both profiles' reward and max |dlogp| per step on one
     ``step`` axis (``<profile>/reward``, ``<profile>/dlogp_max``), and the summaries (``<profile>/<key>``,
     ``overhead_pct/<phase>``). Each profile's own run logs to W&B by itself (the same logger settings)."""
-    from omegaconf import OmegaConf
-
     from megatron_iso.rl.metrics import open_wandb_run
     from megatron_iso.settings import check_logger
 
-    name, mode = check_logger(plan.cfg.logger)
+    name, mode = check_logger(plan.cfg.get("logger"))
     if name != "wandb":
         return
     import wandb
 
-    run = open_wandb_run(
-        plan.out, plan.cfg.logger, {**OmegaConf.to_container(plan.cfg, resolve=True), "study": doc["study"]}, mode
-    )
+    run = open_wandb_run(plan.out, plan.cfg.get("logger") or {}, {**plan.cfg, "study": doc["study"]}, mode)
     try:
         run.define_metric("step")
         run.define_metric("*", step_metric="step")

@@ -3,9 +3,9 @@ and the logits comparison against HF transformers (docs/CHECKPOINTS.md)."""
 
 from megatron_iso.checkpoint.convert import (
     checked_hf_weights,
-    checkpoint_config,
+    checkpoint_settings,
     export_hf,
-    hf_dir_config,
+    hf_dir_settings,
     import_hf,
     load_checkpoint_hf,
 )
@@ -14,10 +14,10 @@ from megatron_iso.checkpoint.tokenizer import copy_assets, load_tokenizer
 
 __all__ = [
     "checked_hf_weights",
-    "checkpoint_config",
+    "checkpoint_settings",
     "copy_assets",
     "export_hf",
-    "hf_dir_config",
+    "hf_dir_settings",
     "import_hf",
     "load_checkpoint_hf",
     "load_tokenizer",

@@ -9,27 +9,27 @@ from typing import Any
 
 import torch
 
-from megatron_iso.checkpoint.convert import checked_hf_weights, hf_dir_config
+from megatron_iso.checkpoint.convert import checked_hf_weights, hf_dir_settings
 from megatron_iso.checkpoint.hf_dir import read_hf_weights
 from megatron_iso.models.hf_config import read_hf_config
 
 
 def _ours(hf_dir: Path, overrides: Sequence[str], ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.parallel.world import single_process_world
 
     # fp32 unless the caller overrides it; TP=1 because the whole vocab's logits are compared here.
-    cfg = hf_dir_config(hf_dir, ["model.params_dtype=fp32", *overrides, "parallel.tp=1", "parallel.sp=false"])
+    settings = hf_dir_settings(hf_dir, ["model.params_dtype=fp32", *overrides, "parallel.tp=1", "parallel.sp=false"])
     with single_process_world():
-        tc = transformer_config(cfg)
+        tc = transformer_config(settings)
         weights = checked_hf_weights(read_hf_weights(hf_dir), tc, read_hf_config(hf_dir))
         model = build_model(tc, weights.tensors).eval()
         packed_ids, batch = pack([ids])
         with torch.no_grad():
             logits = model.forward_packed(packed_ids, batch).float()
-    return logits, {"profile": str(cfg.profile.name), "params_dtype": str(cfg.model.params_dtype)}
+    return logits, {"profile": settings.profile.name.value, "params_dtype": settings.model.params_dtype}
 
 
 def _transformers(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def compare_with_transformers(
     near zero and say nothing about the model). ``finite`` is False when either side's logits hold a NaN or an
     Inf; the statistics are then written as strings ("nan", "inf"), so the result stays valid JSON."""
     hf_dir = Path(hf_dir)
-    vocab = int(hf_dir_config(hf_dir).model.vocab_size)
+    vocab = hf_dir_settings(hf_dir).model.vocab_size
     if tokens is None:
         ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
     else:

@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.checkpoint import iso_format
 from megatron_iso.checkpoint.files import check_input_dir, check_output_dir, staged_output
 from megatron_iso.checkpoint.hf_dir import WEIGHT_FILES, read_hf_weights, write_hf_dir
 from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
 from megatron_iso.checkpoint.tokenizer import copy_assets
-from megatron_iso.config import load_config_with_model
-from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.hf_config import (
     HF_CONFIG_FILE,
     hf_config_from_model,
@@ -29,6 +26,7 @@ from megatron_iso.models.hf_config import (
     read_hf_config,
     text_model_hf_config,
 )
+from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.weights import (
     check_hf_state_dict,
     fuse_experts,
@@ -36,6 +34,7 @@ from megatron_iso.models.weights import (
     hf_shapes,
     split_fused_experts,
 )
+from megatron_iso.settings import Settings, contract_for, settings_with_model
 
 
 @dataclass
@@ -80,17 +79,15 @@ def checked_hf_weights(
     return HFWeights(tensors, tied_stored, fused, dropped)
 
 
-def hf_dir_config(hf_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """The root Hydra config with ``model`` derived from the HF directory's config.json."""
+def hf_dir_settings(hf_dir: str | Path, overrides: Sequence[str] = ()) -> Settings:
+    """The root config's settings with ``model`` derived from the HF directory's config.json."""
     hf_dir = Path(hf_dir)
     model = model_config_from_hf(read_hf_config(hf_dir), name=hf_dir.resolve().name)
-    return load_config_with_model(model, overrides)
+    return settings_with_model(model, overrides)
 
 
-def _identities(cfg: DictConfig) -> dict[str, Any]:
-    from megatron_iso.settings import contract_for
-
-    return contract_for(cfg).identities.to_dict()
+def _identities(settings: Settings) -> dict[str, Any]:
+    return contract_for(settings).identities.to_dict()
 
 
 def import_hf(
@@ -106,23 +103,23 @@ def import_hf(
     check_input_dir(hf_dir, "--hf")
     check_output_dir(out_dir, hf_dir)
     layout = [*([f"parallel.tp={tp}"] if tp is not None else []), *([f"parallel.ep={ep}"] if ep is not None else [])]
-    cfg = hf_dir_config(hf_dir, [*overrides, *layout])
-    tc = transformer_config(cfg)
-    tp, ep = tc.tensor_model_parallel_size, int(cfg.parallel.get("ep", 1))
+    settings = hf_dir_settings(hf_dir, [*overrides, *layout])
+    tc = transformer_config(settings)
+    tp, ep = tc.tensor_model_parallel_size, settings.parallel.ep
     iso_format.expected_shards(tc, tp, ep)  # a layout the model cannot take fails before anything is written
-    identities = _identities(cfg)  # so does a config without a contract (e.g. a bad profile override)
+    identities = _identities(settings)  # so does a config without a contract (e.g. a bad profile override)
     weights = checked_hf_weights(read_hf_weights(hf_dir), tc, read_hf_config(hf_dir))
     # Built aside and moved in, the manifest last (and first removed from an existing checkpoint): readers see an
     # incomplete checkpoint, never a mixed one, and a failed import leaves no output.
     with staged_output(out_dir, replaces=iso_format.RANK_FILE_PATTERNS, marker=iso_format.MANIFEST) as staging:
-        manifest = _write_import(staging, hf_dir, cfg, tc, tp, ep, weights, identities)
+        manifest = _write_import(staging, hf_dir, settings, tc, tp, ep, weights, identities)
     return manifest
 
 
 def _write_import(
     out_dir: Path,
     hf_dir: Path,
-    cfg: DictConfig,
+    settings: Settings,
     tc: IsoTransformerConfig,
     tp: int,
     ep: int,
@@ -132,7 +129,7 @@ def _write_import(
     files = iso_format.write_rank_files(out_dir, weights.tensors, tc, tp, ep)
     assets = copy_assets(hf_dir, out_dir)
     manifest = {
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "model": dict(settings.config["model"]),
         "layout": {"tp": tp, "ep": ep},
         "files": files,
         "assets": assets,
@@ -150,9 +147,9 @@ def _write_import(
     return manifest
 
 
-def checkpoint_config(ckpt_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """The root Hydra config with ``model`` from a megatron_iso checkpoint's manifest."""
-    return load_config_with_model(iso_format.read_manifest(ckpt_dir)["model"], overrides)
+def checkpoint_settings(ckpt_dir: str | Path, overrides: Sequence[str] = ()) -> Settings:
+    """The root config's settings with ``model`` from a megatron_iso checkpoint's manifest."""
+    return settings_with_model(iso_format.read_manifest(ckpt_dir)["model"], overrides)
 
 
 def load_checkpoint_hf(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -160,7 +157,7 @@ def load_checkpoint_hf(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, 
     to ``build_model`` to load it into a model of any other layout."""
     manifest = iso_format.read_manifest(ckpt_dir)
     tp, ep = iso_format.checkpoint_layout(manifest)
-    tc = transformer_config(load_config_with_model(manifest["model"], [f"parallel.tp={tp}", f"parallel.ep={ep}"]))
+    tc = transformer_config(settings_with_model(manifest["model"], [f"parallel.tp={tp}", f"parallel.ep={ep}"]))
     ranks = iso_format.read_rank_files(ckpt_dir, manifest, tc)
     return manifest, hf_from_megatron_shards(ranks.shards, tc, ranks.ep)
 
@@ -197,7 +194,7 @@ def _export_iso(ckpt_dir: Path, out_dir: Path, max_shard_bytes: int | None) -> l
                 f"tensor '{name}': {list(hf[name].shape)} {hf[name].dtype} != manifest {spec['shape']} {spec['dtype']}"
             )
     if source.get("fused_experts"):
-        hf = fuse_experts(hf, transformer_config(load_config_with_model(manifest["model"])))
+        hf = fuse_experts(hf, transformer_config(settings_with_model(manifest["model"])))
     # A multimodal source exports as its text model (the vision tower was not imported).
     config = text_model_hf_config(source["config"]) if source.get("config") else hf_config_from_model(manifest["model"])
     files = write_hf_dir(out_dir, hf, config, max_shard_bytes)

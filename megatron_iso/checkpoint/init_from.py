@@ -12,14 +12,12 @@ rank's own TP / EP position.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megatron_iso.checkpoint import iso_format
 from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json
@@ -35,9 +33,10 @@ from megatron_iso.checkpoint.run_ckpt import (
     verify_run_checkpoint,
 )
 from megatron_iso.errors import UserError, check_finite
-from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
+from megatron_iso.models.transformer_config import IsoTransformerConfig
 from megatron_iso.models.weights import hf_shapes, is_expert_param, load_hf_state_dict
+from megatron_iso.settings.compose import replace_model
 
 FIELD = "model.init_from"
 KINDS = {
@@ -149,27 +148,20 @@ def init_assets(init_from: Any) -> InitAssets:
     return InitAssets(directory if has_tokenizer else None, _eos_ids(directory))
 
 
-def apply_init_from(cfg: DictConfig, overrides: Sequence[str] | None = None) -> DictConfig:
+def apply_init_from(cfg: Mapping[str, Any], overrides: Sequence[str] | None = None) -> Mapping[str, Any]:
     """``cfg`` with its ``model`` group read from ``model.init_from`` (a copy; ``cfg`` itself when it is unset).
 
     ``overrides``: the ``model.KEY=VALUE`` overrides to apply on top of the checkpoint's model (default: the
     Hydra app's command line). A task whose ``task.tokenizer`` is null gets the checkpoint's tokenizer directory
     when there is one."""
-    value = cfg.model.get("init_from") if "model" in cfg else None
+    value = cfg["model"].get("init_from") if "model" in cfg else None
     if value in (None, ""):
         return cfg
     source = locate(value)
-    model = OmegaConf.create({**checkpoint_model(source), "init_from": str(source.path)})
+    model = {**checkpoint_model(source), "init_from": str(source.path)}
     given = model_overrides(_command_line_overrides() if overrides is None else overrides)
-    if given:
-        model = OmegaConf.merge(model, OmegaConf.from_dotlist([o[len("model.") :] for o in given]))
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        out.model = model
-        tokenizer = init_assets(source.path).tokenizer_dir
-        if tokenizer is not None and "task" in out and out.task.get("tokenizer") in DEFAULT_TOKENIZERS:
-            out.task.tokenizer = str(tokenizer)
-    return out
+    tokenizer = init_assets(source.path).tokenizer_dir
+    return replace_model(cfg, model, given, None if tokenizer is None else str(tokenizer), DEFAULT_TOKENIZERS)
 
 
 def _read_files(files: Sequence[tuple[Path, bool | None]]) -> dict[str, torch.Tensor]:

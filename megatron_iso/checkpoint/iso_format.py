@@ -22,7 +22,7 @@ from megatron_iso.checkpoint.files import (
     write_json,
     write_safetensors,
 )
-from megatron_iso.models.config import IsoTransformerConfig
+from megatron_iso.models.transformer_config import IsoTransformerConfig
 from megatron_iso.models.weights import hf_shapes, is_expert_param, megatron_shard
 
 MANIFEST = "iso_checkpoint.json"

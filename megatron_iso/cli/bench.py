@@ -31,8 +31,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_iso.cli.exit_codes import EXIT_OK, run_cli
-from megatron_iso.config import conf_dir, load_config
 from megatron_iso.errors import UserError
+from megatron_iso.settings.compose import conf_dir, load_config
 from megatron_iso.settings.fields import check_temperature
 from megatron_iso.settings.resources import check_writable_dir
 from megatron_iso.settings.schema import check_overrides

@@ -21,8 +21,8 @@ from megatron_iso.cli.exit_codes import EXIT_OK, EXIT_USAGE, one_line, run_cli
 def _contract(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> Any:
     """The contract of the overrides, built as the trainer builds it (``settings.contract_for``); ``--ops``
     names the implementation packages instead of the project's own."""
-    from megatron_iso.config import load_config
     from megatron_iso.settings import contract_for
+    from megatron_iso.settings.compose import load_config
 
     if args.ops:
         _load_ops(args.ops)

@@ -24,8 +24,8 @@ import hydra
 from omegaconf import DictConfig
 
 from megatron_iso.cli.exit_codes import EXIT_OK, run_cli
-from megatron_iso.config import conf_dir, load_config
 from megatron_iso.settings import Settings, check_overrides, check_trainable, resolve
+from megatron_iso.settings.compose import conf_dir, load_config
 
 PROG = "iso-train"
 
@@ -62,7 +62,7 @@ def validate(overrides: Sequence[str]) -> Settings:
 
 
 def _train(cfg: DictConfig) -> int:
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     summary = train(cfg)
     if os.environ.get("RANK", "0") != "0":  # one summary per run: torchrun's other ranks print none

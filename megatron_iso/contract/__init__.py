@@ -9,7 +9,7 @@ Typical use at start-up of either side of the RL loop::
     handshake(contract)  # or handshake(contract, path=rendezvous_dir, role="rollout", expect=("trainer",))
 """
 
-from megatron_iso.contract.build import ContractValidationError, build_contract, resolve_device_class
+from megatron_iso.contract.build import ContractValidationError, build_contract
 from megatron_iso.contract.canonical import CanonicalError, canonical_json, diff_paths, sha256_of
 from megatron_iso.contract.handshake import ContractMismatchError, HandshakeResult, check_compatible, handshake
 from megatron_iso.contract.loader import load_op_implementations
@@ -35,7 +35,6 @@ __all__ = [
     "load_op_implementations",
     "make_lock",
     "read_lock",
-    "resolve_device_class",
     "sha256_of",
     "verify_lock",
     "write_lock",

@@ -18,8 +18,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from megatron_iso import registry
 from megatron_iso.contract.canonical import to_canonical
 from megatron_iso.contract.schema import (
@@ -35,9 +33,8 @@ from megatron_iso.contract.schema import (
     Semantic,
 )
 from megatron_iso.errors import UserError
-from megatron_iso.registry import CASES, DEVICE_CLASSES, PROFILES, OpImpl, Profile
+from megatron_iso.registry import CASES, OpImpl, Profile
 
-DEVICES = (*DEVICE_CLASSES, "auto")
 # Axes whose value never enters a row's arithmetic: replicas see disjoint rows.
 # Axes that change where a computation runs, not what it computes: DP replicas score disjoint rows; pipeline
 # stages run disjoint layers of one forward in its order, handing the hidden states on unchanged.
@@ -59,13 +56,6 @@ class ContractValidationError(UserError, ValueError):
     """The config and registry do not form a valid contract; the message names the field."""
 
 
-def plain_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """``cfg`` as plain containers, interpolations resolved (a mapping: its groups copied one level deep)."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in cfg.items()}
-
-
 @dataclass(frozen=True)
 class ContractInputs:
     """What the builder reads, resolved: the device class (never "auto"), the profile with its GDN form resolved
@@ -73,7 +63,7 @@ class ContractInputs:
     the whole config has passed its checks (``settings.check_config``: the parallel degrees among them).
 
     ``shardable``: per axis Megatron shards the model by (tp, ep), the degrees of the profile's invariance domain
-    it can shard this model at (``settings.model.shard_degrees``, the one sharding rule); the claims' domains
+    it can shard this model at (``settings.parallel.shard_degrees``, the one sharding rule); the claims' domains
     keep only those."""
 
     device_class: str
@@ -84,17 +74,6 @@ class ContractInputs:
     contract: Mapping[str, Any] = field(default_factory=dict)
 
 
-def resolve_device_class(device: str) -> str:
-    """``cpu``/``cuda`` as given; ``auto`` = cuda when a GPU is visible. Anything else is an error."""
-    if device not in DEVICES:
-        raise ContractValidationError(f"device={device!r} is not allowed; allowed values: {list(DEVICES)}")
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _device_name(device_class: str) -> str:
     if device_class == "cuda":
         import torch
@@ -103,10 +82,6 @@ def _device_name(device_class: str) -> str:
             return torch.cuda.get_device_name(0)
         return "cuda (not visible to this process)"
     return f"cpu:{platform.machine() or 'unknown'}"
-
-
-def _is_pow2(n: Any) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
 def row_parallel_ks(model: Mapping[str, Any]) -> dict[str, int]:
@@ -126,66 +101,6 @@ def row_parallel_ks(model: Mapping[str, Any]) -> dict[str, int]:
     if isinstance(model.get("vocab_size"), int):
         ks["model.vocab_size"] = model["vocab_size"]
     return ks
-
-
-def check_profile_name(name: Any) -> Profile:
-    """``profile.name`` as a :class:`Profile`; anything else is an error naming the field and the allowed values."""
-    if name not in PROFILES:
-        raise ContractValidationError(f"profile.name={name!r} is not allowed; allowed values: {list(PROFILES)}")
-    return Profile(name)
-
-
-def domain_degrees(profile: Mapping[str, Any], axis: str) -> list[int]:
-    """``profile.<axis>_domain`` (tp, ep) checked: a list (null or absent: empty) of parallel degrees, each a
-    positive integer; the error names the field and the entry."""
-    field_name = f"profile.{axis}_domain"
-    domain = profile.get(f"{axis}_domain")
-    if domain is None:
-        return []
-    if not isinstance(domain, Sequence) or isinstance(domain, str):
-        raise ContractValidationError(
-            f"{field_name}={domain!r} is not allowed; allowed values: a list of positive integers"
-        )
-    for degree in domain:
-        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-            raise ContractValidationError(
-                f"{field_name} contains {degree!r}; {axis.upper()} degrees are positive integers"
-            )
-    return list(domain)
-
-
-def validate_profile(profile: Mapping[str, Any], model: Mapping[str, Any]) -> None:
-    """The profile's leaves and domains against the model (each error names the field and the allowed values)."""
-    check_profile_name(profile.get("name"))
-    leaves = profile.get("leaves")
-    if not _is_pow2(leaves):
-        raise ContractValidationError(f"profile.leaves={leaves!r} must be a power of two (1, 2, 4, 8, 16, ...)")
-    for tp in domain_degrees(profile, "tp"):
-        if tp > leaves:
-            raise ContractValidationError(
-                f"profile.tp_domain contains {tp} > profile.leaves={leaves}: a rank must own at least one leaf; "
-                f"raise profile.leaves to >= {tp} or drop {tp} from tp_domain"
-            )
-        if leaves % tp:
-            raise ContractValidationError(
-                f"profile.tp_domain contains {tp}, which does not divide profile.leaves={leaves}; "
-                "each rank must own a whole subtree"
-            )
-    domain_degrees(profile, "ep")  # experts live whole on one EP rank: no leaf condition
-    expert_leaves = profile.get("expert_leaves", 1)
-    moe_ffn = model.get("moe_ffn_hidden_size")
-    if not _is_pow2(expert_leaves):
-        raise ContractValidationError(f"profile.expert_leaves={expert_leaves!r} must be a power of two (1, 2, 4, ...)")
-    if isinstance(moe_ffn, int) and model.get("num_experts") and moe_ffn % expert_leaves:
-        raise ContractValidationError(
-            f"profile.expert_leaves={expert_leaves} does not divide model.moe_ffn_hidden_size={moe_ffn}"
-        )
-    for field_name, k in row_parallel_ks(model).items():
-        if k % leaves:
-            raise ContractValidationError(
-                f"profile.leaves={leaves} does not divide {field_name}={k}; every row-parallel contraction is cut "
-                f"into equal leaves (allowed leaves for this model: {_pow2_divisors(row_parallel_ks(model))})"
-            )
 
 
 def check_gpu_gemm_shapes(inputs: ContractInputs, block_k_of: Mapping[str, int]) -> None:
@@ -222,14 +137,6 @@ def check_gpu_gemm_shapes(inputs: ContractInputs, block_k_of: Mapping[str, int])
                 f"{dtype} GEMM's K tile {block_k}; use sizes whose K / leaves is a multiple of {block_k} "
                 "(or fewer leaves)"
             )
-
-
-def _pow2_divisors(ks: Mapping[str, int]) -> list[int]:
-    out, g = [], 1
-    while all(k % g == 0 for k in ks.values()) and g <= 1024:
-        out.append(g)
-        g *= 2
-    return out
 
 
 def _axis_claims(
@@ -357,8 +264,8 @@ def build_contract(inputs: ContractInputs, impls: Iterable[OpImpl] | None = None
             "megatron_iso.settings.contract_for"
         )
     model, parallel, device_class = inputs.model, inputs.parallel, inputs.device_class
+    # The profile was checked against the model when the inputs were made (settings.profile.validate_profile).
     profile = dict(inputs.profile)
-    validate_profile(profile, model)
     bitwise = profile["name"] == Profile.CORRECTNESS
 
     if impls is None:

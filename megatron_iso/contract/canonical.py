@@ -56,7 +56,7 @@ def sha256_of(value: Any) -> str:
 
 
 def to_canonical(value: Any, path: str = "$") -> Any:
-    """Convert config-like data (OmegaConf containers already resolved to dicts/lists) into canonical form.
+    """Convert config-like data (plain dicts and lists: ``settings.compose.plain_config``) into canonical form.
 
     Floats become bit patterns; tuples become lists; everything else must already be exact.
     """

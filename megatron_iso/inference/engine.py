@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 import torch
 
 import megatron_iso.parallel.embedding  # noqa: F401  (registers the embedding op, as before the vocab split)
-from megatron_iso.inference.config import EngineConfig, EngineStats
 from megatron_iso.inference.cuda_graphs import DecodeGraphs, decode_graph_support
 from megatron_iso.inference.draw import Drawer, DrawPlan, plan_draw
+from megatron_iso.inference.engine_config import EngineConfig, EngineStats
 from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache
 from megatron_iso.inference.lockstep import lockstep_agreement

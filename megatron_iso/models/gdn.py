@@ -224,7 +224,7 @@ def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -
     form = config.iso_gdn_form
     u_dtype = torch.float32
     if form == "chunk":  # the chunk form exists only on the GPU kernels, which decide how they store u
-        from megatron_iso.ops.gdn.triton.config import chunk_u_dtype
+        from megatron_iso.ops.gdn.triton.tuning import chunk_u_dtype
 
         u_dtype = chunk_u_dtype(config.iso_gdn_dot_precision)
     return GDNStateCache.allocate(

@@ -10,11 +10,11 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from megatron_iso.models.batch import IsoBatch
-from megatron_iso.models.config import IsoTransformerConfig
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.moe import static_shapes as moe_static_shapes
 from megatron_iso.models.specs import dense_block_spec, hybrid_block_spec, moe_block_spec
 from megatron_iso.models.stages import current_stage, stage_block_spec
+from megatron_iso.models.transformer_config import IsoTransformerConfig
 from megatron_iso.models.weights import load_hf_state_dict
 from megatron_iso.parallel.embedding import IsoVocabParallelEmbedding
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear

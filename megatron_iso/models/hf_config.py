@@ -348,7 +348,7 @@ def _num_experts(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
 
 
 def _moe_fields(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """conf/model MoE keys (read by ``models.config.moe_fields``); every decoder layer is MoE, so
+    """conf/model MoE keys (read by ``models.transformer_config.moe_fields``); every decoder layer is MoE, so
     sparse steps and dense-only layers other than the defaults are refused."""
     experts = _num_experts(hf, defaults)  # before the defaults: num_local_experts may carry it
     hf = {**defaults, **hf}

@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_iso.models.config import IsoTransformerConfig, sharded_sizes
 from megatron_iso.models.gdn import gdn_layer_indices
 from megatron_iso.models.stages import current_stage, from_global_names
+from megatron_iso.models.transformer_config import IsoTransformerConfig, sharded_sizes
 from megatron_iso.models.weight_source import WeightSource, as_source
 from megatron_iso.settings import resolve_parallel
 

@@ -133,7 +133,7 @@ def run_on_ranks(
 
     ``tp * pp`` must divide ``world_size`` (the rest is data parallel); ``ep`` must divide the
     data-parallel-times-TP product as Megatron requires. ``etp`` is the expert tensor-parallel size
-    (1, as ``models.config`` configures MoE models: an expert lives whole on one EP rank).
+    (1, as ``models.transformer_config`` configures MoE models: an expert lives whole on one EP rank).
     ``collective_timeout_s``: the world's collective timeout (``dist_timeout_s``; torch's default when None).
     ``cp``: the context-parallel size (``tp * pp * cp`` must divide ``world_size``).
     """

@@ -2,7 +2,7 @@
 
 The fields are declared here, typed, and read as plain attributes (``config.iso_leaves``); those a model builder
 must decide are keyword-only without a default, so a config that leaves one out fails on construction naming it
-instead of a layer silently taking a default. :func:`megatron_iso.models.config.transformer_config` builds one from
+instead of a layer silently taking a default. :func:`megatron_iso.models.transformer_config.transformer_config` builds one from
 the settings. It lives in ``parallel/``, the lowest layer whose modules (the invariant linears and embedding) read it.
 """
 
@@ -70,7 +70,7 @@ def iso_config(config: object, layer: str) -> IsoTransformerConfig:
     a plain Megatron config lacks the knobs the layer reads."""
     if not isinstance(config, IsoTransformerConfig):
         raise TypeError(
-            f"{layer} needs an IsoTransformerConfig (megatron_iso.models.config.transformer_config builds one from "
+            f"{layer} needs an IsoTransformerConfig (megatron_iso.models.transformer_config.transformer_config builds one from "
             f"the settings), got {type(config).__name__}"
         )
     return config

@@ -42,8 +42,9 @@ from megatron_iso.rl.tasks import (
     rollout_refusal,
     stop_token_ids,
 )
+from megatron_iso.settings import Settings
 from megatron_iso.settings.data import DATA_FORMATS, DataSettings
-from megatron_iso.settings.task import resolve_task_path
+from megatron_iso.settings.task import TaskSettings, resolve_task_path
 
 
 def load_rows(files: Sequence[str], field_name: str) -> list[dict[str, Any]]:
@@ -248,44 +249,39 @@ def report(task: DatasetTask, max_prompt_length: int | None, rank: int) -> None:
 # --- the run's tasks -------------------------------------------------------------------------------------------
 
 
-def _tokenizer_spec(cfg: Any) -> tuple[str, str]:
+def _tokenizer_spec(task: TaskSettings, init_from: str | None) -> tuple[str, str]:
     """``task.tokenizer``, or for null the checkpoint the model starts from (``model.init_from``), else bytes; and
     how to name it in an error."""
-    spec = cfg.task.get("tokenizer")
-    if spec is not None:
-        return str(spec), f"task.tokenizer={spec!r}"
-    init = cfg.model.get("init_from") if "model" in cfg else None
-    if init:
-        return str(init), f"task.tokenizer=null (the checkpoint's: model.init_from={init!r})"
+    if task.tokenizer is not None:
+        return task.tokenizer, f"task.tokenizer={task.tokenizer!r}"
+    if init_from:
+        return init_from, f"task.tokenizer=null (the checkpoint's: model.init_from={init_from!r})"
     return "bytes", "task.tokenizer=null (bytes: no model.init_from)"
 
 
-def build_tasks(cfg: Any, settings: Any, vocab_size: int, engine: Any, rank: int = 0) -> Tasks:
-    """The run's :class:`Tasks` from the root config ``cfg`` and its ``settings``, every prompt checked against
-    ``engine``'s limits (:func:`check_prompts_fit`) before the first step."""
+def build_tasks(settings: Settings, vocab_size: int, engine: Any, rank: int = 0) -> Tasks:
+    """The run's :class:`Tasks` from its ``settings``, every prompt checked against ``engine``'s limits
+    (:func:`check_prompts_fit`) before the first step."""
     rl, data, seed = settings.require("rl"), settings.data, settings.require("seed")
-    kind = str(cfg.task.name)
+    task: TaskSettings = settings.require("task")
+    kind = task.name
     if kind != "dataset" and data.train_files:
         raise TaskError(f"data.train_files is set but task.name={kind!r} makes its own prompts; use task=dataset "
                         "(or task=gsm8k) to train on the files")  # fmt: skip
     if rl.val_every and (kind != "dataset" or not data.val_files):
         raise TaskError(f"rl.val_every={rl.val_every} needs data.val_files and task=dataset (task.name={kind!r}, "
                         f"data.val_files={list(data.val_files) or None}); rl.val_every=0 turns validation off")  # fmt: skip
-    spec, named = _tokenizer_spec(cfg)
+    spec, named = _tokenizer_spec(task, settings.model.init_from)
     try:
         tokenizer = checked_tokenizer(spec, vocab_size)
     except TaskError as exc:
         raise TaskError(f"{named}: {exc}") from None
-    common = {
-        "data": data,
-        "template": str(cfg.task.get("template", "{prompt}")),
-        "max_prompt_length": rl.max_prompt_length,
-    }
+    common = {"data": data, "template": task.template, "max_prompt_length": rl.max_prompt_length}
     if kind != "dataset":
-        train: Task = make_task(cfg.task, vocab_size, seed, tokenizer)
+        # The task group as configured: each task builder reads its own keys (modulus, path, ...).
+        train: Task = make_task(settings.config["task"], vocab_size, seed, tokenizer)
     else:
-        n = _prompts_per_step(cfg.task)
-        train = DatasetTask(resolve_reward(str(cfg.task.reward)), tokenizer, n, seed, **common)
+        train = DatasetTask(resolve_reward(task.reward), tokenizer, task.prompts_per_step, seed, **common)
         report(train, rl.max_prompt_length, rank)
     val = None
     if rl.val_every:
@@ -304,10 +300,3 @@ def build_tasks(cfg: Any, settings: Any, vocab_size: int, engine: Any, rank: int
         raise TaskError(f"rl.stop_token_ids: {bad} not below the model's vocab size {vocab_size} (from "
                         f"{'the setting' if rl.stop_token_ids is not None else named})")  # fmt: skip
     return Tasks(train=train, val=val, stop_ids=stop)
-
-
-def _prompts_per_step(task_cfg: Any) -> int:
-    n = task_cfg.get("prompts_per_step")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise TaskError(f"task.prompts_per_step={n!r} is not allowed; allowed values: integers >= 1")
-    return n

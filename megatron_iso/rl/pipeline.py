@@ -29,8 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_iso.models.batch import pack, row_multiple
+from megatron_iso.models.scoring import score_sequences
 from megatron_iso.rl.losses import policy_loss
+from megatron_iso.rl.routing_replay import attach_routing
 
 
 def join_stage_shards(shards: list[dict[str, torch.Tensor]], group: Any) -> list[dict[str, torch.Tensor]]:
@@ -52,9 +57,6 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
     are checked against the vocab on the host (``pack(vocab_size=...)``: the scoring does not read them back). At
     expert parallel size 1 the batch is marked ``static_shapes``: MoE layers route and run their experts without
     host reads (``models.moe``), the same bits as their eager path."""
-    from megatron_iso.models.batch import pack, row_multiple
-    from megatron_iso.rl.routing_replay import attach_routing
-
     seqs = [s.prompt.ids + s.tokens for s in samples]
     tc = trainer.tc
     ids, batch = pack(seqs, pad_to_multiple=row_multiple(tc), device=trainer.device, vocab_size=tc.vocab_size)
@@ -79,6 +81,16 @@ def pack_micro_batch(trainer: Any, samples: Sequence[Any], advantages: torch.Ten
             "advantages": advantages, "weight": weight}  # fmt: skip
 
 
+def score_micro_batch(
+    model: torch.nn.Module, mb: dict[str, Any], temperature: float, device: torch.device, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logprobs (and entropies, ``with_entropy``) of a packed micro-batch (:func:`pack_micro_batch`) at the
+    sampling ``temperature``, the way the trainer scores every forward (unpipelined, pipelined, a reference or an
+    old policy): only the response rows enter the loss, so only they are scored (the prompt's LM head is skipped)."""
+    rows = mb["mask"].nonzero()[:, 0].to(device)
+    return score_sequences(model, mb["ids"], mb["batch"], with_entropy=with_entropy, temperature=temperature, rows=rows)
+
+
 def pipeline_passes(
     trainer: Any,
     samples: Sequence[Any],
@@ -92,26 +104,20 @@ def pipeline_passes(
     backward through the pipeline; gradients accumulate in the stage's grad buffers. Returns, on every stage,
     each real micro-batch's response tokens' (trainer logprobs, rollout logprobs, None, entropies, old logprobs) as
     ``Trainer._accumulate_grads`` does (no reference model: rl.kl_coef > 0 is refused with a pipeline)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_iso.models.scoring import score_sequences
-
     micro = [
         pack_micro_batch(trainer, samples[a:b], advantages[a:b], 1.0) if j < len(bounds)
         else pack_micro_batch(trainer, [filler], torch.zeros(1), 0.0)
         for j, (a, b) in enumerate([*bounds, *[(0, 0)] * (passes - len(bounds))])
     ]  # fmt: skip
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    with_entropy = bool(getattr(trainer.rl, "log_entropy", False))
+    with_entropy = trainer.rl.log_entropy
     parts: list[tuple[torch.Tensor, torch.Tensor, None, torch.Tensor, torch.Tensor]] = []
 
     def forward_step(data: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data)
         if not last:  # the hidden states [s, 1, h] for the next stage
             return model(mb["ids"], position_ids=None, attention_mask=None, packed_seq_params=mb["batch"]), None
-        how = {"temperature": trainer.rl.temperature, "rows": mb["mask"].nonzero()[:, 0].to(trainer.device)}
-        logp, ent = score_sequences(model.module, mb["ids"], mb["batch"], with_entropy=with_entropy, **how)
+        logp, ent = score_micro_batch(model.module, mb, trainer.rl.temperature, trainer.device, with_entropy)
         mask = mb["mask"]
         ent = torch.zeros(0) if ent is None else ent.detach().float().cpu()[mask]
 

@@ -30,6 +30,7 @@ import torch
 from megatron_iso.errors import UserError
 from megatron_iso.rl.correction import correction_weights
 from megatron_iso.rl.losses import PolicyLossConfig, loss_normaliser
+from megatron_iso.rl.pipeline import pack_micro_batch, score_micro_batch
 
 OLD_SOURCES = ("forward", "rollout", "recompute")
 # Per-update scalars the step reports as their mean over the updates; the rest are summed (counts, seconds).
@@ -111,18 +112,14 @@ def recompute_old_logprobs(trainer: Any, samples: list[Any], filler: Any) -> tor
     """One no-grad trainer forward over ``samples`` (in ``rl.train_micro_batch_seqs`` micro-batches; as many passes
     as the rank with the most, ``filler`` for the rest, as the update does): sets each sample's ``old_logp`` and
     returns the response tokens' entropies (empty without ``rl.log_entropy``)."""
-    from megatron_iso.models.scoring import score_sequences
-    from megatron_iso.rl.pipeline import pack_micro_batch
-
     bounds = trainer._micro_batch_bounds(len(samples))
     passes = trainer.micro_batch_count(len(samples))
     entropies = []
     for j in range(passes):
         part = samples[slice(*bounds[j])] if j < len(bounds) else [filler]
         mb = pack_micro_batch(trainer, part, torch.zeros(len(part)), 1.0)
-        how = {"temperature": trainer.rl.temperature, "rows": mb["mask"].nonzero()[:, 0].to(trainer.device)}
-        logp, ent = score_sequences(trainer.ddp.module, mb["ids"], mb["batch"], with_entropy=trainer.rl.log_entropy,
-                                    **how)  # fmt: skip
+        logp, ent = score_micro_batch(trainer.ddp.module, mb, trainer.rl.temperature, trainer.device,
+                                      trainer.rl.log_entropy)  # fmt: skip
         if j >= len(bounds):
             continue  # the filler pass only keeps this rank in step with the others' collectives
         logp = logp.float().cpu()[mb["mask"]]

@@ -1,7 +1,8 @@
 """The rollout side of the RL loop when its layout differs from the trainer's.
 
 ``rollout.parallel.tp`` equal to the trainer's ``parallel.tp`` (the default): the decoder runs the
-trainer's own modules (colocated, nothing here is used). Otherwise, or with a pipelined trainer
+trainer's own modules (colocated, nothing here is used; the layout is decided by
+:func:`megatron_iso.settings.rollout_layout`). Otherwise, or with a pipelined trainer
 (``parallel.pp`` > 1: the rollout is never pipelined, the stages' weights are joined), a :class:`LayoutRollout` builds
 its own Megatron layout on the same ranks (:class:`~megatron_iso.parallel.layouts.ParallelLayout`)
 and its own model in it. After every optimizer step :meth:`LayoutRollout.sync` all-gathers the
@@ -14,70 +15,27 @@ the colocated decoder would have produced.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from megatron.core import parallel_state
 
 from megatron_iso.inference.engine import EngineConfig, RolloutEngine
 from megatron_iso.inference.params import Request, RequestOutput
 from megatron_iso.models.stages import Stage, current_stage, to_global_names
+from megatron_iso.models.transformer_config import transformer_config
+from megatron_iso.models.weights import hf_from_megatron_shards
 from megatron_iso.parallel.layouts import ParallelLayout
 from megatron_iso.rl.pipeline import join_stage_shards
-from megatron_iso.settings.model import check_shardable
-
-ROLLOUT_PARALLEL_KEYS = ("tp",)
-
-
-def rollout_parallel(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    """The rollout's ``parallel`` block: the trainer's, with ``rollout.parallel``'s keys over it."""
-    trainer = OmegaConf.to_container(cfg.parallel, resolve=True)
-    given = OmegaConf.to_container(cfg.rollout.get("parallel") or {}, resolve=True)
-    unknown = sorted(set(given) - set(ROLLOUT_PARALLEL_KEYS))
-    if unknown:
-        raise ValueError(f"rollout.parallel has unknown keys {unknown}; allowed keys: {list(ROLLOUT_PARALLEL_KEYS)}")
-    tp = given.get("tp", trainer["tp"])
-    allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp not in allowed:
-        raise ValueError(
-            f"rollout.parallel.tp={tp!r} must divide the world size {world_size}; allowed values: {allowed}"
-        )
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    check_shardable(model, "tp", tp, "rollout.parallel.tp", candidates=allowed)
-    # Megatron has no sequence parallelism without TP; the DP size is what the world leaves; the rollout is never
-    # pipelined (a trainer's pipeline stages send it their weights) nor context parallel (the engine's prefill and
-    # decode run whole sequences; a colocated decoder on CP ranks runs their DP rank's requests on each).
-    sp = bool(trainer.get("sp", False)) and tp > 1
-    return trainer | {"tp": tp, "pp": 1, "cp": 1, "sp": sp, "dp": world_size // tp}
-
-
-def separate_layout_needed(cfg: DictConfig, rollout: Mapping[str, Any]) -> bool:
-    """True when the rollout layout differs from the trainer's; checks the trainer side supports it."""
-    p = cfg.parallel
-    pp, ep = int(p.get("pp", 1)), int(p.get("ep", 1))
-    if int(rollout["tp"]) == int(p.tp) and pp == 1:
-        return False
-    if ep != 1:
-        raise ValueError(
-            f"a rollout layout of its own (rollout.parallel.tp={rollout['tp']}, parallel.tp={int(p.tp)}, "
-            f"parallel.pp={pp}) syncs the trainer's TP and pipeline shards only and needs parallel.ep=1 (got {ep})"
-        )
-    return True
-
-
-def with_parallel(cfg: DictConfig, parallel: Mapping[str, Any]) -> DictConfig:
-    """``cfg`` with its ``parallel`` group replaced (for the rollout's contract and model config)."""
-    return OmegaConf.merge(cfg, {"parallel": dict(parallel)})
+from megatron_iso.settings import Settings
 
 
 def gather_hf_weights(model: torch.nn.Module, group: Any, stage: Stage | None = None) -> dict[str, torch.Tensor]:
     """Full HF-named weights of a TP-sharded model: every parameter all-gathered over ``group`` (rank
     order), then reassembled by :func:`~megatron_iso.models.weights.hf_from_megatron_shards`. A pipeline
     stage's (``stage`` given) are first named as in the whole model, and the stages' shards joined."""
-    from megatron_iso.models.weights import hf_from_megatron_shards
-
     size = dist.get_world_size(group) if group is not None else 1
     params = {name: p.detach() for name, p in model.named_parameters()}
     if stage is not None:
@@ -96,21 +54,18 @@ def gather_hf_weights(model: torch.nn.Module, group: Any, stage: Stage | None = 
 class LayoutRollout:
     """A rollout model in its own layout on the trainer's ranks, fed the trainer's weights."""
 
-    def __init__(self, rollout_cfg: DictConfig, trainer_model: torch.nn.Module, engine_config: EngineConfig) -> None:
-        from megatron.core import parallel_state
-
-        from megatron_iso.models.config import transformer_config
-
+    def __init__(self, settings: Settings, trainer_model: torch.nn.Module, engine_config: EngineConfig) -> None:
+        """``settings``: the rollout side's (``settings.rollout_layout``), its parallel group the rollout's layout."""
         self.trainer_model = trainer_model
         self.trainer_tp_group = parallel_state.get_tensor_model_parallel_group()
         # The trainer's pipeline stage, read while its layout is active (None: not pipelined).
         self.trainer_stage = (
             current_stage(trainer_model.config) if trainer_model.config.pipeline_model_parallel_size > 1 else None
         )
-        p = rollout_cfg.parallel
-        self.layout = ParallelLayout.create(int(p.tp), int(p.get("pp", 1)), int(p.get("ep", 1)))
+        p = settings.parallel
+        self.layout = ParallelLayout.create(p.tp, p.pp, p.ep)
         with self.layout.active():
-            self.config = transformer_config(rollout_cfg)
+            self.config = transformer_config(settings)
             self.dp_rank = parallel_state.get_data_parallel_rank()
             self.dp_size = parallel_state.get_data_parallel_world_size()
             # Building a model draws init weights (overwritten by the load) from the global RNG:

@@ -15,7 +15,7 @@ prompt a task can yield is checked against the rollout's limits before the first
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -260,21 +260,21 @@ class JsonlTask(Task):
         return [Prompt(ids=self._ids(i), meta=self.rows[i]) for i in picks]
 
 
-def make_task(cfg: Any, vocab_size: int, seed: int, tokenizer: Tokenizer | None = None) -> Task:
-    """Build ``cfg`` (the Hydra ``task`` group; ``residue`` or ``jsonl``: :func:`build_tasks` builds ``dataset``)
-    for a model with ``vocab_size`` tokens."""
-    kind = str(cfg.name)
+def make_task(cfg: Mapping[str, Any], vocab_size: int, seed: int, tokenizer: Tokenizer | None = None) -> Task:
+    """Build ``cfg`` (the ``task`` group as configured, ``Settings.config["task"]``; ``residue`` or ``jsonl``:
+    :func:`build_tasks` builds ``dataset``) for a model with ``vocab_size`` tokens."""
+    kind = str(cfg["name"])
     if kind not in TASKS:
         raise TaskError(f"task.name={kind!r} is not allowed; allowed values: {list(TASKS)}")
     if kind == "dataset":
         raise TaskError("task.name='dataset' reads the data group: build it with build_tasks")
     tokenizer = tokenizer or checked_tokenizer(str(cfg.get("tokenizer") or "bytes"), vocab_size)
-    reward = resolve_reward(str(cfg.reward))
-    n = int(cfg.prompts_per_step)
+    reward = resolve_reward(str(cfg["reward"]))
+    n = int(cfg["prompts_per_step"])
     if kind == "residue":
-        return ResidueTask(reward, tokenizer, n, seed, vocab_size=vocab_size, prompt_len=int(cfg.prompt_len),
-                           modulus=int(cfg.modulus), conditional=bool(cfg.get("conditional", False)))  # fmt: skip
-    return JsonlTask(reward, tokenizer, n, seed, path=str(cfg.path), template=str(cfg.template))
+        return ResidueTask(reward, tokenizer, n, seed, vocab_size=vocab_size, prompt_len=int(cfg["prompt_len"]),
+                           modulus=int(cfg["modulus"]), conditional=bool(cfg.get("conditional", False)))  # fmt: skip
+    return JsonlTask(reward, tokenizer, n, seed, path=str(cfg["path"]), template=str(cfg["template"]))
 
 
 def checked_tokenizer(spec: str, vocab_size: int) -> Tokenizer:

@@ -37,7 +37,7 @@ def due(rl: RLSettings, step: int, last: bool = False) -> bool:
 
 
 def validate(trainer: Any, step: int) -> dict[str, float]:
-    """One validation pass of ``trainer`` (a :class:`~megatron_iso.rl.loop.Trainer`) at ``step``: every DP rank
+    """One validation pass of ``trainer`` (a :class:`~megatron_iso.rl.trainer.Trainer`) at ``step``: every DP rank
     generates its share of the rows, the scores are gathered, every rank returns the same metrics."""
     t0 = time.perf_counter()
     rl: RLSettings = trainer.rl

@@ -9,13 +9,16 @@ that reads only the config: ``iso-train`` (:func:`check_trainable`) and ``iso-co
 both run it, so neither accepts a config the other refuses.
 
 Layering: this package sits above ``ops`` and ``contract``: it may ask the op families (lazily) and fills the contract
-builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder and ``models/config.py`` read.
+builder's :class:`~megatron_iso.contract.build.ContractInputs`, which the builder reads; the groups live in modules
+by concern (``profile``, ``model``, ``parallel``, ``rl``, ``task``, ``data``), the composition of the Hydra config
+in ``compose``. Only this package and ``cli/`` touch OmegaConf objects: everything else gets :class:`Settings`.
 :func:`contract_for` is every tool's one way from a config to its contract: it loads every registered implementation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +26,15 @@ from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from megatron_iso.contract.build import ContractInputs, ContractValidationError, domain_degrees, plain_config
+from megatron_iso.contract.build import ContractInputs, ContractValidationError
 from megatron_iso.contract.build import build_contract as _build_contract
 from megatron_iso.contract.build import check_gpu_gemm_shapes as _check_gpu_gemm_shapes
 from megatron_iso.contract.loader import load_op_implementations
 from megatron_iso.contract.schema import Contract
 from megatron_iso.errors import UserError
+from megatron_iso.settings.compose import load_config_with_model, plain_config
 from megatron_iso.settings.data import DataSettings, resolve_data
 from megatron_iso.settings.fields import (
     LOGGERS,
@@ -47,22 +51,31 @@ from megatron_iso.settings.fields import (
 from megatron_iso.settings.model import (
     HF_GDN_LAYOUTS,
     PARAMS_DTYPES,
-    SHARDED_BY,
     GDNSettings,
     ModelSettings,
     MoESettings,
-    ParallelSettings,
-    ProfileSettings,
-    check_gdn_choice_runs_here,
-    check_shardable,
-    cp_degrees,
     resolve_gdn,
-    resolve_gdn_form,
     resolve_model,
     resolve_moe,
+)
+from megatron_iso.settings.parallel import (
+    SHARDED_BY,
+    ParallelSettings,
+    check_shardable,
+    cp_degrees,
     resolve_parallel,
-    resolve_profile,
     shard_degrees,
+)
+from megatron_iso.settings.profile import (
+    DEVICES,
+    ProfileSettings,
+    check_gdn_choice_runs_here,
+    check_profile_name,
+    domain_degrees,
+    resolve_device_class,
+    resolve_gdn_form,
+    resolve_profile,
+    validate_profile,
 )
 from megatron_iso.settings.resources import (
     check_launch,
@@ -87,6 +100,7 @@ from megatron_iso.settings.shapes import check_size_types
 from megatron_iso.settings.task import TaskSettings, check_task_files, resolve_task
 
 __all__ = [
+    "DEVICES",
     "HF_GDN_LAYOUTS",
     "LOGGERS",
     "LR_DECAY_STYLES",
@@ -115,16 +129,20 @@ __all__ = [
     "check_out_dir",
     "check_overrides",
     "check_pipeline",
+    "check_profile_name",
     "check_runs_here",
     "check_schema",
     "check_shardable",
     "check_trainable",
     "config_world",
+    "config_yaml",
     "contract_for",
     "contract_inputs",
+    "domain_degrees",
     "gemm_block_k",
     "resolve",
     "resolve_data",
+    "resolve_device_class",
     "resolve_gdn",
     "resolve_gdn_form",
     "resolve_model",
@@ -135,7 +153,12 @@ __all__ = [
     "resolve_rollout",
     "resolve_task",
     "resume_mode",
+    "rollout_layout",
+    "rollout_parallel",
+    "settings_with_model",
     "shard_degrees",
+    "validate_profile",
+    "with_out_dir",
 ]
 
 # --- the whole config --------------------------------------------------------------------------------------------
@@ -159,6 +182,9 @@ class Settings:
     out_dir: Path | None = None  # None: the run makes a new directory (rl.run_dir.default_run_dir)
     resume: str = "false"  # one of RESUME_MODES
     dist_timeout_s: float | None = None  # collectives' timeout (dist_timeout_s); None: torch's default
+    # The config as resolved plain containers: what a run records of itself (config.yaml, the logger, the run
+    # identity a resume must match). Nothing decides from it: the typed groups above are the reading.
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def device_class(self) -> str:
@@ -191,7 +217,7 @@ def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInput
 
 def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     """The one validation of a config, :func:`resolve` and every check that reads nothing but the config: the
-    profile against the model (``contract.build.validate_profile``), the GDN choice against the device class,
+    profile against the model (``settings.profile.validate_profile``), the GDN choice against the device class,
     the pipeline's needs (:func:`check_pipeline`), an ``out_dir`` for ``resume``. ``iso-contract`` (through
     :func:`contract_for`) and ``iso-train`` (through :func:`check_trainable`) both call it before anything else,
     so a config one refuses the other refuses with the same error. Not here: what depends on the machine or the
@@ -235,8 +261,6 @@ def resolve(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
 
 
 def _resolve_groups(c: dict[str, Any]) -> Settings:
-    from megatron_iso.contract.build import validate_profile
-
     resolved, inputs = _contract_part(c)
     # The profile's leaves against the model's sizes before the model's own shape rules: its error lists the
     # leaves this model allows.
@@ -264,6 +288,7 @@ def _resolve_groups(c: dict[str, Any]) -> Settings:
         out_dir=check_out_dir(c.get("out_dir")),
         resume=resume_mode(c.get("resume", False)),
         dist_timeout_s=None if c.get("dist_timeout_s") is None else _positive(c["dist_timeout_s"], "dist_timeout_s"),
+        config=c,
     )
 
 
@@ -349,6 +374,69 @@ def config_world(cfg: DictConfig | Mapping[str, Any] | Settings) -> AbstractCont
     s = resolve(cfg)
     p = s.parallel
     return launched_world(p.tp, p.pp, p.ep, s.require("seed"), timeout_s=s.dist_timeout_s, cp=p.cp)
+
+
+def settings_with_model(model: Mapping[str, Any], overrides: Sequence[str] = ()) -> Settings:
+    """The root config's settings with its ``model`` group given (a checkpoint's, or one derived from an HF
+    config.json); ``model.KEY=VALUE`` overrides still apply on top of it, other overrides as usual."""
+    return resolve(load_config_with_model(model, overrides))
+
+
+def with_out_dir(settings: Settings, out_dir: Path) -> Settings:
+    """``settings`` of a run given the directory ``out_dir`` (its recorded config too)."""
+    return dataclasses.replace(settings, out_dir=out_dir, config={**settings.config, "out_dir": str(out_dir)})
+
+
+def config_yaml(settings: Settings) -> str:
+    """The resolved config as YAML (a run's ``config.yaml``)."""
+    return OmegaConf.to_yaml(OmegaConf.create(dict(settings.config)))
+
+
+# --- the rollout's layout ----------------------------------------------------------------------------------------
+
+ROLLOUT_PARALLEL_KEYS = ("tp",)
+
+
+def rollout_parallel(settings: Settings, world_size: int) -> dict[str, Any]:
+    """The rollout's ``parallel`` block: the trainer's, with ``rollout.parallel``'s keys over it."""
+    trainer = dict(settings.contract.parallel)
+    given = dict(settings.require("rollout").parallel)
+    unknown = sorted(set(given) - set(ROLLOUT_PARALLEL_KEYS))
+    if unknown:
+        raise SettingsError(f"rollout.parallel has unknown keys {unknown}; allowed keys: {list(ROLLOUT_PARALLEL_KEYS)}")
+    tp = given.get("tp", trainer["tp"])
+    allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp not in allowed:
+        raise SettingsError(
+            f"rollout.parallel.tp={tp!r} must divide the world size {world_size}; allowed values: {allowed}"
+        )
+    check_shardable(settings.contract.model, "tp", tp, "rollout.parallel.tp", candidates=allowed)
+    # Megatron has no sequence parallelism without TP; the DP size is what the world leaves; the rollout is never
+    # pipelined (a trainer's pipeline stages send it their weights) nor context parallel (the engine's prefill and
+    # decode run whole sequences; a colocated decoder on CP ranks runs their DP rank's requests on each).
+    sp = bool(trainer.get("sp", False)) and tp > 1
+    return trainer | {"tp": tp, "pp": 1, "cp": 1, "sp": sp, "dp": world_size // tp}
+
+
+def rollout_layout(settings: Settings, world_size: int) -> tuple[Settings, bool]:
+    """The rollout side's settings (the trainer's with the parallel group of :func:`rollout_parallel`: its contract
+    and model config) and whether that layout differs from the trainer's, so the decoder needs a model of its own
+    (refused when the trainer's weights cannot be synced to it: expert parallelism)."""
+    parallel = rollout_parallel(settings, world_size)
+    p = settings.parallel
+    separate = parallel["tp"] != p.tp or p.pp != 1
+    if separate and p.ep != 1:
+        raise SettingsError(
+            f"a rollout layout of its own (rollout.parallel.tp={parallel['tp']}, parallel.tp={p.tp}, "
+            f"parallel.pp={p.pp}) syncs the trainer's TP and pipeline shards only and needs parallel.ep=1 (got {p.ep})"
+        )
+    rollout = dataclasses.replace(
+        settings,
+        parallel=resolve_parallel(parallel, settings.contract.model),
+        contract=dataclasses.replace(settings.contract, parallel=parallel),
+        config={**settings.config, "parallel": parallel},
+    )
+    return rollout, separate
 
 
 def gemm_block_k() -> Mapping[str, int]:

@@ -26,7 +26,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 ALGOS = ("grpo", "dapo")  # rl.algo (rl.losses)
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")  # rl.aggregation (rl.losses)
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # rl.lr_decay_style (megatron_iso.rl.optim)
-# Activation recompute (Megatron's TransformerConfig fields of the same names; models.config passes them on).
+# Activation recompute (Megatron's TransformerConfig fields of the same names; models.transformer_config passes them on).
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Selective recompute's submodules that the iso layers run under Megatron's checkpoint (CachedSelfAttention's
@@ -274,12 +274,14 @@ def resolve_rl(rl: Mapping[str, Any]) -> RLSettings:
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """``rollout``: the bundled decoder. (``rollout.parallel`` is read by :mod:`megatron_iso.rl.rollout`.)"""
+    """``rollout``: the bundled decoder. ``parallel``: ``rollout.parallel`` as given (its keys over the trainer's
+    ``parallel`` make the rollout's layout, once the world size is known: :func:`megatron_iso.settings.rollout_layout`)."""
 
     kv_cache_mb: int
     paged_kv_reads: bool
     cuda_graphs: bool
     release_in_training: bool
+    parallel: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -292,6 +294,7 @@ def resolve_rollout(rollout: Mapping[str, Any]) -> RolloutSettings:
         paged_kv_reads=_bool(_get(rollout, "paged_kv_reads", True), "rollout.paged_kv_reads"),
         cuda_graphs=_bool(_get(rollout, "cuda_graphs", True), "rollout.cuda_graphs"),
         release_in_training=_bool(_get(rollout, "release_in_training", True), "rollout.release_in_training"),
+        parallel=dict(_get(rollout, "parallel", {})),
     )
 
 

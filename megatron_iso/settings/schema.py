@@ -131,16 +131,16 @@ def _schema_of(conf: str) -> Schema:
             for dotted, value in _leaves(_read_yaml(option), f"{group}."):
                 add(dotted, value)
     types = {k: frozenset(TYPE_EXCEPTIONS.get(k, v)) for k, v in seen.items()} | EXTRA_KEYS
-    from megatron_iso.config import SHIPPED_NAME, shipped_conf
+    from megatron_iso.settings.compose import SHIPPED_NAME, shipped_conf
 
     where = SHIPPED_NAME if root == shipped_conf() else str(root)
     return Schema(types, frozenset(nulls), frozenset(groups), where)
 
 
 def schema() -> Schema:
-    """The schema of the config tree in use (``megatron_iso.config.conf_dir``): its root configs (config.yaml,
+    """The schema of the config tree in use (``megatron_iso.settings.compose.conf_dir``): its root configs (config.yaml,
     iso_bench.yaml) and every option of its groups."""
-    from megatron_iso.config import conf_dir
+    from megatron_iso.settings.compose import conf_dir
 
     return _schema_of(str(conf_dir()))
 

@@ -4,7 +4,7 @@ on (or fail on with a shape error deep in a forward), named by field with the va
 Megatron's ``TransformerConfig`` asserts the GQA and GDN head ratios and the MoE top-k; the iso layers reshape by
 heads, query groups and head dimensions (a ratio that does not divide is a ``view`` error in the first forward);
 rotary embeddings rotate pairs of channels. The parallel degrees' divisibility (``parallel.tp`` / ``ep``) is
-``settings.model.check_shardable``'s; the leaves' (``profile.leaves``) the contract's ``validate_profile``.
+``settings.parallel.check_shardable``'s; the leaves' (``profile.leaves``) ``settings.profile.validate_profile``.
 """
 
 from __future__ import annotations

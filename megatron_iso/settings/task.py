@@ -27,6 +27,8 @@ class TaskSettings:
     reward: str
     path: str | None = None  # task=jsonl_math: the prompt file
     prompt_len: int | None = None  # task=residue: tokens per prompt
+    tokenizer: str | None = None  # None: the checkpoint's (model.init_from), else bytes
+    template: str = "{prompt}"  # a prompt row's text around its {prompt}
 
 
 class TaskError(SettingsError):
@@ -66,7 +68,7 @@ def _check_reward(reward: Any) -> str:
 def resolve_task_path(value: str, field_name: str, *, directory: bool = False, group: str = "task") -> Path:
     """``<group>.<field_name>`` as an existing file (or ``directory``): an absolute path as it is; a relative one in
     the working directory, else in the config directory (where the shipped example data lives)."""
-    from megatron_iso.config import conf_dir
+    from megatron_iso.settings.compose import conf_dir
 
     path = Path(value).expanduser()
     tried = [path] if path.is_absolute() else [Path.cwd() / path, conf_dir() / path]
@@ -104,7 +106,19 @@ def resolve_task(task: Mapping[str, Any], vocab_size: int, max_positions: int) -
         path = _required(task, "path", "task")
         if not isinstance(path, str) or not path.strip():
             raise SettingsError(f"task.path={path!r} is not allowed; allowed values: the path of a .jsonl file")
-    return TaskSettings(name=name, prompts_per_step=n, reward=reward, path=path, prompt_len=prompt_len)
+    tokenizer = _get(task, "tokenizer")
+    template = _get(task, "template", "{prompt}")
+    if not isinstance(template, str):
+        raise SettingsError(f"task.template={template!r} is not allowed; allowed values: a string holding {{prompt}}")
+    return TaskSettings(
+        name=name,
+        prompts_per_step=n,
+        reward=reward,
+        path=path,
+        prompt_len=prompt_len,
+        tokenizer=None if tokenizer is None else str(tokenizer),
+        template=template,
+    )
 
 
 def check_utf8(path: Path, field_name: str) -> None:

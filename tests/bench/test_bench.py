@@ -96,7 +96,7 @@ def test_markdown_table_prints_exact_zero_and_escapes_pipes():
 
 def test_bench_out_defaults_to_a_new_directory_under_runs(tmp_path):
     from megatron_iso.bench.run import bench_out
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config(["device=cpu"], config_name="iso_bench")
     assert cfg.bench.out is None and cfg.out_dir is None

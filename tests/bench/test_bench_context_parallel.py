@@ -23,7 +23,7 @@ def test_layouts_sweep_cp_and_each_cp_rank_is_a_rank_of_its_own():
 
 def test_check_bench_refuses_a_cp_degree_the_trainer_cannot_run():
     from megatron_iso.cli.bench import CONFIG_NAME, BenchSettingsError, check_bench
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     with pytest.raises(
         BenchSettingsError,
@@ -35,7 +35,7 @@ def test_check_bench_refuses_a_cp_degree_the_trainer_cannot_run():
 
 @pytest.mark.slow
 def test_hybrid_cp_2_row_has_zero_mismatch_and_cp_1_bits():
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     base = OmegaConf.to_container(load_config(["model=tiny_hybrid", "profile.gdn_chunk=4"]), resolve=True)
     lays, _ = layouts(["correctness"], [1], [1], [False], [1, 2])

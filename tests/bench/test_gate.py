@@ -72,7 +72,7 @@ def test_bit_different_candidate_fails_with_exit_5_and_passes_as_new_policy(caps
 
 
 def test_against_an_existing_lockfile(tmp_path, capsys):
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     lock = tmp_path / "iso.lock.json"
     write_lock(lock, contract_for(load_config(["device=cpu"]), load_implementations=False), ["device=cpu"])

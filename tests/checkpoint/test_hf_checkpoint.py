@@ -294,10 +294,10 @@ def test_tokenizer_travels_and_loads_locally(hf_untied, tmp_path):
 
 
 def test_manifest_records_layout_and_contract(hf_untied, tmp_path):
-    from megatron_iso.checkpoint import checkpoint_config
+    from megatron_iso.checkpoint import checkpoint_settings
 
     manifest = import_hf(hf_untied, tmp_path / "ckpt", tp=2, overrides=["model.params_dtype=bf16"])
     assert manifest["layout"] == {"tp": 2, "ep": 1} and manifest["model"]["params_dtype"] == "bf16"
     assert set(manifest["identities"]) == {"semantic", "numerical_policy", "deployment"}
-    cfg = checkpoint_config(tmp_path / "ckpt", ["parallel.tp=4"])
-    assert cfg.model.num_query_groups == 4 and cfg.parallel.tp == 4
+    settings = checkpoint_settings(tmp_path / "ckpt", ["parallel.tp=4"])
+    assert settings.model.num_query_groups == 4 and settings.parallel.tp == 4

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 
-from megatron_iso.config import load_config
 from megatron_iso.models.hf_config import (
     UnsupportedHFConfig,
     hf_config_from_model,
     model_config_from_hf,
     supported_model_types,
 )
+from megatron_iso.settings.compose import load_config
 
 # Qwen/Qwen3-0.6B's config.json (transformers 4 era: top-level rope_theta, rope_scaling, torch_dtype).
 QWEN3_0P6B = {

@@ -13,8 +13,8 @@ import torch
 
 from megatron_iso.checkpoint.compare import compare_with_transformers
 from megatron_iso.checkpoint.init_from import InitFromError, apply_init_from, build_initial_model, init_assets
-from megatron_iso.config import load_config
 from megatron_iso.models.hf_config import hf_config_from_model, model_config_from_hf
+from megatron_iso.settings.compose import load_config
 from tests.checkpoint.conftest import WORDS, make_hf_model
 from tests.checkpoint.test_hf_checkpoint import REL_TOL
 
@@ -48,7 +48,7 @@ def hf_start(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def run_from_hf(hf_start, tmp_path_factory) -> Path:
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     run = tmp_path_factory.mktemp("runs") / "from_hf"
     cfg = load_config([f"model.init_from={hf_start}", *RUN, "rl.save_hf_every=2", f"out_dir={run}"])
@@ -59,7 +59,7 @@ def run_from_hf(hf_start, tmp_path_factory) -> Path:
 
 def _logits(tc_cfg, init_from: Path) -> torch.Tensor:
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.parallel.world import single_process_world
 
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0))
@@ -118,7 +118,7 @@ def _with(cfg, init_from: Path):
 
 def test_run_checkpoint_starts_a_run_and_exports(run_from_hf, tmp_path):
     from megatron_iso.cli.convert import main
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     ckpt = run_from_hf / "checkpoints" / "step_000001"
     assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
@@ -169,7 +169,7 @@ def test_bad_init_from_is_an_error_naming_the_field(tmp_path, kind):
 
 def test_bad_init_from_in_iso_train_is_a_usage_error(tmp_path, capsys):
     from megatron_iso.cli.exit_codes import EXIT_USAGE, run_cli
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     cfg = load_config([f"model.init_from={tmp_path / 'nowhere'}", f"out_dir={tmp_path / 'run'}"])
     assert run_cli("iso-train", lambda: train(cfg)) == EXIT_USAGE
@@ -204,14 +204,14 @@ def test_irregular_qwen3_next_layer_types_import_and_match_transformers(tmp_path
 def test_sliced_reads_give_the_shards_of_the_full_read(request, fixture, ep):
     """Each (TP, EP) rank's shard read by safetensors slices equals the one cut from the whole model: GDN's
     per-head projections and conv channels, a multimodal prefix, experts per EP rank, a stored tied head."""
-    from megatron_iso.checkpoint import checked_hf_weights, hf_dir_config, read_hf_weights
+    from megatron_iso.checkpoint import checked_hf_weights, hf_dir_settings, read_hf_weights
     from megatron_iso.checkpoint.lazy import LazyHFSource
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.hf_config import read_hf_config
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import megatron_shard
 
     hf_dir = request.getfixturevalue(fixture)
-    tc = transformer_config(hf_dir_config(hf_dir, ["parallel.tp=2", f"parallel.ep={ep}"]))
+    tc = transformer_config(hf_dir_settings(hf_dir, ["parallel.tp=2", f"parallel.ep={ep}"]))
     config = read_hf_config(hf_dir)
     full = checked_hf_weights(read_hf_weights(hf_dir), tc, config).tensors
     with LazyHFSource(hf_dir, config, tied=tc.tie_word_embeddings) as lazy:

@@ -41,7 +41,7 @@ def fake_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture
 def cfg_for() -> Any:
     """cfg_for(*overrides) -> composed root config, device pinned to cpu unless overridden."""
-    from megatron_iso.config import load_config
+    from megatron_iso.settings.compose import load_config
 
     def make(*overrides: str) -> DictConfig:
         base = [] if any(o.startswith("device=") for o in overrides) else ["device=cpu"]

@@ -3,7 +3,7 @@ contract ``iso-contract`` builds for the same config, and the two tools agree on
 
 Each side runs in a fresh interpreter, so what one has imported cannot hide what the other misses: the
 tool side builds the contract as ``iso-contract`` does; the run side trains one GRPO step (rollout prefill
-and decode, trainer forward and backward) through ``rl.loop.train``, recording every registry lookup made
+and decode, trainer forward and backward) through ``rl.run.train``, recording every registry lookup made
 outside the autograd engine, and reports the implementations registered at its end and the digest it wrote
 into its checkpoint. Lookups inside a backward pass are not the contract's: ``with_plain_backward``
 differentiates the stock formula (the backward is deterministic, not invariant, and no case of the contract).
@@ -23,7 +23,7 @@ FAST = ["rl.steps=1", "rl.group_size=2", "rl.max_response_length=3", "task.promp
 
 _TOOL_SIDE = """
 import json, sys
-from megatron_iso.config import load_config
+from megatron_iso.settings.compose import load_config
 from megatron_iso.settings import contract_for
 c = contract_for(load_config(sys.argv[1:]))
 entries = c.numerical_policy.composition
@@ -35,7 +35,7 @@ _RUN_SIDE = """
 import json, os, sys
 from pathlib import Path
 import torch
-from megatron_iso.config import load_config
+from megatron_iso.settings.compose import load_config
 from megatron_iso import registry
 from megatron_iso.ops.common import dispatch
 
@@ -49,7 +49,7 @@ def recording_lookup(op, device_class, profile):
     return impl
 
 registry.lookup = dispatch.lookup = recording_lookup
-from megatron_iso.rl.loop import train
+from megatron_iso.rl.run import train
 cfg = load_config(sys.argv[2:])
 train(cfg)
 from megatron_iso.settings import resolve

@@ -76,8 +76,8 @@ def test_handshake_without_process_group_explains(cfg_for):
 def _dist_worker(rank: int, world: int, init_file: str, out_dir: str, chunks: list[int]) -> None:
     import torch.distributed as dist
 
-    from megatron_iso.config import load_config
     from megatron_iso.contract import ContractMismatchError, handshake
+    from megatron_iso.settings.compose import load_config
     from tests.contract import iso_fake_ops  # noqa: F401  (registers the fakes in this fresh process)
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

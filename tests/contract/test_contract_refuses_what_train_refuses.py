@@ -12,10 +12,10 @@ import pytest
 
 from megatron_iso.cli.contract import main as iso_contract
 from megatron_iso.cli.exit_codes import EXIT_USAGE
-from megatron_iso.config import load_config
 from megatron_iso.errors import UserError
-from megatron_iso.rl.loop import train
+from megatron_iso.rl.run import train
 from megatron_iso.settings import contract_for
+from megatron_iso.settings.compose import load_config
 
 BAD_CONFIGS = [
     pytest.param(["model.params_dtype=fp16"], r"model\.params_dtype='fp16' is not allowed", id="params_dtype"),

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("fake_registry")
         (["profile.leaves=0"], r"profile\.leaves=0 must be a power of two"),
         (["profile.leaves=4"], r"profile\.tp_domain contains 8 > profile\.leaves=4"),
         (["profile.tp_domain=[1,3]"], r"tp_domain contains 3, which does not divide profile\.leaves=8"),
-        # tp_domain and ep_domain entries go through one check (contract.build.domain_degrees).
+        # tp_domain and ep_domain entries go through one check (settings.profile.domain_degrees).
         (["profile.tp_domain=[1,0]"], r"^profile\.tp_domain contains 0; TP degrees are positive integers$"),
         (["profile.ep_domain=[1,0]"], r"^profile\.ep_domain contains 0; EP degrees are positive integers$"),
         (["model=tiny_moe", "profile.ep_domain=[1,two]"], r"^profile\.ep_domain contains 'two'; EP degrees are"),

@@ -40,9 +40,9 @@ def gt():
 
 @pytest.fixture(scope="module")
 def gc():
-    from megatron_iso.ops.gdn.triton import config
+    from megatron_iso.ops.gdn.triton import tuning
 
-    return config
+    return tuning
 
 
 @pytest.fixture(scope="module")
@@ -408,13 +408,13 @@ def test_dispatch_selects_triton():
 
 
 def _hybrid_prefill_decode(prompt_len: int, pieces: list[int], decode: int, extra: list[str] | tuple[str, ...] = ()):
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gdn import allocate_gdn_cache
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.ops.attention.kv_cache import KVCache
+    from megatron_iso.settings.compose import load_config
 
     # tiny_hybrid is fp32, and the fp32 leaf-tree GEMM on the GPU needs K/leaves to be a multiple of its
     # block_k (32). Its column-parallel GEMMs (one leaf) have K = hidden = 64; its row-parallel ones

@@ -29,10 +29,10 @@ STAGGERED_ARRIVALS = [0, 0, 1, 3, 4, 4, 6, 9]
 
 
 def setup(overrides: list[str], seed: int = 7):
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(overrides))
     return tc, build_model(tc, random_hf_state_dict(tc, seed=seed)).eval()

@@ -126,9 +126,9 @@ def _support_at_tp2() -> dict[str, str | None]:
     over this gloo TP group, and over one reported as NCCL."""
     from types import SimpleNamespace
 
-    from megatron_iso.config import load_config
     from megatron_iso.inference import cuda_graphs
-    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.transformer_config import transformer_config
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(["profile=correctness", "parallel.tp=2"]))
     on_cuda = SimpleNamespace(config=tc, parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda", 0))]))

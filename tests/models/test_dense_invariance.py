@@ -13,10 +13,10 @@ PROMPTS = [(0, 11), (1, 5), (2, 19), (3, 2)]  # (seed, length) of random token s
 
 
 def _setup(overrides: list[str]):
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config(overrides)
     tc = transformer_config(cfg)

@@ -14,12 +14,12 @@ def _train_steps(overrides: list[str], steps: int, distributed_optimizer: bool, 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(overrides))
     model = build_model(tc, random_hf_state_dict(tc, seed=3))

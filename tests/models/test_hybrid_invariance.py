@@ -15,10 +15,10 @@ PROMPTS = [(0, 11), (1, 5), (2, 19), (3, 2)]  # (seed, length)
 
 
 def _setup(overrides: list[str]):
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(overrides))
     return tc, build_model(tc, random_hf_state_dict(tc, seed=7)).eval()
@@ -213,8 +213,8 @@ def test_gdn_form_reaches_the_layer_and_the_cpu_refuses_the_chunk_form():
 def test_default_gdn_form_resolves_per_device():
     """The correctness profile's gdn_form=auto reaches the layer as the form that runs on the config's device: the
     chunk form for cuda (a config only: nothing runs here), the scan form for the CPU."""
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.transformer_config import transformer_config
+    from megatron_iso.settings.compose import load_config
 
     for device, form in (("cuda", "chunk"), ("cpu", "scan")):
         tc = transformer_config(load_config(["model=tiny_hybrid", f"device={device}"]))
@@ -224,11 +224,11 @@ def test_default_gdn_form_resolves_per_device():
 def test_gdn_backward_states_reaches_the_layer_and_bad_values_are_named():
     """rl.gdn_backward_states (keep | recompute: what a GPU forward keeps for the backward) travels config -> layer;
     another value is refused naming the field and the allowed values, by the config and by the op."""
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import gdn_fields
     from megatron_iso.models.gdn import IsoGatedDeltaNet
+    from megatron_iso.models.transformer_config import gdn_fields
     from megatron_iso.ops.gdn import gated_delta_rule
     from megatron_iso.parallel.world import single_process_world
+    from megatron_iso.settings.compose import load_config
 
     with single_process_world():
         tc, model = _setup([*BASE, "rl.gdn_backward_states=recompute"])

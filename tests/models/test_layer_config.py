@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 from megatron.core.transformer import TransformerConfig
 
-from megatron_iso.config import load_config
-from megatron_iso.models.config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.gdn import GatedRMSNorm
 from megatron_iso.models.modules import IsoRMSNorm
+from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
+from megatron_iso.settings.compose import load_config
 
 SHAPE = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 1}
 

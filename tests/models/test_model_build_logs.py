@@ -22,9 +22,9 @@ class _Records(logging.Handler):
 
 
 def _build_and_log(model: str) -> dict:
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
+    from megatron_iso.settings.compose import load_config
 
     log = logging.getLogger(TL_LOGGER)
     rec = _Records()

@@ -17,10 +17,10 @@ def _loop_vs_grouped(dtype: str, overrides: tuple[str, ...] = ()):
     """Forward and backward of the first layer's experts, per-expert loop vs grouped path, on the
     device the model was built on (build_model moves it to CUDA when there is one). On CPU the
     grouped path is called directly (the CPU forward keeps the loop); on CUDA through forward."""
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(["model=tiny_moe", f"model.params_dtype={dtype}", *overrides]))
     model = build_model(tc, random_hf_state_dict(tc, seed=7, std=0.2)).train()

@@ -58,10 +58,10 @@ def _checkpoint_names(model) -> dict[str, torch.Tensor]:
 
 
 def _ours(overrides: list[str], weights: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(overrides))
     model = build_model(tc, weights).eval()

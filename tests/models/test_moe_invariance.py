@@ -20,10 +20,10 @@ def _layer_outputs(overrides: list[str], tokens: int = 40):
     the rows; also the whole slice reversed and its first row alone. Returns (rows, out, rev, one)."""
     from megatron.core import parallel_state
 
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config([*MOE, *overrides]))
     model = build_model(tc, random_hf_state_dict(tc, seed=7, std=0.2)).eval()
@@ -115,12 +115,12 @@ def _grads_each(runs: list[list[str]]) -> list[dict[str, torch.Tensor]]:
 def _grads(overrides: list[str]) -> dict[str, torch.Tensor]:
     """One training forward/backward of summed logprobs; gradients of the first layer's router and
     shared-expert gate and of the last layer's expert 0 (which no load-balancing loss reaches)."""
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config([*MOE, *overrides]))
     model = build_model(tc, random_hf_state_dict(tc, seed=7)).train()

@@ -20,13 +20,13 @@ SIZES = (1, 3, 7, 16)
 
 
 def _layer_cases(dtype: str) -> dict:
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.moe import static_shapes
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.ops.gemm import grouped
+    from megatron_iso.settings.compose import load_config
     from megatron_iso.testing.host_reads import HostReadCounter
 
     tc = transformer_config(load_config(["model=tiny_moe", f"model.params_dtype={dtype}"]))

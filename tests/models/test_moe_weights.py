@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_iso.config import load_config
-from megatron_iso.models.config import transformer_config
+from megatron_iso.models.transformer_config import transformer_config
 from megatron_iso.models.weights import hf_shapes, megatron_shard, random_hf_state_dict
+from megatron_iso.settings.compose import load_config
 
 
 def test_qwen3_30b_a3b_shapes_have_the_published_parameter_counts():
@@ -82,9 +82,9 @@ def test_the_loader_checks_its_layout_with_the_settings_check(overrides, tp, ep,
 
 
 def test_sharded_sizes_are_the_model_groups_sizes():
-    """models.config.sharded_sizes reads back, from a built config, every size settings.SHARDED_BY names, with the
+    """models.transformer_config.sharded_sizes reads back, from a built config, every size settings.SHARDED_BY names, with the
     model group's value (tiny_hybrid_moe sets them all)."""
-    from megatron_iso.models.config import sharded_sizes
+    from megatron_iso.models.transformer_config import sharded_sizes
     from megatron_iso.settings import SHARDED_BY
 
     cfg = load_config(["model=tiny_hybrid_moe"])

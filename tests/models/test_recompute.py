@@ -23,12 +23,12 @@ VARIANTS = {
 def _logprobs_and_grads(model_overrides: list[str]) -> dict:
     from megatron.core.tensor_parallel import random as mrandom
 
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     recomputed = []  # one entry per checkpointed region the backward reran: proof the variant recomputes
     backward = mrandom.CheckpointFunction.backward
@@ -76,8 +76,8 @@ def test_recompute_keeps_logprobs_and_gradients_bit_for_bit(model):
     ],
 )
 def test_bad_recompute_settings_name_the_field(overrides, named):
-    from megatron_iso.config import load_config
     from megatron_iso.settings import resolve
+    from megatron_iso.settings.compose import load_config
 
     with pytest.raises(SettingsError, match=named):
         resolve(load_config(overrides))

@@ -33,12 +33,12 @@ def test_pack_names_a_token_id_outside_the_vocab(seqs, pattern):
 
 
 def _score(checked_below: int | None) -> dict:
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.parallel import head_scoring
+    from megatron_iso.settings.compose import load_config
     from megatron_iso.testing.host_reads import HostReadCounter
 
     head_scoring.CHUNK_ELEMENTS = 1  # 128-row chunks: two

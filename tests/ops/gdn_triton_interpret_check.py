@@ -37,9 +37,9 @@ import triton.language as tl
 
 from megatron_iso.ops.gdn import GDNLayerState
 from megatron_iso.ops.gdn import reference as ref
-from megatron_iso.ops.gdn.triton import config as gc
 from megatron_iso.ops.gdn.triton import conv_gates as cg
 from megatron_iso.ops.gdn.triton import rule as gt
+from megatron_iso.ops.gdn.triton import tuning as gc
 from megatron_iso.testing.bits import same_bits
 from megatron_iso.testing.gdn_inputs import checked_rule_grads, random_gdn_inputs
 

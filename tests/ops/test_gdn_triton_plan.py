@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_iso.ops.gdn.triton import config as gc
 from megatron_iso.ops.gdn.triton import plan as gp
 from megatron_iso.ops.gdn.triton import rule as gt
+from megatron_iso.ops.gdn.triton import tuning as gc
 
 C = 8
 CPU = torch.device("cpu")

@@ -20,12 +20,12 @@ LAYOUTS = {"cp1": (1, 1, False), "cp2": (1, 2, False), "cp4": (1, 4, False), "tp
 
 
 def _score(model_name: str, tp: int, cp: int, sp: bool, profile: str) -> dict:
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack, row_multiple
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config([f"model={model_name}", f"profile={profile}", f"parallel.tp={tp}", f"parallel.cp={cp}",
                        f"parallel.sp={str(sp).lower()}"])  # fmt: skip

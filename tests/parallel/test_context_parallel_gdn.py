@@ -25,11 +25,11 @@ GDN_PARAMS = ("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "out_norm.w
 
 def _rollout() -> list[list[int]]:
     """The engine's samples (CP 1: the engine never splits rows) and their recorded logprobs."""
-    from megatron_iso.config import load_config
     from megatron_iso.inference import EngineConfig, Request, RolloutEngine, SamplingParams
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(OVERRIDES))
     model = build_model(tc, random_hf_state_dict(tc, seed=7)).eval()
@@ -43,12 +43,12 @@ def _rollout() -> list[list[int]]:
 
 
 def _score(samples, tp: int, cp: int, sp: bool) -> dict:
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack, row_multiple
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config([*OVERRIDES, f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.sp={str(sp).lower()}"])
     tc = transformer_config(cfg)

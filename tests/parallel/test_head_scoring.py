@@ -16,14 +16,14 @@ SEQS = [(0, 150), (1, 90), (2, 7)]  # 247 rows: two 128-row chunks at the smalle
 def _score_both(overrides: list[str], chunk_elements: int):
     from megatron.core import parallel_state
 
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import _scoring_kwargs, score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.parallel import head_scoring
     from megatron_iso.parallel.vocab_scoring import token_logprobs
+    from megatron_iso.settings.compose import load_config
 
     head_scoring.CHUNK_ELEMENTS = chunk_elements
     tc = transformer_config(load_config(overrides))
@@ -85,12 +85,12 @@ def test_chunked_head_at_tp2_sp_equals_tp1():
 
 
 def _score_rows(overrides: list[str]):
-    from megatron_iso.config import load_config
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
 
     tc = transformer_config(load_config(overrides))
     model = build_model(tc, random_hf_state_dict(tc, seed=11))

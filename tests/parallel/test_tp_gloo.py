@@ -45,7 +45,7 @@ def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _config(tp: int, sp: bool, dtype: torch.dtype, profile: str = "correctness", leaves: int = 8):
-    from megatron_iso.models.config import IsoTransformerConfig
+    from megatron_iso.models.transformer_config import IsoTransformerConfig
 
     return IsoTransformerConfig(
         num_layers=1,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel import world
 from megatron_iso.settings import config_world
+from megatron_iso.settings.compose import load_config
 
 
 def test_dist_timeout_s_reaches_init_process_group(monkeypatch):

@@ -32,12 +32,12 @@ def world():
 
 def _model(seed: int = 0, *overrides: str, trained: bool = True):
     """A tiny dense policy and its optimizer; ``trained``: after one Adam step on random gradients (Adam state set)."""
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.rl.optim import build_optimizer
     from megatron_iso.settings import resolve
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config(["model=tiny_dense", *overrides])
     tc = transformer_config(cfg)
@@ -179,8 +179,8 @@ def test_keep_checkpoints_prunes_all_but_the_newest(world, tmp_path):
 
 @pytest.mark.parametrize(("value", "kept"), [(3, 3), (0, 0), (None, 0)])
 def test_keep_checkpoints_setting(value, kept):
-    from megatron_iso.config import load_config
     from megatron_iso.settings import resolve
+    from megatron_iso.settings.compose import load_config
 
     assert (
         resolve(load_config([f"rl.keep_checkpoints={'null' if value is None else value}"])).rl.keep_checkpoints == kept
@@ -188,8 +188,8 @@ def test_keep_checkpoints_setting(value, kept):
 
 
 def test_keep_checkpoints_refuses_a_negative_count():
-    from megatron_iso.config import load_config
     from megatron_iso.settings import resolve
+    from megatron_iso.settings.compose import load_config
     from megatron_iso.settings.fields import SettingsError
 
     with pytest.raises(SettingsError, match=r"rl.keep_checkpoints=-1 is not allowed; allowed values: integers >= 0"):

@@ -12,9 +12,9 @@ import subprocess
 import pytest
 
 from megatron_iso.cli.exit_codes import EXIT_OK, EXIT_USAGE, run_cli
-from megatron_iso.config import load_config
 from megatron_iso.rl.checkpoint import CheckpointError
-from megatron_iso.rl.loop import train
+from megatron_iso.rl.run import train
+from megatron_iso.settings.compose import load_config
 
 FAST = ["rl.group_size=4", "rl.max_response_length=4", "task.prompts_per_step=3", "rl.checkpoint_every=1"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_iso.rl.loop import TIMING_PREFIXES
+from megatron_iso.rl.run import TIMING_PREFIXES
 from megatron_iso.testing.harness import run_on_ranks
 from tests.rl.test_reshard_checkpoint import _rewound_copy
 
@@ -30,9 +30,9 @@ RUN = [
 
 
 def _train(out: str, overrides: list[str]) -> list[dict]:
-    from megatron_iso.config import load_config
     from megatron_iso.parallel.world import seed_ranks
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config([*RUN, f"out_dir={out}", *overrides])
     seed_ranks(int(cfg.seed))

@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.rl.correction import correction_stats, correction_weights, level_log_ratio
 from megatron_iso.rl.losses import PolicyLossConfig, policy_loss
 from megatron_iso.settings import SettingsError, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.settings.correction import CORRECTION_LEVELS, RolloutCorrection
 from megatron_iso.testing.bits import bits
 

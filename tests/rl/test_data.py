@@ -8,9 +8,7 @@ import warnings
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from megatron_iso.config import load_config
 from megatron_iso.rl.data import DatasetTask, _tokenizer_spec, build_tasks
 from megatron_iso.rl.metrics import alias_metrics
 from megatron_iso.rl.tasks import (
@@ -22,6 +20,7 @@ from megatron_iso.rl.tasks import (
 )
 from megatron_iso.rl.validation import due, val_metrics
 from megatron_iso.settings import SettingsError, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.settings.data import DataSettings
 from tests.rl.data_cases import chat_tokenizer_dir, gsm8k_rows, write_jsonl, write_parquet
 
@@ -176,7 +175,7 @@ def test_task_and_data_groups_must_agree(tmp_path):
 
     def build(*overrides):
         cfg = load_config(["seed=1", *overrides])
-        return build_tasks(cfg, resolve(cfg), 256, engine=None)
+        return build_tasks(resolve(cfg), 256, engine=None)
 
     with pytest.raises(TaskError, match=r"data.train_files is set but task.name='residue' makes its own prompts"):
         build(f"data.train_files={data}")
@@ -191,9 +190,10 @@ def test_task_and_data_groups_must_agree(tmp_path):
                        r"its columns: \['answer', 'question'\]"):  # fmt: skip
         build("task=dataset", f"data.train_files={data}")
     # task.tokenizer null: the checkpoint's (model.init_from), else bytes.
-    spec = _tokenizer_spec(OmegaConf.create({"task": {"tokenizer": None}, "model": {"init_from": "/m"}}))
+    task = resolve(load_config(["task.tokenizer=null"])).task
+    spec = _tokenizer_spec(task, "/m")
     assert spec == ("/m", "task.tokenizer=null (the checkpoint's: model.init_from='/m')")
-    assert _tokenizer_spec(OmegaConf.create({"task": {"tokenizer": None}, "model": {}}))[0] == "bytes"
+    assert _tokenizer_spec(task, None)[0] == "bytes"
 
 
 def test_a_reward_plug_in_sees_the_gold_answer_and_the_row(tmp_path, monkeypatch):

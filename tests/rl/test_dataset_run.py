@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from megatron_iso.config import load_config
 from megatron_iso.rl.checkpoint import CheckpointError
-from megatron_iso.rl.loop import TIMING_PREFIXES, train
+from megatron_iso.rl.run import TIMING_PREFIXES, train
+from megatron_iso.settings.compose import load_config
 from tests.rl.data_cases import chat_tokenizer_dir, gsm8k_rows, write_parquet
 
 FAST = ["rl.group_size=2", "rl.max_response_length=4", "task.prompts_per_step=2", "logger=none"]

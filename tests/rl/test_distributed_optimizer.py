@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_iso.rl.loop import TIMING_PREFIXES
+from megatron_iso.rl.run import TIMING_PREFIXES
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
@@ -30,10 +30,10 @@ DIST = "rl.use_distributed_optimizer=true"
 
 
 def _runs(root: str) -> dict:
-    from megatron_iso.config import load_config
     from megatron_iso.parallel.world import seed_ranks
     from megatron_iso.rl.checkpoint import CheckpointError
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
+    from megatron_iso.settings.compose import load_config
 
     def run(name: str, *overrides: str) -> None:
         cfg = load_config([*FAST, f"out_dir={root}/{name}", *overrides])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
-from megatron_iso.rl.loop import Trainer
+from megatron_iso.rl.trainer import Trainer
 from megatron_iso.settings import SettingsError, config_world, resolve
+from megatron_iso.settings.compose import load_config
 
 GROUP = 4
 FAST = ["model=tiny_dense", "rl=dapo", f"rl.group_size={GROUP}", "rl.max_response_length=3", "task.prompts_per_step=3"]
@@ -21,7 +21,7 @@ def _step(tmp_path, informative: list[list[bool]], cap: int):
     cfg = load_config([*FAST, f"rl.max_gen_batches={cap}", f"out_dir={tmp_path / 'run'}"])
     with config_world(cfg):
         seed_ranks(int(cfg.seed))
-        trainer = Trainer(cfg, 0)
+        trainer = Trainer(resolve(cfg), 0)
         prompts, trained = [], []
         rollout, train_on = trainer.rollout, trainer.train_on
 

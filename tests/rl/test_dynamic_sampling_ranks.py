@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
-from megatron_iso.rl.loop import Trainer
 from megatron_iso.rl.losses import group_advantages
-from megatron_iso.settings import config_world
+from megatron_iso.rl.trainer import Trainer
+from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
@@ -30,7 +30,7 @@ FAST = [f"rl.group_size={GROUP}", "rl.max_response_length=5", "task.prompts_per_
 def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:
     """Two RL steps where rank 0 keeps every group and rank 1 its first ``rank1_keeps`` groups."""
     import megatron_iso.rl.dynamic_sampling as dynamic_sampling
-    import megatron_iso.rl.loop as loop
+    import megatron_iso.rl.trainer as trainer_module
 
     rank = dist.get_rank()
     passes_seen: list[int] = []
@@ -39,18 +39,18 @@ def _uneven_steps(out_dir: str, rank1_keeps: int, overrides: list[str]) -> dict:
         groups = rewards.numel() // group_size
         return torch.arange(groups) < (groups if rank == 0 else rank1_keeps)
 
-    count = loop.Trainer.micro_batch_count
+    count = trainer_module.Trainer.micro_batch_count
 
     def counted(self, n):
         passes_seen.append(count(self, n))
         return passes_seen[-1]
 
     dynamic_sampling.informative_groups = keep
-    loop.Trainer.micro_batch_count = counted
+    trainer_module.Trainer.micro_batch_count = counted
     cfg = load_config([*FAST, "rl=dapo", f"out_dir={out_dir}", *overrides])
     with config_world(cfg) as r:
         seed_ranks(int(cfg.seed))
-        trainer = Trainer(cfg, r)
+        trainer = Trainer(resolve(cfg), r)
         rows = [trainer.step(i) for i in range(2)]
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return {"rows": rows, "params": params, "passes": passes_seen}
@@ -92,7 +92,7 @@ def test_filler_passes_add_exact_zeros(tmp_path):
         samples = advantages = None
         for extra in (0, 2):
             seed_ranks(int(cfg.seed))
-            trainer = Trainer(cfg, rank)
+            trainer = Trainer(resolve(cfg), rank)
             if samples is None:
                 samples = trainer.rollout(0)
                 trainer.score_rewards(samples)

@@ -6,8 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from megatron_iso.config import load_config
 from megatron_iso.settings import resolve
+from megatron_iso.settings.compose import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from megatron_iso.config import load_config
 from megatron_iso.rl.checkpoint import CheckpointError
-from megatron_iso.rl.loop import TIMING_PREFIXES, train
+from megatron_iso.rl.run import TIMING_PREFIXES, train
 from megatron_iso.rl.run_dir import RunDirError
+from megatron_iso.settings.compose import load_config
 
 FAST = ["rl.group_size=4", "rl.max_response_length=4", "task.prompts_per_step=3", "rl.checkpoint_every=2"]
 

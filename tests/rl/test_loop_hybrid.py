@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from megatron_iso.config import load_config
-from megatron_iso.rl.loop import train
+from megatron_iso.rl.run import train
+from megatron_iso.settings.compose import load_config
 
 # GDN chunk 4: prompts and the 4 generated tokens cross chunk boundaries; step 1 runs on updated weights.
 TINY = ["model=tiny_hybrid", "profile.gdn_chunk=4", "rl.group_size=2", "rl.max_response_length=4"]

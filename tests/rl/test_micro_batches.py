@@ -9,15 +9,16 @@ the design keeps deterministic, not invariant).
 
 from __future__ import annotations
 
-import megatron.core.distributed
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
-from megatron_iso.rl.loop import TIMING_PREFIXES, Trainer, train
+from megatron_iso.rl import trainer as trainer_module
 from megatron_iso.rl.losses import group_advantages
-from megatron_iso.settings import check_micro_batch_seqs, config_world
+from megatron_iso.rl.run import TIMING_PREFIXES, train
+from megatron_iso.rl.trainer import Trainer
+from megatron_iso.settings import check_micro_batch_seqs, config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
@@ -40,14 +41,14 @@ def _steps(tmp_path, overrides: list[str], sizes: list[int | None], monkeypatch=
     then continues from the first run's, so the step after them can be compared bit for bit."""
     base = [*FAST, f"out_dir={tmp_path / 'run'}", *overrides]
     runs: dict = {}
-    real_finalize = megatron.core.distributed.finalize_model_grads
+    real_finalize = trainer_module.finalize_model_grads
     cfg = load_config(base)
     with config_world(cfg) as rank:
         samples = advantages = None
         for size in sizes:
             seed_ranks(int(cfg.seed))
             trainer = Trainer(
-                load_config([*base, f"rl.train_micro_batch_seqs={'null' if size is None else size}"]), rank
+                resolve(load_config([*base, f"rl.train_micro_batch_seqs={'null' if size is None else size}"])), rank
             )
             if samples is None:
                 samples = trainer.rollout(0)
@@ -64,7 +65,7 @@ def _steps(tmp_path, overrides: list[str], sizes: list[int | None], monkeypatch=
                 return real_finalize(models, *args, **kwargs)
 
             if monkeypatch is not None:
-                monkeypatch.setattr(megatron.core.distributed, "finalize_model_grads", finalize)
+                monkeypatch.setattr(trainer_module, "finalize_model_grads", finalize)  # as the trainer calls it
             out = trainer.train_on(samples, advantages)
             params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             runs[size] = {"out": out, "grads": accumulated, "params": params}

@@ -25,12 +25,12 @@ def _groups(optimizer) -> list[tuple[float, float, float]]:
 def _schedules(overrides: list[str]):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_iso.config import load_config
-    from megatron_iso.models.config import transformer_config
     from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.rl.optim import build_optimizer, current_lr
     from megatron_iso.settings import resolve
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config(["model=tiny_dense", *overrides])
     rl = resolve(cfg).rl

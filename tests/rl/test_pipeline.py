@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_iso.rl.loop import TIMING_PREFIXES
+from megatron_iso.rl.run import TIMING_PREFIXES
 from megatron_iso.settings import SettingsError
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
@@ -25,23 +25,23 @@ FAST = ["rl.group_size=4", "rl.max_response_length=3", "task.prompts_per_step=2"
 
 
 def _run(root: str, overrides: list[str]) -> list[dict]:
-    from megatron_iso.config import load_config
     from megatron_iso.parallel.launch import cpu_threads_per_rank
-    from megatron_iso.rl import loop
+    from megatron_iso.rl import run, trainer
+    from megatron_iso.settings.compose import load_config
 
     # The CPU's fp32 GEMMs (the backward's) sum in an order that depends on the thread count: PP 1 on one rank
     # runs with the threads of one of PP 2's ranks.
     torch.set_num_threads(cpu_threads_per_rank(2))
     steps = []
-    train_on = loop.Trainer.train_on
+    train_on = trainer.Trainer.train_on
 
     def recorded(self, *args, **kwargs):
         out = train_on(self, *args, **kwargs)
         steps.append({k: out[k].clone() for k in ("trainer_logp", "rollout_logp")})
         return out
 
-    loop.Trainer.train_on = recorded
-    loop.train(load_config([*FAST, f"out_dir={root}", *overrides]))
+    trainer.Trainer.train_on = recorded
+    run.train(load_config([*FAST, f"out_dir={root}", *overrides]))
     return steps
 
 
@@ -133,8 +133,8 @@ def test_pp2_starts_from_an_hf_checkpoint_as_pp1_does(tmp_path):
     ],
 )
 def test_unsupported_pipeline_settings_are_refused_by_name(overrides, named):
-    from megatron_iso.config import load_config
     from megatron_iso.settings import check_trainable, resolve
+    from megatron_iso.settings.compose import load_config
 
     with pytest.raises(SettingsError, match=named):
         check_trainable(resolve(load_config(overrides)))

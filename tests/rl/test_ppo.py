@@ -8,9 +8,7 @@ import types
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
-from megatron_iso.rl.loop import Trainer, train
 from megatron_iso.rl.losses import group_advantages
 from megatron_iso.rl.ppo import (
     PPOSetupError,
@@ -20,7 +18,10 @@ from megatron_iso.rl.ppo import (
     run_updates,
     split_groups,
 )
+from megatron_iso.rl.run import train
+from megatron_iso.rl.trainer import Trainer
 from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 
 GROUP = 4
@@ -30,7 +31,7 @@ FAST = ["model=tiny_dense", f"rl.group_size={GROUP}", "rl.max_response_length=5"
 def _trainer(tmp_path, overrides: list[str]) -> tuple[Trainer, list, torch.Tensor]:
     cfg = load_config([*FAST, f"out_dir={tmp_path / 'run'}", *overrides])
     seed_ranks(int(cfg.seed))
-    trainer = Trainer(cfg, 0)
+    trainer = Trainer(resolve(cfg), 0)
     samples = trainer.rollout(0)
     rewards = trainer.score_rewards(samples)
     return trainer, samples, group_advantages(rewards, GROUP)
@@ -128,7 +129,7 @@ def test_a_step_that_trains_nothing_says_why(tmp_path, capsys):
     cfg = load_config([*FAST, "rl=dapo", f"out_dir={tmp_path / 'run'}"])
     with config_world(cfg):
         seed_ranks(int(cfg.seed))
-        trainer = Trainer(cfg, 0)
+        trainer = Trainer(resolve(cfg), 0)
         trainer.task.reward = lambda prompt, tokens: 1.0  # every group all right: none informative
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         metrics = trainer.step(0)

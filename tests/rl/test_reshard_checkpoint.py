@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_iso.rl.loop import TIMING_PREFIXES
+from megatron_iso.rl.run import TIMING_PREFIXES
+from megatron_iso.settings import resolve
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.harness import run_on_ranks
 
@@ -30,9 +31,9 @@ DIST = "rl.use_distributed_optimizer=true"
 
 
 def _train(out: str, overrides: list[str]) -> list[dict]:
-    from megatron_iso.config import load_config
     from megatron_iso.parallel.world import seed_ranks
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
+    from megatron_iso.settings.compose import load_config
 
     cfg = load_config([*FAST, f"out_dir={out}", *overrides])
     seed_ranks(int(cfg.seed))
@@ -44,12 +45,12 @@ def _reload(ckpt: str, out: str, overrides: list[str], then_train: list[str] | N
     of the run ``ckpt`` belongs to with ``then_train`` overrides."""
     import torch.distributed as dist
 
-    from megatron_iso.config import load_config
     from megatron_iso.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_iso.rl.loop import Trainer
+    from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings.compose import load_config
 
     rank = dist.get_rank()
-    trainer = Trainer(load_config([*FAST, f"out_dir={out}/unused", *overrides]), rank)
+    trainer = Trainer(resolve(load_config([*FAST, f"out_dir={out}/unused", *overrides])), rank)
     meta = load_checkpoint(Path(ckpt), trainer.model, trainer.optimizer, {}, rank=rank)
     save_checkpoint(Path(out), meta["step"], trainer.model, trainer.optimizer, {}, rank=rank)
     return None if then_train is None else _train(str(Path(ckpt).parent.parent), [*overrides, *then_train])
@@ -141,13 +142,13 @@ def _initial(out: str, tp: int) -> None:
     """Each family's seeded initial policy (the same HF weights at every layout) saved at TP ``tp``."""
     import torch.distributed as dist
 
-    from megatron_iso.config import load_config
     from megatron_iso.rl.checkpoint import save_checkpoint
-    from megatron_iso.rl.loop import Trainer
+    from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings.compose import load_config
 
     for name, overrides in FAMILIES.items():
         trainer = Trainer(
-            load_config([*FAST, f"out_dir={out}/unused", *overrides, f"parallel.tp={tp}"]), dist.get_rank()
+            resolve(load_config([*FAST, f"out_dir={out}/unused", *overrides, f"parallel.tp={tp}"])), dist.get_rank()
         )
         save_checkpoint(Path(out) / name, 0, trainer.model, trainer.optimizer, {}, rank=dist.get_rank())
 

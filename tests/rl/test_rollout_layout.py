@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_iso.config import load_config
-from megatron_iso.rl.loop import TIMING_PREFIXES, train
+from megatron_iso.rl.run import TIMING_PREFIXES, train
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.harness import run_on_ranks
 
 FAST = ["rl.group_size=4", "rl.max_response_length=4", "task.prompts_per_step=3", "rl.steps=2"]

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_iso.config import load_config
-from megatron_iso.rl.rollout import rollout_parallel
-from megatron_iso.settings import SettingsError, check_shardable
+from megatron_iso.settings import SettingsError, check_shardable, resolve, rollout_parallel
+from megatron_iso.settings.compose import load_config
 
 
 @pytest.mark.parametrize(
@@ -29,7 +28,7 @@ from megatron_iso.settings import SettingsError, check_shardable
 def test_rollout_tp_refused_by_the_shared_sharding_check(overrides, message):
     cfg = load_config(["device=cpu", *overrides])
     with pytest.raises(SettingsError) as info:
-        rollout_parallel(cfg, world_size=4)
+        rollout_parallel(resolve(cfg), world_size=4)
     assert str(info.value) == message
     model = dict(cfg.model)
     with pytest.raises(SettingsError) as same:  # the one check, called directly
@@ -39,4 +38,10 @@ def test_rollout_tp_refused_by_the_shared_sharding_check(overrides, message):
 
 def test_rollout_tp_that_shards_the_model_is_accepted():
     cfg = load_config(["device=cpu", "model=tiny_hybrid", "rollout.parallel.tp=4"])
-    assert rollout_parallel(cfg, world_size=8) == {**dict(cfg.parallel), "tp": 4, "pp": 1, "sp": False, "dp": 2}
+    assert rollout_parallel(resolve(cfg), world_size=8) == {
+        **dict(cfg.parallel),
+        "tp": 4,
+        "pp": 1,
+        "sp": False,
+        "dp": 2,
+    }

@@ -23,12 +23,12 @@ ODD = [
 
 
 def _train(root: str) -> dict:
-    from megatron_iso.config import load_config
-    from megatron_iso.rl import loop
-    from megatron_iso.rl.loop import TIMING_PREFIXES
+    from megatron_iso.rl import run, trainer
+    from megatron_iso.rl.run import TIMING_PREFIXES
+    from megatron_iso.settings.compose import load_config
 
     runs = {}
-    train_on = loop.Trainer.train_on
+    train_on = trainer.Trainer.train_on
     for sp in ("false", "true"):
         steps = []
 
@@ -37,11 +37,11 @@ def _train(root: str) -> dict:
             _steps.append({k: out[k].clone() for k in ("trainer_logp", "rollout_logp")})
             return out
 
-        loop.Trainer.train_on = recorded
+        trainer.Trainer.train_on = recorded
         try:
-            history = loop.train(load_config([*ODD, f"parallel.sp={sp}", f"out_dir={root}/sp_{sp}"]))["history"]
+            history = run.train(load_config([*ODD, f"parallel.sp={sp}", f"out_dir={root}/sp_{sp}"]))["history"]
         finally:
-            loop.Trainer.train_on = train_on
+            trainer.Trainer.train_on = train_on
         rows = [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in history]
         runs[sp] = (steps, rows)
     return runs

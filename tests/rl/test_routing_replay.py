@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.inference import Request, SamplingParams
 from megatron_iso.inference.engine import EngineConfig, RolloutEngine
 from megatron_iso.models.batch import pack
@@ -22,6 +21,7 @@ from megatron_iso.models.scoring import score_sequences
 from megatron_iso.parallel.world import single_process_world
 from megatron_iso.rl.routing_replay import attach_routing
 from megatron_iso.settings import SettingsError, check_config
+from megatron_iso.settings.compose import load_config
 from tests.inference.engine_cases import setup
 
 
@@ -129,7 +129,7 @@ def test_correctness_profile_trainer_routes_as_the_rollout_recorded(world):
 def test_correctness_loop_logs_routing_agreement_of_one(tmp_path):
     import json
 
-    from megatron_iso.rl.loop import train
+    from megatron_iso.rl.run import train
 
     over = ["rl.group_size=2", "rl.max_response_length=3", "task.prompts_per_step=2", "rl.steps=1"]
     train(load_config([*over, "model=tiny_moe", "rl.routing_replay=true", f"out_dir={tmp_path / 'run'}"]))

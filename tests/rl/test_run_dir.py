@@ -166,21 +166,21 @@ def test_the_start_is_decided_under_the_run_lock(tmp_path):
 def test_a_run_that_wrote_while_this_one_was_built_is_not_overwritten(tmp_path, monkeypatch):
     """The race: the early check passes on a free out_dir, another run writes there (and ends) while this one
     builds its model; the start decided under the lock refuses, and config.yaml stays the other run's."""
-    import megatron_iso.rl.loop as loop
-    from megatron_iso.config import load_config
+    import megatron_iso.rl.run as run_module
+    from megatron_iso.settings.compose import load_config
 
     run = tmp_path / "run"
 
-    class OtherRunMeanwhile(loop.Trainer):
+    class OtherRunMeanwhile(run_module.Trainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _metrics(run, [0])
             (run / "config.yaml").write_text("the other run's\n")
 
-    monkeypatch.setattr(loop, "Trainer", OtherRunMeanwhile)
+    monkeypatch.setattr(run_module, "Trainer", OtherRunMeanwhile)
     fast = ["rl.steps=1", "rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none"]
     with pytest.raises(RunDirError, match="already holds a run"):
-        loop.train(load_config([*fast, f"out_dir={run}"]))
+        run_module.train(load_config([*fast, f"out_dir={run}"]))
     assert (run / "config.yaml").read_text() == "the other run's\n"
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml", "metrics.jsonl"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_iso.config import load_config
+from megatron_iso.settings.compose import load_config
 
 MODEL = "qwen3p5_small_hybrid_moe"
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_rl_step.py"
@@ -99,7 +99,7 @@ def test_full_size_shapes_meet_gpu_tile_rules():
 def test_full_size_parameter_count_matches_config_comment():
     """1.374B parameters (the config's comment); hf_shapes is what random_hf_state_dict draws and what
     loading checks against the built model, so it counts the model's parameters exactly."""
-    from megatron_iso.models.config import transformer_config
+    from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import hf_shapes
 
     shapes = hf_shapes(transformer_config(_full()))

@@ -4,7 +4,6 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_iso.config import conf_dir, load_config
 from megatron_iso.errors import UserError
 from megatron_iso.rl.tasks import (
     ByteTokenizer,
@@ -15,6 +14,7 @@ from megatron_iso.rl.tasks import (
     resolve_reward,
     rollout_refusal,
 )
+from megatron_iso.settings.compose import conf_dir, load_config
 from megatron_iso.testing.harness import run_on_ranks
 
 

@@ -23,10 +23,10 @@ from collections import Counter
 import pytest
 import torch
 
-from megatron_iso.config import load_config
 from megatron_iso.parallel.world import seed_ranks
-from megatron_iso.rl.loop import Sample, Trainer
-from megatron_iso.settings import config_world
+from megatron_iso.rl.trainer import Sample, Trainer
+from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 from megatron_iso.testing.host_reads import HostReadCounter
 
@@ -35,15 +35,15 @@ Place = tuple[str, str, str]  # (kind, file, function); line numbers left out on
 # Once per step, whatever the model, the layer and the micro-batch count.
 PER_STEP: dict[Place, int] = {
     # Whether every gradient is finite (rl.nonfinite decides before the optimizer applies them): one flag.
-    ("item", "megatron_iso/rl/loop.py", "_grads_finite"): 1,
+    ("item", "megatron_iso/rl/trainer.py", "_grads_finite"): 1,
     # Megatron's grad norm inside optimizer.step() (its clip decision and the logged grad_norm): one scalar.
-    ("item", "megatron_iso/rl/loop.py", "train_on"): 1,
+    ("item", "megatron_iso/rl/trainer.py", "train_on"): 1,
 }
 # Once per micro-batch (forward + backward).
 PER_MICRO_BATCH: dict[Place, int] = {
     # The response rows' logprobs (and entropies, one stacked tensor): the policy loss runs on the host. Nothing
     # for the target ids' vocab range: pack checks the host ids (pack_micro_batch), not each LM-head chunk.
-    ("cpu", "megatron_iso/rl/loop.py", "_accumulate_grads"): 1,
+    ("cpu", "megatron_iso/rl/trainer.py", "_accumulate_grads"): 1,
 }
 # Once per micro-batch of a model with MoE layers: every layer's expert counts for the grouped GEMM backward,
 # one non-blocking copy when the forward ends (ops.gemm.grouped.counts_read_once); nothing waits on it.
@@ -62,7 +62,7 @@ CPU_ONLY_ATTENTION: dict[Place, int] = {
 }
 CPU_ONLY_GDN: dict[Place, int] = {
     ("boolean_index:index", "megatron_iso/ops/gdn/reference.py", "_scan"): 1,
-    ("boolean_index:index_put", "megatron_iso/rl/loop.py", "_accumulate_grads"): 1,  # _scan's backward
+    ("boolean_index:index_put", "megatron_iso/rl/trainer.py", "_accumulate_grads"): 1,  # _scan's backward
 }
 CPU_ONLY = {**CPU_ONLY_ATTENTION, **CPU_ONLY_GDN}
 
@@ -163,7 +163,7 @@ def _step_reads(
     out = {}
     with config_world(cfg) as rank:
         seed_ranks(int(cfg.seed))
-        trainer = Trainer(cfg, rank)
+        trainer = Trainer(resolve(cfg), rank)
         samples = _samples(trainer)
         assert len(samples) == SAMPLES
         steps = [trainer.train_on(samples, _advantages(SAMPLES))]
@@ -262,17 +262,15 @@ def test_gdn_plan_reads_once() -> None:
 def test_static_moe_training_step_gives_the_eager_bits(tmp_path, monkeypatch, model):
     """The trainer's MoE layers take the static-shape path at EP 1 (pack_micro_batch): logprobs, loss, statistics,
     accumulated gradients and updated weights are the eager path's bit for bit, over two micro-batches."""
-    import megatron.core.distributed
+    from megatron_iso.rl import trainer as trainer_module
 
-    from megatron_iso.rl import pipeline
-
-    real_pack, real_finalize = pipeline.pack_micro_batch, megatron.core.distributed.finalize_model_grads
+    real_pack, real_finalize = trainer_module.pack_micro_batch, trainer_module.finalize_model_grads
     runs = {}
     for static in (True, False):
         cfg = load_config([*BASE, f"model={model}", "rl.train_micro_batch_seqs=3", f"out_dir={tmp_path / str(static)}"])
         with config_world(cfg) as rank:
             seed_ranks(int(cfg.seed))
-            trainer = Trainer(cfg, rank)
+            trainer = Trainer(resolve(cfg), rank)
             grads: dict = {}
             flags = []
 
@@ -286,8 +284,8 @@ def test_static_moe_training_step_gives_the_eager_bits(tmp_path, monkeypatch, mo
                 grads.update({n: p.main_grad.clone() for n, p in trainer.model.named_parameters()})
                 return real_finalize(models, *a, **k)
 
-            monkeypatch.setattr(pipeline, "pack_micro_batch", pack)
-            monkeypatch.setattr(megatron.core.distributed, "finalize_model_grads", finalize)
+            monkeypatch.setattr(trainer_module, "pack_micro_batch", pack)
+            monkeypatch.setattr(trainer_module, "finalize_model_grads", finalize)
             out = trainer.train_on(_samples(trainer), _advantages(SAMPLES))
             params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             runs[static] = (out, grads, params, flags)

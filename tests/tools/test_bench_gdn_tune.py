@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 def test_tune_sets_forward_and_backward_constants_and_names_bad_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_iso.ops.gdn.triton import backward as B
-    from megatron_iso.ops.gdn.triton import config as G
+    from megatron_iso.ops.gdn.triton import tuning as G
 
     monkeypatch.setattr(B, "BWD_KS", B.BWD_KS)  # restored after the test
     monkeypatch.setattr(G, "OUT_BV", G.OUT_BV)
@@ -25,7 +25,7 @@ def test_tune_sets_forward_and_backward_constants_and_names_bad_ones(monkeypatch
 
 def test_tune_register_caps_take_any_ptxas_value_and_refuse_others(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_iso.ops.gdn.triton import backward as B
-    from megatron_iso.ops.gdn.triton import config as G
+    from megatron_iso.ops.gdn.triton import tuning as G
 
     monkeypatch.setattr(G, "DECODE_MAXNREG", G.DECODE_MAXNREG)
     monkeypatch.setattr(B, "BWD_MAXNREG", B.BWD_MAXNREG)

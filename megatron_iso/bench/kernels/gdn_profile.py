@@ -110,7 +110,7 @@ def kernel_resources(dot_precision: str | None = None, sass_dir: Path | None = N
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn.triton import config as G
+    from megatron_iso.ops.gdn.triton import tuning as G
     from megatron_iso.ops.gdn.triton.rule import gated_delta_rule
 
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -19,7 +19,7 @@ DEVICE = "cuda"
 # The state pass's dot precision of this case (a case spec's "@P" suffix); None: the dispatching op (registered
 # default).
 DOT_PRECISION: str | None = None
-FORM: str | None = None  # triton.config.FORMS; set with the precision by a variant "FORM:P"
+FORM: str | None = None  # triton.tuning.FORMS; set with the precision by a variant "FORM:P"
 VARIANT: str | None = None  # the case's "@..." suffix as given
 
 
@@ -70,8 +70,8 @@ def our_rule():
 
 
 def parse_variant(variant: str) -> tuple[str | None, str]:
-    """``P`` or ``FORM:P`` -> (form or None, P), both checked against triton.config's lists (ValueError)."""
-    from megatron_iso.ops.gdn.triton.config import FORMS, split_dot_precision
+    """``P`` or ``FORM:P`` -> (form or None, P), both checked against triton.tuning's lists (ValueError)."""
+    from megatron_iso.ops.gdn.triton.tuning import FORMS, split_dot_precision
 
     form, colon, prec = variant.rpartition(":")
     if colon and form not in FORMS:
@@ -174,7 +174,7 @@ def make_state(slots: int):
     """A state cache as the model allocates one: buf_v in v's dtype (bf16, as the model's), buf_u as the chunk form
     stores u."""
     from megatron_iso.ops.gdn import GDNLayerState
-    from megatron_iso.ops.gdn.triton.config import state_u_dtype
+    from megatron_iso.ops.gdn.triton.tuning import state_u_dtype
 
     form = FORM or "scan"
     u_dtype = state_u_dtype(form, DOT_PRECISION)
@@ -187,7 +187,7 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
-# Tuning constants of ops/gdn/triton/config.py (and BWD_*: ops/gdn/triton/backward.py) that --tune may override in a
+# Tuning constants of ops/gdn/triton/tuning.py (and BWD_*: ops/gdn/triton/backward.py) that --tune may override in a
 # run (each is read at launch time).
 TUNABLE = (
     "SCAN_BV",
@@ -227,7 +227,7 @@ def apply_tune(pairs: list[str]) -> None:
     """``NAME=INT`` pairs onto the GDN Triton package's tuning constants. The kernels' bits follow some of them (the scan's
     layout, the inverse's block); training and rollout in one run use the same values, so the bitwise checks hold."""
     from megatron_iso.ops.gdn.triton import backward as B
-    from megatron_iso.ops.gdn.triton import config as G
+    from megatron_iso.ops.gdn.triton import tuning as G
 
     for pair in pairs:
         name, _, val = pair.partition("=")

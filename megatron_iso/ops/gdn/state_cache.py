@@ -59,7 +59,7 @@ class GDNLayerState:
     buf_g: torch.Tensor  # [slots, C, Hv] fp32 (log decay)
     buf_beta: torch.Tensor  # [slots, C, Hv] fp32
     # [slots, C, Hv, Dv] in ``u_dtype``: the open chunk's u rows (form "chunk"; [slots, 0, 0, 0] for "scan"), fp32 or the
-    # dtype the chunk form stores u in (bf16 with bf16 chain dots: triton.config.chunk_u_dtype)
+    # dtype the chunk form stores u in (bf16 with bf16 chain dots: triton.tuning.chunk_u_dtype)
     buf_u: torch.Tensor
     buf_y: torch.Tensor  # [slots, C, Hv, Dv] in ``u_dtype``: the open chunk's Y rows (form "chunk"; as buf_u)
     buf_tinv: torch.Tensor  # [slots, Hv, C, C] fp32: the open chunk's T^{-1} rows (form "chunk"; [slots, 0, 0, 0])

@@ -3,7 +3,7 @@
 Same signatures as :mod:`megatron_iso.ops.gdn.reference`; not the reference's bits, but the same *structure*, which is
 what makes training forward == chunked prefill (any split) == token-by-token decode, bit for bit, for any batch
 composition and any subset of heads. Chunks are aligned at position 0 of each sequence. Every block size and warp count
-is chosen from (Dk, Dv, chunk) only (:func:`.config.config_for`), never from T or the batch. q, k, v, g, beta are read
+is chosen from (Dk, Dv, chunk) only (:func:`.tuning.config_for`), never from T or the batch. q, k, v, g, beta are read
 in their own dtype (fp32, bf16, fp16) at their row stride and widened to fp32 in-kernel, which is exact (other dtypes,
 or inner dims that are not contiguous, are copied to contiguous fp32 first). Per-call planning (:mod:`.plan`) needs the
 sequence boundaries on the host: one device->host copy per distinct (cu_seqlens, starts, slots), cached across the
@@ -22,7 +22,7 @@ chunks in order: ``u = T^{-1}(beta v - beta e^G K E)``, ``E' = e^{G_C} E + KD^T 
 - K-blocked dots: an fp32 ieee ``tl.dot`` lowers to one fma chain per output element, k ascending, so a dot over K in
   ascending blocks of 16 (``acc = tl.dot(a_blk, b_blk, acc)``) makes the same fmas in the same order as one dot over
   all of K, without holding both operands' whole K extent per thread (which spilled).
-- Dot precision (``GDNConfig.prep_precision`` / ``chain_precision``, :data:`.config.DOT_PRECISIONS`): "ieee" (fma
+- Dot precision (``GDNConfig.prep_precision`` / ``chain_precision``, :data:`.tuning.DOT_PRECISIONS`): "ieee" (fma
   chains), "tf32x3", "tf32" or "bf16" (tensor cores; bf16: operands rounded to bf16, fp32 accumulate). Inside an MMA the
   rounding differs from an fma chain, but the result is still a fixed function of (compiled kernel, operand tiles): no
   atomics, no split-K, blocks in ascending order. Training and rollout run the same kernel on the same closed chunk, so
@@ -46,7 +46,7 @@ Output forms (``GDNConfig.form``, per call ``form=``; in the model ``profile.gdn
   (i <= t), one program per (chunk, value head, Dv block); the plan lists every chunk the call has tokens in, an open
   last chunk included (its missing rows load as zeros, which leaves the present rows' bits as in the full chunk), and
   the chain stores each chunk's entry state and u for it. Its decode step works row by row, so it takes only the
-  precisions whose row bits do not follow a tile's row count (:data:`.config.CHUNK_FORM_PRECISIONS`).
+  precisions whose row bits do not follow a tile's row count (:data:`.tuning.CHUNK_FORM_PRECISIONS`).
 
 Decode (:mod:`.decode`) mirrors training. Scan form: one scan step from the running state; when a step closes a chunk,
 the prep and chain kernels run on the buffered chunk (the state cache's ``buf_*`` rows, read exactly as packed rows are)
@@ -56,7 +56,7 @@ cached rows before it, by the prep's fma chain), then the Y, u and output rows t
 (earlier Y and u rows from the cache), and the chunk's exit state at its close. Every such dot has the training dot's
 K extent and order, and a row's bits depend only on that row and the other operand, so row t is the training tile's.
 
-fp contraction: the chunk form's kernels (prep, chain, output, decode) compile without it (:func:`.config.fp_options`):
+fp contraction: the chunk form's kernels (prep, chain, output, decode) compile without it (:func:`.tuning.fp_options`):
 a decode step redoes the training kernels' arithmetic for one row in another kernel, and
 where LLVM contracts ``a * b + c`` into one fma must not depend on the kernel it sits in (contracted, the decode row
 kernel fused ``beta v - (beta e^G k) E`` where the chain subtracts from the prep's rounded ``beta v``). The scan form

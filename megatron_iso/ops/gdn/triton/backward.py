@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gdn.triton.config import INTERPRET, MIN_DOT, dot, maxnreg
 from megatron_iso.ops.gdn.triton.tiles import chunk_row
+from megatron_iso.ops.gdn.triton.tuning import INTERPRET, MIN_DOT, dot, maxnreg
 
 # Tuning. The chain's Dv block: 64 with bf16 operands (faster than 32), 32 with fp32 ones (64 needs more shared
 # memory than sm_90 has at tf32). The output and WY kernels loop over Dv blocks of BWD_BV and key slices of BWD_KS

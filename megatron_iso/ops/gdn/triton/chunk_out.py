@@ -8,10 +8,10 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
-from megatron_iso.ops.gdn.triton import config
-from megatron_iso.ops.gdn.triton.config import GDNConfig, fp_options, maxnreg
+from megatron_iso.ops.gdn.triton import tuning
 from megatron_iso.ops.gdn.triton.plan import Plan
 from megatron_iso.ops.gdn.triton.tiles import buffer_rows, chunk_row, k_tile, output_p, output_rows
+from megatron_iso.ops.gdn.triton.tuning import GDNConfig, fp_options, maxnreg
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def chunk_outputs(
     _chunk_out_kernel[(plan.nchunks, hv, triton.cdiv(dv, cfg.out_bv))](
         qf, kf, buf_k, plan.chunks, ex, u, gcum, out, scale, sq, sk, hk, hv, dk, dv, hv // hk,
         C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.out_bv, PREC=cfg.chain_precision,
-        num_warps=config.OUT_WARPS, **maxnreg(config.OUT_MAXNREG), **fp_options(cfg.form),
+        num_warps=tuning.OUT_WARPS, **maxnreg(tuning.OUT_MAXNREG), **fp_options(cfg.form),
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from megatron_iso.ops.common.autograd import with_fused_backward, with_plain_bac
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.checks import check_conv_args, check_state_slots
 from megatron_iso.ops.gdn.reference import L2NORM_EPS
-from megatron_iso.ops.gdn.triton import config
+from megatron_iso.ops.gdn.triton import tuning
 from megatron_iso.ops.norm.norm_backward_triton import l2norm_backward
 
 
@@ -172,7 +172,7 @@ def conv_backward(
     x, w, dy = x.contiguous(), weight.contiguous(), dy.contiguous()
     cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
     sid = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True).to(torch.int32)
-    bt, bc = config.CONV_BWD_BT, config.CONV_BWD_BC
+    bt, bc = tuning.CONV_BWD_BT, tuning.CONV_BWD_BC
     n_blocks = triton.cdiv(t, bt)
     da = torch.empty(t, cd, dtype=torch.float32, device=x.device)
     dwp = torch.empty(n_blocks, cd, kw, dtype=torch.float32, device=x.device)
@@ -220,12 +220,12 @@ def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
     st = (starts if starts is not None else torch.zeros(n, dtype=torch.int64)).to(device=x.device, dtype=torch.int64)
     sl = slots.to(device=x.device, dtype=torch.int64) if has else st
     cs = conv_state if has else x
-    grid = (t, triton.cdiv(cd, config.CONV_BC))
-    _conv_kernel[grid](x, weight.contiguous(), y, sid, cu, st, sl, cs, cd, K=kw, HAS_STATE=has, BC=config.CONV_BC)
+    grid = (t, triton.cdiv(cd, tuning.CONV_BC))
+    _conv_kernel[grid](x, weight.contiguous(), y, sid, cu, st, sl, cs, cd, K=kw, HAS_STATE=has, BC=tuning.CONV_BC)
     if has:
         kp = triton.next_power_of_2(max(kw - 1, 1))
-        _conv_state_kernel[(n, triton.cdiv(cd, config.CONV_BC))](
-            x, cu, st, sl, conv_state, cd, K=kw, KP=kp, BC=config.CONV_BC
+        _conv_state_kernel[(n, triton.cdiv(cd, tuning.CONV_BC))](
+            x, cu, st, sl, conv_state, cd, K=kw, KP=kp, BC=tuning.CONV_BC
         )
     return y
 
@@ -289,9 +289,9 @@ def _gates_forward(a, b, A_log, dt_bias):
     g = torch.empty(t, h, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
     if a.numel():
-        _gates_kernel[(triton.cdiv(a.numel(), config.ELEM_BLOCK),)](
+        _gates_kernel[(triton.cdiv(a.numel(), tuning.ELEM_BLOCK),)](
             a.contiguous(), b.contiguous(), A_log.contiguous(), dt_bias.contiguous(), g, beta, a.numel(), h,
-            BLOCK=config.ELEM_BLOCK,
+            BLOCK=tuning.ELEM_BLOCK,
         )  # fmt: skip
     return torch.stack([g, beta])
 

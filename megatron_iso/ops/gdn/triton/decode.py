@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
-from megatron_iso.ops.gdn.triton import config
-from megatron_iso.ops.gdn.triton.config import GDNConfig, dot, fp_options, maxnreg
+from megatron_iso.ops.gdn.triton import tuning
 from megatron_iso.ops.gdn.triton.plan import Plan
 from megatron_iso.ops.gdn.triton.state_pass import prep_outputs
 from megatron_iso.ops.gdn.triton.tiles import (
@@ -24,6 +23,7 @@ from megatron_iso.ops.gdn.triton.tiles import (
     subst_operands,
     subst_y,
 )
+from megatron_iso.ops.gdn.triton.tuning import GDNConfig, dot, fp_options, maxnreg
 
 
 @triton.jit
@@ -283,7 +283,7 @@ def _decode_row_kernel(
 
 def decode_rows(chunk: int) -> int:
     """The row count of a chunk-form decode step's tiles (``DECODE_ROWS``; its 0 means the whole chunk)."""
-    return min(config.DECODE_ROWS or chunk, chunk)
+    return min(tuning.DECODE_ROWS or chunk, chunk)
 
 
 def decode_step(
@@ -315,13 +315,13 @@ def decode_step(
     _decode_prep_kernel[(n, hv)](
         qf, kf, vf, gf, bf, *buffers, state.buf_tinv, plan.chunks, kd, egc, gcum, p, a, scale, sq, sk, sv, sg, sb, hk,
         *sizes, C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision,
-        OPREC=cfg.chain_precision, ROWS=nrows, num_warps=config.DECODE_PREP_WARPS, num_stages=config.PREP_STAGES,
-        **maxnreg(config.DECODE_PREP_MAXNREG), **fp_options(cfg.form),
+        OPREC=cfg.chain_precision, ROWS=nrows, num_warps=tuning.DECODE_PREP_WARPS, num_stages=tuning.PREP_STAGES,
+        **maxnreg(tuning.DECODE_PREP_MAXNREG), **fp_options(cfg.form),
     )  # fmt: skip
     _decode_row_kernel[(n, hv, triton.cdiv(dv, cfg.decode_bv))](
         qf, kf, vf, bf, plan.chunks, plan.chains, *entries, kd, egc, gcum, p, a, state.buf_tinv, state.buf_u,
         state.buf_y, out, scale, sq, sk, sv, sb, *sizes, C=c, BK=cfg.bk, BV=cfg.decode_bv, IB=cfg.inv_block,
-        ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=config.DECODE_SUM_ONE_DOT and cfg.chain_precision != "ieee",
-        num_warps=config.DECODE_WARPS,
-        **maxnreg(config.DECODE_MAXNREG), **fp_options(cfg.form),
+        ROWS=nrows, PREC=cfg.chain_precision, SUM_ONE_DOT=tuning.DECODE_SUM_ONE_DOT and cfg.chain_precision != "ieee",
+        num_warps=tuning.DECODE_WARPS,
+        **maxnreg(tuning.DECODE_MAXNREG), **fp_options(cfg.form),
     )  # fmt: skip

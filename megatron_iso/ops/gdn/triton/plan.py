@@ -15,7 +15,7 @@ import torch
 
 from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.gdn.checks import check_nonempty, check_starts, check_state_slots
-from megatron_iso.ops.gdn.triton import config
+from megatron_iso.ops.gdn.triton import tuning
 
 
 @dataclass
@@ -129,7 +129,7 @@ def _plan(
     has_state: bool,
     dev: torch.device,
     slot_count: int,
-    form: str = config.FORM,
+    form: str = tuning.FORM,
 ) -> Plan:
     """Segments (with the buffer rows of a chunk left open), chunks and chains of a call, as int32 tables on ``dev``.
     Scan form: the chunk table holds the chunks the call closes (the state pass); chunk form: every chunk the call
@@ -195,7 +195,7 @@ def _plan(
         nseg=len(segs),
         nchunks=len(chunks),
         seg=tab(segs, (0, 1, 2, 3, 4, 5, 6, 10)),
-        chunks=tab(chunks, range(config.CHUNK_COLS)),
+        chunks=tab(chunks, range(tuning.CHUNK_COLS)),
         chains=tab(chains, range(6)),
         nchains=len(chains),
         scratch=multi,

@@ -13,15 +13,15 @@ import triton
 from megatron_iso.ops.gdn.checks import check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import GDNLayerState, check_value_buffer
-from megatron_iso.ops.gdn.triton import config
+from megatron_iso.ops.gdn.triton import tuning
 from megatron_iso.ops.gdn.triton.backward import rule_backward
 from megatron_iso.ops.gdn.triton.chunk_out import buffer_open_chunks, chunk_outputs
-from megatron_iso.ops.gdn.triton.config import GDNConfig, config_for, form_dot_precision
 from megatron_iso.ops.gdn.triton.conv_gates import causal_conv1d, gdn_gates, l2norm
 from megatron_iso.ops.gdn.triton.decode import decode_step
 from megatron_iso.ops.gdn.triton.plan import cached_plan, decode_plan
 from megatron_iso.ops.gdn.triton.scan import scan_outputs
 from megatron_iso.ops.gdn.triton.state_pass import no_entries, no_state, state_pass, state_rows
+from megatron_iso.ops.gdn.triton.tuning import GDNConfig, config_for, form_dot_precision
 from megatron_iso.registry import OpImpl, Profile, register
 
 # The implementation version the contract registers for each op below (OpImpl.version): it names the kernels' bits,
@@ -92,7 +92,7 @@ def _rule_forward(
     check_rule_args(q, k, v, g, beta, chunk, state)
     t, _, dk = k.shape
     hv, dv = v.shape[1:]
-    form = form or config.FORM
+    form = form or tuning.FORM
     dot_precision = form_dot_precision(form, dot_precision)
     cfg = config_for(dk, dv, chunk, dot_precision, form)
     scale = dk**-0.5 if scale is None else float(scale)
@@ -276,25 +276,25 @@ _RULE_CONSTANTS = {
     # the same contract); here what a null precision means per form.
     "form": "profile.gdn_form (scan or chunk)",
     "dot_precision": "profile.gdn_dot_precision (null: the form's default)",
-    "dot_precision_defaults": [f"scan:{config.DOT_PRECISION}", f"chunk:{config.CHUNK_DOT_PRECISION}"],
-    "chunk_form_precisions": list(config.CHUNK_FORM_PRECISIONS),
+    "dot_precision_defaults": [f"scan:{tuning.DOT_PRECISION}", f"chunk:{tuning.CHUNK_DOT_PRECISION}"],
+    "chunk_form_precisions": list(tuning.CHUNK_FORM_PRECISIONS),
     "output": "scan: per-token recurrent scan from the chunk entry (or running) state, S[Dk, BV] in registers; "
     "chunk: O = e^G (Q E) + P u per (chunk, head, Dv block)",
     "decode": "scan: one scan step from the running state, state pass kernels re-run on the buffered chunk at its "
     "close; chunk: the token's X_bb row from the cached rows (the prep's fma chain), its A and P rows, its Y, u and o "
     "rows through the chain's 16-row tiles (Y, u rows cached), the exit at close",
-    "decode_bv": config.DECODE_BV,
+    "decode_bv": tuning.DECODE_BV,
     "fp_contraction": "chunk form: off (enable_fp_fusion=False for prep, chain, output and decode kernels); scan: on",
-    "decode_sum_one_dot": config.DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot
-    "scan_bv": config.SCAN_BV,
-    "inv_block": config.INV_BLOCK,
+    "decode_sum_one_dot": tuning.DECODE_SUM_ONE_DOT,  # the decode step's substitution sum as one dot
+    "scan_bv": tuning.SCAN_BV,
+    "inv_block": tuning.INV_BLOCK,
     "chain_bv_ieee_mma_bf16": [
-        config.CHAIN_BV,
-        config.CHAIN_BV_MMA,
-        config.CHAIN_BV_BF16,
+        tuning.CHAIN_BV,
+        tuning.CHAIN_BV_MMA,
+        tuning.CHAIN_BV_BF16,
     ],  # the chain's Dv block per dot path
-    "out_bv_decode_rows": [config.OUT_BV, config.DECODE_ROWS],
-    "warps_scan_chain_prep_out": [config.SCAN_WARPS, config.CHAIN_WARPS, config.PREP_WARPS, config.OUT_WARPS],
+    "out_bv_decode_rows": [tuning.OUT_BV, tuning.DECODE_ROWS],
+    "warps_scan_chain_prep_out": [tuning.SCAN_WARPS, tuning.CHAIN_WARPS, tuning.PREP_WARPS, tuning.OUT_WARPS],
     "block_k": "max(16, next_pow2(Dk))",
     "exp": "tl.exp (fp32)",
     "inputs": "read in their own dtype (fp32/bf16/fp16, widened in-kernel) at their row stride; other dtypes or "
@@ -310,12 +310,12 @@ for _op, _fn, _probe, _consts in (
     ("gated_delta_rule", gated_delta_rule, _probe_rule, _RULE_CONSTANTS),
     ("gdn_conv1d", causal_conv1d, _probe_conv,
      {"sum": "sequential fp32 over K (FMA contraction allowed)", "silu": "acc / (1 + tl.exp(-acc)), div_rn",
-      "block_channels": config.CONV_BC, "backward": "conv_backward: two triton kernels, fp32, fixed row blocks",
+      "block_channels": tuning.CONV_BC, "backward": "conv_backward: two triton kernels, fp32, fixed row blocks",
       "triton": triton.__version__}),
     ("gdn_gates", gdn_gates, _probe_gates,
      {"formula": "g: fp64 -exp(A_log) * (max(x,0) + log1p(exp(-|x|))), log1p = log(u) y/(u-1), rounded once; "
                  "beta: fp32 1/(1+exp(-b)) div_rn",
-      "block": config.ELEM_BLOCK, "triton": triton.__version__}),
+      "block": tuning.ELEM_BLOCK, "triton": triton.__version__}),
     ("gdn_l2norm", l2norm, _probe_gates,
      {"eps": L2NORM_EPS, "reduction": "one row per program, tl.sum over next_pow2(D)", "sqrt_div": "sqrt_rn, div_rn",
       "backward": "norm_backward_triton row-norm kernel, fp32", "triton": triton.__version__}),

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gdn.triton import config
-from megatron_iso.ops.gdn.triton.config import GDNConfig, maxnreg
+from megatron_iso.ops.gdn.triton import tuning
 from megatron_iso.ops.gdn.triton.plan import Plan
+from megatron_iso.ops.gdn.triton.tuning import GDNConfig, maxnreg
 
 
 @triton.jit
@@ -118,6 +118,6 @@ def scan_outputs(
     hv, dv = vf.shape[1:]
     _scan_kernel[(plan.nseg, hv, triton.cdiv(dv, cfg.scan_bv))](
         qf, kf, vf, gf, bf, out, plan.seg, running, ex, fin, *buffers, scale, sq, sk, sv, sg, sb,
-        hk, hv, dk, dv, hv // hk, BK=cfg.bk, BV=cfg.scan_bv, num_warps=config.SCAN_WARPS,
-        **maxnreg(config.SCAN_MAXNREG),
+        hk, hv, dk, dv, hv // hk, BK=cfg.bk, BV=cfg.scan_bv, num_warps=tuning.SCAN_WARPS,
+        **maxnreg(tuning.SCAN_MAXNREG),
     )  # fmt: skip

@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gdn.triton import config
-from megatron_iso.ops.gdn.triton.config import GDNConfig, dot, fp_options, maxnreg
+from megatron_iso.ops.gdn.triton import tuning
 from megatron_iso.ops.gdn.triton.plan import Plan
 from megatron_iso.ops.gdn.triton.tiles import (
     beta_rows,
@@ -21,6 +20,7 @@ from megatron_iso.ops.gdn.triton.tiles import (
     subst_y,
     v_tile,
 )
+from megatron_iso.ops.gdn.triton.tuning import GDNConfig, dot, fp_options, maxnreg
 
 
 @triton.jit
@@ -351,7 +351,7 @@ def prep_chunks(
         kf, vf, gf, bf, *buffers, chunks, u0, w, kd, egc, gcum, tinv, bce, s, kp, sk, sv, sg, sb, hk, hv, dk, dv,
         hv // hk,
         C=c, BK=cfg.bk, BVF=cfg.bv_full, KB=cfg.kb, IB=cfg.inv_block, PREC=cfg.prep_precision, SUBST=subst,
-        WY=wy or not subst, num_warps=config.PREP_WARPS, num_stages=config.PREP_STAGES, **maxnreg(config.PREP_MAXNREG),
+        WY=wy or not subst, num_warps=tuning.PREP_WARPS, num_stages=tuning.PREP_STAGES, **maxnreg(tuning.PREP_MAXNREG),
         **fp_options(cfg.form),
     )  # fmt: skip
     return (*terms, tinv, s, kp)
@@ -402,7 +402,7 @@ def state_pass(
         _chain_kernel[(plan.nchains, hv, triton.cdiv(dv, cfg.chain_bv))](
             plan.chains, *entries, u0, u, w, kd, egc, ex, plan.chunks, s, kp, u if buf_y is None else buf_y, hv, dk, dv,
             C=cfg.chunk, BK=cfg.bk, BVF=cfg.bv_full, BV=cfg.chain_bv, KB=cfg.kb, IB=cfg.inv_block,
-            PREC=cfg.chain_precision, ENTRIES=cfg.form == "chunk", num_warps=config.CHAIN_WARPS,
-            num_stages=config.CHAIN_STAGES, **maxnreg(config.CHAIN_MAXNREG), **fp_options(cfg.form),
+            PREC=cfg.chain_precision, ENTRIES=cfg.form == "chunk", num_warps=tuning.CHAIN_WARPS,
+            num_stages=tuning.CHAIN_STAGES, **maxnreg(tuning.CHAIN_MAXNREG), **fp_options(cfg.form),
         )  # fmt: skip
     return u, w, kd, egc, gcum, tinv

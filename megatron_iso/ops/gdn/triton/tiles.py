@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_iso.ops.gdn.triton.config import dot
+from megatron_iso.ops.gdn.triton.tuning import dot
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Tuning constants, precisions and output forms, :class:`GDNConfig` (what fixes the kernels' instruction sequences),
 and the launch-option helpers and the dot every kernel of the package shares.
 
-The constants are read when a call is planned or launched (``config.NAME``), so ``tools/bench_gdn.py --tune`` and the
+The constants are read when a call is planned or launched (``tuning.NAME``), so ``tools/bench_gdn.py --tune`` and the
 tests may override them on this module for a run.
 """
 

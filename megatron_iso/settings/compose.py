@@ -7,11 +7,14 @@ reads ``<checkout>/conf/`` beside ``megatron_iso/``. :func:`conf_dir` looks in t
 
 CLIs, tests and library code call :func:`load_config` with command-line style overrides
 (``model=tiny_dense profile=performance parallel.tp=2``) and get the same DictConfig a
-Hydra app would see, without Hydra taking over the process (no output dirs, no chdir).
+Hydra app would see, without Hydra taking over the process (no output dirs, no chdir). The composed config is
+read once, into typed settings (:func:`megatron_iso.settings.resolve`, through :func:`plain_config`); only this
+package and the command-line tools (``cli/``) handle OmegaConf objects.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,12 +22,16 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
+# What composing a config raises for a bad override or group (besides the settings' own UserErrors).
+CONFIG_ERRORS: tuple[type[Exception], ...] = (HydraException, OmegaConfBaseException)
 # Set to use a config tree other than the shipped one (a copy of conf/ with groups of one's own added).
 CONF_ENV = "MEGATRON_ISO_CONF"
 ROOT_CONFIG = "config"
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # megatron_iso/
 # Where the shipped config tree is, first match wins: installed (setup.py's package_dir puts conf/ inside the
 # package), then the source layout (a checkout, or an editable install, whose megatron_iso/ is the checkout's).
 # Plain paths rather than importing megatron_iso.conf: conf/ holds no Python, and setuptools' editable finder
@@ -69,6 +76,39 @@ def load_config(overrides: Sequence[str] = (), config_name: str = ROOT_CONFIG) -
         if parked is not None:
             global_hydra.clear()
             global_hydra.initialize(parked)
+
+
+def plain_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` as plain containers, interpolations resolved (a mapping: its groups copied one level deep)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in cfg.items()}
+
+
+def config_from_plain(config: Mapping[str, Any]) -> DictConfig:
+    """A plain config (a checkpoint's, a grid cell's) as the DictConfig Hydra would compose: the tools that pass
+    a config on to Hydra-driven code (bench cells) build it here."""
+    return OmegaConf.create(dict(config))
+
+
+def replace_model(
+    cfg: Mapping[str, Any],
+    model: Mapping[str, Any],
+    model_overrides: Sequence[str] = (),
+    tokenizer: str | None = None,
+    replaces_tokenizers: Sequence[Any] = (),
+) -> DictConfig:
+    """A copy of ``cfg`` whose ``model`` group is ``model`` with the ``model.KEY=VALUE`` ``model_overrides`` on top;
+    with ``tokenizer``, a ``task.tokenizer`` among ``replaces_tokenizers`` (the defaults) set to it."""
+    group = OmegaConf.create(dict(model))
+    if model_overrides:
+        group = OmegaConf.merge(group, OmegaConf.from_dotlist([o[len("model.") :] for o in model_overrides]))
+    out = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else OmegaConf.create(plain_config(cfg))
+    with open_dict(out):
+        out.model = group
+        if tokenizer is not None and "task" in out and out.task.get("tokenizer") in replaces_tokenizers:
+            out.task.tokenizer = tokenizer
+    return out
 
 
 def load_config_with_model(model: Mapping[str, Any], overrides: Sequence[str] = ()) -> DictConfig:

@@ -1,6 +1,6 @@
-"""The synchronous colocated RL loop (GRPO / DAPO).
+"""The RL trainer (GRPO / DAPO): what one rank holds for a run and one synchronous step of it.
 
-One step: prompts -> rollout (the bundled decoder running the trainer's own modules, n samples
+The run around it (its directory, checkpoints, resume, logging) is :mod:`megatron_iso.rl.run`. One step: prompts -> rollout (the bundled decoder running the trainer's own modules, n samples
 per prompt) -> rewards -> trainer forward over prompt+response (the logprobs the loss uses) ->
 group-normalised advantages -> policy loss -> optimizer step -> the decoder sees the new weights
 (same parameter tensors; its prefix cache is flushed). With ``rollout.parallel.tp`` other than
@@ -12,10 +12,6 @@ logprobs equal the rollout's bit for bit, so ``mismatch/abs_diff_max`` is 0 at e
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
-import json
-import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -24,9 +20,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf, open_dict
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
 
+from megatron_iso.checkpoint.init_from import build_initial_model
+from megatron_iso.contract import ContractValidationError, check_compatible, handshake
 from megatron_iso.errors import NonFiniteError, UserError
+from megatron_iso.inference.engine import EngineConfig, RolloutEngine
+from megatron_iso.inference.params import Request
+from megatron_iso.inference.phase_memory import RolloutMemory
+from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
 from megatron_iso.rl.data import build_tasks
 from megatron_iso.rl.dynamic_sampling import collect_step_batch
 from megatron_iso.rl.losses import (
@@ -36,16 +39,16 @@ from megatron_iso.rl.losses import (
     policy_loss,
     untrained_step_line,
 )
-from megatron_iso.rl.metrics import MetricsLog, peak_memory_bytes, step_metrics
-from megatron_iso.rl.optim import current_lr, scale_moe_aux_loss
+from megatron_iso.rl.metrics import peak_memory_bytes, step_metrics
+from megatron_iso.rl.optim import build_optimizer, current_lr, scale_moe_aux_loss
+from megatron_iso.rl.pipeline import pack_micro_batch, pipeline_passes, score_micro_batch
 from megatron_iso.rl.ppo import check_schedule, merge_updates, run_updates, step_normaliser
-from megatron_iso.rl.rollout import LayoutRollout, rollout_parallel, separate_layout_needed, with_parallel
+from megatron_iso.rl.rollout import LayoutRollout
 from megatron_iso.rl.routing_replay import RoutingMeter, records_routing
 from megatron_iso.rl.sampling import generate_shares, train_params
 from megatron_iso.rl.tasks import Prompt
 from megatron_iso.rl.token_log import trained_token_ids
-from megatron_iso.rl.validation import due, validate
-from megatron_iso.settings import RLSettings, Settings, check_trainable, config_world, resolve
+from megatron_iso.settings import RLSettings, Settings, check_gpu_gemm_shapes, contract_for, rollout_layout
 
 
 class RunSetupError(UserError, RuntimeError):
@@ -78,13 +81,12 @@ def _loss_config(rl: RLSettings) -> PolicyLossConfig:
 class Trainer:
     """Everything one rank holds for the run: model, optimizer, decoder, task, logs."""
 
-    def __init__(self, cfg: DictConfig, rank: int, settings: Settings | None = None) -> None:
-        """Build the run's parts in order, each from the typed ``settings`` (default: :func:`resolve` of ``cfg``;
-        ``cfg`` itself is still what the rollout layout and the task read)."""
-        from megatron.core import parallel_state
-
-        self.cfg, self.rank = cfg, rank
-        self.settings = settings if settings is not None else resolve(cfg)
+    def __init__(self, settings: Settings, rank: int) -> None:
+        """Build the run's parts in order, each from the typed ``settings`` (``megatron_iso.settings.resolve``)."""
+        if not isinstance(settings, Settings):
+            raise TypeError(f"Trainer takes Settings (megatron_iso.settings.resolve), got {type(settings).__name__}")
+        self.rank = rank
+        self.settings = settings
         self.rl: RLSettings = self.settings.require("rl")
         self.loss_cfg = _loss_config(self.rl)
         self.micro_batch_seqs = self.rl.train_micro_batch_seqs
@@ -92,25 +94,17 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.tc = self._build_transformer_config()
-        rollout_cfg, separate = self._build_contract()
+        self.tc: IsoTransformerConfig = transformer_config(settings)
+        rollout, separate = self._build_contract()
         self._build_model()
-        self._build_optimizer()
-        self._build_engine(rollout_cfg, separate)
+        self.ddp, self.optimizer, self.schedule = build_optimizer(self.tc, self.model, self.rl)
+        self._build_engine(rollout, separate)
         self._build_task()
         self.ppo_schedule = check_schedule(self)  # (mini-batches per epoch, where pi_old comes from): rl.ppo
 
-    def _build_transformer_config(self) -> Any:
-        from megatron_iso.models.config import transformer_config
-
-        return transformer_config(self.settings)
-
-    def _build_contract(self) -> tuple[DictConfig, bool]:
+    def _build_contract(self) -> tuple[Settings, bool]:
         """Contract: the rollout side (the decoder) and the trainer must agree before anything runs. Returns the
-        rollout's config (its layout) and whether that layout needs a model of its own."""
-        from megatron_iso.contract import ContractValidationError, check_compatible, handshake
-        from megatron_iso.settings import check_gpu_gemm_shapes, contract_for
-
+        rollout's settings (its layout) and whether that layout needs a model of its own."""
         self.contract = contract_for(self.settings)
         if self.settings.device_class == "cuda":
             try:
@@ -119,25 +113,21 @@ class Trainer:
                 raise RunSetupError(str(exc)) from exc
         world = dist.get_world_size() if dist.is_initialized() else 1
         try:
-            rollout_par = rollout_parallel(self.cfg, world)
-            separate = separate_layout_needed(self.cfg, rollout_par)
+            rollout, separate = rollout_layout(self.settings, world)
         except ValueError as exc:
             raise RunSetupError(str(exc)) from exc
-        rollout_cfg = with_parallel(self.cfg, rollout_par)
         try:
-            rollout_contract = contract_for(rollout_cfg)
+            rollout_contract = contract_for(rollout)
         except ContractValidationError as exc:
             raise RunSetupError(f"rollout.parallel: {exc}") from exc
         where = "rollout layout (rollout.parallel)" if separate else "rollout (colocated decoder)"
         check_compatible(self.contract, rollout_contract, where)
         handshake(self.contract)
         self.policy_digest = self.contract.identities.numerical_policy
-        return rollout_cfg, separate
+        return rollout, separate
 
     def _build_model(self) -> None:
         """The policy from ``model.init_from`` or seeded random HF weights; a frozen copy of it for the KL term."""
-        from megatron_iso.checkpoint.init_from import build_initial_model
-
         initial = (self.tc, self.settings.model.init_from, self.settings.require("seed"))
         self.model = build_initial_model(*initial)
         # KL to the initial policy: a frozen copy scored with the same function (rl.kl_coef > 0 only).
@@ -145,25 +135,18 @@ class Trainer:
         if self.rl.kl_coef > 0:
             self.ref_model = build_initial_model(*initial).eval().requires_grad_(False)
 
-    def _build_optimizer(self) -> None:
-        from megatron_iso.rl.optim import build_optimizer
-
-        self.ddp, self.optimizer, self.schedule = build_optimizer(self.tc, self.model, self.rl)
-
-    def _build_engine(self, rollout_cfg: DictConfig, separate: bool) -> None:
-        """Colocated: the decoder runs the trainer's own modules. Another layout: its own model, synced."""
-        from megatron_iso.inference.engine import EngineConfig, RolloutEngine
-        from megatron_iso.inference.phase_memory import RolloutMemory
-
+    def _build_engine(self, layout: Settings, separate: bool) -> None:
+        """Colocated: the decoder runs the trainer's own modules. Another layout (``layout``: the rollout side's
+        settings): its own model, synced."""
         rollout = self.settings.require("rollout")
         engine_cfg = EngineConfig(
             kv_cache_bytes=rollout.kv_cache_bytes,
             paged_kv_reads=rollout.paged_kv_reads,
             cuda_graphs=rollout.cuda_graphs,
-            record_routing=records_routing(self.tc, OmegaConf.to_container(rollout_cfg.parallel, resolve=True)),
+            record_routing=records_routing(self.tc, dict(layout.contract.parallel)),
         )
         self.routing_meter = RoutingMeter(engine_cfg.record_routing, next(self.model.parameters()).device)
-        self.layout_rollout = LayoutRollout(rollout_cfg, self.model, engine_cfg) if separate else None
+        self.layout_rollout = LayoutRollout(layout, self.model, engine_cfg) if separate else None
         self.engine = self.layout_rollout.engine if separate else RolloutEngine(self.model, engine_cfg)
         # The KV pool and GDN slots, freed while the trainer runs (rollout.release_in_training).
         self.rollout_memory = (
@@ -171,15 +154,13 @@ class Trainer:
         )
 
     def _build_task(self) -> None:
-        self.tasks = build_tasks(self.cfg, self.settings, self.tc.vocab_size, self.engine, self.rank)
+        self.tasks = build_tasks(self.settings, self.tc.vocab_size, self.engine, self.rank)
         self.task = self.tasks.train
         self.device = next(self.model.parameters()).device
 
     # --- one RL step ------------------------------------------------------------------------
     def rollout(self, step: int, draw: int = 0) -> list[Sample]:
-        """This rank's samples of step ``step``'s generation batch ``draw`` (> 0: DAPO re-sampling, rl.dynamic_sampling)."""
-        from megatron_iso.inference.params import Request
-
+        """This rank's samples of step ``step``'s generation batch ``draw`` (> 0: DAPO re-sampling, rl.max_gen_batches)."""
         every = self.task.resample_prompts(step, draw)
         prompts = every[self.dp_rank :: self.dp_size]
         params = train_params(self.rl, self.tasks.stop_ids, self.settings.require("seed"))
@@ -247,10 +228,6 @@ class Trainer:
         count: the extra passes run ``filler`` with its loss and MoE aux loss scaled by 0, so they add exact
         zeros to the gradients and nothing to the logprobs or statistics. Samples' ``old_logp``: pi_old (rl.ppo).
         """
-        from megatron.core.distributed import finalize_model_grads
-
-        from megatron_iso.rl.pipeline import pipeline_passes
-
         bounds = self._micro_batch_bounds(len(samples))
         passes = len(bounds) if micro_batches is None else micro_batches
         if passes < len(bounds):
@@ -342,14 +319,10 @@ class Trainer:
         """Forward and backward over one micro-batch (its loss divided by the step's ``normaliser``, times
         ``weight``); returns its response tokens' trainer, rollout and reference logprobs, entropies (empty
         without ``rl.log_entropy``) and old-policy logprobs, in sample order."""
-        from megatron_iso.models.scoring import score_sequences
-        from megatron_iso.rl.pipeline import pack_micro_batch
-
         mb = pack_micro_batch(self, samples, advantages, weight)
-        ids, batch, mask, seq_index, rollout = mb["ids"], mb["batch"], mb["mask"], mb["seq_index"], mb["rollout"]
-        # Only the response rows enter the loss: the prompt's rows are not scored (their LM head is skipped).
-        how = {"temperature": self.rl.temperature, "rows": mask.nonzero()[:, 0].to(self.device)}
-        logp, ent = score_sequences(self.ddp.module, ids, batch, with_entropy=self.rl.log_entropy, **how)
+        mask, seq_index, rollout = mb["mask"], mb["seq_index"], mb["rollout"]
+        temperature = self.rl.temperature
+        logp, ent = score_micro_batch(self.ddp.module, mb, temperature, self.device, self.rl.log_entropy)
         # The loss runs on the host: one download of the logprobs (and entropies) per micro-batch.
         if ent is None:
             logp, ent = logp.float().cpu(), torch.zeros(0)
@@ -360,7 +333,7 @@ class Trainer:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = score_sequences(self.ref_model, ids, batch, with_entropy=False, **how)[0].float().cpu()
+                ref = score_micro_batch(self.ref_model, mb, temperature, self.device, False)[0].float().cpu()
         loss, _ = policy_loss(
             logp, old, advantages, mask, seq_index, self.loss_cfg,
             rollout_logp=rollout, ref_logp=ref, normaliser=normaliser,
@@ -435,161 +408,3 @@ class Trainer:
         out: list[Any] = [None] * self.dp_size
         dist.all_gather_object(out, item, group=self.dp_group)
         return out
-
-
-# Keys a checkpoint must agree on with the run that resumes it. Not the layout: checkpoints reshard (rl.checkpoint),
-# and the numerical policy digest already refuses a layout that changes bits (a pinned TP, another device class).
-def _checkpoint_identity(trainer: Trainer) -> dict[str, Any]:
-    return {"numerical_policy": trainer.policy_digest, **trainer.tasks.identity()}  # the data, in its order
-
-
-def _checkpoint_layout(trainer: Trainer) -> dict[str, Any]:
-    """Where a checkpoint was written (recorded in meta.json, not checked on resume)."""
-    tc = trainer.tc
-    return {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "tp": tc.tensor_model_parallel_size,
-            "pp": tc.pipeline_model_parallel_size, "ep": tc.expert_model_parallel_size, "dp": trainer.dp_size,
-            "use_distributed_optimizer": trainer.rl.use_distributed_optimizer}  # fmt: skip
-
-
-def run_identity(cfg: DictConfig) -> dict[str, Any]:
-    """What a run trains: its model and task. Resuming with any other is refused, the differing keys named."""
-    return {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "task")}
-
-
-def _check_resumable(checkpoint: Path, cfg: DictConfig) -> None:
-    from megatron_iso.rl.checkpoint import CheckpointError
-    from megatron_iso.rl.run_dir import identity_diff
-
-    saved = json.loads((checkpoint / "meta.json").read_text()).get("identity")
-    if saved is None:
-        raise CheckpointError(f"checkpoint {checkpoint} records no run identity (model, task); it cannot be resumed")
-    diff = identity_diff(saved, run_identity(cfg))
-    if diff:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} was trained with another model or task ({'; '.join(diff[:4])}"
-            f"{'; ...' if len(diff) > 4 else ''}); resume with the same settings or choose a new out_dir"
-        )
-
-
-# Metrics whose values depend on wall-clock or memory, not on the computation: excluded when
-# comparing a resumed run with an uninterrupted one.
-TIMING_PREFIXES = ("timing/", "throughput/", "memory/")
-
-
-def _plan_start(run_dir: Path, settings: Settings, cfg: DictConfig) -> Path | None:
-    """The checkpoint to resume from in ``run_dir`` (None: a new run), by the rules of ``rl.run_dir``."""
-    from megatron_iso.rl.checkpoint import latest_checkpoint
-    from megatron_iso.rl.run_dir import plan_start
-
-    resume_from = plan_start(run_dir, settings.resume, latest_checkpoint(run_dir) if run_dir.exists() else None)
-    if resume_from is not None:
-        _check_resumable(resume_from, cfg)
-    return resume_from
-
-
-def _new_run_dir(cfg: DictConfig, settings: Settings, rank: int) -> tuple[DictConfig, Settings]:
-    """A run without ``out_dir``: a new ``runs/<UTC time>-<id>`` (the same on every rank), printed, and put into
-    copies of ``cfg`` (what config.yaml and the logger record) and ``settings``."""
-    from megatron_iso.rl.run_dir import default_run_dir
-
-    run_dir = default_run_dir()
-    if rank == 0:
-        print(f"out_dir={run_dir} (a new run directory; out_dir=PATH chooses one)", file=sys.stderr)
-    cfg = copy.deepcopy(cfg)
-    with open_dict(cfg):
-        cfg.out_dir = str(run_dir)
-    return cfg, dataclasses.replace(settings, out_dir=run_dir)
-
-
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run ``cfg.rl.steps`` RL steps in ``cfg.out_dir``: a new run (``resume=false``), the continuation of its
-    latest checkpoint (``resume=true``), or either (``resume=auto``); the rules: ``rl.run_dir``. Without an
-    ``out_dir`` (null) the run gets a new directory, named once the world is up and before anything is written."""
-    from megatron_iso.checkpoint.init_from import apply_init_from
-    from megatron_iso.checkpoint.run_ckpt import save_hf
-    from megatron_iso.rl.checkpoint import finished_step, load_checkpoint, save_checkpoint
-    from megatron_iso.rl.run_dir import locked_start
-
-    # Megatron logs every DDP bucket's parameter names at INFO; keep the console to the progress bar.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    cfg = apply_init_from(cfg)  # model.init_from: the checkpoint's model group (and tokenizer)
-    settings = resolve(cfg)
-    check_trainable(settings)
-    rl: RLSettings = settings.require("rl")
-    # An out_dir given is checked before any world opens (a refusal writes nothing); the start is decided under the lock.
-    if settings.out_dir is not None:
-        resume_from = _plan_start(settings.out_dir, settings, cfg)
-        done = None if resume_from is None else finished_step(resume_from, rl.steps)
-        if done is not None:  # nothing left to run: no world, nothing written
-            return {"run_dir": str(settings.out_dir), "steps_run": 0, "history": [], "dashboard": None,
-                    "validation": {}, "finished_at": done}  # fmt: skip
-    with contextlib.ExitStack() as stack:
-        rank = stack.enter_context(config_world(settings))
-        if settings.out_dir is None:
-            cfg, settings = _new_run_dir(cfg, settings, rank)  # a directory no run has: nothing to resume
-        run_dir: Path = settings.out_dir
-        trainer = Trainer(cfg, rank, settings)
-        # Locked once the run is built (a run that fails to build writes nothing), before anything is written;
-        # the start (new or resumed) is decided under the lock, as another run may have written here meanwhile.
-        resume_from = stack.enter_context(locked_start(run_dir, lambda: _plan_start(run_dir, settings, cfg), rank))
-        start = 0
-        if resume_from is not None:
-            meta = load_checkpoint(
-                resume_from, trainer.model, trainer.optimizer, _checkpoint_identity(trainer), rank=rank
-            )
-            start = int(meta["step"]) + 1
-            trainer.schedule.step(start)
-            trainer.publish_weights()
-        identities = trainer.contract.identities.to_dict()
-        if rank == 0:
-            print(
-                f"run {run_dir}: profile {settings.profile.name.value} on {settings.device_class}, contract "
-                + ", ".join(f"{k} {v[:12]}" for k, v in sorted(identities.items())),
-                file=sys.stderr,
-            )
-            # The first config stays config.yaml; a resumed run's own goes beside it.
-            name = "config.yaml" if resume_from is None else f"config.resumed_step{start:06d}.yaml"
-            (run_dir / name).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        log = MetricsLog(
-            run_dir,
-            cfg.logger,
-            {**OmegaConf.to_container(cfg, resolve=True), "contract": identities},
-            resume_step=None if resume_from is None else start,
-            enabled=rank == 0,
-            summary=trainer.tasks.summary(),
-        )
-        steps = rl.steps
-        every = rl.checkpoint_every
-        meta = {**_checkpoint_identity(trainer), **_checkpoint_layout(trainer), "identity": run_identity(cfg),
-                "contract": identities}  # fmt: skip
-        history = []
-        bar = _progress(range(start, steps), rank == 0)
-        try:
-            for step in bar:
-                metrics = {**(validate(trainer, step) if due(rl, step) else {}), **trainer.step(step)}
-                log.log(step, metrics, trainer.step_tokens)
-                history.append(metrics)
-                if rank == 0 and hasattr(bar, "set_postfix"):
-                    bar.set_postfix(
-                        reward=f"{metrics['reward/mean']:.3f}",
-                        dlogp_max=f"{metrics.get('mismatch/abs_diff_max', 0):.2e}",
-                    )
-                if (step + 1) % every == 0 or step + 1 == steps:
-                    save_checkpoint(run_dir, step, trainer.model, trainer.optimizer, meta, rank=rank,
-                                    keep=rl.keep_checkpoints)  # fmt: skip
-                if rl.save_hf_every and ((step + 1) % rl.save_hf_every == 0 or step + 1 == steps):
-                    save_hf(run_dir, step, trainer.model, meta["identity"]["model"], trainer.tc, rank=rank)
-            final = validate(trainer, steps) if due(rl, steps, last=True) else {}  # the trained policy's
-            if final:
-                log.log(steps, final)
-            dashboard = log.write_dashboard()  # rank 0's, also to W&B; None elsewhere
-        finally:
-            log.close()
-        return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard),
-                "validation": final}  # fmt: skip
-
-
-def _progress(steps: range, show: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(steps, desc="rl steps", initial=steps.start, total=steps.stop, dynamic_ncols=True) if show else steps
