@@ -93,7 +93,7 @@ def _cases(dtype: str) -> dict:
 
 
 def _tolerance(dtype: str, ref: torch.Tensor) -> dict:
-    scale = float(ref.float().abs().max()) + 1.0
+    scale = float(ref.float().abs().max())  # the output's scale (std 0.2 weights: O(10))
     return {"rtol": 0.0, "atol": (1e-5 if dtype == "fp32" else 2e-2) * scale}
 
 
