@@ -84,7 +84,8 @@ def test_captured_native_moe_layer_replays_the_eager_dispatch(dtype: str) -> Non
                     eager = moe.serve(x)
                     assert torch.equal(bits(static_out), bits(eager)), (dtype, routing, n)
                     ref = MoELayer.forward(moe, x[:n])[0].float()
-                    atol = (3e-2 if dtype == "bf16" else 2e-3) * float(ref.abs().max())  # relative to the output's scale
+                    # relative to the output's scale
+                    atol = (3e-2 if dtype == "bf16" else 2e-3) * float(ref.abs().max())
                     torch.testing.assert_close(static_out[:n].float(), ref, rtol=0.0, atol=atol)
                     cases += 1
             assert cases == 12

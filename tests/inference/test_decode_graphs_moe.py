@@ -61,7 +61,7 @@ def _native(path: str) -> dict:
     decode bucket buffers, 2/5/6 rows, run eagerly (``buckets``); the static dispatch's calls counted."""
     from megatron_iso.models import moe_serving
 
-    tc, model = engine_cases.setup(["profile=performance", "model=tiny_moe"])
+    _, model = engine_cases.setup(["profile=performance", "model=tiny_moe"])
     layers = [m for m in model.modules() if isinstance(m, moe_serving.NativeMoELayer)]
     if path == "megatron":
         for layer in layers:
