@@ -81,6 +81,7 @@ from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
+from megatron_iso.models.moe_serving import build_expert_stacks, native_static_unsupported
 from megatron_iso.ops.logprob import host_checked_temperature
 from megatron_iso.ops.rope import check_position
 from megatron_iso.registry import Profile
@@ -127,8 +128,6 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
                 "on the host (EP 1 only)"
             )
         if mc.iso_profile != Profile.CORRECTNESS:
-            from megatron_iso.models.moe_serving import native_static_unsupported
-
             why = native_static_unsupported(mc)
             if why is not None:
                 return f"MoE layers in the performance profile without the static dispatch: {why}"
@@ -393,6 +392,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up (compiles kernels, builds the bucket's host-made tables), then record one step."""
+        build_expert_stacks(self.model)  # native MoE's serving copies: allocated on this stream, not the side one
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))

@@ -177,6 +177,13 @@ def expert_stacks(model: torch.nn.Module) -> list[ExpertStack]:
     return [m.expert_stack for m in model.modules() if isinstance(m, NativeMoELayer)]
 
 
+def build_expert_stacks(model: torch.nn.Module) -> None:
+    """Build ``model``'s serving copies now, on the current stream (a CUDA-graph capture warms up on a side stream,
+    which must not be where tensors that outlive it are allocated)."""
+    for stack in expert_stacks(model):
+        stack.weights()
+
+
 def refresh_expert_stacks(model: torch.nn.Module) -> None:
     """Copy ``model``'s expert weights into the serving copies built so far (after a weight change)."""
     for stack in expert_stacks(model):
@@ -187,6 +194,7 @@ def refresh_expert_stacks(model: torch.nn.Module) -> None:
 __all__ = [
     "ExpertStack",
     "NativeMoELayer",
+    "build_expert_stacks",
     "expert_stacks",
     "native_static_unsupported",
     "refresh_expert_stacks",
