@@ -19,18 +19,14 @@ ROWS = (1, 5, 96)
 def _cases(dtype: str) -> dict:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_iso.config import load_config
     from megatron_iso.models import moe_serving
     from megatron_iso.models.batch import pack
-    from megatron_iso.models.config import transformer_config
-    from megatron_iso.models.gpt import build_model
-    from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.ops.attention.kv_cache import KVCache
     from megatron_iso.ops.gemm import grouped_stock
     from megatron_iso.testing.host_reads import HostReadCounter
+    from tests.inference import engine_cases
 
-    tc = transformer_config(load_config(["model=tiny_moe", "profile=performance", f"model.params_dtype={dtype}"]))
-    model = build_model(tc, random_hf_state_dict(tc, seed=7, std=0.2)).eval()
+    tc, model = engine_cases.setup(["model=tiny_moe", "profile=performance", f"model.params_dtype={dtype}"])
     moe = model.decoder.layers[0].mlp
     g = torch.Generator().manual_seed(3)
     out: dict = {"cases": [], "type": type(moe).__name__}
@@ -93,7 +89,7 @@ def _cases(dtype: str) -> dict:
 
 
 def _tolerance(dtype: str, ref: torch.Tensor) -> dict:
-    scale = float(ref.float().abs().max())  # the output's scale (std 0.2 weights: O(10))
+    scale = float(ref.float().abs().max())  # the output's scale (tolerances relative to it)
     return {"rtol": 0.0, "atol": (1e-5 if dtype == "fp32" else 2e-2) * scale}
 
 
