@@ -72,13 +72,20 @@ class Cell:
 
 def step_bytes(model: torch.nn.Module, batch: int, context: float) -> float:
     """Bytes a decode step must read at least: every weight once (the input embedding only when it is not
-    also the LM head: a step reads a handful of its rows) and the KV cache of ``batch`` sequences of
-    ``context`` tokens (attention layers only; Gated DeltaNet state is not counted)."""
+    also the LM head: a step reads a handful of its rows; of an MoE layer's routed experts, the share that
+    ``batch * top-k`` uniformly routed slots touch in expectation, ``1 - (1 - k / E) ** batch``) and the KV cache
+    of ``batch`` sequences of ``context`` tokens (attention layers only; Gated DeltaNet state is not counted)."""
     from megatron_iso.models.gdn import gdn_layer_indices
 
     mc = model.config
     emb = model.embedding.word_embeddings.weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    touched = 1.0
+    if mc.num_moe_experts:
+        touched = 1.0 - (1.0 - mc.moe_router_topk / mc.num_moe_experts) ** batch
+    weights = sum(
+        p.numel() * p.element_size() * (touched if ".local_experts." in name else 1.0)
+        for name, p in model.named_parameters()
+    )
     if not getattr(model, "share_embeddings_and_output_weights", False):
         weights -= emb.numel() * emb.element_size()
     attn_layers = mc.num_layers - len(gdn_layer_indices(mc))

@@ -56,6 +56,9 @@
 #   rlmoe    300    bench_rl_step iso + native, Qwen3-30B-A3B widths with 2 layers, 64 x (128 + 256), micro-batches of 16
 #   moebwd   120    bench_moe_backward: the grouped expert backward vs the per-expert loop and torch's grouped mm
 #   decode8bfull 300 bench_decode iso + native, Qwen3-8B (36 layers), batch 1 and 64, 4096-token prompts
+#   decodemoe 250   bench_decode iso + native, Qwen3-30B-A3B widths with 4 layers, batch 1 8 64, 512 + 256 tokens:
+#                   MoE decode from CUDA graphs in both profiles (native: the static dispatch, torch's grouped_mm)
+#   decodemoeeager 250 the same with --no-cuda-graphs (the native row: the static dispatch without graphs)
 #   nccl     300    needs 2 GPUs: tests/multigpu over NCCL (invariance, TP-2 decode graphs)
 #   rltp2    420    needs 2 GPUs: bench_rl_step at TP=2 under torchrun
 #   rlcp2    420    needs 2 GPUs: bench_rl_step at CP=2 under torchrun (correctness; the performance profile with
@@ -71,7 +74,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd decode decoderoof decode8b decode8bfull decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -172,6 +175,12 @@ for s in "$@"; do
     decode8bfull) step decode8bfull 300 8 python3 tools/bench_decode.py --model qwen3_8b --engines iso native \
       --batch 1 64 --prompt-len 4096 --new-tokens 256 --max-seconds 20 --budget-seconds 290 \
       --out "$OUT/bench_decode_8b_full.json" ;;
+    decodemoe) step decodemoe 250 10 python3 tools/bench_decode.py --model qwen3_30b_a3b --engines iso native \
+      --batch 1 8 64 --prompt-len 512 --new-tokens 256 --max-seconds 10 --budget-seconds 240 \
+      --out "$OUT/bench_decode_moe_l4.json" model.num_layers=4 ;;
+    decodemoeeager) step decodemoeeager 250 10 python3 tools/bench_decode.py --model qwen3_30b_a3b --engines iso \
+      native --batch 1 8 64 --prompt-len 512 --new-tokens 256 --max-seconds 10 --budget-seconds 240 --no-cuda-graphs \
+      --out "$OUT/bench_decode_moe_l4_eager.json" model.num_layers=4 ;;
     nccl) step nccl 300 15 python3 -m pytest -q -p no:warnings -rfE tests/multigpu ;;
     rltp2) step rltp2 420 8 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_rl_step.py \
       --model qwen3_0p6b --steps 3 --prompts 8 --group 8 --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 \

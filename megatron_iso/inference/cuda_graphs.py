@@ -26,11 +26,13 @@ shared prompt's slot (``GDNSlotCache.prepare_append``) runs on the host before t
 written, outside the graph. Captured only in the correctness profile with ``profile.gdn_form=chunk``
 (the GPU's ``auto``): the scan form's state pass and the native ops plan each step on the host.
 
-MoE layers (correctness profile, EP 1): a bucket's batch is marked ``static_shapes``, so the layer routes
+MoE layers (EP 1): in the correctness profile a bucket's batch is marked ``static_shapes``, so the layer routes
 by a stable sort of the routing map and runs the grouped expert GEMM on a grid set by the bucket's row
 count, reading each expert's row range on the device (``models.moe``); the expert batch sizes change
-under the same graph. The performance profile's Megatron dispatcher and EP > 1 all-to-alls plan their
-splits on the host and stay eager.
+under the same graph. The performance profile's layer dispatches every serving step (a batch with a KV cache)
+by static shapes from stock parts: Megatron's router, a device sort of the slots, torch's ``grouped_mm`` and
+Megatron's ``unpermute`` (``models.moe_serving``), where Megatron's dispatcher would plan its splits on the host.
+EP > 1 all-to-alls plan their splits on the host and stay eager.
 
 Tensor parallelism (TP > 1, a TP group over NCCL): each rank captures its own graphs over its shards. The step's
 cross-rank work is NCCL collectives of device tensors whose shapes follow from the bucket's row count alone: the
@@ -79,6 +81,7 @@ from megatron_iso.inference.gdn_slots import GDNSlotCache
 from megatron_iso.inference.kv_blocks import PagedKVCache, PagedStepView
 from megatron_iso.inference.state import StepState
 from megatron_iso.models.batch import IsoBatch, pack
+from megatron_iso.models.moe_serving import build_expert_stacks, native_static_unsupported
 from megatron_iso.ops.logprob import host_checked_temperature
 from megatron_iso.ops.rope import check_position
 from megatron_iso.registry import Profile
@@ -119,13 +122,15 @@ def decode_graph_support(model: torch.nn.Module, *, paged_kv_reads: bool) -> str
                 "read on the host)"
             )
     if mc.num_moe_experts:
-        if mc.iso_profile != Profile.CORRECTNESS:
-            return "MoE layers in the performance profile: Megatron's dispatcher plans expert batch sizes on the host"
         if mc.expert_model_parallel_size > 1:
             return (
                 f"expert_model_parallel_size={mc.expert_model_parallel_size}: the all-to-all splits are planned "
                 "on the host (EP 1 only)"
             )
+        if mc.iso_profile != Profile.CORRECTNESS:
+            why = native_static_unsupported(mc)
+            if why is not None:
+                return f"MoE layers in the performance profile without the static dispatch: {why}"
     return None
 
 
@@ -387,6 +392,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up (compiles kernels, builds the bucket's host-made tables), then record one step."""
+        build_expert_stacks(self.model)  # native MoE's serving copies: allocated on this stream, not the side one
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))

@@ -67,6 +67,7 @@ from megatron_iso.inference.routing_record import enable_routing_record, sequenc
 from megatron_iso.inference.state import SequenceStateCache, StepState
 from megatron_iso.models.batch import pack, row_multiple
 from megatron_iso.models.gdn import gdn_layer_indices
+from megatron_iso.models.moe_serving import refresh_expert_stacks
 from megatron_iso.registry import Profile
 
 
@@ -105,7 +106,7 @@ class _Drawn:
 
 class RolloutEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
-        self.model = model  # the trainer's object: weights are shared, never copied
+        self.model = model  # the trainer's object: weights are shared (native MoE experts: a serving copy too)
         self.config = config or EngineConfig()
         mc = model.config
         if mc.pipeline_model_parallel_size > 1:  # a stage holds some layers: its KV cache would miss the others'
@@ -118,8 +119,7 @@ class RolloutEngine:
         limit = int(mc.max_sequence_length) or 1 << 62
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         tp = mc.tensor_model_parallel_size
-        param = next(model.parameters())
-        self.device = param.device
+        self.device = next(model.parameters()).device
         gdn_layers = set(gdn_layer_indices(mc))
         self.kv = PagedKVCache.from_budget(
             self.config.kv_cache_bytes,
@@ -219,14 +219,14 @@ class RolloutEngine:
         return line + (f"; {graphs.disabled}" if graphs.disabled else "")
 
     def on_weights_updated(self) -> None:
-        """Contract rules ``{prefix_cache, kv_cache, recurrent_state} flushed on weight_sync``.
-
-        Cached states were computed with the old weights; reusing them would mix two policies.
+        """Contract rules ``{prefix_cache, kv_cache, recurrent_state} flushed on weight_sync`` (cached states hold the
+        old weights' work), and the MoE experts' serving copies refreshed (performance profile, ``models.moe_serving``).
         Must be called with no sequence running (between :meth:`generate` calls)."""
         if self._running:
             raise RuntimeError(f"on_weights_updated with {len(self._running)} running sequences; finish them first")
         for cache in self.caches:
             cache.flush()
+        refresh_expert_stacks(self.model)
         if self.decode_graphs is not None and self.decode_graphs.parameters_moved():
             self.decode_graphs.drop()  # weights loaded in place keep the graphs; new storage is re-captured
         self.weights_version += 1

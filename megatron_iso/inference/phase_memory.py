@@ -5,8 +5,10 @@ for the whole run: at Qwen3-8B widths a 16 GB pool stays resident through the tr
 Adam step, which is where the trainer's peak is. Stock colocated RL stacks release it between phases (vLLM's sleep
 mode). Between two rollouts nothing in those tensors is needed: every sequence has finished, and the weight sync
 that follows the optimizer step flushes the prefix cache and every recurrent state anyway (the contract's
-invalidation rules). So :meth:`RolloutMemory.release` frees the tensors' storage (the tensor objects and their shapes stay:
-every view and table of the caches stays valid) and :meth:`RolloutMemory.restore` allocates it again, zeroed as at construction.
+invalidation rules). Nor are the serving copies of weights (the performance profile's stacked MoE expert
+weights, ``models.moe_serving``), which a restore copies from the parameters again. So
+:meth:`RolloutMemory.release` frees the tensors' storage (the tensor objects and their shapes stay: every view and
+table of the caches stays valid) and :meth:`RolloutMemory.restore` allocates it again, zeroed as at construction.
 
 Bits: a restored cache is the state of a freshly built engine's cache (zeros, no cached prefix), and a rollout after
 a weight sync starts from exactly that state whether or not the memory was released: the next rollout's tokens and
@@ -22,6 +24,7 @@ from dataclasses import fields
 import torch
 
 from megatron_iso.inference.engine import RolloutEngine
+from megatron_iso.models.moe_serving import expert_stacks, refresh_expert_stacks
 
 
 def cache_tensors(engine: RolloutEngine) -> list[torch.Tensor]:
@@ -32,6 +35,12 @@ def cache_tensors(engine: RolloutEngine) -> list[torch.Tensor]:
         for layer in engine.gdn.state.layers.values():
             out += [getattr(layer, f.name) for f in fields(layer) if isinstance(getattr(layer, f.name), torch.Tensor)]
     return out
+
+
+def serving_copies(engine: RolloutEngine) -> list[torch.Tensor]:
+    """The serving copies of weights the engine's layers keep beside the trainer's parameters: the performance
+    profile's stacked MoE expert weights (``models.moe_serving.ExpertStack``), once built."""
+    return [t for stack in expert_stacks(engine.model) for t in stack.tensors()]
 
 
 class RolloutMemory:
@@ -54,7 +63,7 @@ class RolloutMemory:
         if self.released:
             return 0
         engine.kv.flush()  # its reusable prefixes point into the pool about to go; the GDN slots keep no prefixes
-        tensors = cache_tensors(engine)
+        tensors = cache_tensors(engine) + serving_copies(engine)
         self._addresses = [t.data_ptr() for t in tensors]
         freed = 0
         for t in tensors:
@@ -70,14 +79,15 @@ class RolloutMemory:
         kept when every tensor came back at its old address, else dropped (captured again on first use)."""
         if not self.released:
             return
-        tensors = cache_tensors(self.engine)
+        tensors = cache_tensors(self.engine) + serving_copies(self.engine)
         for t in tensors:
             t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
             t.zero_()
+        refresh_expert_stacks(self.engine.model)  # the weights back into the serving copies
         moved = [t.data_ptr() for t in tensors] != self._addresses
         self._addresses = None
         if moved and self.engine.decode_graphs is not None:
             self.engine.decode_graphs.drop()
 
 
-__all__ = ["RolloutMemory", "cache_tensors"]
+__all__ = ["RolloutMemory", "cache_tensors", "serving_copies"]

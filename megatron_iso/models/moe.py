@@ -53,6 +53,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_iso.models.batch import IsoBatch
+from megatron_iso.models.moe_serving import serving_dispatch
 from megatron_iso.models.routing import moe_layer_index, routed_experts, routing_scope
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
@@ -408,8 +409,13 @@ class IsoMoELayer(MoELayer):
 class IsoMoETransformerLayer(TransformerLayer):
     """Megatron's TransformerLayer for layers with an MoE MLP: a forward outside the model call (activation
     recompute) runs under :func:`recomputed_static_shapes`, so its experts take the model call's path; every forward
-    opens the layer's routing scope (``models.routing``: record, compare, replay)."""
+    opens the layer's routing scope (``models.routing``: record, compare, replay); a serving step's forward (a batch
+    with a KV cache) runs the performance profile's static dispatch (``models.moe_serving``)."""
 
     def forward(self, *args, packed_seq_params=None, **kwargs):
-        with recomputed_static_shapes(packed_seq_params), routing_scope(moe_layer_index(self), packed_seq_params):
+        with (
+            recomputed_static_shapes(packed_seq_params),
+            routing_scope(moe_layer_index(self), packed_seq_params),
+            serving_dispatch(packed_seq_params),
+        ):
             return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)

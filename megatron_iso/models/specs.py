@@ -19,7 +19,7 @@ from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -36,6 +36,7 @@ from megatron_iso.models.moe import (
     IsoTopKRouter,
     ReplayTopKRouter,
 )
+from megatron_iso.models.moe_serving import NativeMoELayer
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import PROFILES, Profile
 
@@ -85,13 +86,14 @@ def moe_mlp_spec(profile: str) -> ModuleSpec:
 
     correctness: invariant router, experts, shared expert and dispatcher (``models.moe``);
     performance: Megatron's stock TopKRouter (``ReplayTopKRouter``: with routing replay's hook, ``models.routing``),
-    SequentialMLP, SharedExpertMLP and all-to-all dispatcher.
+    SequentialMLP, SharedExpertMLP and all-to-all dispatcher, in Megatron's MoELayer (``NativeMoELayer``: a serving
+    step's forward dispatches by static shapes from stock parts, ``models.moe_serving``).
     """
     kit = layer_kit(profile)
     iso = profile == Profile.CORRECTNESS
     expert_mlp = MLPSubmodules(linear_fc1=kit.column_linear, linear_fc2=kit.row_linear)
     return ModuleSpec(
-        module=IsoMoELayer if iso else MoELayer,
+        module=IsoMoELayer if iso else NativeMoELayer,
         submodules=MoESubmodules(
             router=IsoTopKRouter if iso else ReplayTopKRouter,
             experts=ModuleSpec(module=IsoSequentialExperts if iso else SequentialMLP, submodules=expert_mlp),
@@ -110,7 +112,7 @@ def gdn_spec(kit: LayerKit) -> ModuleSpec:
 
 def _layer_spec(kit: LayerKit, mlp: ModuleSpec, mixer: ModuleSpec | None = None) -> ModuleSpec:
     # An MoE layer re-enters its model call's static-shape path when activation recompute reruns it (models.moe).
-    moe = mlp.module in (IsoMoELayer, MoELayer)
+    moe = mlp.module in (IsoMoELayer, NativeMoELayer)
     return ModuleSpec(
         module=IsoMoETransformerLayer if moe else TransformerLayer,
         submodules=TransformerLayerSubmodules(
