@@ -2,7 +2,7 @@
 on the CPU under TRITON_INTERPRET=1, fp32 (the interpreter's bf16 ``tl.dot`` is wrong). Run by
 ``test_gdn_fla_interpret.py`` in a child process; prints ``fla rollout ok`` and the largest gaps.
 
-Three calls, each on both paths with their own state caches and the same slots: a packed prefill of fresh sequences
+Four calls, each on both paths with their own state caches and the same slots: a packed prefill of fresh sequences
 (FLA's chunk kernel over the whole call), a mixed call (a resumed sequence continuing with 9 tokens, a decode step
 and a fresh sequence in a new slot: the chunk kernel on two sequences, one from its slot's state, one from zeros, the
 fused recurrent kernel on the third), then two steps of decode only (the fused recurrent kernel over the whole call).
@@ -12,8 +12,9 @@ heads. Every call's outputs and the final states of its slots are held to the to
 Bound: both paths compute in fp32 (unit roundoff u = 2^-24) and sum the same terms in a different order through at
 most four chained stages (the decay cumsum, the triangular inverse, the w / u products, the state and output
 products), each of at most C + Dk = 32 terms; the first-order worst case, 4 * 32 * u = 2^-17 of the magnitudes
-involved, doubled: 2^-16 of the largest reference entry. A layout slip (a transposed state, beta bound to the wrong
-parameter, value heads grouped the other way) moves results by O(0.1) of that entry, more than 6,000 times the bound.
+involved, doubled: 2^-16 of the largest reference entry (measured: 1.0e-6). A layout slip moves results by a large
+fraction of that entry, thousands of times the bound (measured: beta = 1 instead of beta 125%, the slots' states
+read in [V, K] order 48%, beta bound to the decode kernel's ``gk`` as in the reverted c839157 NaN).
 """
 
 from __future__ import annotations
@@ -35,20 +36,10 @@ tensor_loop_indices(chunk_delta_h)
 
 from megatron_iso.ops.gdn import fla_stock, native  # noqa: E402
 from megatron_iso.ops.gdn.state_cache import GDNLayerState  # noqa: E402
+from megatron_iso.testing.gdn_inputs import random_gdn_inputs  # noqa: E402
 
 HK, HV, DK, DV, CHUNK = 2, 4, 16, 32, 16
 BOUND = 2.0**-16  # of the largest reference entry (module docstring)
-
-
-def _inputs(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    q = native.l2norm(torch.randn(t, HK, DK, generator=gen))
-    k = native.l2norm(torch.randn(t, HK, DK, generator=gen))
-    v = torch.randn(t, HV, DV, generator=gen)
-    a, b = torch.randn(t, HV, generator=gen), torch.randn(t, HV, generator=gen)
-    g, beta = native.gdn_gates(a, b, torch.full((HV,), -1.0), torch.ones(HV))  # mild decay: states keep history
-    return q, k, v, g, beta
 
 
 def _state() -> GDNLayerState:
@@ -78,7 +69,7 @@ def main() -> None:
     ]
     worst = {"out": 0.0, "state": 0.0}
     for n, (lens, starts, slots) in enumerate(calls):
-        q, k, v, g, beta = _inputs(lens, seed=n)
+        q, k, v, g, beta = random_gdn_inputs(sum(lens), n, hk=HK, hv=HV, dk=DK, dv=DV)
         cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
         cu_t, st_t, slots_t = torch.tensor(cu), torch.tensor(starts), torch.tensor(slots)
         want = native.gated_delta_rule(
