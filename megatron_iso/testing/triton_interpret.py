@@ -6,6 +6,11 @@ and for running a check in a child process (the variable must be set before trit
   interpreted process before the first launch.
 - :func:`fuse_interpreted_fma`: make the interpreter's ``tl.fma`` round once, as the GPU's does, for fp32
   (the interpreter computes ``x * y + z`` in two roundings).
+- :func:`skip_autotune_benchmarks`: ``triton.autotune`` times its configs through the GPU driver's benchmarker,
+  which the interpreter has none of; let it take its first config untimed (any config computes the same function).
+- :func:`tensor_loop_indices`: compiled Triton makes the index of a plain ``for i in range(n)`` loop a tensor, and
+  kernels call ``i.to(...)`` on it (FLA's ``chunk_delta_h``); the interpreter runs Python's ``range`` (ints). Give a
+  kernel module a ``range`` that yields interpreter scalars.
 - :func:`run_interpreted`: run ``python -c SOURCE`` or ``python SCRIPT [ARGS]`` with the interpreter on.
 - :func:`run_interpreted_concurrently`: one such child per argument list, all at once (the interpreter is
   single-threaded Python, so children of a long check share the cores instead of queueing on one).
@@ -16,9 +21,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +73,28 @@ def fuse_interpreted_fma() -> None:
         return interp.TensorHandle(fma_f32(x.data, y.data, z.data), z.dtype.scalar)
 
     interp.InterpreterBuilder.create_fma = fused
+
+
+def skip_autotune_benchmarks() -> None:
+    """Patch ``triton.autotune`` so it picks its first config without timing (the interpreter has no benchmarker)."""
+    import triton.runtime.autotuner as autotuner
+
+    autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles: [0.0] * len(quantiles))
+
+
+def tensor_loop_indices(module: Any) -> None:
+    """Make ``range`` in ``module``'s kernels yield interpreter int32 scalars, as compiled Triton's loop indices are.
+    Only for modules whose host code uses no ``range`` of its own (the scalars convert to int, but cost more)."""
+    import builtins
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    def tensor_range(*bounds: Any) -> Iterator[Any]:
+        for i in builtins.range(*(int(b) for b in bounds)):
+            yield tl.core.tensor(interp.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
+
+    module.range = tensor_range
 
 
 def run_interpreted(

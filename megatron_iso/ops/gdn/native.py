@@ -4,6 +4,10 @@ Training and prefill run a chunked algorithm (library matmuls, triangular solve,
 start of the call); a one-token decode step runs the plain recurrence (``.sum`` reductions). The two
 are different arithmetic, so decode drifts from the training forward: the gap this package removes.
 Only ``state.running`` and ``state.conv`` of the cache are used.
+
+On CUDA, where FLA is installed, the rollout's calls of the rule (a state cache given, no autograd) run FLA's chunk
+kernel (prefill) and fused recurrent kernel (decode steps) instead (:mod:`.fla_stock`, which says why the trainer,
+its scoring included, stays on the torch chunk algorithm).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from megatron_iso.ops.gdn import fla_stock
 from megatron_iso.ops.gdn.checks import check_conv_args, check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _starts
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
-from megatron_iso.registry import Profile, register_per_device
+from megatron_iso.registry import DEVICE_CLASSES, OpImpl, Profile, register, register_per_device
 
 
 def causal_conv1d(
@@ -227,7 +232,8 @@ def gated_delta_rule(
     slots: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps.
+    """Same signature as the reference; chunked for multi-token calls, recurrent for decode steps. A rollout call on
+    CUDA runs FLA's kernels where FLA is installed (:func:`.fla_stock.rollout_rule`).
 
     All decode steps of a call run as one batch, and all multi-token sequences as another
     (zero-padded to the longest), so the cost in launches does not grow with the number of sequences."""
@@ -238,6 +244,8 @@ def gated_delta_rule(
     hv, dv = v.shape[1:]
     rep = hv // hk
     scale = dk**-0.5 if scale is None else scale
+    if fla_stock.serves(q, state, k, v, g, beta):  # the rollout on CUDA: FLA's kernels, as stock stacks run it
+        return fla_stock.rollout_rule(q, k, v, g, beta, cu_seqlens, cu, st, scale=scale, state=state, slots=slots)
     qh = q.float().repeat_interleave(rep, 1) * scale
     kh = k.float().repeat_interleave(rep, 1)
     out = torch.empty(q.shape[0], hv, dv, dtype=torch.float32, device=q.device)
@@ -274,17 +282,28 @@ def _probe_rule(device: str = "cpu") -> dict[str, torch.Tensor]:
     return {"chunk8": gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 13, 21]), chunk=8)}
 
 
-register_per_device(
-    op="gated_delta_rule",
-    impl_id="gated_delta_rule.native",
-    # 2: one triangular inverse + matmuls (was a solve per right-hand side), chunk-major loop with fused
-    # matmul-adds.
-    version="2",
-    profile=Profile.PERFORMANCE,
-    fn=gated_delta_rule,
-    constants={"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"},
-    probe_for=lambda device: functools.partial(_probe_rule, device),
-)
+_RULE_CONSTANTS = {"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"}
+for _device in DEVICE_CLASSES:
+    # cuda with FLA installed: the rollout's prefill and decode cases are FLA's kernels (fla_stock), and the entry says
+    # so; the trainer's cases stay this module's torch code. A stock path claims no equality between them.
+    _fla = _device == "cuda" and fla_stock.installed()
+    _fla_constants, _fla_cases = fla_stock.registry_entry() if _fla else ({}, {})
+    register(
+        OpImpl(
+            op="gated_delta_rule",
+            impl_id="gated_delta_rule.native",
+            # 2: one triangular inverse + matmuls (was a solve per right-hand side), chunk-major loop with fused
+            # matmul-adds.
+            version="2",
+            device_class=_device,
+            profile=Profile.PERFORMANCE,
+            fn=gated_delta_rule,
+            constants=_RULE_CONSTANTS | _fla_constants,
+            case_impls=_fla_cases,
+            equivalence_note="none claimed: stock execution, the mismatch baseline" if _fla else "",
+            probe=functools.partial(_probe_rule, _device),
+        )
+    )
 for _op, _fn, _consts in (
     ("gdn_conv1d", causal_conv1d, {"formula": "F.conv1d + F.silu"}),
     ("gdn_gates", gdn_gates, {"formula": "hf qwen3-next"}),
