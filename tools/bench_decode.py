@@ -275,7 +275,7 @@ def build_runners(args: argparse.Namespace, failures: dict[str, str]) -> dict[st
 def _hf_model(model_cfg: dict, hf_weights: dict[str, torch.Tensor], args: argparse.Namespace) -> torch.nn.Module:
     import transformers
 
-    from megatron_iso.models.hf_config import hf_config_from_model
+    from megatron_iso.checkpoint.hf_config import hf_config_from_model
 
     hf = hf_config_from_model(model_cfg)
     config = getattr(transformers, f"{hf['architectures'][0].removesuffix('ForCausalLM')}Config")(

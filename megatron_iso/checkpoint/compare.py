@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from megatron_iso.checkpoint.convert import checked_hf_weights, hf_dir_settings
+from megatron_iso.checkpoint.hf_config import read_hf_config
 from megatron_iso.checkpoint.hf_dir import read_hf_weights
-from megatron_iso.models.hf_config import read_hf_config
 
 
 def _ours(hf_dir: Path, overrides: Sequence[str], ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -16,16 +16,16 @@ import torch
 
 from megatron_iso.checkpoint import iso_format
 from megatron_iso.checkpoint.files import check_input_dir, check_output_dir, staged_output
-from megatron_iso.checkpoint.hf_dir import WEIGHT_FILES, read_hf_weights, write_hf_dir
-from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
-from megatron_iso.checkpoint.tokenizer import copy_assets
-from megatron_iso.models.hf_config import (
+from megatron_iso.checkpoint.hf_config import (
     HF_CONFIG_FILE,
     hf_config_from_model,
     model_config_from_hf,
     read_hf_config,
     text_model_hf_config,
 )
+from megatron_iso.checkpoint.hf_dir import WEIGHT_FILES, read_hf_weights, write_hf_dir
+from megatron_iso.checkpoint.names import EMBED, LM_HEAD, text_model_names
+from megatron_iso.checkpoint.tokenizer import copy_assets
 from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.weights import (
     check_hf_state_dict,

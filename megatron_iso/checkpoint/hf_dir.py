@@ -17,7 +17,7 @@ from megatron_iso.checkpoint.files import (
     write_json,
     write_safetensors,
 )
-from megatron_iso.models.hf_config import HF_CONFIG_FILE
+from megatron_iso.checkpoint.hf_config import HF_CONFIG_FILE
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -21,6 +21,7 @@ import torch
 
 from megatron_iso.checkpoint import iso_format
 from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json
+from megatron_iso.checkpoint.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
 from megatron_iso.checkpoint.lazy import LazyHFSource
 from megatron_iso.checkpoint.run_ckpt import (
     _source_dir,
@@ -33,7 +34,6 @@ from megatron_iso.checkpoint.run_ckpt import (
     verify_run_checkpoint,
 )
 from megatron_iso.errors import UserError, check_finite
-from megatron_iso.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
 from megatron_iso.models.transformer_config import IsoTransformerConfig
 from megatron_iso.models.weights import hf_shapes, is_expert_param, load_hf_state_dict
 from megatron_iso.settings.compose import replace_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from megatron_iso.models.hf_config import QWEN3_5_VL_TEXT_TYPES, is_multimodal
+from megatron_iso.checkpoint.hf_config import QWEN3_5_VL_TEXT_TYPES, is_multimodal
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # A multimodal Qwen3.5 checkpoint keeps its text model under this prefix (transformers' PrefixChange).

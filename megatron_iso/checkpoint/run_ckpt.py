@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_iso.checkpoint.files import CheckpointFileError, open_safetensors, read_json, write_json
+from megatron_iso.checkpoint.hf_config import hf_config_from_model, read_hf_config
 from megatron_iso.checkpoint.hf_dir import write_hf_dir
 from megatron_iso.checkpoint.integrity import IntegrityError, offer_previous, verify_checksums
 from megatron_iso.checkpoint.tokenizer import copy_assets
-from megatron_iso.models.hf_config import hf_config_from_model, read_hf_config
 from megatron_iso.models.transformer_config import IsoTransformerConfig, transformer_config
 from megatron_iso.models.weights import EXPERT_PARAM, fuse_experts, hf_from_megatron_shards
 from megatron_iso.settings import settings_with_model

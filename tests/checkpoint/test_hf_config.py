@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from megatron_iso.models.hf_config import (
+from megatron_iso.checkpoint.hf_config import (
     UnsupportedHFConfig,
     hf_config_from_model,
     model_config_from_hf,

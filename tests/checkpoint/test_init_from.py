@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_iso.checkpoint.compare import compare_with_transformers
+from megatron_iso.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
 from megatron_iso.checkpoint.init_from import InitFromError, apply_init_from, build_initial_model, init_assets
-from megatron_iso.models.hf_config import hf_config_from_model, model_config_from_hf
 from megatron_iso.settings.compose import load_config
 from tests.checkpoint.conftest import WORDS, make_hf_model
 from tests.checkpoint.test_hf_checkpoint import REL_TOL
@@ -205,8 +205,8 @@ def test_sliced_reads_give_the_shards_of_the_full_read(request, fixture, ep):
     """Each (TP, EP) rank's shard read by safetensors slices equals the one cut from the whole model: GDN's
     per-head projections and conv channels, a multimodal prefix, experts per EP rank, a stored tied head."""
     from megatron_iso.checkpoint import checked_hf_weights, hf_dir_settings, read_hf_weights
+    from megatron_iso.checkpoint.hf_config import read_hf_config
     from megatron_iso.checkpoint.lazy import LazyHFSource
-    from megatron_iso.models.hf_config import read_hf_config
     from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import megatron_shard
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from megatron_iso.checkpoint import export_hf, import_hf, read_hf_weights
 from megatron_iso.checkpoint.compare import compare_with_transformers
-from megatron_iso.models.hf_config import UnsupportedHFConfig, hf_config_from_model, model_config_from_hf
+from megatron_iso.checkpoint.hf_config import UnsupportedHFConfig, hf_config_from_model, model_config_from_hf
 from megatron_iso.settings.compose import conf_dir
 from tests.checkpoint.conftest import FAMILIES, TINY_QWEN3_5_MOE
 from tests.checkpoint.test_hf_checkpoint import REL_TOL, _rewrite, assert_same_tensors

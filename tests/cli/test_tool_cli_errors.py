@@ -42,7 +42,7 @@ def inputs(tmp_path_factory) -> Path:
     from omegaconf import OmegaConf
 
     from megatron_iso.checkpoint import import_hf, write_hf_dir
-    from megatron_iso.models.hf_config import hf_config_from_model
+    from megatron_iso.checkpoint.hf_config import hf_config_from_model
     from megatron_iso.models.transformer_config import transformer_config
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
