@@ -74,7 +74,9 @@ def step_bytes(model: torch.nn.Module, batch: int, context: float) -> float:
     """Bytes a decode step must read at least: every weight once (the input embedding only when it is not
     also the LM head: a step reads a handful of its rows; of an MoE layer's routed experts, the share that
     ``batch * top-k`` uniformly routed slots touch in expectation, ``1 - (1 - k / E) ** batch``) and the KV cache
-    of ``batch`` sequences of ``context`` tokens (attention layers only; Gated DeltaNet state is not counted)."""
+    of ``batch`` sequences of ``context`` tokens (attention layers), plus each Gated DeltaNet layer's recurrent state
+    (fp32 ``[Hv, Dk, Dv]`` per sequence) and conv window (``K - 1`` rows of the conv channels), each read and
+    written once per step."""
     from megatron_iso.models.gdn import gdn_layer_indices
 
     mc = model.config
@@ -90,7 +92,15 @@ def step_bytes(model: torch.nn.Module, batch: int, context: float) -> float:
         weights -= emb.numel() * emb.element_size()
     attn_layers = mc.num_layers - len(gdn_layer_indices(mc))
     kv_token = attn_layers * 2 * mc.num_query_groups * mc.kv_channels * emb.element_size()
-    return weights + batch * context * kv_token
+    gdn_seq = 0
+    gdn_layers = len(gdn_layer_indices(mc))
+    if gdn_layers:
+        tp = mc.tensor_model_parallel_size
+        hk, hv = mc.linear_num_key_heads // tp, mc.linear_num_value_heads // tp
+        dk, dv = mc.linear_key_head_dim, mc.linear_value_head_dim
+        conv = (hk * dk * 2 + hv * dv) * (int(mc.linear_conv_kernel_dim) - 1) * emb.element_size()
+        gdn_seq = gdn_layers * 2 * (hv * dk * dv * 4 + conv)  # read + write
+    return weights + batch * context * kv_token + batch * gdn_seq
 
 
 def copy_bandwidth() -> float | None:

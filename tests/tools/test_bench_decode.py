@@ -53,3 +53,34 @@ def test_bench_decode_budget_skips(tmp_path):
     assert _tool().main([*argv, "--max-seconds", "5", "--out", str(out)]) == 0
     (cell,) = json.loads(out.read_text())["cells"]
     assert cell["note"].startswith("skipped") and cell["tokens_per_s"] is None
+
+
+def test_step_bytes_counts_the_gdn_state_and_conv_window_per_sequence():
+    """The roofline's bytes of a hybrid decode step: one more sequence adds its KV rows of the attention layers and,
+    per GDN layer, the fp32 recurrent state and the conv window, each read and written once."""
+    from megatron_iso.models.gdn import gdn_layer_indices
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
+    from megatron_iso.settings import config_world
+    from megatron_iso.settings.compose import load_config
+
+    cfg = load_config(["model=tiny_hybrid"])
+    with config_world(cfg):
+        model = build_model(transformer_config(cfg))
+    mc = model.config
+    gdn = len(gdn_layer_indices(mc))
+    assert gdn > 0
+    elem = model.embedding.word_embeddings.weight.element_size()
+    hk, hv, dk, dv = (
+        mc.linear_num_key_heads,
+        mc.linear_num_value_heads,
+        mc.linear_key_head_dim,
+        mc.linear_value_head_dim,
+    )
+    conv = (2 * hk * dk + hv * dv) * (mc.linear_conv_kernel_dim - 1) * elem
+    per_seq_gdn = gdn * 2 * (hv * dk * dv * 4 + conv)
+    tool = _tool()
+    one, two = tool.step_bytes(model, 1, 0), tool.step_bytes(model, 2, 0)
+    assert two - one == per_seq_gdn  # context 0: no KV rows; the weights are read once whatever the batch
+    kv_token = (mc.num_layers - gdn) * 2 * mc.num_query_groups * mc.kv_channels * elem
+    assert tool.step_bytes(model, 1, 10) - one == 10 * kv_token
