@@ -55,6 +55,8 @@
 #   rlhybrid4k 540  bench_rl_step iso + native, qwen3p5_small_hybrid_moe, 32 x (512 + 3584), micro-batches of 4
 #   rlmoe    300    bench_rl_step iso + native, Qwen3-30B-A3B widths with 2 layers, 64 x (128 + 256), micro-batches of 16
 #   moebwd   120    bench_moe_backward: the grouped expert backward vs the per-expert loop and torch's grouped mm
+#   opsites  150    op_sites: the hybrid's eager rollout ops per generated token by package source line (the
+#                   decode glue's sites; Triton kernels not counted)
 #   decode8bfull 300 bench_decode iso + native, Qwen3-8B (36 layers), batch 1 and 64, 4096-token prompts
 #   decodemoe 250   bench_decode iso + native, Qwen3-30B-A3B widths with 4 layers, batch 1 8 64, 512 + 256 tokens:
 #                   MoE decode from CUDA graphs in both profiles (native: the static dispatch, torch's grouped_mm)
@@ -74,7 +76,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -172,6 +174,8 @@ for s in "$@"; do
       --prompt-len 128 --new-tokens 256 --kv-cache-mb 4096 --train-micro-batch-seqs 16 \
       --out "$OUT/rl_step_qwen3_30b_a3b_l2.json" model.num_layers=2 ;;
     moebwd) step moebwd 120 8 python3 tools/bench_moe_backward.py --out "$OUT/bench_moe_backward.json" ;;
+    opsites) step opsites 150 40 python3 tools/op_sites.py --model qwen3p5_small_hybrid_moe --phase rollout \
+      --out "$OUT/op_sites_hybrid_rollout.json" rollout.cuda_graphs=false rollout.kv_cache_mb=2048 ;;
     decode8bfull) step decode8bfull 300 8 python3 tools/bench_decode.py --model qwen3_8b --engines iso native \
       --batch 1 64 --prompt-len 4096 --new-tokens 256 --max-seconds 20 --budget-seconds 290 \
       --out "$OUT/bench_decode_8b_full.json" ;;
