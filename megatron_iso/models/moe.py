@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -128,6 +129,17 @@ def _mlp_fp32(mlp, x: torch.Tensor) -> torch.Tensor:
     return mlp.linear_fc2.forward_fp32(swiglu_packed(h, profile=Profile.CORRECTNESS))
 
 
+@dataclasses.dataclass
+class RoutedTokens:
+    """What :class:`IsoTopKRouter` routed: Megatron's ``(routing_map, probs)`` pair and the ``experts [N, k]``
+    (ascending per row) and fp32 ``weights [N, k]`` they were scattered from."""
+
+    routing_map: torch.Tensor
+    probs: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
 class IsoTopKRouter(TopKRouter):
     """TopKRouter with invariant gating and routing; returns Megatron's ``(probs [N, E], routing_map)``.
 
@@ -162,6 +174,9 @@ class IsoTopKRouter(TopKRouter):
             weights, experts = route_weights(scores, used, normalize=self.normalize)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, experts, True)
         probs = torch.zeros_like(scores).scatter(1, experts, weights)
+        # The dispatcher of the same layer reads (experts, weights) from here instead of recovering them from
+        # routing_map and probs (a sort, a device check and a gather per layer): the same values, fewer kernels.
+        self.last_route = RoutedTokens(routing_map, probs, experts, weights)
         if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
             # Megatron's switch load-balancing loss: an identity forward, a gradient added backward.
             probs = self._apply_aux_loss(probs, scores, routing_map, with_padding_mask=padding_mask is not None)
@@ -310,6 +325,7 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
             )
         self.num_local_experts = num_local_experts
         self.num_experts = config.num_moe_experts
+        self.router: torch.nn.Module | None = None  # the layer's router (IsoMoELayer sets it): its RoutedTokens
         self.topk = config.moe_router_topk
         chunks = torch.arange(self.ep_size * num_local_experts)
         # Received chunks come as [source rank, local expert]; experts want [local expert, source rank].
@@ -327,15 +343,23 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
                 f"static_shapes needs expert_model_parallel_size=1, got {self.ep_size}: the all-to-all splits "
                 "are planned on the host"
             )
-        if static:
-            experts = _routed_experts(routing_map, self.topk)
+        route = None
+        if self.router is not None:
+            route, self.router.last_route = getattr(self.router, "last_route", None), None
+        if route is not None and route.routing_map is routing_map and route.probs is probs:
+            # This layer's router made these tensors (probs untouched by the aux loss's autograd hook, whose
+            # gradient needs probs itself): its experts and weights are what the branches below would recover.
+            experts, self.weights = route.experts, route.weights.float()
         else:
-            # nonzero() lists (token, expert) in row-major order: per token, ascending expert index.
-            experts = routing_map.nonzero()[:, 1]
-            if experts.numel() != n * self.topk:
-                raise ValueError(f"routing_map must select exactly moe_router_topk={self.topk} experts per token")
-            experts = experts.reshape(n, self.topk)
-        self.weights = probs.gather(1, experts).float()
+            if static:
+                experts = _routed_experts(routing_map, self.topk)
+            else:
+                # nonzero() lists (token, expert) in row-major order: per token, ascending expert index.
+                experts = routing_map.nonzero()[:, 1]
+                if experts.numel() != n * self.topk:
+                    raise ValueError(f"routing_map must select exactly moe_router_topk={self.topk} experts per token")
+                experts = experts.reshape(n, self.topk)
+            self.weights = probs.gather(1, experts).float()
         flat = experts.reshape(-1)
         self.order = torch.sort(flat, stable=True).indices
         if static:
@@ -396,6 +420,7 @@ class IsoMoELayer(MoELayer):
             self.token_dispatcher = IsoAlltoAllTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
             )
+            self.token_dispatcher.router = self.router
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
         if not self.iso:

@@ -72,6 +72,32 @@ def _layer_cases(dtype: str) -> dict:
         finally:
             grouped.grouped_reference_static = real
         out["model"] = (bits(eager_logits), bits(static_logits), eager_calls, len(calls))
+        # The dispatcher takes (experts, weights) from its router's RoutedTokens; without them it recovers the same
+        # from routing_map and probs (a sort and a device check under static shapes): the same bits either way.
+        import megatron_iso.models.moe as moe_module
+
+        dispatcher = moe.token_dispatcher
+        recovered = []
+        real_routed = moe_module._routed_experts
+
+        def counting(*a, **k):
+            recovered.append(1)
+            return real_routed(*a, **k)
+
+        moe_module._routed_experts = counting
+        try:
+            handoff = {}
+            for name, router in (("handoff", moe.router), ("recovered", None)):
+                dispatcher.router = router
+                for ctx_name, ctx in (("static", static_shapes()), ("eager", static_shapes(False))):
+                    with ctx:
+                        handoff[(name, ctx_name)] = bits(moe(x)[0])
+                    if router is not None:
+                        handoff[("left", ctx_name)] = getattr(router, "last_route", "unset")
+        finally:
+            moe_module._routed_experts = real_routed
+            dispatcher.router = moe.router
+        out["handoff"] = (handoff, len(recovered))
     return out
 
 
@@ -82,8 +108,13 @@ def test_static_moe_forward_gives_the_eager_bits() -> None:
         for case, static, eager in res["layer"]:
             assert torch.equal(static, eager), (dtype, case)
         assert res["reads"]["static"] == {}, res["reads"]["static"]
-        assert any("nonzero" in kind for kind, _ in res["reads"]["eager"]), res["reads"]["eager"]
+        assert res["reads"]["eager"], "the eager forward plans the expert splits on the host"
         eager_logits, static_logits, eager_calls, calls = res["model"]
         assert torch.equal(static_logits, eager_logits), dtype
         # tiny_moe: 2 MoE layers, 2 grouped GEMMs each, only in the static call
         assert (eager_calls, calls) == (0, 4)
+        handoff, recovered = res["handoff"]
+        for path in ("static", "eager"):
+            assert torch.equal(handoff[("handoff", path)], handoff[("recovered", path)]), (dtype, path)
+        assert recovered == 1  # only the static call without the router's RoutedTokens recovered the experts
+        assert handoff[("left", "static")] is None and handoff[("left", "eager")] is None  # consumed by the dispatcher
