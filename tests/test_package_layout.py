@@ -233,6 +233,7 @@ SHARED_NAMES = {
     "reference": "an op family's CPU reference implementation",
     "autograd": "an op family's trainable forward and its deterministic backward",
     "tiles": "an op family's tile constants",
+    "backend": "an op family's backend signatures: the Protocol every implementation of its ops answers",
     "bisect": "cli/bisect.py is the command line of bench/bisect.py",
     "convert": "cli/convert.py is the command line of checkpoint/convert.py",
     "gate": "cli/gate.py is the command line of bench/gate.py",

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from megatron_iso.ops.common.dispatch import import_triton_module
+from megatron_iso.ops.gemm.backend import GroupedLinear, Weights
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,
@@ -64,8 +65,6 @@ TRITON_MODULE = "megatron_iso.ops.gemm.grouped_triton"
 BACKWARD_TRITON_MODULE = "megatron_iso.ops.gemm.grouped_backward_triton"
 # Operand dtypes whose CUDA backward runs the grouped kernels; fp32 keeps the per-expert library loop (exact fp32).
 BACKWARD_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-
-Weights = Sequence[torch.Tensor] | torch.Tensor
 
 
 def expert_weights(weights: Weights) -> list[torch.Tensor]:
@@ -339,6 +338,7 @@ def grouped_linear(
         return grouped_native(x, weights, counts, leaves)
     if profile != Profile.CORRECTNESS:
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
+    kernel: GroupedLinear
     if x.device.type == "cpu":
         kernel = grouped_reference_static if static else grouped_reference
     elif x.device.type == "cuda":
