@@ -115,6 +115,8 @@ class OpImpl:
 _REGISTRY: dict[tuple[str, str, str], OpImpl] = {}
 # Runs an implementation on fixed seeded inputs: {output name: tensor}.
 Probe = Callable[[], Mapping[str, Any]]
+# The fields one device's entry may set for itself in ``register_per_device``.
+DEVICE_FIELDS = ("constants", "case_impls", "equivalence_note")
 
 
 def register(impl: OpImpl) -> OpImpl:
@@ -142,27 +144,36 @@ def register_per_device(
     probe_for: Callable[[str], Probe | None] | None = None,
     cases: tuple[str, ...] = CASES,
     equivalence_note: str = "",
+    fields_for: Callable[[str], Mapping[str, Any]] | None = None,
 ) -> tuple[OpImpl, ...]:
     """Register one implementation, the same code and constants, for every device class: the stock
     (native) paths and the torch references run unchanged on CPU and CUDA. ``probe_for(device_class)``
-    gives that device's probe (its inputs on that device), or None where the device has none."""
-    return tuple(
-        register(
-            OpImpl(
-                op=op,
-                impl_id=impl_id,
-                version=version,
-                device_class=device_class,
-                profile=profile,
-                fn=fn,
-                constants=dict(constants),  # each entry owns its constants
-                cases=cases,
-                equivalence_note=equivalence_note,
-                probe=None if probe_for is None else probe_for(device_class),
-            )
+    gives that device's probe (its inputs on that device), or None where the device has none.
+
+    ``fields_for(device_class)``: what one device's entry says beyond the shared fields, as a mapping with
+    keys among :data:`DEVICE_FIELDS` (``constants`` are added to the shared ones); e.g. the GDN rule on cuda,
+    whose rollout cases another library serves where it is installed."""
+    impls = []
+    for device_class in DEVICE_CLASSES:
+        own = dict(fields_for(device_class)) if fields_for is not None else {}
+        unknown = sorted(set(own) - set(DEVICE_FIELDS))
+        if unknown:
+            raise ValueError(f"register_per_device {impl_id}: fields_for gave {unknown}; allowed keys {DEVICE_FIELDS}")
+        impl = OpImpl(
+            op=op,
+            impl_id=impl_id,
+            version=version,
+            device_class=device_class,
+            profile=profile,
+            fn=fn,
+            constants={**constants, **own.get("constants", {})},  # each entry owns its constants
+            cases=cases,
+            equivalence_note=own.get("equivalence_note", equivalence_note),
+            probe=None if probe_for is None else probe_for(device_class),
+            case_impls=dict(own.get("case_impls", {})),
         )
-        for device_class in DEVICE_CLASSES
-    )
+        impls.append(register(impl))
+    return tuple(impls)
 
 
 def lookup(op: str, device_class: str, profile: str) -> OpImpl:

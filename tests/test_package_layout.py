@@ -191,6 +191,29 @@ def test_no_module_over_the_size_limit() -> None:
     assert stale == [], "allow-listed modules that no longer need it"
 
 
+# Kernel modules keep a short header (what the module holds, the invariant it keeps, a link); design essays live in
+# docs/ (GDN.md, KERNELS.md), where they are read and kept up to date as one text.
+MAX_OPS_DOCSTRING_LINES = 20
+
+
+def _long_module_docstrings(paths: list[Path]) -> dict[str, int]:
+    lines = {str(p): len((ast.get_docstring(ast.parse(p.read_text()), clean=False) or "").splitlines()) for p in paths}
+    return {path: n for path, n in lines.items() if n > MAX_OPS_DOCSTRING_LINES}
+
+
+def test_ops_module_docstrings_stay_short() -> None:
+    """Issue 59: long design essays in kernel modules move to docs/, leaving a short header."""
+    over = _long_module_docstrings(sorted((PACKAGE / "ops").rglob("*.py")))
+    assert {str(Path(p).relative_to(PACKAGE.parent)): n for p, n in over.items()} == {}
+
+
+def test_the_docstring_check_finds_a_long_one(tmp_path) -> None:
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text('"""' + "line\n" * MAX_OPS_DOCSTRING_LINES + 'last"""\n')
+    short.write_text('"""' + "line\n" * (MAX_OPS_DOCSTRING_LINES - 1) + 'last"""\n')
+    assert _long_module_docstrings([long, short]) == {str(long): MAX_OPS_DOCSTRING_LINES + 1}
+
+
 # Packages that may handle OmegaConf objects: the one reading of the config (settings/) and the Hydra apps (cli/).
 # Everything else gets typed settings, or the plain resolved config that settings/ produces.
 OMEGACONF_PACKAGES = ("settings", "cli")
@@ -233,6 +256,7 @@ SHARED_NAMES = {
     "reference": "an op family's CPU reference implementation",
     "autograd": "an op family's trainable forward and its deterministic backward",
     "tiles": "an op family's tile constants",
+    "backend": "an op family's backend signatures: the Protocol every implementation of its ops answers",
     "bisect": "cli/bisect.py is the command line of bench/bisect.py",
     "convert": "cli/convert.py is the command line of checkpoint/convert.py",
     "gate": "cli/gate.py is the command line of bench/gate.py",

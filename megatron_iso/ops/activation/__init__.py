@@ -1,7 +1,7 @@
 """Activations: SwiGLU (``silu(gate) * up``), plus IEEE-composed exp/sigmoid/silu in ``ieee_math``.
 
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference``, CUDA+correctness =
-``megatron_iso.ops.activation.activation_triton`` (lazy, same signature), performance = ``native``.
+``megatron_iso.ops.activation.activation_triton`` (lazy), performance = ``native``; each answers ``backend.SwiGLU``.
 Backward (correctness): on CUDA one Triton pass; on the CPU autograd of the native formula.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.ops.activation import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.activation.backend import SwiGLU
 from megatron_iso.ops.common.autograd import with_fused_backward, with_plain_backward
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.registry import Profile
@@ -26,7 +27,7 @@ def _backward_kernels():
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, profile: str = Profile.CORRECTNESS) -> torch.Tensor:
     """``silu(gate) * up``."""
-    fn = select("swiglu", gate, profile, TRITON_MODULE)
+    fn: SwiGLU = select("swiglu", gate, profile, TRITON_MODULE)
     if profile != Profile.CORRECTNESS:
         return fn(gate, up)
     if gate.is_cuda:
@@ -43,7 +44,7 @@ def swiglu_packed(x: torch.Tensor, *, profile: str = Profile.CORRECTNESS) -> tor
         raise ValueError(f"swiglu_packed: last dim {x.shape[-1]} is odd")
     if x.is_cuda and profile == Profile.CORRECTNESS:
         # One autograd node over x: the backward writes both halves' gradients into one buffer.
-        fn = select("swiglu", x, profile, TRITON_MODULE)
+        fn: SwiGLU = select("swiglu", x, profile, TRITON_MODULE)
         return with_fused_backward(
             lambda t: fn(*torch.chunk(t, 2, dim=-1)), _backward_kernels().swiglu_packed_backward, x
         )

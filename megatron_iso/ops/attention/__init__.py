@@ -5,7 +5,8 @@ applied by the model (``ops.norm``, ``ops.rope``) before these calls.
 
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference`` (invariant: one reduction order over
 keys for a query position in every case), CUDA+correctness =
-``megatron_iso.ops.attention.attention_triton`` (lazy, same signatures), performance = ``native`` (SDPA).
+``megatron_iso.ops.attention.attention_triton`` (lazy), performance = ``native`` (SDPA); each answers the
+Protocols of ``backend``.
 Where :func:`paged_kv_reads` holds (the Triton path), :func:`attention_with_paged_kv_cache` reads a
 paged KV pool through its block table instead of a contiguous cache.
 """
@@ -18,6 +19,7 @@ import torch
 
 from megatron_iso.ops.attention import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.attention.autograd import attention_varlen_trainable
+from megatron_iso.ops.attention.backend import AttentionKVCache, AttentionVarlen
 from megatron_iso.ops.attention.kv_cache import KVCache, KVStepPlan, PagedKVLayer
 from megatron_iso.ops.attention.reference import DEFAULT_KV_BLOCK
 from megatron_iso.ops.common.dispatch import device_class_of, import_triton_module, runs_triton, select
@@ -38,7 +40,7 @@ def attention_varlen(
     profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens [n+1]``."""
-    fn = select("attention", q, profile, TRITON_MODULE)
+    fn: AttentionVarlen = select("attention", q, profile, TRITON_MODULE)
     if (
         profile == Profile.CORRECTNESS
         and torch.is_grad_enabled()
@@ -72,7 +74,7 @@ def attention_with_kv_cache(
     ``plan``: the same layout as host lists, shared by the step's layers (:class:`KVStepPlan`); with
     it no implementation reads the layout tensors back from the device.
     """
-    fn = select("attention_kvcache", q, profile, TRITON_MODULE)
+    fn: AttentionKVCache = select("attention_kvcache", q, profile, TRITON_MODULE)
     return fn(
         q,
         k,

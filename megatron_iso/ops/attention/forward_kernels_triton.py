@@ -1,57 +1,12 @@
 """The invariant causal attention's Triton kernels (correctness profile, cuda) and their numerical policy.
 
-The host side: :mod:`megatron_iso.ops.attention.attention_triton` (the three cases, the contract
-registration) over :mod:`megatron_iso.ops.attention.forward_launch_triton` (tile configs and tables, the
-schedule choice, the launch closures).
+The host side: :mod:`megatron_iso.ops.attention.attention_triton` (the three cases, the contract registration) over
+:mod:`megatron_iso.ops.attention.forward_launch_triton` (tile configs and tables, the schedule choice, the launches).
+Invariant kept: a query position's arithmetic is set by the position alone: key blocks and segments aligned at key
+0, online softmax in fp32 in ascending order, a fixed row-sum tree, segments merged in ascending order with explicit
+fmas, one rounding of ``div_rn(ACC, L)``. Tile configs, parking and the split-over-keys decode schedule move no bit.
 
-Per query position ``p`` the arithmetic is fixed (the GPU numerical policy, its own digest):
-- keys in blocks of ``kv_block`` (64) positions aligned at key 0; blocks in segments of ``SEG_BLOCKS``
-  (``forward_launch_triton.SEG_BLOCKS``) consecutive blocks (segment ``s``: blocks
-  ``[s * SEG_BLOCKS, (s + 1) * SEG_BLOCKS)``, also aligned at key 0, so the segmentation depends on key
-  positions alone);
-- inside a segment, from a fresh state (``m = -inf``, ``l = 0``, ``acc = 0``), the blocks in ascending order
-  by online softmax in fp32 (running max ``m`` in the log2 domain, sum ``l``, accumulator ``acc``);
-- scores ``dot(q, k^T)`` (fp32 accumulate; fp32 inputs use the exact ``ieee`` dot, never tf32), times
-  ``scale * log2(e)``; masked keys (``j > p``, ``j >= kv_len``) get ``-inf`` and probability exactly +0;
-  keys at or past ``kv_len`` are loaded as 0, so stale or garbage cache contents never reach a product;
-- a block in which a row sees no key leaves that row's state untouched (a select, not ``acc * 1 + 0``);
-- the block's row sum of P by one fixed pairwise tree over its ``kv_block`` columns
-  (``ops.common.tree_triton.fixed_tree_rowsum``), never ``tl.sum``, whose order follows the register layout;
-  ``l = fma(l, alpha, rowsum)``;
-- ``P.V`` with P rounded to the input dtype for bf16/fp16 (fp32 stays fp32), accumulated in fp32;
-- segments merge in ascending order into the running ``(M, L, ACC)`` (:func:`_merge_segment`): segment 0 is
-  taken as the state; then ``M' = max(M, m)``, ``a = exp2(M - M')``, ``c = exp2(m - M')``,
-  ``L' = fma(L, a, l * c)``, ``ACC' = fma(ACC, a, acc * c)``, explicit fmas; a row that sees no key of a
-  segment keeps its state (a select);
-- output ``div_rn(ACC, L)``, times ``sigmoid(gate)`` if gated, rounded once to the input dtype.
-
-Schedules (``forward_launch_triton.prepare`` / ``split_schedule``), which move no bit:
-- one launch (:func:`_attend_kernel`, one key walk :func:`_walk`): a program walks all key blocks of its tile
-  and merges each segment as it ends (training, prefill, and decode steps that fill the machine). The running
-  ``(M, L, ACC)`` stays in registers through the key loop, or (a tile config with ``park``) ``ACC`` is parked
-  in an fp32 scratch tile of the program between merges, so only the segment's accumulator is live in the loop:
-  the same merges on the same floats (an fp32 store and load are exact copies), fewer registers;
-- split over keys (flash-decoding; :func:`_segments_kernel` then :func:`_combine_kernel`): for a decode step
-  with fewer programs (tiles x kv heads) than SMs, segment programs compute segments' ``(m, l, acc)`` into fp32
-  scratch (exact copies) and a combine program per tile merges them in ascending order with the same helper.
-  The segment axis is sized by the static key capacity (the cache's length, the block table's width x block
-  size), never by the step's positions: a captured decode graph replays one grid; segments past a tile's last
-  position run nothing, and the combine reads only those up to it, counted on the device.
-
-A program owns BLOCK_M rows of one sequence and one kv head; rows are (token, query head of the kv
-group) pairs, so GQA groups share each loaded key block. Every step of a row's arithmetic is set by
-the row alone: the max (exact), exp2 (elementwise), the row-sum tree, the merge (elementwise) and the two
-dots, whose elements accumulate over K in the tensor core's steps of 16 whether the tile runs mma (16- and
-32-row tiles) or wgmma (64 rows and more) on sm_90. So the tile config (rows, warps, stages) is a
-schedule choice, like which rows share a tile: training and prefill run 64-row tiles, a decode step
-(one new token per sequence) 16-row tiles (``forward_launch_triton.DECODE_CONFIGS``), which read the KV
-cache at several times the bandwidth of a 128-row tile holding 2-8 live rows. tests/gpu/test_attention_triton.py
-holds every config and both schedules to the same bits; the configs stay in the contract's constants (both
-sides run them) because that equality is the hardware's, measured, not a property of the code alone.
-
-Signed zeros: in the diagonal block a training forward multiplies masked (p = +0) probabilities with
-the real values of later tokens, a decode step with 0 (keys past ``kv_len``); the products are +-0 and
-change no sum unless every visible product of an output element is -0 (which needs -0 values in v).
+Design: docs/KERNELS.md, "Attention forward kernels".
 """
 
 from __future__ import annotations

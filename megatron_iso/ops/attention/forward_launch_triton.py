@@ -4,7 +4,7 @@
 of the kernels in :mod:`megatron_iso.ops.attention.forward_kernels_triton` as a closure: the tile config
 (:func:`_config`: :data:`CONFIGS`, :data:`DECODE_CONFIGS` and their wide-head twins), the tile table
 (:func:`_plan`) and the schedule (:func:`split_schedule`: one launch, or split over key segments). None of
-them moves a bit (that module's docstring holds the numerical policy and why); the configs and
+them moves a bit (docs/KERNELS.md, "Attention forward kernels": the numerical policy and why); the configs and
 :data:`SEG_BLOCKS` are contract constants all the same (``attention_triton._constants``). A config's ``park``
 (the one launch's running accumulator in fp32 scratch between merges, not registers) is the bf16/fp16 training
 tile's; the split schedule never parks (its segment programs hold one accumulator).

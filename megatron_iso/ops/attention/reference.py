@@ -1,24 +1,11 @@
 """Causal attention reference path (CPU): one reduction order over keys for a query position,
 whatever the case (training/varlen, prefill into a KV cache, decode from it).
 
-The kernel (:func:`_attend`) sees one sequence: queries at absolute positions
-``q_start .. q_start + n - 1`` and that sequence's keys ``0 .. kv_len - 1``. Query ``p`` attends to
-keys ``j <= p``. Keys are processed in fixed blocks of ``kv_block`` positions aligned at key 0, in
-ascending order, with an online softmax (running max ``m``, running sum ``l``, accumulator ``acc``,
-all float32):
+Invariant kept: query ``p``'s arithmetic depends only on ``p``, its own q and keys ``0..p`` (fixed key blocks
+aligned at key 0, online softmax in fp32, tree-summed scores and block sums, masked products exactly ``+0``), so
+decode, (chunked) prefill and the training forward give the same bits, and other sequences never enter.
 
-- scores: ``tree_sum_dim(q * k)`` over head_dim, times the scale;
-- masked keys (``j > p`` or ``j >= kv_len``): score ``-inf``, probability exactly ``+0``, product
-  with ``v`` exactly ``+0`` (``where``, so stale or garbage cache contents never leak, not even as
-  a ``-0``), and the block's sums are fixed-tree sums over the full block width;
-- a block with no visible key leaves the state untouched (not ``acc * 1 + 0``, which could turn a
-  ``-0`` into ``+0``).
-
-So query ``p``'s arithmetic depends only on ``p``, its own q and keys ``0..p``: a decode step
-with ``kv_len = p + 1``, a (chunked) prefill, and a training forward over the whole sequence give
-the same bits, and the other sequences of a pack or batch never enter. exp is the IEEE-composed
-``ieee_math.iso_exp``; the output is ``acc / l`` (times ``sigmoid(gate)`` if gated), rounded once.
-GQA: query head ``h`` reads kv head ``h // (Hq / Hkv)``.
+Design: docs/KERNELS.md, "Attention reference".
 """
 
 from __future__ import annotations

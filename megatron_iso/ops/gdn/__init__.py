@@ -1,8 +1,9 @@
 """Gated DeltaNet op family: causal conv1d + SiLU, l2norm, gates, and the gated delta rule (CPR).
 
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference`` (CPR: one semantics for training,
-prefill and decode), CUDA+correctness = the ``megatron_iso.ops.gdn.triton`` package (lazy, same signatures),
-performance = ``native`` (chunked for training/prefill, recurrent for decode, as stock stacks).
+prefill and decode), CUDA+correctness = the ``megatron_iso.ops.gdn.triton`` package (lazy),
+performance = ``native`` (chunked for training/prefill, recurrent for decode, as stock stacks);
+each answers the Protocols of ``backend``.
 Per-sequence state lives in :class:`~megatron_iso.ops.gdn.state_cache.GDNStateCache`.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from megatron_iso.ops.common.dispatch import device_class_of, runs_triton, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.gdn.backend import CausalConv1d, GatedDeltaRule, Gates, L2Norm
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
 from megatron_iso.registry import Profile
@@ -45,20 +47,22 @@ def causal_conv1d(
     profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over packed rows ``x [T, Cd]`` with ``weight [Cd, K]``; updates ``conv_state``."""
-    fn = select("gdn_conv1d", x, profile, TRITON_MODULE)
+    fn: CausalConv1d = select("gdn_conv1d", x, profile, TRITON_MODULE)
     return fn(x, weight, cu_seqlens, conv_state=conv_state, slots=slots, starts=starts)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, *, profile: str = Profile.CORRECTNESS) -> torch.Tensor:
     """fp32 ``x / sqrt(sum(x^2) + eps)`` over the last dim."""
-    return select("gdn_l2norm", x, profile, TRITON_MODULE)(x, eps)
+    fn: L2Norm = select("gdn_l2norm", x, profile, TRITON_MODULE)
+    return fn(x, eps)
 
 
 def gdn_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, profile: str = Profile.CORRECTNESS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(g, beta) = (-exp(A_log) * softplus(a + dt_bias), sigmoid(b))``."""
-    return select("gdn_gates", a, profile, TRITON_MODULE)(a, b, A_log, dt_bias)
+    fn: Gates = select("gdn_gates", a, profile, TRITON_MODULE)
+    return fn(a, b, A_log, dt_bias)
 
 
 GDN_FORM_AUTO = "auto"
@@ -116,7 +120,7 @@ def gated_delta_rule(
     (cuda, profile correctness; docs/GDN.md "Output forms"); elsewhere only the scan form at the implementation's own
     precision exists, and anything else is refused rather than ignored."""
     check_backward_states(backward_states, "gated_delta_rule: backward_states (rl.gdn_backward_states)")
-    fn = select("gated_delta_rule", q, profile, TRITON_MODULE)
+    fn: GatedDeltaRule = select("gated_delta_rule", q, profile, TRITON_MODULE)
     device_class = device_class_of(q)
     if not gdn_choice_runs_here(form, dot_precision, device_class, profile):
         raise ValueError(

@@ -1,42 +1,13 @@
 """The stock GPU kernels of the Gated DeltaNet rule for the performance profile's rollout: FLA's.
 
-A user who does not run the correctness profile runs FLA (flash-linear-attention, the ``fla-core`` wheel): its chunk
-kernel for prefill and its fused recurrent kernel for one-token decode steps, the split vLLM and SGLang make. Those two
-entry points serve the rollout's calls (a state cache given, no autograd, CUDA) wherever ``fla`` is installed; the
-registry then names them for the ``prefill`` and ``decode`` cases (:func:`registry_entry`).
+Where ``fla`` (the ``fla-core`` wheel) is installed, the rollout's calls of the rule (a state cache given, no autograd,
+CUDA) run FLA's chunk kernel (prefill) and fused recurrent kernel (decode steps), and the registry names them for the
+``prefill`` and ``decode`` cases (:func:`registry_entry`); the trainer, its scoring included, keeps
+:mod:`.native`'s torch chunk algorithm. Both entry points are called with keywords only: in fla-core 0.6.0 the fifth
+positional parameter of ``fused_recurrent_gated_delta_rule`` is ``gk``, not beta. Every layout conversion is explicit
+(FLA's value-head grouping ``i_h = i_hv // (HV // H)`` is ``repeat_interleave``'s, so q and k go in unrepeated).
 
-The trainer keeps :mod:`.native`'s torch chunk algorithm, its scoring calls (no autograd) included:
-
-- fla-core 0.6.0 refuses its gated chunk backward on Hopper with 3.4.0 <= Triton < 3.7.1 unless tilelang is installed
-  (``fla/ops/common/chunk_o.py``, ``chunk_bwd_dqkwg``: "produces incorrect results ... (see #640)"; the tilelang
-  backend that lifts it is ``fla/ops/common/backends/tilelang/__init__.py``), so the gradient-carrying forward cannot
-  be FLA's on the cards this project benchmarks;
-- a stock trainer scores and trains with one kernel, so its recomputed old log-probs equal its training forward's
-  (PPO's ratio is 1 on policy). Scoring with FLA and training with torch would add a gap between them that no stock
-  stack has, so scoring stays with the training forward's arithmetic.
-
-Why the earlier attempt (c839157, reverted in a92b88b) failed on the GPU: it called both entry points positionally as
-``rule(q, k, v, g, beta, ...)``. That is right for ``chunk_gated_delta_rule(q, k, v, g, beta, ...)``, but in fla-core
-0.6.0 the fifth positional parameter of ``fused_recurrent_gated_delta_rule`` is ``gk`` (per-key log decays
-``[B, T, HV, K]``): every decode step read the ``[T, Hv]`` beta as ``[T, Hv, K]`` decays (past its end), and beta
-defaulted to ones of ``[B, T, Hk]`` read with the value heads' stride (past its end too). Both entry points are called
-with keywords only here. docs/perf/NOTES_gdn.md ("FLA as the native rollout") has the CPU evidence.
-
-Layouts (each conversion below is explicit):
-
-- rows: the package packs ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g, beta [T, Hv]``; FLA takes ``[B, T, H, D]``.
-  A prefill is FLA's varlen batch of one (``[1, T, ...]`` with ``cu_seqlens``); a batch of decode steps is
-  ``[N, 1, ...]``, one token per sequence, no ``cu_seqlens``.
-- grouped value heads: FLA maps value head ``i`` to key head ``i // (Hv // Hk)`` (``fused_recurrent.py``:
-  ``i_h = i_hv // (HV // H)``; ``chunk_delta_h.py``: ``i_h // (HV // H)``), the grouping of :mod:`.native`'s
-  ``repeat_interleave`` (Qwen3-Next's), so q and k go in with their ``Hk`` heads, unrepeated.
-- state: ``state.running [slots, Hv, Dk, Dv]`` is FLA's default ``[N, HV, K, V]`` (``state_v_first=False``, passed
-  explicitly), fp32 both ways: no transpose.
-- scale ``Dk^-0.5`` (the caller's) passed explicitly; q and k arrive l2-normalised (the registered ``gdn_l2norm`` op
-  runs before the rule), so ``use_qk_l2norm_in_kernel=False``; g is the log decay (FLA's ``g``, not ``exp(g)``) in
-  fp32; beta is post-sigmoid (``use_beta_sigmoid_in_kernel=False``).
-- dtypes: q, k and beta in v's dtype (the model's, as stock stacks hand them to FLA), g fp32; the outputs come back
-  in that dtype and are widened to the op's fp32.
+Why, and the layouts: docs/GDN.md, "Native path (performance profile)".
 """
 
 from __future__ import annotations

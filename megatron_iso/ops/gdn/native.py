@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from megatron_iso.ops.gdn import fla_stock
 from megatron_iso.ops.gdn.checks import check_conv_args, check_rule_args, check_state_slots
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS, _starts
 from megatron_iso.ops.gdn.state_cache import GDNLayerState
-from megatron_iso.registry import DEVICE_CLASSES, OpImpl, Profile, register, register_per_device
+from megatron_iso.registry import Profile, register_per_device
 
 
 def causal_conv1d(
@@ -283,27 +284,32 @@ def _probe_rule(device: str = "cpu") -> dict[str, torch.Tensor]:
 
 
 _RULE_CONSTANTS = {"train_prefill": "chunked (call-aligned), matmul", "decode": "recurrent"}
-for _device in DEVICE_CLASSES:
-    # cuda with FLA installed: the rollout's prefill and decode cases are FLA's kernels (fla_stock), and the entry says
-    # so; the trainer's cases stay this module's torch code. A stock path claims no equality between them.
-    _fla = _device == "cuda" and fla_stock.installed()
-    _fla_constants, _fla_cases = fla_stock.registry_entry() if _fla else ({}, {})
-    register(
-        OpImpl(
-            op="gated_delta_rule",
-            impl_id="gated_delta_rule.native",
-            # 2: one triangular inverse + matmuls (was a solve per right-hand side), chunk-major loop with fused
-            # matmul-adds.
-            version="2",
-            device_class=_device,
-            profile=Profile.PERFORMANCE,
-            fn=gated_delta_rule,
-            constants=_RULE_CONSTANTS | _fla_constants,
-            case_impls=_fla_cases,
-            equivalence_note="none claimed: stock execution, the mismatch baseline" if _fla else "",
-            probe=functools.partial(_probe_rule, _device),
-        )
-    )
+
+
+def _fla_fields(device_class: str) -> dict[str, Any]:
+    """cuda with FLA installed: the rollout's prefill and decode cases are FLA's kernels (fla_stock), and the entry
+    says so; the trainer's cases stay this module's torch code. A stock path claims no equality between them."""
+    if device_class != "cuda" or not fla_stock.installed():
+        return {}
+    constants, case_impls = fla_stock.registry_entry()
+    return {
+        "constants": constants,
+        "case_impls": case_impls,
+        "equivalence_note": "none claimed: stock execution, the mismatch baseline",
+    }
+
+
+register_per_device(
+    op="gated_delta_rule",
+    impl_id="gated_delta_rule.native",
+    # 2: one triangular inverse + matmuls (was a solve per right-hand side), chunk-major loop with fused matmul-adds.
+    version="2",
+    profile=Profile.PERFORMANCE,
+    fn=gated_delta_rule,
+    constants=_RULE_CONSTANTS,
+    probe_for=lambda device: functools.partial(_probe_rule, device),
+    fields_for=_fla_fields,
+)
 for _op, _fn, _consts in (
     ("gdn_conv1d", causal_conv1d, {"formula": "F.conv1d + F.silu"}),
     ("gdn_gates", gdn_gates, {"formula": "hf qwen3-next"}),

@@ -1,27 +1,12 @@
 """Gated DeltaNet, CPU reference path: CPR (chunkwise-parallel recurrent) semantics, invariant by construction.
 
-The recurrence (Qwen3-Next / FLA, per value head; S is ``[Dk, Dv]``, k and q l2-normalised, q scaled):
+One numerical semantics for the training forward, prefill of any length and token-by-token decode: chunks aligned
+at position 0 of the sequence, a fixed-tree state pass (:func:`chunk_state_pass`) between chunks, and the per-token
+output scan (:func:`_scan`) from each chunk's entry state. Only elementwise IEEE operations, ``ops.common.tree`` sums
+and the IEEE-composed ``exp``, so a token's bits never depend on the batch, the call boundaries or the other heads.
+Differentiable by autograd (deterministic on CPU).
 
-    S = S * exp(g_t);  u_t = beta_t * (v_t - S^T k_t);  S = S + k_t u_t^T;  o_t = S^T q_t
-
-CPR fixes ONE numerical semantics for the training forward, prefill of any length and token-by-token
-decode. Chunks of ``C`` tokens are aligned at position 0 of the sequence (never at the start of a
-call), so a token's chunk does not depend on how the sequence was cut into calls.
-
-- State pass (:func:`chunk_state_pass`): chunk c's entry state -> chunk c+1's entry state, in the
-  chunk (UT-transform) form: cumulative log decays by a sequential scan, the intra-chunk system solved
-  by forward substitution, every dot product and sum a fixed-tree sum. The chain over chunks is fp32.
-- Output scan (:func:`_scan`): a chunk's outputs come from the per-token recurrence started at the
-  chunk's entry state. Chunks of one sequence are independent given their entry states, so all
-  chunks of all sequences scan in parallel, one token step at a time.
-- Decode / chunked prefill: the scan simply continues from the slot's running state (the scan is
-  sequential, so stopping and resuming it changes no bit); when a chunk closes, the state pass is
-  re-run over the buffered chunk from the stored entry state, which is bit for bit what the training
-  forward computed, and the running state is replaced by it.
-
-Only elementwise IEEE operations, ``ops.common.tree`` sums and the IEEE-composed ``exp`` are used, so the
-bits of a token never depend on the batch, the call boundaries, or the other heads (TP shards heads).
-Everything is differentiable by autograd (deterministic on CPU).
+Design: docs/GDN.md, "The recurrence" and "CPR: one semantics for training, prefill and decode".
 """
 
 from __future__ import annotations

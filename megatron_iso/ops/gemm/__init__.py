@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_iso.ops.common.dispatch import select
+from megatron_iso.ops.gemm.backend import Linear
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,
@@ -60,7 +61,7 @@ def linear(
     deterministic matmul backward, which then receives its gradient in ``out_dtype``."""
     if profile not in (Profile.CORRECTNESS, Profile.PERFORMANCE):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
-    kernel = select(OP, x, profile, TRITON_MODULE)
+    kernel: Linear = select(OP, x, profile, TRITON_MODULE)
     if profile == Profile.PERFORMANCE:
         out = kernel(x, weight)  # library matmul, its own autograd
         return out if out_dtype is None else out.to(out_dtype)

@@ -1,30 +1,12 @@
 """Leaf-tree GEMM in Triton: the GPU path of the invariant linear layer.
 
-``out = x @ weight.T`` with the contraction dimension K cut into ``leaves`` contiguous equal leaves.
-Each leaf is an fp32-accumulating GEMM with a fixed tile; the leaves' fp32 results are added in the
-fixed balanced binary tree of :mod:`megatron_iso.ops.common.tree` (left operand = lower leaf indices).
+``out = x @ weight.T`` with K cut into ``leaves`` contiguous equal leaves; each leaf an fp32-accumulating GEMM over
+its K-tiles in increasing order (one BLOCK_K per dtype, no split-K inside a leaf), the leaves added by the fixed tree
+of :mod:`megatron_iso.ops.common.tree`. Invariant kept: a row's bits never depend on M or the other rows. Tile shape
+(:func:`select_config`), the subtree-parallel schedule (``parallel``) and parking tree levels in scratch
+(``park_from``) are schedules that move no bit; TP shards are nodes of the same tree.
 
-Why the result of a row never depends on M or on the other rows:
-- every leaf of every row is computed as ``acc = 0; acc = mma(a_k, b_k, acc)`` over the leaf's K-tiles
-  in increasing order, with one BLOCK_K per dtype; the tile's rows, columns, warps and stages (picked
-  by :func:`select_config` from M, N and the leaves) are a schedule, as the tensor cores accumulate an
-  output element over K in the same steps of 16 whatever the tile (measured: tests/gpu/test_gemm_tiles.py);
-- there is no split-K inside a leaf; the only K cuts are the leaf boundaries, fixed by ``leaves``.
-
-What *may* depend on M is the schedule, never the arithmetic: an output tile's leaf tree can be
-evaluated by one program (``parallel=1``) or spread over ``parallel`` programs, each evaluating one
-aligned subtree of ``leaves / parallel`` leaves and writing its fp32 node to a scratch buffer; a
-second kernel finishes the same tree. Every node of the tree is the same float either way (the same
-leaf GEMM code, the same fp32 adds), which tests check bit for bit. Spreading a tile's leaves over
-programs is what lets small-M (decode) GEMMs stream the weight with enough programs in flight.
-
-Why the tree costs little: evaluating the tree as a stack needs up to log2(G) parked partial tiles
-besides the live accumulator; with big tiles these do not fit in registers (the measured 0.2x of a
-register-resident 8-leaf tree). Levels ``>= park_from`` are parked in an fp32 global scratch tile
-(hot in L2: it is re-read a few microseconds later by the same program) instead.
-
-TP invariance follows from the tree: with K split over C ranks each holding G/C leaves, a rank's
-result is a node of the G-leaf tree, and adding the rank nodes with the same tree gives the root.
+Design: docs/KERNELS.md, "Leaf-tree GEMM".
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """Grouped (MoE expert) leaf-tree GEMM: ``out[rows of e] = x[rows of e] @ weights[e].T`` for every expert.
 
-Rows arrive sorted by expert (contiguous; ``counts[e]`` rows for expert ``e``, in expert order), the
-way Megatron's token dispatchers hand them to the experts. Every output row is computed by the
-dense leaf-tree GEMM's arithmetic with its own expert's weight, so a row's bits depend on the row
-and that weight only: not on how many rows an expert received, nor on the other experts' rows.
+Rows arrive sorted by expert (``counts[e]`` rows each, in expert order). Invariant kept: every row is the dense
+leaf-tree GEMM's arithmetic with its own expert's weight, so its bits depend on the row and that weight only. Here:
+the dispatch (:func:`grouped_linear`; cpu reference, its static form, cuda ``grouped_triton``, per-expert native),
+and the deterministic backward, whose per-expert path reads the counts on the host once per forward
+(:func:`counts_read_once`, :func:`counts_replayed` under activation recompute).
 
-| device | profile             | implementation                                                   |
-|--------|---------------------|------------------------------------------------------------------|
-| cpu    | correctness         | :func:`grouped_reference` (per-expert ``leaf_tree_linear``)      |
-| cpu    | correctness, static | :func:`grouped_reference_static` (every expert on every row)     |
-| cuda   | correctness         | ``grouped_triton.grouped_leaf_tree_linear_triton`` (one launch)  |
-| any    | performance         | :func:`grouped_native` (per-expert library GEMM)                 |
-
-On CUDA the grouped kernel gives, bit for bit, what a per-expert loop of
-``gemm_triton.leaf_tree_linear_triton`` gives (tests/gpu/test_grouped_gemm.py): it runs the same
-jit tile code with a tile that shares the dense kernel's BLOCK_K and K-loop order. All paths
-return fp32, as ``ops.gemm.linear`` does.
-
-Static shapes (``static=True``, a decode step captured in a CUDA graph): nothing is read on the host
-and the work does not depend on the counts. The CUDA kernel is that already: its grid is a bound
-that depends on T and E only, and its programs find their expert's rows from the device-resident
-counts (``grouped_triton``). The CPU path, :func:`grouped_reference_static`, evaluates every expert
-on every row and keeps each row's own expert's result: the same elementwise arithmetic on the same
-row and weight, so the same bits as :func:`grouped_reference`.
-
-The backward (training) need only be deterministic. On CUDA with 16-bit operands it is two grouped Triton
-launches over all experts (``grouped_backward_triton``: dgrad and wgrad, counts read on the device, fixed tiles).
-Elsewhere it is per expert (:func:`per_expert_backward`): the dense op's
-:func:`~megatron_iso.ops.gemm.reference.linear_backward` applied to each expert's rows (library GEMMs whose bits depend
-on the row count, so the rows are split on the host). That path needs the counts on the host, and only its calls
-record them. Inside :func:`counts_read_once` (a model forward: ``models.moe``) the
-counts of every such grouped call of the forward are copied to the host together, once, without waiting, when the
-forward ends, and each backward takes its own from that copy (it waits for the copy, which by then has long
-completed); outside, a backward reads its counts itself (one sync per call). Activation recompute runs a layer's
-forward twice: first without autograd (its calls are kept in the copy when the forward asks for it,
-``counts_read_once(keep_no_grad=True)``), then again in the backward, where :func:`counts_replayed` gives each call
-its first run's counts from that copy (the same inputs, so the same counts): no read of its own.
+Design: docs/KERNELS.md, "Grouped expert GEMM".
 """
 
 from __future__ import annotations
@@ -47,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from megatron_iso.ops.common.dispatch import import_triton_module
+from megatron_iso.ops.gemm.backend import GroupedLinear, Weights
 from megatron_iso.ops.gemm.native import native_linear
 from megatron_iso.ops.gemm.reference import (
     DEFAULT_LEAVES,
@@ -64,8 +36,6 @@ TRITON_MODULE = "megatron_iso.ops.gemm.grouped_triton"
 BACKWARD_TRITON_MODULE = "megatron_iso.ops.gemm.grouped_backward_triton"
 # Operand dtypes whose CUDA backward runs the grouped kernels; fp32 keeps the per-expert library loop (exact fp32).
 BACKWARD_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-
-Weights = Sequence[torch.Tensor] | torch.Tensor
 
 
 def expert_weights(weights: Weights) -> list[torch.Tensor]:
@@ -224,8 +194,8 @@ _HOST_COUNTS: contextvars.ContextVar[HostCounts | None] = contextvars.ContextVar
 @contextlib.contextmanager
 def counts_read_once(*, keep_no_grad: bool = False) -> Iterator[HostCounts]:
     """Inside (a model forward): the backward of every grouped call made here takes its counts from one
-    non-blocking device-to-host copy of all of them, started on exit, instead of a sync per call (module
-    docstring). The same counts, so the same bits. ``keep_no_grad`` (a training forward that activation
+    non-blocking device-to-host copy of all of them, started on exit, instead of a sync per call (docs/KERNELS.md,
+    "Grouped expert GEMM"). The same counts, so the same bits. ``keep_no_grad`` (a training forward that activation
     recompute may rerun): calls without autograd are copied too, for :func:`counts_replayed`."""
     batch = HostCounts(keep_no_grad)
     token = _HOST_COUNTS.set(batch)
@@ -339,6 +309,7 @@ def grouped_linear(
         return grouped_native(x, weights, counts, leaves)
     if profile != Profile.CORRECTNESS:
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
+    kernel: GroupedLinear
     if x.device.type == "cpu":
         kernel = grouped_reference_static if static else grouped_reference
     elif x.device.type == "cuda":

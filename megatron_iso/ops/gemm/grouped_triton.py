@@ -1,32 +1,12 @@
 """Grouped leaf-tree GEMM in Triton: all experts' ``x_e @ w_e.T`` in one launch (MoE experts, GPU).
 
-Why a row's bits equal the dense kernel's (``gemm_triton.leaf_tree_linear_triton`` on that expert's
-rows alone), whatever the other experts receive:
-- every output tile is computed by the dense kernel's own jit tile code (``_static_tile`` /
-  ``_flat_tile``), with a tile from the dense ``select_config`` (same BLOCK_K and K-loop order per
-  dtype, and tiles sharing BLOCK_K are bitwise equivalent: tests/gpu/test_gemm_tiles.py);
-- an expert's first row starts a fresh M-tile, and the tile is handed the expert's row count as
-  ``M`` and pointers offset to the expert's rows: the tile sees exactly what the dense call on
-  ``x_e`` sees (including the ``row % M`` padding rows of a partial tile);
-- the whole leaf tree of a tile is evaluated by one program (the dense ``parallel=1`` schedule; the
-  dense kernel's subtree-parallel schedules give the same bits, which its tests check).
+Invariant kept: a row's bits equal the dense kernel's (``gemm_triton.leaf_tree_linear_triton`` on that expert's rows
+alone), whatever the other experts receive: the dense kernel's jit tile code and tile, an expert starting a fresh
+M-tile, one program per tile's leaf tree. Tiles are found on the device from the counts (grid bound by T and E
+only), so the launch is static for CUDA graphs; expert weights are addressed through a cached int64 offset table,
+not copied.
 
-Tile schedule, on the device (no host sync): the grid is an upper bound on the number of M-tiles,
-``min(T, (T + E * (BLOCK_M - 1)) // BLOCK_M)``, times the N-tiles. Each program loads the E row
-counts, takes the prefix sum of ``cdiv(count_e, BLOCK_M)`` and finds its expert; programs past the
-last tile return at once. The counts only decide which program computes which tile, never how.
-
-CUDA graphs: for a fixed T (a decode bucket's rows times top-k) the launch is static, grid and tile
-alike (both depend on T, E and the dtype only), and nothing is read back: the kernel takes the counts
-from the device and the optional count check is an asynchronous device assert. The one host-made input
-is the weight address table below, built on the first call with these weights: a capture must follow
-one eager call (a warm-up), as DecodeGraphs' does.
-
-Expert weights are not copied: Megatron keeps each local expert's weight as its own parameter, so
-the kernel takes the first expert's weight as a base pointer plus an int64 table of element offsets
-of every expert's weight from it. The table is cached by the weights' addresses (the only thing it
-encodes), so in-place optimizer updates need nothing and a rebuilt table is needed only when
-parameters move (first call, reload); building one copies E integers to the GPU.
+Design: docs/KERNELS.md, "Grouped GEMM kernel".
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.gemm.reference import DEFAULT_LEAVES
+from megatron_iso.ops.logprob.backend import Scores
 from megatron_iso.ops.logprob.native import NativeScores, entropy_native, log_softmax_native, token_logprobs_native
 from megatron_iso.ops.logprob.reference import (
     Comm,
@@ -67,7 +68,7 @@ def vocab_scores(
     ``.token_logprobs(ids)``, ``.entropy()``, ``.log_softmax()``."""
     if profile not in (Profile.CORRECTNESS, Profile.PERFORMANCE):
         raise ValueError(f"profile={profile!r}; expected 'correctness' or 'performance'")
-    fn = select(OP, logits, profile, TRITON_MODULE)
+    fn: Scores = select(OP, logits, profile, TRITON_MODULE)
     return fn(logits, comm, temperature=temperature, leaves=leaves, valid_vocab=valid_vocab)
 
 

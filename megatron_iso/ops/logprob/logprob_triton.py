@@ -1,37 +1,12 @@
 """Vocab row statistics in Triton: the CUDA correctness profile's scoring (token logprob, log-softmax).
 
-The log-sum-exp of ``z = logits.float() / t`` over the vocab, cut into the same leaves as the torch
-reference (``reference.VocabScores``), with each leaf read once and the fp32 ``z`` never written out:
+The log-sum-exp of ``z = logits.float() / t`` over the reference's vocab leaves, each leaf read once: per (row, leaf)
+a lane-wise running-max sum and the fixed lane tree; then the leaf tree across leaves and ranks and
+``lse = m + log(s)`` (:func:`_row_stats_kernel`, no FMA contraction); then ``z_target - lse``. Invariant kept: a
+row's bits come from its own leaves in an order fixed by the leaf length and BLOCK: the same for any batch and any TP
+split of the vocab. Its own contract implementation (not the torch reference's bits).
 
-1. one program per (row, vocab leaf) walks the leaf in BLOCK-wide slices from its first entry. Lane j
-   keeps ``acc_j``, a sum of ``exp(z - m)`` over entries j, j + BLOCK, ... against the leaf's running max
-   ``m``: a slice's max (exact) raises ``m``, ``acc`` is scaled by ``exp(m_old - m_new)`` (by exactly 1 when
-   the max did not move), then the slice's ``exp(z - m)`` are added (``acc * scale + e`` as one fma). The
-   exps are ``tl.exp``'s bits; a slice whose least ``z - m`` keeps every result normal skips the instruction's
-   subnormal fix-up (``slice_exp_triton``). The lanes are added by the fixed tree
-   (``ops.common.tree_triton.fixed_tree_rowsum``): the leaf's ``(m_l, s_l)``;
-2. ``m = max_l m_l`` (exact across leaves and TP ranks), ``s = sum_l s_l * exp(m_l - m)`` by the fixed
-   leaf tree (the lane tree over a rank's leaves, ``Comm.tree`` across ranks), ``lse = m + log(s)``: one
-   program per block of rows (:func:`_row_stats_kernel`). With the whole vocab in one shard that is one
-   launch; across shards the kernel runs a rank's sum and then the log around the collectives. ``exp`` and
-   ``log`` are the kernel's in both forms, and it is compiled without FMA contraction (a fused
-   ``s_l * e_l + s_k * e_k`` at the tree's first level would differ from a rank holding one leaf), so the bits
-   do not depend on the split;
-3. ``logp(target) = z_target - lse``, ``z_target`` scaled from the one picked logit (one launch with the whole
-   vocab in one shard; torch ops across shards: IEEE division and subtraction, the same bits).
-
-Steps 2 and 3 run on a few numbers per row. As torch ops they were some twenty small launches after the one
-that reads the logits; as kernels they are two.
-
-``z`` is the IEEE quotient ``x / t`` (``div_rn``'s bits); at a Python-number temperature the kernel forms it
-from a split reciprocal and one fma where the device has checked that this gives the same bits
-(``temperature_triton``), and skips the division at ``t == 1``.
-
-Every number a row's result depends on comes from that row's own leaves in an order fixed by the leaf
-length and BLOCK alone: the same bits for any batch, any rows beside it, and any TP split of the vocab
-(a rank holds whole leaves). The bits differ from the torch reference's (its leaf sums use the global
-max and the recursive tree over the whole leaf, its exp is ATen's), so this is its own implementation
-in the contract; tests/gpu/test_triton_ops.py holds it to fp64 and to its invariances.
+Design: docs/KERNELS.md, "Vocab scoring kernels".
 """
 
 from __future__ import annotations

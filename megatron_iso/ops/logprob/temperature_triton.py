@@ -1,26 +1,11 @@
 """Logits divided by the temperature inside the vocab kernels: the IEEE quotient, at the cost of a multiply-add.
 
-The scoring function is ``z = logits.float() / t``, a correctly rounded fp32 division per logit. ``div_rn`` gives
-those bits but costs a reciprocal approximation, refinement steps and a range check per element, which makes
-a pass over ``[rows, vocab]`` ALU bound. With ``1 / t`` split once, on the host, into ``r_hi = RD(1 / t)`` and
-``r_lo = RN(1 / t - r_hi) > 0`` (together ``1 / t`` to about 2^-48),
+``z = fma(x, r_hi, x * r_lo)`` with ``1 / t`` split once on the host (``r_hi = RD(1 / t)``, ``r_lo > 0``) instead
+of ``div_rn``. Invariant kept: the bits are ``div_rn``'s whichever form runs: :func:`reciprocal_for` checks the fast
+form on the device against ``div_rn`` over every reachable 16-bit value before handing it out, slices with a logit
+below :data:`TINY` divide, temperature tensors and powers of two divide, ``t == 1`` skips the division.
 
-    z = fma(x, r_hi, x * r_lo)
-
-rounds ``x * r_hi + x * r_lo`` once: the correctly rounded quotient unless ``x / t`` lies within about 2^-47 of a
-rounding boundary, or ``x`` is so small that ``x * r_lo`` loses bits below the subnormal range. ``r_hi`` rounds
-down so that ``r_lo`` is positive: ``x * r_lo`` then has the sign of ``x`` and a zero keeps its sign; infinities
-and NaNs come out as themselves. The claim is not taken on trust: :func:`reciprocal_for` runs
-:func:`_division_check_kernel` once per (temperature, logits dtype, device) over every value of the 16-bit dtype
-that can reach the fast form, compares bit patterns with ``div_rn`` on that device, and hands out the pair only
-when all of them agree; otherwise the kernels divide. A slice holding a logit below :data:`TINY` in magnitude (a
-zero included) also divides (a per-slice branch, never a per-element select, which would pay for both forms). So
-the bits never depend on which form ran.
-
-Only a Python-number temperature takes the fast form (the trainer's recompute and its entropy statistic): a
-temperature tensor (the decode graphs' per-row values) would need a check per distinct value, which a captured
-graph cannot run. A power-of-two temperature (an exact reciprocal, ``r_lo = 0``) divides as well.
-``t == 1`` skips the division altogether (``x / 1`` is ``x`` exactly).
+Design: docs/KERNELS.md, "Temperature division".
 """
 
 from __future__ import annotations

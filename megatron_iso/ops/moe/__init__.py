@@ -16,10 +16,11 @@ import functools
 import torch
 
 from megatron_iso.ops.moe import native, reference
+from megatron_iso.ops.moe.backend import RoutingBackend
 from megatron_iso.registry import PROFILES, Profile, register_per_device
 
 
-def _impl(profile: str):
+def _impl(profile: str) -> RoutingBackend:
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not allowed; allowed values: {list(PROFILES)}")
     return reference if profile == Profile.CORRECTNESS else native

@@ -3,7 +3,7 @@
 One dispatch point: the device class comes from the input tensor, the profile from the caller
 (``correctness`` = invariant path, ``performance`` = native). CPU+correctness is the torch
 reference, CUDA+correctness the Triton kernels in ``megatron_iso.ops.norm.norm_triton`` (imported
-lazily, same signatures as ``reference``), performance the native formulas on either device.
+lazily), performance the native formulas on either device; each answers the Protocols of ``backend``.
 Backward (correctness): on CUDA one Triton pass (``norm_backward_triton``), on the CPU autograd of
 the native formula.
 """
@@ -17,6 +17,7 @@ import torch
 from megatron_iso.ops.common.autograd import with_fused_backward, with_plain_backward
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.norm import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.norm.backend import GatedRMSNorm, RMSNorm
 from megatron_iso.registry import Profile
 
 TRITON_MODULE = "megatron_iso.ops.norm.norm_triton"
@@ -38,7 +39,8 @@ def rms_norm(
     profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """RMSNorm over the last dim; ``zero_centered`` uses the scale ``1 + weight``."""
-    fn = functools.partial(select("rmsnorm", x, profile, TRITON_MODULE), eps=eps, zero_centered=zero_centered)
+    impl: RMSNorm = select("rmsnorm", x, profile, TRITON_MODULE)
+    fn = functools.partial(impl, eps=eps, zero_centered=zero_centered)
     if profile != Profile.CORRECTNESS:
         return fn(x, weight)
     if x.is_cuda:
@@ -58,7 +60,8 @@ def gated_rms_norm(
     profile: str = Profile.CORRECTNESS,
 ) -> torch.Tensor:
     """``rms_norm(x) * silu(gate)`` over the last dim."""
-    fn = functools.partial(select("rmsnorm_gated", x, profile, TRITON_MODULE), eps=eps, zero_centered=zero_centered)
+    impl: GatedRMSNorm = select("rmsnorm_gated", x, profile, TRITON_MODULE)
+    fn = functools.partial(impl, eps=eps, zero_centered=zero_centered)
     if profile != Profile.CORRECTNESS:
         return fn(x, gate, weight)
     if x.is_cuda:

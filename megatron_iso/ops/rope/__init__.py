@@ -1,7 +1,7 @@
 """Rotary position embedding: full or partial (first ``rotary_dim`` channels), HF ``rotate_half`` layout.
 
 Dispatch as in ``ops.norm``: CPU+correctness = ``reference``, CUDA+correctness =
-``megatron_iso.ops.rope.rope_triton`` (lazy, same signatures), performance = ``native``.
+``megatron_iso.ops.rope.rope_triton`` (lazy), performance = ``native``; each answers the Protocols of ``backend``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from megatron_iso.ops.common.autograd import with_plain_backward
 from megatron_iso.ops.common.dispatch import select
 from megatron_iso.ops.rope import native, reference  # noqa: F401  (imports register the implementations)
+from megatron_iso.ops.rope.backend import ApplyRope, RopeCosSin
 from megatron_iso.ops.rope.reference import MAX_POSITION, check_position, inv_frequencies, rotary_dim_for
 from megatron_iso.registry import Profile
 
@@ -29,7 +30,7 @@ def rope_cos_sin(
 
     ``max_position``: a host bound on ``|positions|`` (``IsoBatch.max_position``, from ``pack``); with
     it the correctness profile's range check reads nothing back from the device."""
-    fn = select("rope_cos_sin", positions, profile, TRITON_MODULE)
+    fn: RopeCosSin = select("rope_cos_sin", positions, profile, TRITON_MODULE)
     return fn(positions, rotary_dim, theta, max_position=max_position)
 
 
@@ -37,7 +38,7 @@ def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile: str = Profile.CORRECTNESS
 ) -> torch.Tensor:
     """Rotate ``x`` ``[tokens, heads, head_dim]``'s first ``cos.shape[-1]`` channels."""
-    fn = select("rope", x, profile, TRITON_MODULE)
+    fn: ApplyRope = select("rope", x, profile, TRITON_MODULE)
     return (
         with_plain_backward(fn, native.apply_rope, x, cos, sin) if profile == Profile.CORRECTNESS else fn(x, cos, sin)
     )

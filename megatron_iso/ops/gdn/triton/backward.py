@@ -1,28 +1,10 @@
 """Gated DeltaNet training backward in Triton: deterministic chunk kernels (no atomics, fixed-order dots and sums).
 
-The readable reference is :class:`megatron_iso.ops.gdn.native._ChunkRule`'s backward (same algebra, torch ops over
-``[chunk, B*H, ...]`` tiles); tests hold these kernels to fp64 autograd of the CPU reference and to their own bits on a
-second run (``tests/ops/gdn_triton_interpret_check.py`` on CPU, ``tests/gpu/test_gdn_triton.py`` on the GPU). The
-policy asks a backward to be deterministic, not invariant: its dots run at the forward chain's precision
-(``GDNConfig.chain_precision``), and nothing here needs to match a rollout.
+Four kernels (local, chain, output, WY) over the forward's chunk-form state pass, dots at the forward chain's
+precision; the readable reference is :class:`megatron_iso.ops.gdn.native._ChunkRule`'s backward. Deterministic, not
+invariant (the policy asks no more of a backward). Training calls only.
 
-Inputs are the chunk-form state pass of the forward (per chunk and value head: u = U0 - W E, W, KD = e^{G_C-G} k,
-e^{G_C}, G, T^{-1}, and the entry state E; u, W, KD and E are bf16 with bf16 dots, ``GDNConfig.mid_dtype``), kept by
-a chunk-form forward or recomputed for a scan-form one (:func:`.state_pass.state_pass`, called from
-``rule._RuleFunction``). Per chunk, with ``P = causal(q k^T . e^{G_t-G_i})`` and
-``dE'`` the gradient of the chunk's exit state:
-
-1. ``_bwd_local_kernel`` (chunks in parallel): ``dv_local = P^T dO``.
-2. ``_bwd_chain_kernel`` (one program per sequence, value head, Dv block; chunks last to first):
-   ``du = dv_local + KD dE'``, ``dE = e^{G_C} dE' + (q e^G)^T dO - W^T du``; stores every chunk's ``dE'`` and ``du``.
-3. ``_bwd_output_kernel`` (chunks in parallel, loops over Dv blocks): the gradients through ``O = e^G (q E) + P u``,
-   ``E' = e^{G_C} E + KD^T u`` and ``u = U0 - W E``: dq (final), dk and dG partials, ``du E^T`` (for dW).
-4. ``_bwd_wy_kernel`` (chunks in parallel): through ``U0 = T^{-1}(beta v)``, ``W = T^{-1}(beta e^G k)`` and
-   ``T = I + strict_lower(beta k k^T . e^{G_t-G_i})``: dv, dbeta, the rest of dk and dG, then dg as the reverse
-   in-chunk sum of dG.
-
-Grouped heads: dq and dk come out per value head, in one plane per value head of a key head, and the planes are added
-afterwards (:func:`key_head_sum`, a fixed order). Training calls only (no state cache, sequences start at position 0).
+Design and the per-kernel algebra: docs/GDN.md, "Backward kernels".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The chunk form's output tiles (``O = e^G (Q E) + P u`` per chunk) and the copy of a chunk a call leaves open into
-the state cache (package docstring, "Chunk form")."""
+the state cache (docs/GDN.md, "Chunk form")."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _chunk_out_kernel(
     u the chain's (``u_ptr``), G the prep kernel's cumulative decay. Rows ``buffered..nrows-1`` are
     this call's tokens and are stored; a buffered row's q is not kept and loads as zero (its output was written by the
     call that brought it). Each output row is a function of its own q row, of the rows <= it of k, G and u, and of E:
-    a decode step's tile (later rows zero) gives the training tile's bits (docs/GDN.md, "Design sketch").
+    a decode step's tile (later rows zero) gives the training tile's bits (docs/GDN.md, "Chunk form").
     """
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

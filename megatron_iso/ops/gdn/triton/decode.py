@@ -1,5 +1,5 @@
 """The chunk form's decode step: a call of one token per sequence computes that token's rows of the training tiles
-(package docstring, "Decode"): ``_decode_prep_kernel`` (G, A's and P's rows, the token's X_bb row), then
+(docs/GDN.md, "Decode"): ``_decode_prep_kernel`` (G, A's and P's rows, the token's X_bb row), then
 ``_decode_row_kernel`` (Y, u and output rows, the exit state at a chunk's close)."""
 
 from __future__ import annotations

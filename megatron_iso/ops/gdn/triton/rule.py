@@ -87,7 +87,7 @@ def _rule_forward(
     form: str | None,
     kept: dict | None = None,
 ) -> torch.Tensor:
-    """The forward (package docstring). ``kept``: a training call's dict for the backward: ``cfg``, ``scale`` and,
+    """The forward (docs/GDN.md, "GPU kernels"). ``kept``: a training call's dict for the backward: ``cfg``, ``scale`` and,
     for the chunk form, ``plan`` and ``states`` (the chunk-form state pass, :mod:`.backward`)."""
     check_rule_args(q, k, v, g, beta, chunk, state)
     t, _, dk = k.shape
@@ -179,7 +179,7 @@ def gated_delta_rule(
     form: str | None = None,
     keep_states: bool = True,
 ) -> torch.Tensor:
-    """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see the package docstring.
+    """CPR gated delta rule over packed sequences (fp32 ``[T, Hv, Dv]``); see docs/GDN.md, "GPU kernels".
 
     ``dot_precision``: ``input_precision`` of the state pass's dots, one of :data:`DOT_PRECISIONS` for both
     kernels or ``"PREP/CHAIN"`` (None: :data:`DOT_PRECISION`, the registered one; for the chunk form

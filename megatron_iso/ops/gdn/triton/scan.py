@@ -1,4 +1,4 @@
-"""The scan form's outputs: the per-token recurrence over each segment of a call (package docstring, "Scan form")."""
+"""The scan form's outputs: the per-token recurrence over each segment of a call (docs/GDN.md, "Scan form")."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def _prep_kernel(
 ):  # fmt: skip
     """Per (chunk, value head): KD = e^{G_C-G} k, e^{G_C}, G (for the chunk-form output) and what the chain reads.
     Scan form (SUBST False): U0 and W of the WY form and T^{-1} (``tinv_ptr``: the program's scratch, T^{-1} at the
-    end). Chunk form (SUBST): the operands of the chain's block forward substitution (package docstring,
+    end). Chunk form (SUBST): the operands of the chain's block forward substitution (docs/GDN.md,
     "Substitution"): ``S`` into ``s_ptr`` (in ``GDNConfig.mid_dtype``: A's blocks below the diagonal and ``X_bb``,
     T^{-1}'s diagonal blocks, on it), ``beta v`` over U0 (fp32) and ``beta e^G k`` into ``kp_ptr`` (mid dtype); with
     WY (a training call: the backward reads them) also W and the whole T^{-1}.
@@ -87,7 +87,7 @@ def _prep_kernel(
     chunk row (int32 x CHUNK_COLS): packed row of the chunk's token 0 (tokens >= ``buffered`` are packed rows
     ``row0 + t``), ``buffered`` (tokens 0..buffered-1 are in the state cache buffer), buffer row base, ``nrows``
     (tokens present: C for a closing chunk; rows from ``nrows`` on load as zeros, which leaves rows < nrows bitwise
-    as they are in the full chunk, docs/GDN.md "Design sketch"), and a flag read by ``_buffer_kernel`` only.
+    as they are in the full chunk, docs/GDN.md "Chunk form"), and a flag read by ``_buffer_kernel`` only.
 
     With an ieee PREC the dots run over K in blocks of KB with the accumulator carried in ascending k order (module
     docstring, "K-blocked dots"); their operand blocks are (re)loaded from memory: k and v from the inputs (the
@@ -117,7 +117,7 @@ def _prep_kernel(
     kk = kk_rows(k_ptr, bk_ptr, ot, kcf, kcf, kd_ptr, base, dkd, row0, brow0, nbuf, nrows, SK, HK, DK, hk,
                   C, BK, KB, PREC, C, True)  # fmt: skip
     a = tl.where(lower, bc[:, None] * tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)) * kk, 0.0)
-    # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (package docstring, "Triangular inverse").
+    # T^{-1} for T = I + A (unit lower triangular) by blocks of IB rows (docs/GDN.md, "Triangular inverse").
     # A goes to the scratch rows first: the diagonal blocks are read row by row, the blocks below by dots.
     tbase = tinv_ptr + base * C * C
     tile = ot[:, None] * C + ot[None, :]
@@ -197,13 +197,13 @@ def _chain_kernel(
     Scan form (``ex_ptr`` row of chunk j: its exit state, which the scan starts from): the WY form per chunk,
     ``u = U0 - W E`` for all C rows (K = BK in blocks of KB, E's row blocks read back once each from the state this
     program stored last: the entry row or the previous chunk's exit row), then ``E' = dot(KD_b^T, u_b, E')`` over
-    ascending row blocks b of u from ``e^{G_C} E`` (package docstring, "K-blocked dots"). Each output element is one fma
+    ascending row blocks b of u from ``e^{G_C} E`` (docs/GDN.md, "K-blocked dots"). Each output element is one fma
     chain (k ascending from 0 for W E, t ascending from ``e^{G_C} E`` for E'). With a tensor-core PREC
     (tf32x3, tf32) the chunk is two dots over the whole K, E and u straight from registers (the compiler stages MMA
     operands through shared memory). PREC: the dots' ``input_precision`` (``GDNConfig.chain_precision``).
 
     Chunk form (ENTRIES; ``ex_ptr`` row of chunk j: its entry state, which the output kernel reads): u by block
-    forward substitution (package docstring, "Substitution"), for each IB-row block b in order
+    forward substitution (docs/GDN.md, "Substitution"), for each IB-row block b in order
     ``Y_b = R_b - sum_{j<b} A_bj u_j`` (:func:`subst_y`; the sum as dots accumulated over j ascending) and
     ``u_b = X_bb Y_b``, A's and X_bb's blocks from the prep's ``S`` (``s_ptr``), ``beta v`` from ``u0_ptr`` and
     ``beta e^G k`` from ``kp_ptr`` (the prep's), the earlier u blocks from registers

@@ -2,7 +2,7 @@
 rows, a plan's chunk row, a chunk's gates, rows of K K^T, the substitution's and the chunk-form output's arithmetic.
 
 Training tiles and a decode step's rows go through the same helper wherever they compute the same quantity, so both
-run one arithmetic (package docstring, "Decode").
+run one arithmetic (docs/GDN.md, "Decode").
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def subst_operands(bcb, cumb, kb, vb):
 @triton.jit
 def subst_y(bv, kp, e, acc, PREC: tl.constexpr):
     """Rows of ``Y = R - acc`` with ``R = beta v - (beta e^G k) E``, the block forward substitution's right-hand side
-    (package docstring, "Substitution"): ``bv``, ``kp`` the rows' :func:`subst_operands`, ``acc`` the sum of
+    (docs/GDN.md, "Substitution"): ``bv``, ``kp`` the rows' :func:`subst_operands`, ``acc`` the sum of
     ``A_bj u_j`` over the earlier blocks j. The one arithmetic of the chain's block tiles and of a decode step's row."""
     return (bv - dot(kp, e, None, PREC)) - acc
 

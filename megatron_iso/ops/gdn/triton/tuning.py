@@ -26,10 +26,10 @@ CHAIN_BV = 4 if INTERPRET else 16
 CHAIN_BV_MMA = 4 if INTERPRET else 32
 CHAIN_BV_BF16 = 4 if INTERPRET else 64
 MIN_DOT = 1 if INTERPRET else 16  # tl.dot needs every dimension >= 16 on the GPU
-# K block of the state-pass dots (package docstring, "K-blocked dots"); small under the interpreter so tiny shapes still
+# K block of the state-pass dots (docs/GDN.md, "K-blocked dots"); small under the interpreter so tiny shapes still
 # run several blocks.
 DOT_KB = 4 if INTERPRET else 16
-# Row block of the prep kernel's triangular inverse (package docstring, "Triangular inverse"): diagonal blocks by row
+# Row block of the prep kernel's triangular inverse (docs/GDN.md, "Triangular inverse"): diagonal blocks by row
 # substitution, all at once; the blocks below by K-blocked dots. Small under the interpreter so tiny chunks still
 # have several blocks.
 INV_BLOCK = 4 if INTERPRET else 16
@@ -40,14 +40,14 @@ SCAN_WARPS, CHAIN_WARPS, PREP_WARPS = 2, 4, 4
 PREP_STAGES, CHAIN_STAGES = 1, 2
 # input_precision of the state pass's fp32 tl.dot (the scan has no dot). "ieee" lowers to FMA chains (no tensor
 # cores); "tf32x3" (3 tf32 MMAs per product, ~fp32 accuracy) and "tf32" use tensor cores. Any of them keeps
-# training == rollout bitwise: both sides run the same kernel on the same closed chunk (package docstring, "Dot
+# training == rollout bitwise: both sides run the same kernel on the same closed chunk (docs/GDN.md, "Dot
 # precision"). A spec is one of DOT_PRECISIONS for both kernels, or "PREP/CHAIN". The default is the one the
 # contract registers, "ieee/tf32x3": the prep kernel's dots stay FMA chains (tensor cores do not make the prep faster),
 # the chain's two whole-K dots per chunk run on tensor cores (several times faster), with the same error against fp64.
 # The others are opt-in per call.
 DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")  # bf16: operands rounded to bf16, fp32 accumulate (FLA's class)
 DOT_PRECISION = "ieee/tf32x3"
-# How a chunk's outputs are computed (GDNConfig.form; package docstring, "Output forms"): "scan", the per-token
+# How a chunk's outputs are computed (GDNConfig.form; docs/GDN.md, "Output forms"): "scan", the per-token
 # recurrence from the chunk's entry state (the registered default; decode is one scan step), or "chunk", output tiles
 # O = e^G (Q E) + P u on tensor cores (training and prefill fast; decode computes its token's rows of those tiles).
 FORMS = OUTPUT_FORMS
@@ -61,7 +61,7 @@ CHUNK_DOT_PRECISION = "bf16"  # the chunk form's precision when a call names non
 OUT_BV = 4 if INTERPRET else 128
 # With bf16 chain dots, the state pass's intermediates that only ever enter those dots (W, KD; chunk form: u and the
 # entry states) are stored as bf16, the value the dot would round them to: the same bits, half the bytes
-# ("Intermediate storage" in the package docstring). False: fp32 storage, for the test that holds the bits equal.
+# ("Dot precision" in docs/GDN.md). False: fp32 storage, for the test that holds the bits equal.
 MID_BF16 = True
 OUT_WARPS = 4
 # Rows of A, P and of the output tiles in a chunk-form decode step: the 16 rows holding the token (tl.dot's
@@ -101,7 +101,7 @@ class GDNConfig:
     scan_bv: int
     chain_bv: int
     chunk: int
-    kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: package docstring)
+    kb: int  # K block of the prep/chain dots (divides chunk and bk; bit-neutral: docs/GDN.md)
     inv_block: int  # row block of the prep kernel's triangular inverse (divides chunk)
     prep_precision: str  # input_precision of the prep kernel's tl.dot (one of DOT_PRECISIONS)
     chain_precision: str  # input_precision of the chain kernel's tl.dot (one of DOT_PRECISIONS)
