@@ -200,3 +200,15 @@ def scale_moe_aux_loss(tc: Any, device: torch.device, scale: float) -> None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), scale, device=device))
+
+
+def reset_moe_aux_tracker(*, new_model: bool) -> None:
+    """Megatron's process-wide MoE aux-loss tracker (``moe_utils``): emptied for a new model (its per-layer values
+    are sized by the first model's depth, so a deeper model built later in the process would index past them),
+    zeroed after each step (Megatron's training loop zeroes it when it logs; without that it sums forever)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if new_model:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    else:
+        moe_utils.clear_aux_losses_tracker()

@@ -40,7 +40,7 @@ from megatron_iso.rl.losses import (
     untrained_step_line,
 )
 from megatron_iso.rl.metrics import peak_memory_bytes, step_metrics
-from megatron_iso.rl.optim import build_optimizer, current_lr, scale_moe_aux_loss
+from megatron_iso.rl.optim import build_optimizer, current_lr, reset_moe_aux_tracker, scale_moe_aux_loss
 from megatron_iso.rl.pipeline import pack_micro_batch, pipeline_passes, score_micro_batch
 from megatron_iso.rl.ppo import check_schedule, merge_updates, run_updates, step_normaliser
 from megatron_iso.rl.rollout import LayoutRollout
@@ -96,6 +96,7 @@ class Trainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tc: IsoTransformerConfig = transformer_config(settings)
         rollout, separate = self._build_contract()
+        reset_moe_aux_tracker(new_model=True)
         self._build_model()
         self.ddp, self.optimizer, self.schedule = build_optimizer(self.tc, self.model, self.rl)
         self._build_engine(rollout, separate)
@@ -374,6 +375,7 @@ class Trainer:
                       file=sys.stderr)  # fmt: skip
         metrics["optim/lr"] = current_lr(self.optimizer)
         self.schedule.step(1)  # once per RL step, trained or not: a resumed run positions it by the step
+        reset_moe_aux_tracker(new_model=False)
         train_s = time.perf_counter() - t1
         # Mismatch, reward, response and entropy statistics over every DP rank's tokens and samples.
         local = {"trainer_logp": trainer_logp, "rollout_logp": rollout_logp, "entropy": entropy, "rewards": rewards,
