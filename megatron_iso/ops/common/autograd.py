@@ -40,10 +40,13 @@ def plain_grads(
     return grads
 
 
-class _PlainBackward(torch.autograd.Function):
+class _InvariantForward(torch.autograd.Function):
+    """``invariant(*args)`` without a graph; its backward is ``grads(grad_out, args, needs_grad)``: one gradient
+    per argument (None where not needed)."""
+
     @staticmethod
-    def forward(ctx, invariant, plain, *args):  # type: ignore[override]
-        ctx.plain = plain
+    def forward(ctx, invariant, grads, *args):  # type: ignore[override]
+        ctx.grads = grads
         ctx.tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_pos))
@@ -55,7 +58,14 @@ class _PlainBackward(torch.autograd.Function):
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
             args[i] = t
-        return (None, None, *plain_grads(ctx.plain, args, ctx.needs_input_grad[2:], grad_out))
+        return (None, None, *ctx.grads(grad_out, args, ctx.needs_input_grad[2:]))
+
+
+def _apply(invariant: Callable[..., torch.Tensor], grads: Callable[..., Sequence[Any]], args: Sequence[Any]):
+    needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not needs_grad:
+        return invariant(*args)
+    return _InvariantForward.apply(invariant, grads, *args)
 
 
 def with_plain_backward(
@@ -65,30 +75,7 @@ def with_plain_backward(
 
     Positional arguments only (bind keywords with functools.partial); one tensor output.
     """
-    needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    if not needs_grad:
-        return invariant(*args)
-    return _PlainBackward.apply(invariant, plain, *args)
-
-
-class _FusedBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, invariant, backward, *args):  # type: ignore[override]
-        ctx.backward_fn = backward
-        ctx.tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
-        ctx.save_for_backward(*(args[i] for i in ctx.tensor_pos))
-        with torch.no_grad():
-            return invariant(*args)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        args = list(ctx.others)
-        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
-            args[i] = t
-        grads = ctx.backward_fn(grad_out.contiguous(), *args)
-        needs = ctx.needs_input_grad[2:]
-        return (None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+    return _apply(invariant, lambda grad_out, saved, needs: plain_grads(plain, saved, needs, grad_out), args)
 
 
 def with_fused_backward(
@@ -96,7 +83,9 @@ def with_fused_backward(
 ) -> torch.Tensor:
     """``invariant(*args)``; when a gradient is needed, ``backward(grad_out, *args)`` returns one gradient per
     argument (None for non-tensors). ``backward`` must be deterministic; it need not be invariant."""
-    needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    if not needs_grad:
-        return invariant(*args)
-    return _FusedBackward.apply(invariant, backward, *args)
+
+    def grads(grad_out: torch.Tensor, saved: Sequence[Any], needs: Sequence[bool]) -> list[torch.Tensor | None]:
+        found = backward(grad_out.contiguous(), *saved)
+        return [g if need else None for g, need in zip(found, needs, strict=True)]
+
+    return _apply(invariant, grads, args)
