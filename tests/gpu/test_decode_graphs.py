@@ -78,17 +78,12 @@ def test_native_captured_decode_stays_close_to_eager() -> None:
     staging-length bucket. Not batch invariant, so not bitwise: per sample, the logprobs up to the first
     token where the two runs part are within bf16 noise, and most samples never part."""
     from megatron_iso.parallel.world import launched_world
+    from tests.inference import engine_cases
 
     with launched_world(seed=7):
         _, _, _, eng, eager, captured = _eager_and_captured("performance", "bf16")
         assert not eng.decode_graphs.paged
-        assert eager.keys() == captured.keys()
-        same, worst = 0, 0.0
-        for key, (tok, lp, _) in eager.items():
-            tok2, lp2, _ = captured[key]
-            k = next((i for i, (a, b) in enumerate(zip(tok, tok2, strict=False)) if a != b), min(len(tok), len(tok2)))
-            same += tok == tok2
-            worst = max(worst, float((lp[: k + 1] - lp2[: k + 1]).abs().max()) if k < len(lp) else 0.0)
+        same, worst = engine_cases.captured_vs_eager(eager, captured)
         print(f"native captured vs eager: {same}/{len(eager)} samples identical, max |dlogp| {worst:.3e}")
         assert same >= len(eager) // 2 and worst < 5e-2, (same, worst)
 

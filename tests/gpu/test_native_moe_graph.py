@@ -119,12 +119,6 @@ def test_native_moe_decode_is_captured_and_stays_close_to_eager() -> None:
         assert graphs is not None, eng.decode_graphs_off
         assert graphs.disabled is None, graphs.disabled
         assert graphs.captures >= 2 and graphs.replays > 0, (graphs.captures, graphs.replays)
-        assert eager.keys() == captured.keys()
-        same, worst = 0, 0.0
-        for key, (tok, lp, _) in eager.items():
-            tok2, lp2, _ = captured[key]
-            k = next((i for i, (a, b) in enumerate(zip(tok, tok2, strict=False)) if a != b), min(len(tok), len(tok2)))
-            same += tok == tok2
-            worst = max(worst, float((lp[: k + 1] - lp2[: k + 1]).abs().max()) if k < len(lp) else 0.0)
+        same, worst = engine_cases.captured_vs_eager(eager, captured)
         print(f"native MoE captured vs eager: {same}/{len(eager)} samples identical, max |dlogp| {worst:.3e}")
         assert same >= len(eager) // 2 and worst < 5e-2, (same, worst)

@@ -247,6 +247,19 @@ def behaviour(overrides: list[str]) -> dict:
     return out
 
 
+def captured_vs_eager(eager: dict, captured: dict) -> tuple[int, float]:
+    """``(samples with identical tokens, max |dlogp| up to each sample's first differing token)`` of two
+    :func:`summary` dicts of the same requests (a performance-profile run, whose graphs may round differently)."""
+    assert eager.keys() == captured.keys()
+    same, worst = 0, 0.0
+    for key, (tok, lp, _) in eager.items():
+        tok2, lp2, _ = captured[key]
+        k = next((i for i, (a, b) in enumerate(zip(tok, tok2, strict=False)) if a != b), min(len(tok), len(tok2)))
+        same += tok == tok2
+        worst = max(worst, float((lp[: k + 1] - lp2[: k + 1]).abs().max()) if k < len(lp) else 0.0)
+    return same, worst
+
+
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[k][0] == b[k][0] and torch.equal(a[k][1].view(torch.int32), b[k][1].view(torch.int32)) for k in a
