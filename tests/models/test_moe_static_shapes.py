@@ -10,6 +10,8 @@ runs). The captured graph on a GPU: tests/gpu/test_moe_static_graph.py."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
 from megatron_iso.testing.bits import bits
@@ -56,48 +58,30 @@ def _layer_cases(dtype: str) -> dict:
         out["reads"] = reads
         # A model call with IsoBatch.static_shapes runs the static path, with the eager logits' bits.
         ids, batch = pack([[3, 5, 7], [11]], device="cpu")
-        calls = []
-        real = grouped.grouped_reference_static
-
-        def spy(*a, **k):
-            calls.append(1)
-            return real(*a, **k)
-
-        grouped.grouped_reference_static = spy
-        try:
+        with mock.patch.object(grouped, "grouped_reference_static", wraps=grouped.grouped_reference_static) as spy:
             eager_logits = model.forward_packed(ids, batch)
-            eager_calls = len(calls)
+            eager_calls = spy.call_count
             batch.static_shapes = True
             static_logits = model.forward_packed(ids, batch)
-        finally:
-            grouped.grouped_reference_static = real
-        out["model"] = (bits(eager_logits), bits(static_logits), eager_calls, len(calls))
+        out["model"] = (bits(eager_logits), bits(static_logits), eager_calls, spy.call_count)
         # The dispatcher takes (experts, weights) from its router's RoutedTokens; without them it recovers the same
         # from routing_map and probs (a sort and a device check under static shapes): the same bits either way.
         import megatron_iso.models.moe as moe_module
 
         dispatcher = moe.token_dispatcher
-        recovered = []
-        real_routed = moe_module._routed_experts
-
-        def counting(*a, **k):
-            recovered.append(1)
-            return real_routed(*a, **k)
-
-        moe_module._routed_experts = counting
-        try:
-            handoff = {}
-            for name, router in (("handoff", moe.router), ("recovered", None)):
-                dispatcher.router = router
-                for ctx_name, ctx in (("static", static_shapes()), ("eager", static_shapes(False))):
-                    with ctx:
-                        handoff[(name, ctx_name)] = bits(moe(x)[0])
-                    if router is not None:
-                        handoff[("left", ctx_name)] = getattr(router, "last_route", "unset")
-        finally:
-            moe_module._routed_experts = real_routed
-            dispatcher.router = moe.router
-        out["handoff"] = (handoff, len(recovered))
+        handoff = {}
+        with mock.patch.object(moe_module, "_routed_experts", wraps=moe_module._routed_experts) as recovered:
+            try:
+                for name, router in (("handoff", moe.router), ("recovered", None)):
+                    dispatcher.router = router
+                    for ctx_name, ctx in (("static", static_shapes()), ("eager", static_shapes(False))):
+                        with ctx:
+                            handoff[(name, ctx_name)] = bits(moe(x)[0])
+                        if router is not None:
+                            handoff[("left", ctx_name)] = getattr(router, "last_route", "unset")
+            finally:
+                dispatcher.router = moe.router
+        out["handoff"] = (handoff, recovered.call_count)
     return out
 
 
