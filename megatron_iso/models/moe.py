@@ -60,7 +60,7 @@ from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
-from megatron_iso.ops.moe import combine_routed, route_weights, router_probs, top_k_route
+from megatron_iso.ops.moe import combine_routed, route, route_weights, scattered_route
 from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import Profile
@@ -167,13 +167,12 @@ class IsoTopKRouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         logits = logits.reshape(-1, self.config.num_moe_experts)
-        scores = router_probs(logits)
-        weights, experts = top_k_route(scores, self.topk, normalize=self.normalize)
+        scores, weights, experts, routing_map, probs = route(logits, self.topk, normalize=self.normalize)
         used = routed_experts(experts)  # recorded in a rollout; compared, perhaps replayed, in training
         if used is not experts:
-            weights, experts = route_weights(scores, used, normalize=self.normalize)
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, experts, True)
-        probs = torch.zeros_like(scores).scatter(1, experts, weights)
+            _, weights, experts, routing_map, probs = scattered_route(
+                scores, *route_weights(scores, used, normalize=self.normalize)
+            )
         # The dispatcher of the same layer reads (experts, weights) from here instead of recovering them from
         # routing_map and probs (a sort, a device check and a gather per layer): the same values, fewer kernels.
         self.last_route = RoutedTokens(routing_map, probs, experts, weights)

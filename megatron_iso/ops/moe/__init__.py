@@ -6,15 +6,19 @@
 | any       | performance  | ``native`` (library softmax / topk / sum)                        |
 
 The router and combine are tiny next to the expert GEMMs (E or k terms per token), so the torch
-reference also serves CUDA tensors. The expert GEMMs go through ``ops.gemm.linear``.
+reference also serves CUDA tensors; :func:`route`, the whole router without autograd (rollout, scoring), is one
+Triton launch on CUDA (``route_triton``, the reference's bits) where its shapes allow. The expert GEMMs go
+through ``ops.gemm.linear``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
+from megatron_iso.ops.common.interpret import INTERPRET
 from megatron_iso.ops.moe import native, reference
 from megatron_iso.ops.moe.backend import RoutingBackend
 from megatron_iso.registry import PROFILES, Profile, register_per_device
@@ -47,6 +51,38 @@ def route_weights(
     return _impl(profile).route_weights(probs, experts, normalize=normalize)
 
 
+class Route(NamedTuple):
+    """What a router hands its layer: ``scores [N, E]`` (the softmax), the chosen ``experts [N, k]`` (ascending)
+    with their fp32 ``weights [N, k]``, and Megatron's ``routing_map [N, E]`` (bool) and ``probs [N, E]`` (the
+    weights scattered, zeros elsewhere)."""
+
+    scores: torch.Tensor
+    weights: torch.Tensor
+    experts: torch.Tensor
+    routing_map: torch.Tensor
+    probs: torch.Tensor
+
+
+def scattered_route(scores: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> Route:
+    """The :class:`Route` of ``experts`` and their ``weights`` (Megatron's map and probs scattered from them)."""
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, experts, True)
+    probs = torch.zeros_like(scores).scatter(1, experts, weights)
+    return Route(scores, weights, experts, routing_map, probs)
+
+
+def route(logits: torch.Tensor, k: int, *, normalize: bool, profile: str = Profile.CORRECTNESS) -> Route:
+    """The router from fp32 ``logits [N, E]``: :func:`router_probs`, :func:`top_k_route` and the scatters. The
+    correctness profile without autograd on CUDA is one launch (:mod:`.route_triton`) with the same bits."""
+    if profile == Profile.CORRECTNESS and (logits.is_cuda or INTERPRET):
+        from megatron_iso.ops.moe import route_triton
+
+        if route_triton.serves(logits, k):
+            return Route(*route_triton.route_triton(logits, k, normalize=normalize))
+    scores = router_probs(logits, profile=profile)
+    weights, experts = top_k_route(scores, k, normalize=normalize, profile=profile)
+    return scattered_route(scores, weights, experts)
+
+
 def combine_routed(
     expert_out: torch.Tensor, weights: torch.Tensor, *, profile: str = Profile.CORRECTNESS
 ) -> torch.Tensor:
@@ -64,8 +100,12 @@ def _probe_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _probe(mod, device: str) -> dict[str, torch.Tensor]:
     logits, y = _probe_inputs(device)
-    probs = mod.router_probs(logits)
-    w, e = mod.top_k_route(probs, 4, normalize=True)
+    if mod is reference:  # the whole router as the layers call it: on CUDA its one-launch kernel
+        with torch.no_grad():
+            probs, w, e, _, _ = route(logits, 4, normalize=True)
+    else:
+        probs = mod.router_probs(logits)
+        w, e = mod.top_k_route(probs, 4, normalize=True)
     return {"probs": probs, "weights": w, "experts": e, "combine": mod.combine_routed(y, w)}
 
 
@@ -83,6 +123,12 @@ register_per_device(
         "combine": "fp32 products, balanced tree over k, one rounding after the shared expert",
     },
     probe_for=lambda device: functools.partial(_probe, reference, device),
+    # What serves the router on CUDA without autograd (rollout, scoring): one launch computing the same ops.
+    fields_for=lambda device: (
+        {"constants": {"router_without_autograd": "route_triton: one launch, exp64 without FMA, div_rn"}}
+        if device == "cuda"
+        else {}
+    ),
 )
 register_per_device(
     op="moe_route_combine",
@@ -94,4 +140,4 @@ register_per_device(
     probe_for=lambda device: functools.partial(_probe, native, device),
 )
 
-__all__ = ["combine_routed", "route_weights", "router_probs", "top_k_route"]
+__all__ = ["Route", "combine_routed", "route", "route_weights", "router_probs", "scattered_route", "top_k_route"]
