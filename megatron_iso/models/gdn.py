@@ -229,6 +229,7 @@ class IsoGatedDeltaNet(MegatronModule):
         g, beta = gdn_gates(a, b, A_log, dt_bias, profile=self.profile)
         return q, k, v.reshape(t, self.hv, self.dv), g, beta
 
+
 def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -> GDNStateCache:
     """Empty GDN state for ``slots`` sequences, for this TP rank's heads, every GDN layer of ``config``."""
     tp = config.tensor_model_parallel_size

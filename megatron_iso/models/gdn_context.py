@@ -35,7 +35,6 @@ is about CP 1's; what CP buys here is memory (activations of ``T / CP`` rows plu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
@@ -136,7 +135,9 @@ def _chunk_forward(layer, x: torch.Tensor, params, work: ChunkWork, run: _Run) -
     skip = work.rule_lo - work.ext_lo  # conv history rows: inputs of the halo, not rows the rule runs
     q, k, v, g, beta = (f[skip:] for f in feats)
     n = len(work.rule_cu) - 1
-    zeros = torch.zeros(n - (run.entry_in is not None), layer.hv, layer.dk, layer.dv, dtype=torch.float32, device=x.device)
+    zeros = torch.zeros(
+        n - (run.entry_in is not None), layer.hv, layer.dk, layer.dv, dtype=torch.float32, device=x.device
+    )
     entry = zeros if run.entry_in is None else torch.cat([run.entry_in[None], zeros])
     opts = {key: val for key, val in layer.rule_options().items() if key != "backward_states"}
     rule_cu = torch.tensor(work.rule_cu, dtype=torch.int32, device=x.device)
@@ -214,7 +215,9 @@ class _StateChain(torch.autograd.Function):
                 if g is not None:
                     total[i] = g if total[i] is None else total[i] + g
             if work.incoming is not None:
-                msg = [torch.zeros_like(t) if g is None else g for t, g in zip(link_in, got[len(inputs) :], strict=True)]
+                msg = [
+                    torch.zeros_like(t) if g is None else g for t, g in zip(link_in, got[len(inputs) :], strict=True)
+                ]
                 if work.prev_peer is None:
                     handoff = msg
                 else:

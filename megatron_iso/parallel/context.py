@@ -116,7 +116,9 @@ def send_to(tensors: list[torch.Tensor], shard: ContextShard, peer: int) -> None
         dist.send(t.contiguous(), dst=dst, group=shard.group)
 
 
-def recv_from(like: list[tuple[tuple[int, ...], torch.dtype]], shard: ContextShard, peer: int, device) -> list[torch.Tensor]:
+def recv_from(
+    like: list[tuple[tuple[int, ...], torch.dtype]], shard: ContextShard, peer: int, device
+) -> list[torch.Tensor]:
     """Receive tensors of the given (shape, dtype)s from CP rank ``peer``, in the order :func:`send_to` sent them."""
     src = dist.get_global_rank(shard.group, peer) if shard.group is not None else peer
     out = []

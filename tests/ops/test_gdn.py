@@ -142,6 +142,7 @@ def test_carry_cut_at_a_chunk_boundary_equals_one_call():
     with pytest.raises(ValueError, match="no implementation on cpu with profile 'performance'"):
         gated_delta_rule_carry(*x, _cu([5, 27]), zeros, chunk=8, profile="performance")
 
+
 def _naive64(q, k, v, g, beta):
     """FLA's naive recurrent gated delta rule (decay, then delta update, then read) in float64."""
     rep = v.shape[1] // k.shape[1]

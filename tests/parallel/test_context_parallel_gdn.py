@@ -11,6 +11,7 @@ One spawn of 4 gloo ranks runs every layout (``parallel.layouts``).
 
 from __future__ import annotations
 
+from functools import partial
 from unittest import mock
 
 import pytest
@@ -68,7 +69,7 @@ def _gdn_rows(fn):
     return out, seen
 
 
-def _score(samples, tp: int, cp: int, sp: bool) -> dict:
+def _score(samples, tp: int, cp: int, sp: bool, profile: str = "correctness") -> dict:
     from megatron_iso.models.batch import pack, row_multiple
     from megatron_iso.models.gpt import build_model
     from megatron_iso.models.scoring import score_sequences
@@ -76,7 +77,8 @@ def _score(samples, tp: int, cp: int, sp: bool) -> dict:
     from megatron_iso.models.weights import random_hf_state_dict
     from megatron_iso.settings.compose import load_config
 
-    cfg = load_config([*OVERRIDES, f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.sp={str(sp).lower()}"])
+    cfg = load_config([*OVERRIDES, f"profile={profile}", f"parallel.tp={tp}", f"parallel.cp={cp}",
+                       f"parallel.sp={str(sp).lower()}"])  # fmt: skip
     tc = transformer_config(cfg)
     model = build_model(tc, random_hf_state_dict(tc, seed=7))
     ids, batch = pack([p + t for p, t, _ in samples], pad_to_multiple=row_multiple(tc), vocab_size=tc.vocab_size)
@@ -106,7 +108,11 @@ def _worker() -> dict:
     out = {"rollout": torch.tensor([x for *_, lp in samples for x in lp], dtype=torch.float32)}
     for name, (tp, cp, sp) in LAYOUTS.items():
         with layouts[name].active():
-            out[name], out[f"{name}_gdn_rows"] = _gdn_rows(lambda: _score(samples, tp, cp, sp))  # noqa: B023
+            out[name], out[f"{name}_gdn_rows"] = _gdn_rows(partial(_score, samples, tp, cp, sp))
+    for cp in (1, 2):  # the performance profile (the native rule carries no state): the whole-pack fallback
+        run = partial(_score, samples, 1, cp, False, "performance")
+        with layouts[f"cp{cp}"].active():
+            out[f"perf_cp{cp}"], out[f"perf_cp{cp}_gdn_rows"] = _gdn_rows(run)
     return out
 
 
@@ -138,6 +144,12 @@ def test_hybrid_logprobs_at_cp_equal_cp_1_and_the_rollout():
             assert max(rows["rule"]) <= chunk + GDN_CHUNK - 1, (name, rows)
             assert max(rows["conv"]) <= chunk + GDN_CHUNK + CONV_KERNEL - 2, (name, rows)
             assert max(rows["conv"]) < BOUNDS[-1] // 2, (name, rows)
+
+    # The performance profile keeps the whole-pack scheme (each GDN layer once per forward) and stays close to its CP 1.
+    for res in results:
+        assert res["perf_cp2_gdn_rows"]["whole_pack"] == 3 and res["perf_cp1_gdn_rows"]["whole_pack"] == 0
+        a, b = res["perf_cp2"]["logp"], res["perf_cp1"]["logp"]
+        assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_the_pack_covers_the_chain_cases():

@@ -174,6 +174,7 @@ def gated_delta_rule_carry(
     impl = _CARRY[lookup("gated_delta_rule", device_class, profile).impl_id]
     return impl(q, k, v, g, beta, cu_seqlens, entry, scale=scale, chunk=chunk)
 
+
 __all__ = [
     "BACKWARD_STATES",
     "DEFAULT_CHUNK",
