@@ -70,6 +70,11 @@ class ChunkWork:
     rule_cu: tuple[int, ...]
 
     @property
+    def rows(self) -> slice:
+        """This chunk's rows among the rank's local rows."""
+        return slice(self.local, self.local + self.hi - self.lo)
+
+    @property
     def ext_lo(self) -> int:
         return self.incoming.halo_start if self.incoming else self.lo
 
@@ -157,7 +162,6 @@ def _forward_chain(layer, x: torch.Tensor, params, shard: ContextShard, works, l
     """Both local chunks in sequence order, receiving before and sending after each; ``leaves``: received tensors
     become leaves that require grad (the backward's graph)."""
     runs, handoff = [], None
-    rows = shard.total // (2 * shard.size)
     for work in works:
         run = _Run()
         if work.incoming is not None:
@@ -166,7 +170,7 @@ def _forward_chain(layer, x: torch.Tensor, params, shard: ContextShard, works, l
             else:
                 msg = recv_from(_message_like(layer, x, work.incoming), shard, work.prev_peer, x.device)
             run.entry_in, run.halo_in = (t.requires_grad_(leaves) for t in msg)
-        _chunk_forward(layer, x[work.local : work.local + rows], params, work, run)
+        _chunk_forward(layer, x[work.rows], params, work, run)
         if work.outgoing is not None:
             msg = [run.exit_out.detach(), run.halo_out.detach()]
             if work.next_peer is None:
@@ -194,12 +198,11 @@ class _StateChain(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         xs, params, layer, shard, works, runs = ctx.state
         del ctx.state
-        rows = shard.total // (2 * shard.size)
         inputs = [t for t in (xs, *params) if t.requires_grad]
         total: list[torch.Tensor | None] = [None] * len(inputs)
         handoff = None
         for work, run in reversed(list(zip(works, runs, strict=True))):
-            outs, grads = [run.out], [grad[work.local : work.local + rows]]
+            outs, grads = [run.out], [grad[work.rows]]
             if work.outgoing is not None:
                 if work.next_peer is None:
                     msg = handoff
@@ -227,8 +230,9 @@ class _StateChain(torch.autograd.Function):
 
 
 def mix_chained(layer, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, shard: ContextShard) -> torch.Tensor:
-    """The GDN mixer's fp32 ``[n, Hv, Dv]`` outputs of this CP rank's rows (``qkv, b, a``, local order), with the
-    recurrence's state and the conv's history passed rank to rank (module docstring)."""
+    """The mixer outputs of ``layer`` (an ``IsoGatedDeltaNet``), fp32 ``[n, Hv, Dv]``, of this CP rank's rows
+    (``qkv, b, a``, local order), the recurrence's state and the conv's history passed rank to rank (module
+    docstring)."""
     works = chain_plan(shard.bounds, shard.size, shard.rank, layer.chunk, layer.conv1d.weight.shape[-1])
     x = torch.cat([qkv, b, a], dim=-1)
     weight, A_log, dt_bias = layer.parameters_of_rule()
