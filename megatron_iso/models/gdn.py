@@ -11,8 +11,11 @@ TP shards heads: rank i holds key heads [i Hk/tp, (i+1) Hk/tp) and their value h
 the delta rule and the gated norm are per head; ``out_proj`` is row-parallel (the leaf tree in the
 correctness profile), so every TP size computes the same expression.
 
-Context parallelism (``IsoBatch.cp``): the conv and the delta rule run over the whole pack on every CP rank (its rows
-gathered in packed order), the row-wise rest (in_proj, the gated norm, out_proj) on the rank's own rows.
+Context parallelism (``IsoBatch.cp``): every part runs on the rank's own rows, the recurrence's state and the conv's
+history passed rank to rank in sequence order (``models.gdn_context``), where the rule carries a state
+(``ops.gdn.carries_state``: the CPU reference). Elsewhere (the Triton kernels take no gradient through a state, the
+native chunk loop is not aligned at sequence chunk boundaries) the conv and the rule run over the whole pack on every
+CP rank, its rows gathered in packed order (:meth:`IsoGatedDeltaNet._mix_whole_pack`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_iso.models.batch import IsoBatch
-from megatron_iso.ops.gdn import GDNStateCache, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
+from megatron_iso.models.gdn_context import mix_chained
+from megatron_iso.ops.common.dispatch import device_class_of
+from megatron_iso.ops.gdn import GDNStateCache, carries_state, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
 from megatron_iso.ops.norm import gated_rms_norm
 from megatron_iso.parallel.context import ContextShard, gather_sequence_rows
 from megatron_iso.parallel.layer_config import iso_config
@@ -162,13 +167,18 @@ class IsoGatedDeltaNet(MegatronModule):
         x = x.squeeze(1)  # packed rows: batch dimension 1
         vd = self.hv * self.dv
         qkv, z, b, a = torch.split(x, [self.conv_dim, vd, self.hv, self.hv], dim=-1)
-        o = self._mix(qkv, b, a, batch) if batch.cp is None else self._mix_whole_pack(qkv, b, a, batch.cp)
+        if batch.cp is None:
+            o = self._mix(qkv, b, a, batch)
+        elif carries_state(device_class_of(qkv), self.profile, self.form, self.dot_precision):
+            o = mix_chained(self, qkv, b, a, batch.cp)
+        else:
+            o = self._mix_whole_pack(qkv, b, a, batch.cp)
         o = self.out_norm(o.to(hidden_states.dtype), z.reshape(-1, self.hv, self.dv))
         return self.out_proj(o.reshape(-1, 1, vd))
 
     def _mix_whole_pack(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, shard: ContextShard) -> torch.Tensor:
-        """Context parallelism: the conv and the delta rule need each sequence's rows in order from its first token,
-        so every CP rank gathers the conv and gate inputs of the whole (padded) pack in packed order, runs them as
+        """Context parallelism where the rule cannot carry a state (``ops.gdn.carries_state``): the conv and the delta
+        rule need each sequence's rows in order from its first token, so every CP rank gathers the conv and gate inputs of the whole (padded) pack in packed order, runs them as
         CP 1 does on the same rows (the same bits), and keeps its own rows' outputs. The gather's backward sums each
         row's gradient over the ranks (``parallel.context.gather_sequence_rows``): deterministic, not bitwise CP 1's.
         Costs and the state-passing alternative: docs/CONTEXT_PARALLEL.md."""
@@ -180,39 +190,44 @@ class IsoGatedDeltaNet(MegatronModule):
 
     def _mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, batch: IsoBatch) -> torch.Tensor:
         """conv1d + SiLU, l2norm, gates and the gated delta rule over ``batch``'s sequences: fp32 ``[T, Hv, Dv]``."""
-        t = qkv.shape[0]
-        kd, vd = self.hk * self.dk, self.hv * self.dv
         state = batch.gdn_cache.layer(self.layer_index) if batch.gdn_cache is not None else None
         slots = batch.gdn_slots if batch.gdn_slots is not None else batch.slots
         common = {"slots": slots, "starts": batch.cache_seqlens if state is not None else None}
-        qkv = causal_conv1d(
-            qkv,
-            self.conv1d.weight[:, 0],
-            batch.cu_seqlens_q,
-            conv_state=None if state is None else state.conv,
-            profile=self.profile,
+        q, k, v, g, beta = self.features(
+            qkv, b, a, batch.cu_seqlens_q, self.parameters_of_rule(), conv_state=None if state is None else state.conv,
             **common,
-        )
+        )  # fmt: skip
+        return gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens_q, state=state, **self.rule_options(), **common)
+
+    def parameters_of_rule(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv weight ``[Cd, 1, K]``, ``A_log`` and ``dt_bias``: what :meth:`features` reads."""
+        return self.conv1d.weight, self.A_log, self.dt_bias
+
+    def rule_options(self) -> dict:
+        """The delta rule's keyword arguments fixed by the layer and its profile."""
+        return {"scale": 1.0 / math.sqrt(self.dk), "chunk": self.chunk, "profile": self.profile, "form": self.form,
+                "dot_precision": self.dot_precision, "backward_states": self.backward_states}  # fmt: skip
+
+    def features(
+        self,
+        qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        **conv_kw,
+    ) -> tuple[torch.Tensor, ...]:
+        """The rule's inputs ``(q, k, v, g, beta)`` of rows ``qkv, b, a`` (sequences ``cu_seqlens``): conv1d + SiLU,
+        l2norm of q and k, the gates. ``params``: :meth:`parameters_of_rule` (or detached copies of them)."""
+        t = qkv.shape[0]
+        weight, A_log, dt_bias = params
+        kd, vd = self.hk * self.dk, self.hv * self.dv
+        qkv = causal_conv1d(qkv, weight[:, 0], cu_seqlens, profile=self.profile, **conv_kw)
         q, k, v = torch.split(qkv, [kd, kd, vd], dim=-1)
         q = l2norm(q.reshape(t, self.hk, self.dk), profile=self.profile)
         k = l2norm(k.reshape(t, self.hk, self.dk), profile=self.profile)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, profile=self.profile)
-        return gated_delta_rule(
-            q,
-            k,
-            v.reshape(t, self.hv, self.dv),
-            g,
-            beta,
-            batch.cu_seqlens_q,
-            scale=1.0 / math.sqrt(self.dk),
-            chunk=self.chunk,
-            state=state,
-            profile=self.profile,
-            form=self.form,
-            dot_precision=self.dot_precision,
-            backward_states=self.backward_states,
-            **common,
-        )
+        g, beta = gdn_gates(a, b, A_log, dt_bias, profile=self.profile)
+        return q, k, v.reshape(t, self.hv, self.dv), g, beta
 
 
 def allocate_gdn_cache(config, slots: int, device: torch.device | str = "cpu") -> GDNStateCache:

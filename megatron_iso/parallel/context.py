@@ -8,8 +8,9 @@ it has at CP 1. Attention all-gathers K and V over the CP group (:func:`gather_s
 back to the packed order) and runs the local queries against the whole sequence's keys in the same fixed blocks
 and order as at CP 1 (``ops.attention.segments``). The backward of that all-gather is a reduce-scatter whose sum
 over ranks is ``ops.common.tree`` in rank order (``parallel.tree_collectives``): deterministic, not bitwise
-CP-invariant (CP 1 sums the same terms in one pass). Gated DeltaNet layers gather their conv and gate inputs the
-same way and run the whole pack (``models.gdn``): their recurrence needs every earlier row in sequence order.
+CP-invariant (CP 1 sums the same terms in one pass). Gated DeltaNet layers run their own rows only and pass the
+recurrence's state rank to rank in sequence order (``models.gdn_context``, over :func:`send_to` / :func:`recv_from`);
+where the rule cannot carry a state they gather the whole pack the same way as K and V (``models.gdn``).
 
 The scores come back to every CP rank (:func:`gather_scores`), so the loss is computed as at CP 1; its
 gradient enters each rank's own rows times CP: Megatron's DDP averages gradients over data x context
@@ -77,7 +78,8 @@ class ContextShard:
 
     ``total``: the padded packed length (a multiple of ``2 * size``); ``real``: the caller's rows (the rest are
     a filler sequence of its own); ``index``: the packed row of each local row, in local order; ``packed_cu``: the
-    padded pack's cu_seqlens (int32, on the rows' device), for layers that run the whole pack (Gated DeltaNet)."""
+    padded pack's cu_seqlens (int32, on the rows' device), for layers that run the whole pack (Gated DeltaNet's
+    fallback); ``bounds``: the same as host ints (the plan of Gated DeltaNet's state chain, ``models.gdn_context``)."""
 
     group: dist.ProcessGroup | None
     size: int
@@ -87,13 +89,15 @@ class ContextShard:
     index: torch.Tensor
     runs: QueryRuns
     packed_cu: torch.Tensor
+    bounds: tuple[int, ...]
 
     @classmethod
     def build(cls, bounds: list[int], real: int, group, size: int, rank: int, device) -> ContextShard:
         ranges = zigzag_ranges(bounds[-1], size, rank)
         index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device, non_blocking=True)
         packed_cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
-        return cls(group, size, rank, bounds[-1], real, index, query_runs(bounds, ranges), packed_cu)
+        runs = query_runs(bounds, ranges)
+        return cls(group, size, rank, bounds[-1], real, index, runs, packed_cu, tuple(bounds))
 
     def to_packed_order(self, by_rank: torch.Tensor) -> torch.Tensor:
         """Rows gathered in rank order (rank r: its chunks r and 2CP-1-r) put back in packed order."""
@@ -102,6 +106,27 @@ class ContextShard:
         early = [parts[2 * r] for r in range(self.size)]
         late = [parts[2 * r + 1] for r in reversed(range(self.size))]
         return torch.cat(early + late)
+
+
+def send_to(tensors: list[torch.Tensor], shard: ContextShard, peer: int) -> None:
+    """Send ``tensors`` to CP rank ``peer``, in list order (point to point: a chain in sequence order, whose
+    receiver knows the shapes from the same plan)."""
+    dst = dist.get_global_rank(shard.group, peer) if shard.group is not None else peer
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst, group=shard.group)
+
+
+def recv_from(
+    like: list[tuple[tuple[int, ...], torch.dtype]], shard: ContextShard, peer: int, device
+) -> list[torch.Tensor]:
+    """Receive tensors of the given (shape, dtype)s from CP rank ``peer``, in the order :func:`send_to` sent them."""
+    src = dist.get_global_rank(shard.group, peer) if shard.group is not None else peer
+    out = []
+    for shape, dtype in like:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=src, group=shard.group)
+        out.append(t)
+    return out
 
 
 def gather_sequence_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:

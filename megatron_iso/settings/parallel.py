@@ -101,8 +101,9 @@ CP_DEGREES = (1, 2, 4, 8)
 
 def cp_degrees(model: Mapping[str, Any], candidates: Sequence[int] = CP_DEGREES) -> list[int]:
     """The ``parallel.cp`` degrees among ``candidates`` that ``model`` runs at: every one of :data:`CP_DEGREES`, for
-    attention-only models and Gated DeltaNet hybrids alike (``models.gdn``: the GDN layers run the whole pack on
-    every CP rank). The layout check and the contract's ``cp_domain`` both read it."""
+    attention-only models and Gated DeltaNet hybrids alike (``models.gdn_context``: the GDN layers pass their state
+    rank to rank, or run the whole pack on every CP rank where the rule carries none). The layout check and the
+    contract's ``cp_domain`` both read it."""
     return [d for d in candidates if d in CP_DEGREES]
 
 

@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_iso.ops.gdn import GDNLayerState, causal_conv1d, gated_delta_rule, gdn_gates, l2norm
+from megatron_iso.ops.gdn import (
+    GDNLayerState,
+    carries_state,
+    causal_conv1d,
+    gated_delta_rule,
+    gated_delta_rule_carry,
+    gdn_gates,
+    l2norm,
+)
 from megatron_iso.testing.bits import same_bits
 from megatron_iso.testing.gdn_inputs import random_gdn_inputs
 
@@ -108,6 +116,31 @@ def test_training_forward_packing_invariance():
     packed = gated_delta_rule(*(torch.cat([x[j] for x in xs]) for j in range(5)), _cu([13, 1, 22]), chunk=8)
     for x, got in zip(xs, packed.split([13, 1, 22]), strict=True):
         assert same_bits(_train(x, 8), got)
+
+
+def test_carry_cut_at_a_chunk_boundary_equals_one_call():
+    """The rule cut (as context parallelism cuts it) at sequence 1's chunk boundary 16 (row 21): the first call runs
+    past the cut into the open chunk, the second restarts at the boundary from the first's exit state. Every row has
+    one call's bits; the gradients, through the carried state and the rows both calls read, are one call's to 1e-6."""
+    x = _inputs(32, seed=61)
+    leaves = [t.clone().requires_grad_(True) for t in x]
+    w = torch.randn(32, HV, D, generator=torch.Generator().manual_seed(2))
+    whole = gated_delta_rule(*leaves, _cu([5, 27]), chunk=8)
+    (whole * w).sum().backward()
+    cut = [t.clone().requires_grad_(True) for t in x]
+    zeros = torch.zeros(2, HV, D, D)
+    first, exits = gated_delta_rule_carry(*(t[:24] for t in cut), _cu([5, 19]), zeros, chunk=8)
+    second, last = gated_delta_rule_carry(*(t[21:] for t in cut), _cu([11]), exits[1:], chunk=8)
+    got = torch.cat([first[:21], second])
+    assert same_bits(got, whole) and last.shape == (1, HV, D, D)
+    (got * w).sum().backward()
+    for name, a, b in zip("qkvgb", cut, leaves, strict=True):
+        assert float((a.grad - b.grad).abs().max() / b.grad.abs().max()) < 1e-6, name
+    with pytest.raises(ValueError, match=r"entry is torch.float32 \(1, 4, 8, 8\); it must be float32 \[sequences=2"):
+        gated_delta_rule_carry(*x, _cu([5, 27]), zeros[:1], chunk=8)
+    assert carries_state("cpu", "correctness") and not carries_state("cpu", "performance")
+    with pytest.raises(ValueError, match="no implementation on cpu with profile 'performance'"):
+        gated_delta_rule_carry(*x, _cu([5, 27]), zeros, chunk=8, profile="performance")
 
 
 def _naive64(q, k, v, g, beta):

@@ -18,7 +18,7 @@ from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports regis
 from megatron_iso.ops.gdn.backend import CausalConv1d, GatedDeltaRule, Gates, L2Norm
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
 from megatron_iso.ops.gdn.state_cache import OUTPUT_FORMS, GDNLayerState, GDNStateCache
-from megatron_iso.registry import Profile
+from megatron_iso.registry import Profile, lookup
 
 TRITON_MODULE = "megatron_iso.ops.gdn.triton"
 # What a GPU training forward keeps for the backward (rl.gdn_backward_states): "keep" its chunk-form state pass (u, W,
@@ -133,6 +133,48 @@ def gated_delta_rule(
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 
 
+# The rule's implementations that also run as :func:`gated_delta_rule_carry` (a differentiable entry state in, the
+# last chunk boundary's state out), by registered impl_id. The Triton kernels take no gradient through a state and the
+# native chunk loop is aligned at its call's first row, not at the sequence's chunk boundaries: neither is here.
+_CARRY = {"gated_delta_rule.reference": reference.gated_delta_rule_carry}
+
+
+def carries_state(device_class: str, profile: str, form: str = "scan", dot_precision: str | None = None) -> bool:
+    """Whether the rule that runs on ``device_class`` under ``profile`` (with this form and dot precision) has a
+    :func:`gated_delta_rule_carry`: context parallelism passes GDN state rank to rank only where it has."""
+    if runs_triton(device_class, profile) or (form, dot_precision) != ("scan", None):
+        return False
+    return lookup("gated_delta_rule", device_class, profile).impl_id in _CARRY
+
+
+def gated_delta_rule_carry(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    entry: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    profile: str = Profile.CORRECTNESS,
+    form: str = "scan",
+    dot_precision: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule` over sequences that each begin on one of their chunk boundaries with a given entry
+    state: ``(out, exit)``, differentiable in ``entry`` too (``reference.gated_delta_rule_carry``: the same bits as
+    the plain rule over the uncut sequences). Only where :func:`carries_state` holds; elsewhere a ValueError."""
+    device_class = device_class_of(q)
+    if not carries_state(device_class, profile, form, dot_precision):
+        raise ValueError(
+            f"gated_delta_rule_carry: no implementation on {device_class} with profile {str(profile)!r}, form={form!r}, "
+            f"dot_precision={dot_precision!r} takes and returns a differentiable state (ops.gdn.carries_state)"
+        )
+    impl = _CARRY[lookup("gated_delta_rule", device_class, profile).impl_id]
+    return impl(q, k, v, g, beta, cu_seqlens, entry, scale=scale, chunk=chunk)
+
+
 __all__ = [
     "BACKWARD_STATES",
     "DEFAULT_CHUNK",
@@ -140,9 +182,11 @@ __all__ = [
     "OUTPUT_FORMS",
     "GDNLayerState",
     "GDNStateCache",
+    "carries_state",
     "causal_conv1d",
     "check_backward_states",
     "gated_delta_rule",
+    "gated_delta_rule_carry",
     "gdn_choice_runs_here",
     "gdn_gates",
     "gdn_profile_fields",

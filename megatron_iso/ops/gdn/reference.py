@@ -237,6 +237,56 @@ def gated_delta_rule(
     check_rule_args(q, k, v, g, beta, chunk, state)
     if state is not None:
         check_value_buffer(state, v.dtype, "gated_delta_rule")
+    n, (hv, dv), dk = len(cu) - 1, v.shape[1:], k.shape[2]
+    zero = torch.zeros(n, hv, dk, dv, dtype=torch.float32, device=q.device)
+    fresh = torch.tensor([s == 0 for s in st], device=q.device)[:, None, None, None]
+    if state is None:
+        running = entry = zero
+    else:
+        running = torch.where(fresh, zero, state.running[slots])
+        entry = torch.where(fresh, zero, state.entry[slots])
+    out, finals, cur_entry, segs, inputs = _rule(q, k, v, g, beta, cu, st, running, entry, scale, chunk, state, slots)
+    if state is not None:
+        _write_state(state, slots, segs, finals, cur_entry, *inputs)
+    return out
+
+
+def gated_delta_rule_carry(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    entry: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over sequences that each begin on one of their own chunk boundaries, entering with ``entry [n, Hv, Dk,
+    Dv]`` (fp32; zeros at a sequence's first token): ``(out [T, Hv, Dv], exit [n, Hv, Dk, Dv])``, ``exit[i]`` the state
+    at sequence i's last chunk boundary (the entry state of the chunk its last rows leave open; after its last row when
+    it ends on a boundary). Both differentiable in every input and in ``entry``; no state cache.
+
+    The same arithmetic as :func:`gated_delta_rule`: a sequence run whole, or cut at chunk boundaries into calls that
+    each carry ``exit`` on as the next call's ``entry``, gives every row the same bits (context parallelism,
+    ``models.gdn_context``: the rows after the cut chunk boundary are the next call's first rows)."""
+    cu, st = _starts(cu_seqlens, None)
+    check_nonempty(cu)
+    check_rule_args(q, k, v, g, beta, chunk, None)
+    n, (hv, dv), dk = len(cu) - 1, v.shape[1:], k.shape[2]
+    if tuple(entry.shape) != (n, hv, dk, dv) or entry.dtype != torch.float32:
+        raise ValueError(
+            f"gated_delta_rule_carry: entry is {entry.dtype} {tuple(entry.shape)}; it must be float32 "
+            f"[sequences={n}, value heads={hv}, key dim={dk}, value dim={dv}]"
+        )
+    out, _, cur_entry, _, _ = _rule(q, k, v, g, beta, cu, st, entry, entry, scale, chunk, None, None)
+    return out, torch.stack(cur_entry)
+
+
+def _rule(q, k, v, g, beta, cu, st, running, entry, scale, chunk, state, slots):
+    """The CPR rule from each sequence's ``running`` (scan) and ``entry`` (state pass) states ``[n, Hv, Dk, Dv]``:
+    (out, each segment's final scan state, each sequence's last entry state, the segments, fp32 k/v/g/beta)."""
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     rep = hv // hk
@@ -246,13 +296,6 @@ def gated_delta_rule(
     qh = q.float().repeat_interleave(rep, 1) * torch.tensor(scale, dtype=torch.float32)
     decay = iso_exp(gf)
     n = len(cu) - 1
-    zero = torch.zeros(n, hv, dk, dv, dtype=torch.float32, device=q.device)
-    fresh = torch.tensor([s == 0 for s in st], device=q.device)[:, None, None, None]
-    if state is None:
-        running = entry = zero
-    else:
-        running = torch.where(fresh, zero, state.running[slots])
-        entry = torch.where(fresh, zero, state.entry[slots])
     segs = _segments(cu, st, chunk)
 
     # State pass chain: round j closes each sequence's j-th chunk of this call, from its entry state.
@@ -287,9 +330,7 @@ def gated_delta_rule(
 
     rows, outs, finals = _scan(torch.stack([seg_init[id(s)] for s in segs]), segs, qh, kh, vf, decay, bf)
     out = torch.zeros(q.shape[0], hv, dv, dtype=torch.float32, device=q.device).index_put((rows,), outs)
-    if state is not None:
-        _write_state(state, slots, segs, finals, cur_entry, kf, vf, gf, bf)
-    return out
+    return out, finals, cur_entry, segs, (kf, vf, gf, bf)
 
 
 @torch.no_grad()
