@@ -53,6 +53,8 @@
 #                   micro-batches of 2 (RL-length row; both profiles fit one 80 GB card)
 #   rl8b8k   540    the same at 16 x (1024 + 7168), micro-batches of 1
 #   rlhybrid4k 540  bench_rl_step iso + native, qwen3p5_small_hybrid_moe, 32 x (512 + 3584), micro-batches of 4
+#   rlhybrid8k 560  bench_rl_step iso + native, qwen3p5_small_hybrid_moe, 16 x (1024 + 7168), micro-batches of 1
+#                   with full activation recompute (the hybrid row at 8192 tokens, sized for 80 GB)
 #   rlhybrid4kmem 360 rlhybrid4k's workload, iso only, with full activation recompute of every layer and the GDN
 #                   chunk states recomputed in the backward (the <= 40 GB peak target; the same bits)
 #   rlmoe    300    bench_rl_step iso + native, Qwen3-30B-A3B widths with 2 layers, 64 x (128 + 256), micro-batches of 16
@@ -78,7 +80,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlhybrid4kmem rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlhybrid8k rlhybrid4kmem rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -172,6 +174,10 @@ for s in "$@"; do
     rlhybrid4k) step rlhybrid4k 540 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 2 \
       --prompts 8 --group 4 --prompt-len 512 --new-tokens 3584 --kv-cache-mb 8192 --train-micro-batch-seqs 4 \
       --out "$OUT/rl_step_hybrid_4k.json" ;;
+    rlhybrid8k) step rlhybrid8k 560 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 2 \
+      --prompts 4 --group 4 --prompt-len 1024 --new-tokens 7168 --kv-cache-mb 8192 --train-micro-batch-seqs 1 \
+      --out "$OUT/rl_step_hybrid_8k.json" rl.recompute_granularity=full rl.recompute_method=uniform \
+      rl.recompute_num_layers=1 ;;
     rlhybrid4kmem) step rlhybrid4kmem 360 8 python3 tools/bench_rl_step.py --model qwen3p5_small_hybrid_moe --steps 2 \
       --profiles correctness --prompts 8 --group 4 --prompt-len 512 --new-tokens 3584 --kv-cache-mb 8192 \
       --train-micro-batch-seqs 4 --out "$OUT/rl_step_hybrid_4k_recompute.json" rl.recompute_granularity=full \
