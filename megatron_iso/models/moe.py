@@ -60,7 +60,7 @@ from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
-from megatron_iso.ops.moe import combine_routed, route, route_weights, scattered_route
+from megatron_iso.ops.moe import combine_routed, combine_slots, route, route_weights, scattered_route, slot_order
 from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import Profile
@@ -360,7 +360,7 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
                 experts = experts.reshape(n, self.topk)
             self.weights = probs.gather(1, experts).float()
         flat = experts.reshape(-1)
-        self.order = torch.sort(flat, stable=True).indices
+        self.order, self.inverse = slot_order(flat)
         if static:
             # received[0, l]: rows for local expert l (EP 1: all of them); the all-to-alls pass rows through.
             self.received = routing_map.sum(0).reshape(1, self.num_local_experts)
@@ -395,10 +395,14 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 routed sum ``[..., H]`` (not rounded: the layer adds the shared expert first)."""
         n = self.weights.shape[0]
-        inverse = torch.empty_like(self.order)
-        inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-        per_slot = hidden_states[inverse].reshape(n, self.topk, -1)
+        per_slot = hidden_states[self.inverse].reshape(n, self.topk, -1)
         return combine_routed(per_slot, self.weights).reshape(self.hidden_shape)
+
+    def combine_with_shared(self, hidden_states: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output: the routed sum plus the shared expert's fp32 output, rounded once to the input dtype
+        (``ops.moe.combine_slots``; what ``combine_postprocess`` + the add + the cast compute)."""
+        out = combine_slots(hidden_states, self.inverse, self.weights, shared, self.hidden_dtype)
+        return out.reshape(self.hidden_shape)
 
 
 class IsoMoELayer(MoELayer):
@@ -424,10 +428,7 @@ class IsoMoELayer(MoELayer):
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
         if not self.iso:
             return super().postprocess(output, shared_expert_output)
-        output = self.token_dispatcher.combine_postprocess(output)
-        if shared_expert_output is not None:
-            output = output + shared_expert_output.float()
-        return output.to(self.token_dispatcher.hidden_dtype)
+        return self.token_dispatcher.combine_with_shared(output, shared_expert_output)
 
 
 class IsoMoETransformerLayer(TransformerLayer):

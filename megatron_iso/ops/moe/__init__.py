@@ -6,8 +6,9 @@
 | any       | performance  | ``native`` (library softmax / topk / sum)                        |
 
 The router and combine are tiny next to the expert GEMMs (E or k terms per token), so the torch
-reference also serves CUDA tensors; :func:`route`, the whole router without autograd (rollout, scoring), is one
-Triton launch on CUDA (``route_triton``, the reference's bits) where its shapes allow. The expert GEMMs go
+reference also serves CUDA tensors; without autograd (rollout, scoring) the whole router (:func:`route`), the
+slots' expert-major order (:func:`slot_order`) and the combine with the shared expert (:func:`combine_slots`) are one
+Triton launch each on CUDA (``route_triton``, ``slots_triton``; the torch path's bits) where their shapes allow. The expert GEMMs go
 through ``ops.gemm.linear``.
 """
 
@@ -83,6 +84,45 @@ def route(logits: torch.Tensor, k: int, *, normalize: bool, profile: str = Profi
     return scattered_route(scores, weights, experts)
 
 
+def slot_order(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)`` of a step's slot expert ids ``flat [S]`` (int64): the stable sort's permutation, which
+    lists the slots expert-major (then by token and slot), and its inverse. Integer bookkeeping, no rounding: on
+    CUDA one launch for up to ``slots_triton.MAX_SLOTS`` slots, the same permutation."""
+    if flat.is_cuda or INTERPRET:
+        from megatron_iso.ops.moe import slots_triton
+
+        if slots_triton.serves_order(flat):
+            return slots_triton.slot_order_triton(flat)
+    order = torch.sort(flat, stable=True).indices
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse
+
+
+def combine_slots(
+    expert_out: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
+    shared: torch.Tensor | None,
+    dtype: torch.dtype,
+    *,
+    profile: str = Profile.CORRECTNESS,
+) -> torch.Tensor:
+    """The MoE layer's output ``[N, H]`` in ``dtype``: token n's expert rows ``expert_out[inverse[n k + j]]`` (fp32,
+    expert-major ``[S, H]``) combined by :func:`combine_routed`, plus the shared expert's ``[N, H]`` widened to fp32,
+    rounded once. Without autograd on CUDA (the rollout) one launch with the same bits."""
+    if profile == Profile.CORRECTNESS and (expert_out.is_cuda or INTERPRET):
+        from megatron_iso.ops.moe import slots_triton
+
+        if slots_triton.serves_combine(expert_out, weights, shared, dtype):
+            return slots_triton.combine_triton(expert_out, inverse, weights, shared, dtype)
+    n, k = weights.shape
+    out = combine_routed(expert_out[inverse].reshape(n, k, -1), weights, profile=profile)
+    if shared is not None:
+        out = out + shared.reshape(out.shape).float()
+    return out.to(dtype)
+
+
 def combine_routed(
     expert_out: torch.Tensor, weights: torch.Tensor, *, profile: str = Profile.CORRECTNESS
 ) -> torch.Tensor:
@@ -140,4 +180,14 @@ register_per_device(
     probe_for=lambda device: functools.partial(_probe, native, device),
 )
 
-__all__ = ["Route", "combine_routed", "route", "route_weights", "router_probs", "scattered_route", "top_k_route"]
+__all__ = [
+    "Route",
+    "combine_routed",
+    "combine_slots",
+    "route",
+    "route_weights",
+    "router_probs",
+    "scattered_route",
+    "slot_order",
+    "top_k_route",
+]

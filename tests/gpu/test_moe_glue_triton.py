@@ -1,6 +1,6 @@
-"""The one-launch MoE router on the GPU at the models' router widths: scores, weights, experts, routing map and
-probs bit for bit those of the torch reference composition on the same device (which the CPU tests hold to the
-CPU's bits), for decode-sized and trainer-sized row counts; the router layer takes it under no_grad."""
+"""The MoE layer's one-launch kernels on the GPU at the models' widths, bit for bit the torch path on the same device
+(which the CPU tests hold to the CPU's bits): the router (scores, weights, experts, routing map, probs), the slots'
+expert-major order and the combine with the shared expert, for decode-sized and larger row counts."""
 
 from __future__ import annotations
 
@@ -36,3 +36,24 @@ def test_route_kernel_has_the_reference_bits(e, k, rows, normalize):
     cpu_weights, cpu_experts = reference.top_k_route(cpu_scores, k, normalize=normalize)
     assert same_bits(got[0].cpu(), cpu_scores) and same_bits(got[1].cpu(), cpu_weights)
     assert torch.equal(got[2].cpu(), cpu_experts)
+
+
+@pytest.mark.parametrize("e,k,h", [(32, 4, 1024), (128, 8, 2048), (512, 8, 1024)])
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_slot_order_and_combine_have_the_torch_bits(e, k, h, tokens):
+    from megatron_iso.ops import moe
+    from megatron_iso.ops.moe import slots_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens * e + k)
+    experts = torch.rand(tokens, e, device="cuda", generator=gen).topk(k, dim=1).indices.sort(dim=1).values
+    flat = experts.reshape(-1)
+    order, inverse = slots_triton.slot_order_triton(flat)
+    assert torch.equal(order, torch.sort(flat, stable=True).indices)
+    assert torch.equal(inverse[order], torch.arange(flat.numel(), device="cuda"))
+    y = torch.randn(flat.numel(), h, device="cuda", generator=gen)
+    w = torch.rand(tokens, k, device="cuda", generator=gen)
+    shared = torch.randn(tokens, h, device="cuda", generator=gen)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = slots_triton.combine_triton(y, inverse, w, shared, dtype)
+        want = (moe.combine_routed(y[inverse].reshape(tokens, k, h), w) + shared).to(dtype)
+        assert same_bits(got, want), dtype
