@@ -165,7 +165,12 @@ register_per_device(
     probe_for=lambda device: functools.partial(_probe, reference, device),
     # What serves the router on CUDA without autograd (rollout, scoring): one launch computing the same ops.
     fields_for=lambda device: (
-        {"constants": {"router_without_autograd": "route_triton: one launch, exp64 without FMA, div_rn"}}
+        {
+            "constants": {
+                "router_without_autograd": "route_triton: one launch, exp64 without FMA, div_rn",
+                "combine_without_autograd": "slots_triton: products, tree over k, + shared, one rounding; no FMA",
+            }
+        }
         if device == "cuda"
         else {}
     ),
