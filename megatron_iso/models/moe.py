@@ -54,7 +54,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_iso.models.batch import IsoBatch
-from megatron_iso.models.moe_serving import serving_dispatch
+from megatron_iso.models.moe_serving import serving_active, serving_dispatch
 from megatron_iso.models.routing import moe_layer_index, routed_experts, routing_scope
 from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
@@ -253,6 +253,10 @@ class IsoSequentialExperts(SequentialMLP):
         local leaves (expert TP is 1, so the tree collective is the identity). ``static``: the grouped
         GEMM's static-shape path (no host read of the counts)."""
         counts = tokens_per_expert.to(tokens.device, non_blocking=True)
+        # A serving step's counts are the column sums of the routing map this step's router built (k distinct
+        # experts per row): the GEMMs skip their device check of them. Trainer packs, whose routing may be replayed
+        # from a record, keep it.
+        check = not serving_active()
         fc1 = [expert.linear_fc1 for expert in self.local_experts]
         fc2 = [expert.linear_fc2 for expert in self.local_experts]
         h = grouped_linear(
@@ -262,6 +266,7 @@ class IsoSequentialExperts(SequentialMLP):
             leaves=fc1[0].iso_leaves,
             profile=Profile.CORRECTNESS,
             static=static,
+            check_counts=check,
         )
         act = swiglu_packed(h.to(tokens.dtype), profile=Profile.CORRECTNESS)
         return grouped_linear(
@@ -271,6 +276,7 @@ class IsoSequentialExperts(SequentialMLP):
             leaves=fc2[0].iso_local_leaves,
             profile=Profile.CORRECTNESS,
             static=static,
+            check_counts=check,
         )
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs=None):
@@ -382,7 +388,9 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
         # At EP 1 the chunks already come as [local expert] (by_expert is the identity): nothing to move.
         if self.num_local_experts > 1 and self.ep_size > 1:
             hidden_states, _ = sort_chunks_by_idxs(hidden_states, self.received.ravel(), self.by_expert)
-        return hidden_states, self.received.sum(0), probs
+        # One EP rank: the counts are the single row as it is (no reduction launched).
+        counts = self.received[0] if self.ep_size == 1 else self.received.sum(0)
+        return hidden_states, counts, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.num_local_experts > 1 and self.ep_size > 1:

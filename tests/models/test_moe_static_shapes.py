@@ -82,6 +82,14 @@ def _layer_cases(dtype: str) -> dict:
             finally:
                 dispatcher.router = moe.router
         out["handoff"] = (handoff, recovered.call_count)
+        # The grouped GEMMs check their counts on the device except in a serving step (the counts are then the
+        # column sums of the routing map this step's router built); the same bits either way.
+        with mock.patch.object(moe_module, "grouped_linear", wraps=moe_module.grouped_linear) as gemms:
+            with static_shapes():
+                trainer_like = bits(moe(x)[0])
+            with mock.patch.object(moe_module, "serving_active", return_value=True), static_shapes():
+                serving = bits(moe(x)[0])
+        out["checks"] = ([c.kwargs["check_counts"] for c in gemms.call_args_list], trainer_like, serving)
     return out
 
 
@@ -102,3 +110,5 @@ def test_static_moe_forward_gives_the_eager_bits() -> None:
             assert torch.equal(handoff[("handoff", path)], handoff[("recovered", path)]), (dtype, path)
         assert recovered == 1  # only the static call without the router's RoutedTokens recovered the experts
         assert handoff[("left", "static")] is None and handoff[("left", "eager")] is None  # consumed by the dispatcher
+        checks, trainer_like, serving = res["checks"]
+        assert checks == [True, True, False, False] and torch.equal(trainer_like, serving), (dtype, checks)
