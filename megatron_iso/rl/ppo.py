@@ -31,6 +31,7 @@ from megatron_iso.errors import UserError
 from megatron_iso.rl.correction import correction_weights
 from megatron_iso.rl.losses import PolicyLossConfig, loss_normaliser
 from megatron_iso.rl.pipeline import pack_micro_batch, score_micro_batch
+from megatron_iso.settings.rl import ppo_mini_batches
 
 OLD_SOURCES = ("forward", "rollout", "recompute")
 # Per-update scalars the step reports as their mean over the updates; the rest are summed (counts, seconds).
@@ -42,14 +43,9 @@ class PPOSetupError(UserError, ValueError):
 
 
 def mini_batch_count(rl: Any, prompts_per_step: int) -> int:
-    """Optimizer steps per epoch: ``prompts_per_step / rl.ppo_mini_batch_size`` (1 for 0 / null, the whole batch)."""
-    size = rl.ppo_mini_batch_size or prompts_per_step
-    if prompts_per_step % size:
-        raise PPOSetupError(
-            f"rl.ppo_mini_batch_size={size} does not divide task.prompts_per_step={prompts_per_step}; allowed values: "
-            f"0 (the whole batch) or a divisor of {prompts_per_step}"
-        )
-    return prompts_per_step // size
+    """Optimizer steps per epoch: ``prompts_per_step / rl.ppo_mini_batch_size`` (1 for 0 / null, the whole batch);
+    checked with the config (``settings.check_config``)."""
+    return ppo_mini_batches(rl, prompts_per_step)
 
 
 def old_logprob_source(rl: Any, bitwise: bool, updates: int) -> str:

@@ -11,7 +11,6 @@ import torch
 from megatron_iso.parallel.world import seed_ranks
 from megatron_iso.rl.losses import group_advantages
 from megatron_iso.rl.ppo import (
-    PPOSetupError,
     mini_batch_count,
     old_logprob_source,
     recompute_old_logprobs,
@@ -20,7 +19,7 @@ from megatron_iso.rl.ppo import (
 )
 from megatron_iso.rl.run import train
 from megatron_iso.rl.trainer import Trainer
-from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings import SettingsError, check_config, config_world, resolve
 from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 
@@ -86,8 +85,11 @@ def test_old_logprob_source_and_schedule_checks():
     assert old_logprob_source(rl(recompute="true"), bitwise=True, updates=1) == "recompute"
     assert old_logprob_source(rl(epochs=2, recompute="false"), bitwise=False, updates=2) == "rollout"
     assert mini_batch_count(rl(size=2), 8) == 4 and mini_batch_count(rl(), 8) == 1
-    with pytest.raises(PPOSetupError, match=r"rl.ppo_mini_batch_size=3 does not divide task.prompts_per_step=8"):
+    with pytest.raises(SettingsError, match=r"rl.ppo_mini_batch_size=3 does not divide task.prompts_per_step=8; .*"
+                       r"divisor of 8: \[1, 2, 4, 8\]$"):  # fmt: skip
         mini_batch_count(rl(size=3), 8)
+    with pytest.raises(SettingsError, match=r"rl.ppo_mini_batch_size=3 does not divide task.prompts_per_step=4"):
+        check_config(load_config(["rl.ppo_mini_batch_size=3", "task.prompts_per_step=4"]))  # before any run starts
     with pytest.raises(ValueError, match=r"rl.recompute_old_logprobs='sometimes' .*\['auto', 'true', 'false'\]"):
         rl(recompute="sometimes")
     with pytest.raises(ValueError, match=r"rl.ppo_mini_batch_size=-1 .*prompts per optimizer step"):
