@@ -15,6 +15,7 @@ from megatron_iso.rl.ppo import (
     old_logprob_source,
     recompute_old_logprobs,
     run_updates,
+    schedule_line,
     split_groups,
 )
 from megatron_iso.rl.run import train
@@ -119,6 +120,7 @@ def test_performance_profile_recomputes_pi_old_once(tmp_path, monkeypatch):
         monkeypatch.setattr("megatron_iso.rl.ppo.recompute_old_logprobs", counted)
         outs = run_updates(trainer, samples, adv, passes=1, filler=samples[0])
     assert len(calls) == 1 and len(outs) == 4
+    assert outs[0]["timing/old_logp_s"] > 0 and all("timing/old_logp_s" not in o for o in outs[1:])  # its cost
     # The step's mismatch covers every sample, scored by the recompute at the rollout's weights.
     assert (
         outs[0]["trainer_logp"].numel() == sum(len(s.tokens) for s in samples) == int(outs[0]["trained_lengths"].sum())
@@ -145,3 +147,29 @@ def test_a_step_that_trains_nothing_says_why(tmp_path, capsys):
     assert metrics["samples/gen_batches"] == 4.0
     for n, p in trainer.model.named_parameters():
         assert torch.equal(bits(p.detach()), bits(before[n])), n
+
+
+def test_schedule_line_says_where_pi_old_comes_from():
+    def line(profile: str, overrides: list[str]) -> str | None:
+        settings = resolve(load_config([f"profile={profile}", "task.prompts_per_step=4", *overrides]))
+        fake = types.SimpleNamespace(rl=settings.rl, task=settings.task, settings=settings)
+        count = mini_batch_count(settings.rl, 4)
+        fake.ppo_schedule = (
+            count,
+            old_logprob_source(settings.rl, settings.profile.bitwise, count * settings.rl.ppo_epochs),
+        )
+        return schedule_line(fake)
+
+    assert line("correctness", []) is None  # the default step: nothing to say
+    assert line("correctness", ["rl.ppo_mini_batch_size=2", "rl.ppo_epochs=2"]) == (
+        "ppo: 4 optimizer steps per RL step (2 mini-batches of 2 prompts x 2 epochs); pi_old: the rollout's "
+        "logprobs, no forward spent (bit for bit the trainer's in the correctness profile)"
+    )
+    assert line("performance", ["rl.rollout_correction.mode=mask", "rl.rollout_correction.upper=4"]) == (
+        "ppo: 1 optimizer step per RL step (1 mini-batch of 4 prompts x 1 epoch); pi_old: one no-grad trainer "
+        "forward before the first update (timing/old_logp_s); rollout correction: mask at token level, band [0.25, 4]"
+    )
+    warned = line("performance", ["rl.ppo_epochs=2", "rl.recompute_old_logprobs=false"])
+    assert warned is not None and warned.endswith(
+        "(rl.recompute_old_logprobs=false: NOT the trainer's in this profile)"
+    )
