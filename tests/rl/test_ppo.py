@@ -47,10 +47,15 @@ def test_rollout_logprobs_equal_a_recompute_bit_for_bit(tmp_path):
             assert torch.equal(bits(s.old_logp), bits(torch.tensor(s.rollout_logp, dtype=torch.float32)))
 
 
-def test_clip_binds_on_the_second_mini_batch_and_mask_drops_nothing(tmp_path):
+def test_clip_binds_on_the_second_mini_batch_and_mask_drops_nothing(tmp_path, monkeypatch):
     overrides = ["rl.ppo_mini_batch_size=1", "rl.lr=0.5", "rl.rollout_correction.mode=mask"]
     with config_world(load_config(FAST)):
         trainer, samples, adv = _trainer(tmp_path, overrides)
+
+        def no_forward(*args):
+            raise AssertionError("the correctness profile spent a forward on pi_old")
+
+        monkeypatch.setattr("megatron_iso.rl.ppo.recompute_old_logprobs", no_forward)  # the exact step's saving
         outs = run_updates(trainer, samples, adv, passes=1, filler=samples[0])
     assert len(outs) == 2
     # The first update scores the rollout's weights: every PPO ratio is exactly 1. The second scores the
@@ -61,6 +66,7 @@ def test_clip_binds_on_the_second_mini_batch_and_mask_drops_nothing(tmp_path):
         assert out["rollout_correction/masked_frac"] == 0.0 and out["rollout_correction/weight_mean"] == 1.0
     assert torch.equal(bits(outs[0]["trainer_logp"]), bits(outs[0]["rollout_logp"]))
     assert int(outs[0]["trained_lengths"].sum()) == outs[0]["trainer_logp"].numel()
+    assert "timing/old_logp_s" not in outs[0]
 
 
 def test_ppo_run_logs_its_updates(tmp_path):
