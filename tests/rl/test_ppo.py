@@ -148,7 +148,8 @@ def test_a_step_that_trains_nothing_says_why(tmp_path, capsys):
     # rl=dapo re-samples up to rl.max_gen_batches=4 batches of 2 groups before it gives up on the step
     assert (
         "step 0: no update: dynamic sampling (rl.dynamic_sampling) dropped all 8 groups of 4 generation batches "
-        "(rl.max_gen_batches=4)" in err
+        "(rl.max_gen_batches=4; every sample of each group got the same reward), so the step trains nothing and logs "
+        "no loss; rl.max_gen_batches=5 or more re-samples further before giving up\n" in err
     )
     assert metrics["samples/gen_batches"] == 4.0
     for n, p in trainer.model.named_parameters():
