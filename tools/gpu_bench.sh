@@ -28,6 +28,12 @@
 #   gdnbwd   300    bench_gdn --quick with FLA's refused gated backward timed anyway (--fla-bwd-unchecked: a speed
 #                   reference only), then --profile trainbwd:8x4096: per-kernel table of our fwd+bwd (scan form)
 #   rl       150    bench_rl_step, Qwen3-0.6B shapes, iso and native in one run
+#   study    600    iso-bench study, Qwen3-0.6B shapes, 10 RL steps per profile, 8 x 8 samples of up to 256 tokens:
+#                   study.md / study.json / study.png under study/ (the README's study table; STUDY_OVERRIDES
+#                   appends overrides, e.g. "logger=wandb")
+#   rlppo    400    bench_rl_step, correctness profile, Qwen3-0.6B shapes, 2 PPO mini-batches x 2 epochs: pi_old
+#                   from the rollout (no forward), then the same with rl.recompute_old_logprobs=true (the stock
+#                   stacks' recompute forward; timing/old_logp_s): what exactness saves per step
 #   rlhybrid 300    bench_rl_step, qwen3p5_small_hybrid_moe (GDN + MoE), iso and native in one run, trainer
 #                   micro-batches of 16 sequences; RLHYBRID_PROFILES picks the profiles, RLHYBRID_OVERRIDES appends
 #                   Hydra overrides (e.g. "profile.gdn_form=scan")
@@ -80,7 +86,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlhybrid8k rlhybrid4kmem rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl study rlppo rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlhybrid8k rlhybrid4kmem rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -129,6 +135,17 @@ for s in "$@"; do
       step gdnbwdprof 60 16 python3 tools/bench_gdn.py --profile trainbwd:8x4096 --out "$OUT/gdn_prof_trainbwd.json" ;;
     rl) step rl 150 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --steps 3 --prompts 8 --group 8 \
       --new-tokens 32 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step.json" ;;
+    study)  # STUDY_OVERRIDES holds several words: word splitting on purpose
+      # shellcheck disable=SC2086
+      step study 600 12 python3 -m megatron_iso.cli.bench study model=qwen3_0p6b device=cuda bench.study.steps=10 \
+      task.prompts_per_step=8 rl.max_response_length=256 out_dir="$OUT/study" ${STUDY_OVERRIDES:-} ;;
+    rlppo)
+      step rlppo 200 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --profiles correctness --steps 4 --prompts 8 \
+      --group 8 --new-tokens 128 --prompt-len 32 --kv-cache-mb 8192 --out "$OUT/rl_step_ppo_rollout.json" \
+      rl.ppo_mini_batch_size=2 rl.ppo_epochs=2
+      step rlppo_recompute 200 8 python3 tools/bench_rl_step.py --model qwen3_0p6b --profiles correctness --steps 4 \
+      --prompts 8 --group 8 --new-tokens 128 --prompt-len 32 --kv-cache-mb 8192 \
+      --out "$OUT/rl_step_ppo_recompute.json" rl.ppo_mini_batch_size=2 rl.ppo_epochs=2 rl.recompute_old_logprobs=true ;;
     rl8b) step rl8b 300 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 3 --prompts 8 --group 8 \
       --prompt-len 256 --new-tokens 512 --kv-cache-mb 16384 --train-micro-batch-seqs 16 \
       --out "$OUT/rl_step_qwen3_8b_l8_mb16.json" model.num_layers=8 ;;

@@ -293,6 +293,13 @@ def overhead_pct(study: dict[str, Any], base: dict[str, Any]) -> dict[str, float
     return out
 
 
+def _device_name(device_class: str) -> str:
+    """What ran the study, for its title: the GPU's name, or the CPU cores the runs could use."""
+    if device_class == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
+
+
 def study_document(plan: StudyPlan, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``study.json``: the plan, both runs (directory, summary, steps) and the overhead."""
     from megatron_iso.bench.provenance import code_identity
@@ -312,6 +319,7 @@ def study_document(plan: StudyPlan, runs: dict[str, dict[str, Any]]) -> dict[str
             "torch": torch.__version__,
             "python": platform.python_version(),
             "machine": platform.node(),
+            "device_name": _device_name(plan.device_class),
             **code_identity(),
         },
         "runs": runs,

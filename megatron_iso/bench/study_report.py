@@ -66,6 +66,16 @@ def _no_gap_note(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+def _provenance(doc: dict[str, Any]) -> str:
+    """Where the numbers come from: the device, the code (commit and source digest) and the runs' overrides."""
+    env = doc.get("environment", {})
+    overrides = " ".join(doc["study"].get("overrides", [])) or "none"
+    return (
+        f"Device: {env.get('device_name', doc['device'])}; commit `{env.get('commit', 'unknown')}` (source sha256 "
+        f"`{str(env.get('source_sha256', 'unknown'))[:12]}`), torch {env.get('torch', '?')}; overrides: `{overrides}`."
+    )
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """``study.md``: a title line, the table (pipes in headers escaped, GFM) and what its columns are."""
     headers, rows = table_rows(doc)
@@ -73,6 +83,8 @@ def markdown(doc: dict[str, Any]) -> str:
     timed = next(iter(doc["runs"].values()))["summary"]["timed_steps"]
     lines = [
         f"### iso-bench study: {doc['model']} on {doc['device']}, {study['steps']} RL steps per profile",
+        "",
+        _provenance(doc),
         "",
         "| " + " | ".join(h.replace("|", "\\|") for h in headers) + " |",
         "|" + "---|" * len(headers),

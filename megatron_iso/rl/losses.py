@@ -60,10 +60,11 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def untrained_step_line(step: int, groups: int, gen_batches: int = 1) -> str:
     """The one line a step prints when dynamic sampling kept no group on any rank (no loss, no update)."""
-    batches = f" of {gen_batches} generation batches (rl.max_gen_batches={gen_batches})" if gen_batches > 1 else ""
+    batch = f"{gen_batches} generation batch" + ("es" if gen_batches > 1 else "")
     return (
-        f"step {step}: no update: dynamic sampling (rl.dynamic_sampling) dropped all {groups} groups{batches} (every "
-        "sample of each got the same reward), so the step trains nothing and logs no loss"
+        f"step {step}: no update: dynamic sampling (rl.dynamic_sampling) dropped all {groups} groups of {batch} "
+        f"(rl.max_gen_batches={gen_batches}; every sample of each group got the same reward), so the step trains "
+        f"nothing and logs no loss; rl.max_gen_batches={gen_batches + 1} or more re-samples further before giving up"
     )
 
 

@@ -31,10 +31,16 @@ from megatron_iso.errors import UserError
 from megatron_iso.rl.correction import correction_weights
 from megatron_iso.rl.losses import PolicyLossConfig, loss_normaliser
 from megatron_iso.rl.pipeline import pack_micro_batch, score_micro_batch
+from megatron_iso.settings.rl import ppo_mini_batches
 
 OLD_SOURCES = ("forward", "rollout", "recompute")
 # Per-update scalars the step reports as their mean over the updates; the rest are summed (counts, seconds).
-_SUMMED = ("nonfinite/skipped", "timing/weight_sync_s")
+_SUMMED = ("nonfinite/skipped", "timing/weight_sync_s", "timing/old_logp_s")
+# What each pi_old source means, for the run's start line.
+_SOURCE_WORDS = {
+    "forward": "each update's own forward",
+    "recompute": "one no-grad trainer forward before the first update (timing/old_logp_s)",
+}
 
 
 class PPOSetupError(UserError, ValueError):
@@ -42,14 +48,9 @@ class PPOSetupError(UserError, ValueError):
 
 
 def mini_batch_count(rl: Any, prompts_per_step: int) -> int:
-    """Optimizer steps per epoch: ``prompts_per_step / rl.ppo_mini_batch_size`` (1 for 0 / null, the whole batch)."""
-    size = rl.ppo_mini_batch_size or prompts_per_step
-    if prompts_per_step % size:
-        raise PPOSetupError(
-            f"rl.ppo_mini_batch_size={size} does not divide task.prompts_per_step={prompts_per_step}; allowed values: "
-            f"0 (the whole batch) or a divisor of {prompts_per_step}"
-        )
-    return prompts_per_step // size
+    """Optimizer steps per epoch: ``prompts_per_step / rl.ppo_mini_batch_size`` (1 for 0 / null, the whole batch);
+    checked with the config (``settings.check_config``)."""
+    return ppo_mini_batches(rl, prompts_per_step)
 
 
 def old_logprob_source(rl: Any, bitwise: bool, updates: int) -> str:
@@ -76,6 +77,37 @@ def check_schedule(trainer: Any) -> tuple[int, str]:
             "parallel.pp=1"
         )
     return count, source
+
+
+def schedule_line(trainer: Any) -> str | None:
+    """The run's start line on what a step's update does, where it is not one update reading its own forward
+    without correction (the default, which needs no line)."""
+    rl, (count, source) = trainer.rl, trainer.ppo_schedule
+    correction, updates = rl.rollout_correction, count * rl.ppo_epochs
+    if updates == 1 and source == "forward" and not correction.active:
+        return None
+    prompts = trainer.task.prompts_per_step
+    words = _SOURCE_WORDS.get(source)
+    if words is None:  # the rollout's
+        exact = trainer.settings.profile.bitwise
+        words = "the rollout's logprobs, no forward spent " + (
+            "(bit for bit the trainer's in the correctness profile)"
+            if exact
+            else "(rl.recompute_old_logprobs=false: NOT the trainer's in this profile)"
+        )
+    line = (
+        f"ppo: {_count(updates, 'optimizer step')} per RL step ({_count(count, 'mini-batch', 'es')} of "
+        f"{_count(prompts // count, 'prompt')} x {_count(rl.ppo_epochs, 'epoch')}); pi_old: {words}"
+    )
+    if correction.active:
+        lower, upper = correction.band
+        bounds = f"upper {upper:g}" if correction.mode == "truncate" else f"band [{lower:g}, {upper:g}]"
+        line += f"; rollout correction: {correction.mode} at {correction.level} level, {bounds}"
+    return line
+
+
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}{plural if n != 1 else ''}"
 
 
 def step_normaliser(cfg: PolicyLossConfig, samples: list[Any], seq_index: torch.Tensor) -> float:
@@ -145,10 +177,12 @@ def run_updates(
         ]
     mismatch: dict[str, Any] = {}
     if source == "recompute":
+        t0 = time.perf_counter()
         entropy = recompute_old_logprobs(trainer, samples, filler)
         old = torch.cat([s.old_logp for s in samples]) if samples else torch.zeros(0)
         rollout = torch.tensor([x for s in samples for x in s.rollout_logp], dtype=torch.float32)
-        mismatch = {"trainer_logp": old, "rollout_logp": rollout, "entropy": entropy, "trained_lengths": lengths}
+        mismatch = {"trainer_logp": old, "rollout_logp": rollout, "entropy": entropy, "trained_lengths": lengths,
+                    "timing/old_logp_s": time.perf_counter() - t0}  # fmt: skip
     else:  # the rollout's, bit for bit the trainer's in the correctness profile
         for s in samples:
             s.old_logp = torch.tensor(s.rollout_logp, dtype=torch.float32)

@@ -30,6 +30,7 @@ from megatron_iso.rl.checkpoint import (
     save_checkpoint,
 )
 from megatron_iso.rl.metrics import MetricsLog
+from megatron_iso.rl.ppo import schedule_line
 from megatron_iso.rl.run_dir import default_run_dir, identity_diff, locked_start, plan_start
 from megatron_iso.rl.trainer import Trainer
 from megatron_iso.rl.validation import due, validate
@@ -140,6 +141,8 @@ def train(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 + ", ".join(f"{k} {v[:12]}" for k, v in sorted(identities.items())),
                 file=sys.stderr,
             )
+            if (line := schedule_line(trainer)) is not None:
+                print(line, file=sys.stderr)
             # The first config stays config.yaml; a resumed run's own goes beside it.
             name = "config.yaml" if resume_from is None else f"config.resumed_step{start:06d}.yaml"
             (run_dir / name).write_text(config_yaml(settings))

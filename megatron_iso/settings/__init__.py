@@ -92,6 +92,7 @@ from megatron_iso.settings.rl import (
     check_backward_states,
     check_micro_batch_seqs,
     check_routing_replay,
+    ppo_mini_batches,
     resolve_rl,
     resolve_rollout,
 )
@@ -218,7 +219,8 @@ def _contract_part(c: Mapping[str, Any]) -> tuple[ProfileSettings, ContractInput
 def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     """The one validation of a config, :func:`resolve` and every check that reads nothing but the config: the
     profile against the model (``settings.profile.validate_profile``), the GDN choice against the device class,
-    the pipeline's needs (:func:`check_pipeline`), an ``out_dir`` for ``resume``. ``iso-contract`` (through
+    the pipeline's needs (:func:`check_pipeline`), routing replay against the model, the PPO mini-batch size
+    against the step's prompts, an ``out_dir`` for ``resume``. ``iso-contract`` (through
     :func:`contract_for`) and ``iso-train`` (through :func:`check_trainable`) both call it before anything else,
     so a config one refuses the other refuses with the same error. Not here: what depends on the machine or the
     launch (a visible GPU, the world size: :func:`check_runs_here`, ``parallel.world``) and the GPU GEMM tiles
@@ -227,6 +229,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any] | Settings) -> Settings:
     check_gdn_choice_runs_here(settings.profile)
     check_pipeline(settings)
     check_routing_replay(settings.rl, settings.model.moe, settings.parallel.sp and settings.parallel.tp > 1)
+    ppo_mini_batches(settings.rl, settings.task.prompts_per_step if settings.task is not None else None)
     check_contract_limits(settings.contract.contract, settings.model.max_position_embeddings)
     if settings.out_dir is None and settings.resume != "false":
         raise SettingsError(

@@ -313,3 +313,18 @@ def check_routing_replay(rl: RLSettings | None, moe: object | None, sequence_par
             "rl.routing_replay=true is not supported with parallel.sp=true (the rollout records routing without "
             "sequence parallelism); set parallel.sp=false"
         )
+
+
+def ppo_mini_batches(rl: RLSettings | None, prompts_per_step: int | None) -> int:
+    """Optimizer steps per PPO epoch: ``task.prompts_per_step / rl.ppo_mini_batch_size`` (1 for 0 / null, the whole
+    batch; 1 without an rl or task group); refused unless it divides."""
+    if rl is None or prompts_per_step is None:
+        return 1
+    size = rl.ppo_mini_batch_size or prompts_per_step
+    if prompts_per_step % size:
+        divisors = [d for d in range(1, prompts_per_step + 1) if prompts_per_step % d == 0]
+        raise SettingsError(
+            f"rl.ppo_mini_batch_size={size} does not divide task.prompts_per_step={prompts_per_step}; allowed "
+            f"values: 0 (the whole batch) or a divisor of {prompts_per_step}: {divisors}"
+        )
+    return prompts_per_step // size

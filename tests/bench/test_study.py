@@ -70,6 +70,9 @@ def test_study_end_to_end_with_wandb_offline(tmp_path):
     doc = json.loads((out / "study.json").read_text())
     assert set(doc) == {"model", "device", "study", "environment", "runs", "overhead_pct", "files"}
     assert doc["model"] == "tiny_moe" and doc["device"] == "cpu" and doc["study"]["steps"] == 2
+    env = doc["environment"]
+    assert env["device_name"].startswith("CPU, ") and env["commit"]  # the table says what ran it, on which code
+    assert f"Device: {env['device_name']}; commit `{env['commit']}`" in md and "`model=tiny_moe " in md
     assert set(doc["runs"]) == set(PROFILES) and set(doc["overhead_pct"]) == {"gen_s", "train_s", "step_s"}
     corr, perf = (doc["runs"][p]["summary"] for p in PROFILES)
     assert set(corr) == set(perf) == SUMMARY_KEYS

@@ -132,3 +132,54 @@ def test_settings_name_the_field_and_tis_cap_is_truncate():
             resolve(load_config([override]))
     with pytest.raises(SettingsError, match="rl.tis_cap is deprecated"):
         resolve(load_config(["rl.tis_cap=2.0", "rl.rollout_correction.mode=mask"]))
+
+
+def _trainer_update(tmp_path, profile: str, overrides: list[str]) -> dict:
+    """One RL step's update of a real trainer (tiny_moe: its performance profile moves logprobs on the CPU) with
+    pi_old from a trainer forward, not copied from the rollout (``rl.recompute_old_logprobs=true``)."""
+    from megatron_iso.parallel.world import seed_ranks
+    from megatron_iso.rl.losses import group_advantages
+    from megatron_iso.rl.ppo import merge_updates, run_updates
+    from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings import config_world
+
+    over = ["model=tiny_moe", f"profile={profile}", "rl.group_size=4", "rl.max_response_length=6",
+            "task.prompts_per_step=2", "rl.recompute_old_logprobs=true", f"out_dir={tmp_path / profile}", *overrides]  # fmt: skip
+    cfg = load_config(over)
+    with config_world(cfg):
+        seed_ranks(int(cfg.seed))
+        trainer = Trainer(resolve(cfg), 0)
+        samples = trainer.rollout(0)
+        adv = group_advantages(trainer.score_rewards(samples), 4)
+        out = merge_updates(run_updates(trainer, samples, adv, passes=1, filler=samples[0]))
+    out["seq_index"] = torch.repeat_interleave(torch.arange(len(samples)), out["trained_lengths"])
+    return out
+
+
+def test_trainer_weights_are_exactly_one_in_the_correctness_profile_only(tmp_path):
+    """The trainer's own pi_old against the rollout's logprobs. Correctness profile: every weight of every mode and
+    level is 1.0 in its bit pattern, and ``mask`` with the band [1, 1] (any ratio but exactly 1 rejected) logs
+    ``rollout_correction/masked_frac`` exactly 0. Performance profile: the same band rejects exactly the tokens whose
+    two logprobs differ in their bits, and the token-level weights leave 1."""
+    band = ["rl.rollout_correction.mode=mask", "rl.rollout_correction.upper=1.0"]
+    for profile in ("correctness", "performance"):
+        out = _trainer_update(tmp_path, profile, band)
+        old, rollout, seq = out["trainer_logp"], out["rollout_logp"], out["seq_index"]
+        every = torch.ones(old.numel(), dtype=torch.bool)
+        assert old.numel() > 20
+        moved = int((bits(old) != bits(rollout)).sum())
+        n = old.numel()
+        assert out["rollout_correction/masked_frac"] * n == pytest.approx(moved, abs=1e-6)
+        weights = {
+            (mode, level): correction_weights(old, rollout, every, seq, RolloutCorrection(mode, level, upper=2.0))[0]
+            for mode in ("truncate", "mask", "icepop")
+            for level in CORRECTION_LEVELS
+        }
+        if profile == "correctness":
+            assert moved == 0 and out["rollout_correction/masked_frac"] == 0.0
+            assert out["rollout_correction/weight_mean"] == out["rollout_correction/ess"] == 1.0
+            for key, w in weights.items():
+                assert torch.equal(bits(w), bits(torch.ones(n))), key
+        else:
+            assert 0 < moved < n, moved  # tiny_moe on the CPU: some tokens move, most do not
+            assert not torch.equal(bits(weights["truncate", "token"]), bits(torch.ones(n)))

@@ -11,16 +11,16 @@ import torch
 from megatron_iso.parallel.world import seed_ranks
 from megatron_iso.rl.losses import group_advantages
 from megatron_iso.rl.ppo import (
-    PPOSetupError,
     mini_batch_count,
     old_logprob_source,
     recompute_old_logprobs,
     run_updates,
+    schedule_line,
     split_groups,
 )
 from megatron_iso.rl.run import train
 from megatron_iso.rl.trainer import Trainer
-from megatron_iso.settings import config_world, resolve
+from megatron_iso.settings import SettingsError, check_config, config_world, resolve
 from megatron_iso.settings.compose import load_config
 from megatron_iso.testing.bits import bits
 
@@ -47,10 +47,15 @@ def test_rollout_logprobs_equal_a_recompute_bit_for_bit(tmp_path):
             assert torch.equal(bits(s.old_logp), bits(torch.tensor(s.rollout_logp, dtype=torch.float32)))
 
 
-def test_clip_binds_on_the_second_mini_batch_and_mask_drops_nothing(tmp_path):
+def test_clip_binds_on_the_second_mini_batch_and_mask_drops_nothing(tmp_path, monkeypatch):
     overrides = ["rl.ppo_mini_batch_size=1", "rl.lr=0.5", "rl.rollout_correction.mode=mask"]
     with config_world(load_config(FAST)):
         trainer, samples, adv = _trainer(tmp_path, overrides)
+
+        def no_forward(*args):
+            raise AssertionError("the correctness profile spent a forward on pi_old")
+
+        monkeypatch.setattr("megatron_iso.rl.ppo.recompute_old_logprobs", no_forward)  # the exact step's saving
         outs = run_updates(trainer, samples, adv, passes=1, filler=samples[0])
     assert len(outs) == 2
     # The first update scores the rollout's weights: every PPO ratio is exactly 1. The second scores the
@@ -61,6 +66,7 @@ def test_clip_binds_on_the_second_mini_batch_and_mask_drops_nothing(tmp_path):
         assert out["rollout_correction/masked_frac"] == 0.0 and out["rollout_correction/weight_mean"] == 1.0
     assert torch.equal(bits(outs[0]["trainer_logp"]), bits(outs[0]["rollout_logp"]))
     assert int(outs[0]["trained_lengths"].sum()) == outs[0]["trainer_logp"].numel()
+    assert "timing/old_logp_s" not in outs[0]
 
 
 def test_ppo_run_logs_its_updates(tmp_path):
@@ -86,8 +92,11 @@ def test_old_logprob_source_and_schedule_checks():
     assert old_logprob_source(rl(recompute="true"), bitwise=True, updates=1) == "recompute"
     assert old_logprob_source(rl(epochs=2, recompute="false"), bitwise=False, updates=2) == "rollout"
     assert mini_batch_count(rl(size=2), 8) == 4 and mini_batch_count(rl(), 8) == 1
-    with pytest.raises(PPOSetupError, match=r"rl.ppo_mini_batch_size=3 does not divide task.prompts_per_step=8"):
+    with pytest.raises(SettingsError, match=r"rl.ppo_mini_batch_size=3 does not divide task.prompts_per_step=8; .*"
+                       r"divisor of 8: \[1, 2, 4, 8\]$"):  # fmt: skip
         mini_batch_count(rl(size=3), 8)
+    with pytest.raises(SettingsError, match=r"rl.ppo_mini_batch_size=3 does not divide task.prompts_per_step=4"):
+        check_config(load_config(["rl.ppo_mini_batch_size=3", "task.prompts_per_step=4"]))  # before any run starts
     with pytest.raises(ValueError, match=r"rl.recompute_old_logprobs='sometimes' .*\['auto', 'true', 'false'\]"):
         rl(recompute="sometimes")
     with pytest.raises(ValueError, match=r"rl.ppo_mini_batch_size=-1 .*prompts per optimizer step"):
@@ -117,6 +126,7 @@ def test_performance_profile_recomputes_pi_old_once(tmp_path, monkeypatch):
         monkeypatch.setattr("megatron_iso.rl.ppo.recompute_old_logprobs", counted)
         outs = run_updates(trainer, samples, adv, passes=1, filler=samples[0])
     assert len(calls) == 1 and len(outs) == 4
+    assert outs[0]["timing/old_logp_s"] > 0 and all("timing/old_logp_s" not in o for o in outs[1:])  # its cost
     # The step's mismatch covers every sample, scored by the recompute at the rollout's weights.
     assert (
         outs[0]["trainer_logp"].numel() == sum(len(s.tokens) for s in samples) == int(outs[0]["trained_lengths"].sum())
@@ -138,8 +148,35 @@ def test_a_step_that_trains_nothing_says_why(tmp_path, capsys):
     # rl=dapo re-samples up to rl.max_gen_batches=4 batches of 2 groups before it gives up on the step
     assert (
         "step 0: no update: dynamic sampling (rl.dynamic_sampling) dropped all 8 groups of 4 generation batches "
-        "(rl.max_gen_batches=4)" in err
+        "(rl.max_gen_batches=4; every sample of each group got the same reward), so the step trains nothing and logs "
+        "no loss; rl.max_gen_batches=5 or more re-samples further before giving up\n" in err
     )
     assert metrics["samples/gen_batches"] == 4.0
     for n, p in trainer.model.named_parameters():
         assert torch.equal(bits(p.detach()), bits(before[n])), n
+
+
+def test_schedule_line_says_where_pi_old_comes_from():
+    def line(profile: str, overrides: list[str]) -> str | None:
+        settings = resolve(load_config([f"profile={profile}", "task.prompts_per_step=4", *overrides]))
+        fake = types.SimpleNamespace(rl=settings.rl, task=settings.task, settings=settings)
+        count = mini_batch_count(settings.rl, 4)
+        fake.ppo_schedule = (
+            count,
+            old_logprob_source(settings.rl, settings.profile.bitwise, count * settings.rl.ppo_epochs),
+        )
+        return schedule_line(fake)
+
+    assert line("correctness", []) is None  # the default step: nothing to say
+    assert line("correctness", ["rl.ppo_mini_batch_size=2", "rl.ppo_epochs=2"]) == (
+        "ppo: 4 optimizer steps per RL step (2 mini-batches of 2 prompts x 2 epochs); pi_old: the rollout's "
+        "logprobs, no forward spent (bit for bit the trainer's in the correctness profile)"
+    )
+    assert line("performance", ["rl.rollout_correction.mode=mask", "rl.rollout_correction.upper=4"]) == (
+        "ppo: 1 optimizer step per RL step (1 mini-batch of 4 prompts x 1 epoch); pi_old: one no-grad trainer "
+        "forward before the first update (timing/old_logp_s); rollout correction: mask at token level, band [0.25, 4]"
+    )
+    warned = line("performance", ["rl.ppo_epochs=2", "rl.recompute_old_logprobs=false"])
+    assert warned is not None and warned.endswith(
+        "(rl.recompute_old_logprobs=false: NOT the trainer's in this profile)"
+    )

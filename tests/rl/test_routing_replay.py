@@ -176,3 +176,85 @@ def test_decode_graph_buffers_record_the_routing_of_the_packed_steps(world):
     assert served  # decode steps came from the bucket buffers
     for a, b in zip(*runs, strict=True):
         assert a.tokens == b.tokens and torch.equal(a.routing, b.routing)
+
+
+def _used_agreement(seen: list[torch.Tensor], recorded: torch.Tensor) -> torch.Tensor:
+    """``[2]``: (recorded token-layer pairs whose experts the layer ran equal the record as a set, pairs recorded)."""
+    valid = recorded[:, 0, 0] >= 0
+    same = [(torch.sort(u[valid], 1).values == torch.sort(recorded[valid, i], 1).values).all(1) for i, u in
+            enumerate(seen)]  # fmt: skip
+    return torch.stack([torch.cat(same).sum(), valid.sum() * len(seen)])
+
+
+def _ep_replay_step(out_dir: str) -> dict:
+    """One rank of EP=2 (tiny_moe, performance profile): a rollout recording routing, the routers perturbed alike on
+    both ranks, then a full trainer update (forward, backward through the expert all-to-all, an optimizer step at
+    lr 1e-9: the routers stay where the perturbation put them) without and with replay; the agreement of the experts
+    the layers ran, summed over both ranks."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import megatron_iso.models.moe as moe
+    import megatron_iso.rl.trainer as trainer_module
+    from megatron_iso.parallel.world import seed_ranks
+    from megatron_iso.rl.losses import group_advantages
+    from megatron_iso.rl.trainer import Trainer
+    from megatron_iso.settings import config_world, resolve
+
+    over = ["model=tiny_moe", "profile=performance", "parallel.ep=2", "rl.group_size=2", "rl.max_response_length=5",
+            "task.prompts_per_step=4", "rl.lr=1e-9", "rl.routing_replay=true", f"out_dir={out_dir}"]  # fmt: skip
+    cfg = load_config(over)
+    seen: list[torch.Tensor] = []
+    inner = moe.routed_experts
+
+    def routed(own):
+        seen.append(inner(own))
+        return seen[-1]
+
+    pack, captured = trainer_module.pack_micro_batch, []
+
+    def packed(*args, **kwargs):  # the trainer's own pack, kept for its routing target
+        captured.append(pack(*args, **kwargs))
+        return captured[-1]
+
+    moe.routed_experts = routed  # a rank process of its own: nothing to restore
+    trainer_module.pack_micro_batch = packed
+    out = {}
+    with config_world(cfg) as rank:
+        seed_ranks(int(cfg.seed))
+        trainer = Trainer(resolve(cfg), rank)
+        samples = trainer.rollout(0)
+        assert all(s.routing is not None for s in samples)
+        adv = group_advantages(trainer.score_rewards(samples), 2)
+        _perturb_routers(trainer.model, 0.05)  # the same seeded move on both ranks: the replicas stay equal
+        for replay in (False, True):
+            trainer.rl = dataclasses.replace(trainer.rl, routing_replay=replay)
+            seen.clear()
+            captured.clear()
+            step = trainer.train_on(samples, adv)
+            (mb,) = captured
+            used = _used_agreement(seen, mb["batch"].routing.experts)
+            dist.all_reduce(used)
+            out[replay] = {"used": used.tolist(), "meter": trainer.routing_meter.metrics(),
+                           "grad_norm": step["grad_norm"], "layers": len(seen)}  # fmt: skip
+    return out
+
+
+def test_expert_parallel_replay_runs_the_rollouts_experts(tmp_path):
+    """EP=2 (gloo): the rollout's recorded routing rides the rollout batch to the trainer; with replay every recorded
+    (token, layer) pair runs the rollout's experts through the all-to-all (agreement 1.0 exactly, both ranks); without
+    it the perturbed routers route some elsewhere (below 1.0)."""
+    from megatron_iso.testing.harness import run_on_ranks
+
+    res = run_on_ranks(_ep_replay_step, 2, ep=2, args=(str(tmp_path / "run"),), timeout=300)
+    assert res[0] == res[1]  # the all-reduced counts: every rank sees the same step
+    off, on = res[0][False], res[0][True]
+    for r in (off, on):
+        assert r["layers"] == 2 and r["grad_norm"] > 0  # a real backward through the expert all-to-all
+    agree, compared = on["used"]
+    assert compared > 0 and agree == compared, on  # replay: the experts the layers ran are the rollout's
+    agree, compared = off["used"]
+    assert 0 < agree < compared, off  # without: some pairs ran other experts
+    # moe/routing_agreement compares the routers' own top-k with the record, replay or not: below 1 both times
+    assert off["meter"] == on["meter"] and 0 < off["meter"]["moe/routing_agreement"] < 1
