@@ -57,3 +57,25 @@ def test_slot_order_and_combine_have_the_torch_bits(e, k, h, tokens):
         got = slots_triton.combine_triton(y, inverse, w, shared, dtype)
         want = (moe.combine_routed(y[inverse].reshape(tokens, k, h), w) + shared).to(dtype)
         assert same_bits(got, want), dtype
+
+
+@pytest.mark.parametrize("e,k,h,tokens", [(32, 4, 1024, 16384), (128, 8, 2048, 6144)])
+def test_combine_backward_matches_autograd_at_trainer_sizes(e, k, h, tokens):
+    from megatron_iso.ops import moe
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens + k)
+    experts = torch.rand(tokens, e, device="cuda", generator=gen).topk(k, dim=1).indices.sort(dim=1).values
+    _, inverse = moe.slot_order(experts.reshape(-1))
+    y = torch.randn(tokens * k, h, device="cuda", generator=gen).requires_grad_(True)
+    w = torch.rand(tokens, k, device="cuda", generator=gen).requires_grad_(True)
+    shared = torch.randn(tokens, h, device="cuda", generator=gen).requires_grad_(True)
+    dout = torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
+    ref_out = (moe.combine_routed(y[inverse].reshape(tokens, k, h), w) + shared).bfloat16()
+    ref = torch.autograd.grad(ref_out, (y, w, shared), dout)
+    out = moe.combine_slots(y, inverse, w, shared, torch.bfloat16)
+    assert same_bits(out.detach(), ref_out.detach())
+    got = torch.autograd.grad(out, (y, w, shared), dout)
+    again = torch.autograd.grad(moe.combine_slots(y, inverse, w, shared, torch.bfloat16), (y, w, shared), dout)
+    assert same_bits(got[0], ref[0]) and same_bits(got[2], ref[2])
+    assert float((got[1] - ref[1]).abs().max()) <= 1e-5 * float(ref[1].abs().max())
+    assert all(same_bits(a, b) for a, b in zip(got, again, strict=True))

@@ -1,7 +1,7 @@
 """The MoE dispatcher's one-launch slot order and combine (``ops.moe.slots_triton``) under TRITON_INTERPRET=1: the
 stable sort's permutation and its inverse exactly, and the layer's output (routed tree sum over k plus the shared
 expert, rounded once) bit for bit the torch path's, for k = 1 .. 8, with and without a shared expert, bf16 and fp32
-outputs, widths that do not fill a block; ``ops.moe`` takes them only without autograd."""
+outputs, widths that do not fill a block; the combine's one-pass backward against autograd of the torch path."""
 
 from __future__ import annotations
 
@@ -46,7 +46,32 @@ SCRIPT = textwrap.dedent(
                 assert same_bits(got, ref.to(dtype)), (n, k, h, None if shared is None else shared.dtype, dtype)
                 checked += 1
 
-    # The dispatch points: kernels without autograd, the torch path with it.
+    # The backward: dy is the torch product's bits at each slot's row, dw within fp32 rounding of autograd's sum
+    # (another order), the same bits on a second call; d shared is the output gradient widened.
+    for n, k, h in ((5, 4, 300), (3, 1, 64), (4, 8, 33)):
+        experts = torch.stack([torch.randperm(16, generator=g)[:k].sort().values for _ in range(n)])
+        order, inverse = moe.slot_order(experts.reshape(-1))
+        y = (torch.randn(n * k, h, generator=g) * 3).requires_grad_(True)
+        w = torch.rand(n, k, generator=g).requires_grad_(True)
+        shared = torch.randn(n, h, generator=g).requires_grad_(True)
+        dout = torch.randn(n, h, generator=g).bfloat16()
+        ref_out = (moe.combine_routed(y[inverse].reshape(n, k, h), w) + shared).bfloat16()
+        ref = torch.autograd.grad(ref_out, (y, w, shared), dout)
+        got = slots_triton.combine_backward_triton(dout, y.detach(), inverse, w.detach(), shared.detach(), torch.bfloat16)
+        again = slots_triton.combine_backward_triton(dout, y.detach(), inverse, w.detach(), shared.detach(), torch.bfloat16)
+        assert got[1] is None and got[4] is None
+        assert same_bits(got[0], ref[0]) and same_bits(got[3], ref[2]), (n, k, h)
+        scale = float(ref[1].abs().max())
+        assert float((got[2] - ref[1]).abs().max()) <= 1e-6 * scale * h ** 0.5, (n, k, h)
+        assert all(same_bits(a, b) for a, b in zip(got[:4:3], again[:4:3])) and same_bits(got[2], again[2])
+        # autograd through ops.moe.combine_slots: the kernels' gradients, the forward's bits
+        out = moe.combine_slots(y, inverse, w, shared, torch.bfloat16)
+        assert out.grad_fn is not None and same_bits(out.detach(), ref_out.detach())
+        auto = torch.autograd.grad(out, (y, w, shared), dout)
+        assert same_bits(auto[0], got[0]) and same_bits(auto[1], got[2]) and same_bits(auto[2], got[3])
+        checked += 1
+
+    # The dispatch points: the kernels on the device (the interpreter), with or without autograd.
     calls = []
     for name in ("slot_order_triton", "combine_triton"):
         real = getattr(slots_triton, name)
@@ -56,7 +81,7 @@ SCRIPT = textwrap.dedent(
     y, w = torch.randn(6, 40, generator=g), torch.rand(3, 2, generator=g)
     fast = moe.combine_slots(y, inverse, w, None, torch.bfloat16)
     slow = moe.combine_slots(y.requires_grad_(True), inverse, w, None, torch.bfloat16)
-    assert calls == ["slot_order_triton", "combine_triton"], calls
+    assert calls == ["slot_order_triton", "combine_triton", "combine_triton"], calls
     assert slow.grad_fn is not None and same_bits(fast, slow.detach())
     assert not slots_triton.serves_combine(torch.randn(6, 8), torch.rand(2, 3), None, torch.float32)  # k = 3
     print("ok", checked)
@@ -67,4 +92,4 @@ SCRIPT = textwrap.dedent(
 def test_slot_kernels_have_the_torch_bits():
     proc = run_interpreted(SCRIPT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["ok", "24"], proc.stdout
+    assert proc.stdout.split() == ["ok", "27"], proc.stdout

@@ -7,8 +7,9 @@
 
 The router and combine are tiny next to the expert GEMMs (E or k terms per token), so the torch
 reference also serves CUDA tensors; without autograd (rollout, scoring) the whole router (:func:`route`), the
-slots' expert-major order (:func:`slot_order`) and the combine with the shared expert (:func:`combine_slots`) are one
-Triton launch each on CUDA (``route_triton``, ``slots_triton``; the torch path's bits) where their shapes allow. The expert GEMMs go
+slots' expert-major order (:func:`slot_order`) are one Triton launch each on CUDA (``route_triton``, ``slots_triton``;
+the torch path's bits) where their shapes allow, and the combine with the shared expert (:func:`combine_slots`) is one
+launch forward and one backward, also in training. The expert GEMMs go
 through ``ops.gemm.linear``.
 """
 
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_iso.ops.common.autograd import with_fused_backward
 from megatron_iso.ops.common.interpret import INTERPRET
 from megatron_iso.ops.moe import native, reference
 from megatron_iso.ops.moe.backend import RoutingBackend
@@ -110,12 +112,21 @@ def combine_slots(
 ) -> torch.Tensor:
     """The MoE layer's output ``[N, H]`` in ``dtype``: token n's expert rows ``expert_out[inverse[n k + j]]`` (fp32,
     expert-major ``[S, H]``) combined by :func:`combine_routed`, plus the shared expert's ``[N, H]`` widened to fp32,
-    rounded once. Without autograd on CUDA (the rollout) one launch with the same bits."""
+    rounded once. On CUDA one launch with the same bits, and under autograd one backward pass
+    (``slots_triton.combine_backward_triton``) that keeps no gathered copy of the rows."""
     if profile == Profile.CORRECTNESS and (expert_out.is_cuda or INTERPRET):
         from megatron_iso.ops.moe import slots_triton
 
         if slots_triton.serves_combine(expert_out, weights, shared, dtype):
-            return slots_triton.combine_triton(expert_out, inverse, weights, shared, dtype)
+            return with_fused_backward(
+                slots_triton.combine_triton,
+                slots_triton.combine_backward_triton,
+                expert_out,
+                inverse,
+                weights,
+                shared,
+                dtype,
+            )
     n, k = weights.shape
     out = combine_routed(expert_out[inverse].reshape(n, k, -1), weights, profile=profile)
     if shared is not None:
@@ -163,12 +174,13 @@ register_per_device(
         "combine": "fp32 products, balanced tree over k, one rounding after the shared expert",
     },
     probe_for=lambda device: functools.partial(_probe, reference, device),
-    # What serves the router on CUDA without autograd (rollout, scoring): one launch computing the same ops.
+    # What serves the router, the combine and its backward on CUDA: kernels computing the same forward ops.
     fields_for=lambda device: (
         {
             "constants": {
                 "router_without_autograd": "route_triton: one launch, exp64 without FMA, div_rn",
-                "combine_without_autograd": "slots_triton: products, tree over k, + shared, one rounding; no FMA",
+                "combine_kernel": "slots_triton: products, tree over k, + shared, one rounding; no FMA",
+                "combine_backward": "slots_triton: dy = w * dout; dw over H in blocks then the tree",
             }
         }
         if device == "cuda"

@@ -12,6 +12,11 @@ expert's widening and add, the rounding). A decode step runs them for a few doze
 - :func:`combine_triton`: per token, ``round(tree_k(w_k * y[inverse[n k + k']]) + shared)``: the fp32 products,
   the fixed tree over k (adjacent pairs), the fp32 add of the shared expert and one rounding, the torch path's
   operations in its order (compiled without FMA, so no product is fused into a tree add).
+- :func:`combine_backward_triton`: its backward in one pass per token, reading the expert rows where they lie
+  (the torch path's autograd keeps a gathered fp32 copy of them and makes several passes): ``dy`` of a slot is
+  ``w * dout`` (the torch product's bits), written at the slot's expert-major row; ``dw`` of a slot is
+  ``sum_h y * dout`` over H in a fixed order (blocks of H in sequence, then the fixed tree): deterministic, not
+  the torch reduction's bits (no trainer gradient is compared across implementations).
 """
 
 from __future__ import annotations
@@ -34,18 +39,14 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRET
 
 
-def _no_grad(*tensors: torch.Tensor | None) -> bool:
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
-
-
 def serves_order(flat: torch.Tensor) -> bool:
     """Whether :func:`slot_order_triton` computes the order of these expert ids (1-D int64, on CUDA)."""
     return flat.dim() == 1 and flat.dtype == torch.int64 and _on_device(flat) and 0 < flat.numel() <= MAX_SLOTS
 
 
 def serves_combine(expert_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None, dtype) -> bool:
-    """Whether :func:`combine_triton` computes this combine: fp32 expert rows and weights, k a power of two up to
-    16, without autograd, on CUDA."""
+    """Whether :func:`combine_triton` (and, under autograd, :func:`combine_backward_triton`) computes this combine:
+    fp32 expert rows and weights, k a power of two up to 16, on CUDA."""
     k = weights.shape[-1] if weights.dim() == 2 else 0
     return (
         _on_device(expert_out)
@@ -56,7 +57,6 @@ def serves_combine(expert_out: torch.Tensor, weights: torch.Tensor, shared: torc
         and not k & (k - 1)
         and dtype in _OUT_DTYPES
         and (shared is None or (shared.dtype in _OUT_DTYPES and shared.shape[-1] == expert_out.shape[1]))
-        and _no_grad(expert_out, weights, shared)
     )
 
 
@@ -139,3 +139,59 @@ def combine_triton(
             **NO_FMA,
         )
     return out
+
+
+@triton.jit
+def _combine_backward_kernel(
+    dout_ptr, y_ptr, inverse_ptr, w_ptr, dy_ptr, dw_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    n = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, K)
+    rows = tl.load(inverse_ptr + n * K + slots)
+    w = tl.load(w_ptr + n * K + slots)
+    acc = tl.zeros((K, BLOCK_H), dtype=tl.float32)
+    for start in range(0, H, BLOCK_H):
+        h = start + tl.arange(0, BLOCK_H)
+        live = h < H
+        d = to_f32(tl.load(dout_ptr + n * H + h, mask=live, other=0.0))
+        at = rows[:, None] * H + h[None, :]
+        y = tl.load(y_ptr + at, mask=live[None, :], other=0.0)
+        tl.store(dy_ptr + at, d[None, :] * w[:, None], mask=live[None, :])
+        acc += y * d[None, :]
+    tl.store(dw_ptr + n * K + slots, fixed_tree_rowsum(acc, K, BLOCK_H))
+
+
+def combine_backward_triton(
+    grad_out: torch.Tensor,
+    expert_out: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
+    shared: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor | None, None]:
+    """Gradients of :func:`combine_triton` for ``ops.common.autograd.with_fused_backward``: ``(d expert_out [S, H]
+    fp32, None, d weights [N, k] fp32, d shared (the output gradient widened to fp32, in shared's dtype), None)``."""
+    n, k = weights.shape
+    h = expert_out.shape[1]
+    grad_out = grad_out.reshape(n, h).contiguous()
+    d_rows = torch.empty_like(expert_out)  # every row is some slot's: the permutation covers them all
+    d_weights = torch.empty_like(weights)
+    if n and h:
+        block_h = max(16, min(_COMBINE_BLOCK_H, 4096 // k))
+        _combine_backward_kernel[(n,)](
+            grad_out,
+            expert_out.contiguous(),
+            inverse.contiguous(),
+            weights.contiguous(),
+            d_rows,
+            d_weights,
+            h,
+            K=k,
+            BLOCK_H=block_h,
+            num_warps=4,
+            **NO_FMA,
+        )
+    elif not h:
+        d_weights.zero_()
+    d_shared = None if shared is None else grad_out.float().to(shared.dtype).reshape(shared.shape)
+    return d_rows, None, d_weights, d_shared, None
