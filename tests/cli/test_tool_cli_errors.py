@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_iso.testing.cli_process import run_cli_module
+from megatron_iso.testing.cli_process import run_python
 
 # A candidate module for iso-gate (importable from the inputs directory): one that raises, one that moves the
 # numbers, one identical but slow. It imports the incumbent under its own name, so the gate's swap leaves it alone.
@@ -150,9 +150,8 @@ def _run(argv: list[str], inputs: Path, cwd: Path, *, fresh: bool = False) -> su
     fresh interpreter if ``fresh``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     args = [a.format(inputs=inputs, cwd=cwd) for a in argv]
-    assert args[0] == "-m", args
     if not fresh:
-        return run_cli_module(args[1], args[2:], cwd=cwd, env=env, pythonpath=[inputs], timeout=300)
+        return run_python(args, cwd=cwd, env=env, pythonpath=[inputs], timeout=300)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inputs), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False

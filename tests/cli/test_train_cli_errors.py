@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_iso.testing.cli_process import run_cli_module
+from megatron_iso.testing.cli_process import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none"]
@@ -96,7 +96,7 @@ def _iso_train(*args: str, cwd: Path, fresh: bool = False) -> subprocess.Complet
     """iso-train with ``args`` in ``cwd``: forked (see the module doc), or in a fresh interpreter if ``fresh``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     if not fresh:
-        return run_cli_module("megatron_iso.cli.train", args, cwd=cwd, env=env, timeout=600)
+        return run_python(["-m", "megatron_iso.cli.train", *args], cwd=cwd, env=env, timeout=600)
     return subprocess.run(
         [sys.executable, "-m", "megatron_iso.cli.train", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
