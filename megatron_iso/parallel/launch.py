@@ -49,7 +49,9 @@ def _loads(data: bytes) -> Any:
 _PRELOAD = ["megatron_iso.testing.preload"]
 
 
-def _context() -> Any:
+def fork_context() -> Any:
+    """The start context of every local rank (and of ``testing.cli_process``'s command-line runs): the fork
+    server with :data:`_PRELOAD` imported, or plain spawn where there is no fork server."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -138,7 +140,7 @@ def run_on_ranks(
     ``cp``: the context-parallel size (``tp * pp * cp`` must divide ``world_size``).
     """
     check_layout("run_on_ranks", world_size, tp, pp, ep, etp, cp)
-    ctx = _context()
+    ctx = fork_context()
     queue = ctx.Queue()
     port = free_port()
     layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "cp": cp, "collective_timeout_s": collective_timeout_s}

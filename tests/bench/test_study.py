@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import types
@@ -16,6 +15,7 @@ import pytest
 
 from megatron_iso.bench.study import PROFILES, GpuSampler, StudySettingsError, overhead_pct, plan_study, summarize
 from megatron_iso.rl.token_log import WORST_COLUMNS, WORST_TOKENS
+from megatron_iso.testing.cli_process import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model=tiny_moe", "task.prompts_per_step=2", "rl.group_size=4", "rl.max_response_length=6"]
@@ -51,10 +51,10 @@ def _check_token_logs(run: Path) -> None:
 
 def test_study_end_to_end_with_wandb_offline(tmp_path):
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "megatron_iso.cli.bench", "study", *SMALL, "bench.study.steps=2", "device=cpu",
-           "logger=wandb", f"out_dir={out}"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    args = ["-m", "megatron_iso.cli.bench", "study", *SMALL, "bench.study.steps=2", "device=cpu",
+            "logger=wandb", f"out_dir={out}"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = run_python(args, cwd=tmp_path, env=env, pythonpath=[REPO], timeout=300)  # forked: no fresh imports
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     md = (out / "study.md").read_text()
@@ -130,9 +130,8 @@ def test_a_study_never_overwrites_another(tmp_path):
 
 
 def test_bad_argument_exits_2_with_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_iso.cli.bench", "study", "profile=performance"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = run_python(["-m", "megatron_iso.cli.bench", "study", "profile=performance"], cwd=tmp_path,
+                      pythonpath=[REPO], timeout=120)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         "iso-bench study: error: 'profile=performance' is not allowed: the study runs both profiles"

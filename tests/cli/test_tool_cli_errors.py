@@ -1,7 +1,11 @@
 """iso-gate, iso-bisect, iso-bench and iso-convert against bad input, as a user meets them: exit 2, exactly one
 ``prog: error:`` line naming the problem, no traceback, and nothing written (the case's working directory stays
 empty, so no output file, no half-written checkpoint, no Hydra output directory). Plus the outcome codes that
-must stay apart from usage errors: iso-gate's refusals (1, 5) and its failing candidate (6)."""
+must stay apart from usage errors: iso-gate's refusals (1, 5) and its failing candidate (6).
+
+Each command line runs as its own process, forked from the test harness's fork server with torch and Megatron
+already imported (``megatron_iso.testing.cli_process``), not a fresh interpreter that spends 6-8 s importing them;
+:func:`test_the_entry_point_refuses_bad_input_in_one_line` runs one case as a real ``python -m`` process."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_iso.testing.cli_process import run_python
 
 # A candidate module for iso-gate (importable from the inputs directory): one that raises, one that moves the
 # numbers, one identical but slow. It imports the incumbent under its own name, so the gate's swap leaves it alone.
@@ -139,10 +145,14 @@ BAD_INPUT = [
 ]  # fmt: skip
 
 
-def _run(argv: list[str], inputs: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], inputs: Path, cwd: Path, *, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python *argv`` in ``cwd`` with the inputs directory on PYTHONPATH: forked (see the module doc), or in a
+    fresh interpreter if ``fresh``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inputs), env.get("PYTHONPATH")) if p)
     args = [a.format(inputs=inputs, cwd=cwd) for a in argv]
+    if not fresh:
+        return run_python(args, cwd=cwd, env=env, pythonpath=[inputs], timeout=300)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inputs), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -157,17 +167,27 @@ def _tool_lines(stderr: str, prog: str) -> list[str]:
     return [line for line in stderr.splitlines() if re.match(rf"{prog}( \w+)?: ", line)]
 
 
-@pytest.mark.parametrize(("argv", "message"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
-def test_bad_input_is_one_line_with_exit_2_and_writes_nothing(inputs, tmp_path, argv, message):
+def _check_refused(inputs: Path, tmp_path: Path, argv: list[str], message: str, *, fresh: bool = False) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    proc = _run(argv, inputs, cwd)
+    proc = _run(argv, inputs, cwd, fresh=fresh)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _tool_lines(proc.stderr, _prog(argv))
     assert len(lines) == 1, proc.stderr[-3000:]
     assert re.match(rf"{_prog(argv)}( \w+)?: error: ", lines[0]) and re.search(message, lines[0]), lines[0]
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in cwd.rglob("*")) == [], "the tool wrote into its working directory"
+
+
+@pytest.mark.parametrize(("argv", "message"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_with_exit_2_and_writes_nothing(inputs, tmp_path, argv, message):
+    _check_refused(inputs, tmp_path, argv, message)
+
+
+def test_the_entry_point_refuses_bad_input_in_one_line(inputs, tmp_path):
+    # One case end to end through a fresh interpreter: `python -m`, its imports, PYTHONPATH, exit code and stderr.
+    (argv, message) = next(c[1:] for c in BAD_INPUT if c[0] == "gate-candidate-no-module")
+    _check_refused(inputs, tmp_path, argv, message, fresh=True)
 
 
 def test_a_candidate_that_raises_is_exit_6_with_its_traceback_not_a_refusal(inputs, tmp_path):

@@ -1,5 +1,10 @@
 """iso-train against bad input, as a user meets it: the exit code, one line naming the problem, no
-traceback, and nothing written (every case checks that its out_dir was not created)."""
+traceback, and nothing written (every case checks that its out_dir was not created).
+
+Each command line runs as its own process, forked from the test harness's fork server with torch and Megatron
+already imported (``megatron_iso.testing.cli_process``): a fresh interpreter per case spent 6-8 s importing them,
+about 5 minutes over this file. The console entry point itself runs as a real ``python -m`` process in
+:func:`test_the_entry_point_refuses_a_bad_setting_in_one_line` and the NaN stop."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from megatron_iso.testing.cli_process import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none"]
@@ -85,8 +92,11 @@ BAD_SETTINGS = [
 ]
 
 
-def _iso_train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _iso_train(*args: str, cwd: Path, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """iso-train with ``args`` in ``cwd``: forked (see the module doc), or in a fresh interpreter if ``fresh``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    if not fresh:
+        return run_python(["-m", "megatron_iso.cli.train", *args], cwd=cwd, env=env, timeout=600)
     return subprocess.run(
         [sys.executable, "-m", "megatron_iso.cli.train", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
@@ -97,10 +107,9 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("iso-train:")]
 
 
-@pytest.mark.parametrize(("override", "message"), BAD_SETTINGS, ids=[o for o, _ in BAD_SETTINGS])
-def test_a_bad_setting_is_one_line_with_exit_2_and_writes_nothing(tmp_path, override, message):
+def _check_refused(tmp_path: Path, override: str, message: str, *, fresh: bool = False) -> None:
     run_dir = tmp_path / "run"
-    proc = _iso_train(*FAST, f"out_dir={run_dir}", *override.split(), cwd=tmp_path)
+    proc = _iso_train(*FAST, f"out_dir={run_dir}", *override.split(), cwd=tmp_path, fresh=fresh)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and re.search(message, lines[0]), proc.stderr[-2000:]
@@ -108,9 +117,20 @@ def test_a_bad_setting_is_one_line_with_exit_2_and_writes_nothing(tmp_path, over
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(("override", "message"), BAD_SETTINGS, ids=[o for o, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_one_line_with_exit_2_and_writes_nothing(tmp_path, override, message):
+    _check_refused(tmp_path, override, message)
+
+
+def test_the_entry_point_refuses_a_bad_setting_in_one_line(tmp_path):
+    # One case end to end through a fresh interpreter: `python -m`, its imports, its exit code and stderr.
+    _check_refused(tmp_path, *BAD_SETTINGS[0], fresh=True)
+
+
 def test_nan_stops_with_exit_3_and_leaves_no_nan_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _iso_train(*FAST, f"out_dir={run_dir}", "rl.steps=3", "rl.lr=1e30", "rl.checkpoint_every=1", cwd=tmp_path)
+    args = [*FAST, f"out_dir={run_dir}", "rl.steps=3", "rl.lr=1e30", "rl.checkpoint_every=1"]
+    proc = _iso_train(*args, cwd=tmp_path, fresh=True)  # a whole run, end to end through a fresh interpreter
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "NaN or Inf" in _error_lines(proc.stderr)[0]
     from megatron_iso.checkpoint.run_ckpt import checkpoint_tensors

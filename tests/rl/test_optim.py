@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from megatron_iso.testing.cli_process import run_python
 from megatron_iso.testing.harness import run_on_ranks
 
 COSINE = ["rl.steps=4", "rl.lr_warmup_steps=1", "rl.lr_decay_style=cosine", "rl.min_lr=0.002"]
@@ -67,8 +66,8 @@ def test_iso_train_logs_each_steps_learning_rate(tmp_path):
     run = tmp_path / "run"
     args = ["rl.group_size=2", "rl.max_response_length=2", "task.prompts_per_step=2", "logger=none", f"out_dir={run}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_iso.cli.train", *args, *COSINE],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    # forked (testing.cli_process), not a fresh interpreter: its own process without 6-8 s of imports
+    proc = run_python(["-m", "megatron_iso.cli.train", *args, *COSINE], cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["optim/lr"] for m in lines] == pytest.approx(COSINE_LRS, abs=1e-12)

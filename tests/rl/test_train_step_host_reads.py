@@ -17,8 +17,10 @@ reads nothing) and the CPU-only code it replaces (:data:`CPU_ONLY`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -179,10 +181,46 @@ def _step_reads(
     return out
 
 
+@contextlib.contextmanager
+def _checkpoint_reruns() -> Iterator[list[int]]:
+    """Counts the backward reruns of activation-checkpointed layers (Megatron's CheckpointFunction) in the body."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    reran: list[int] = []
+    saved = mrandom.CheckpointFunction.__dict__["backward"]
+    backward = mrandom.CheckpointFunction.backward
+    mrandom.CheckpointFunction.backward = staticmethod(lambda ctx, *g: reran.append(1) or backward(ctx, *g))
+    try:
+        yield reran
+    finally:
+        mrandom.CheckpointFunction.backward = saved
+
+
+# _step_reads' reads, its results and how many checkpointed layers its backward reran.
+PlainStep = tuple[dict[int, dict[Place, int]], list, int]
+
+
+@pytest.fixture(scope="module")
+def plain_step(tmp_path_factory):
+    """``_step_reads`` of a model at a layer count with its results, each computed once per module: the layer-count
+    test and the recompute test's plain side measure the same steps (a tiny_hybrid_moe one costs ~15 s on CI)."""
+    done: dict[tuple[str, int], PlainStep] = {}
+
+    def get(model: str, layers: int) -> PlainStep:
+        if (model, layers) not in done:
+            results: list = []
+            with _checkpoint_reruns() as reran:
+                reads = _step_reads(tmp_path_factory.mktemp(f"{model}_{layers}"), model, layers, results=results)
+            done[model, layers] = (reads, results, len(reran))
+        return done[model, layers]
+
+    return get
+
+
 @pytest.mark.parametrize("model", list(MODELS))
-def test_train_step_host_reads(tmp_path, model):
+def test_train_step_host_reads(plain_step, model):
     few, many = MODELS[model]
-    reads = {layers: _step_reads(tmp_path / str(layers), model, layers) for layers in (few, many)}
+    reads = {layers: plain_step(model, layers)[0] for layers in (few, many)}
     for layers, by_passes in reads.items():
         for passes, got in by_passes.items():
             print(f"{model} {layers} layers, {passes} micro-batches: {sum(got.values())} reads {got}")
@@ -205,25 +243,18 @@ RECOMPUTE = {
 # Every layer recomputed (no expert GEMM of the forward under autograd), and the first layer only (GDN + MoE; the
 # copy then holds a recomputed layer's counts and the autograd ones of the others).
 @pytest.mark.parametrize(("model", "recompute"), [("tiny_moe", "full_uniform"), ("tiny_hybrid_moe", "full_block")])
-def test_a_recomputing_step_reads_what_a_plain_step_reads(tmp_path, monkeypatch, model, recompute):
+def test_a_recomputing_step_reads_what_a_plain_step_reads(tmp_path, plain_step, model, recompute):
     """Activation recompute reruns layers in the backward, outside the model call's static_shapes: their MoE layers
     take the static path there too and their expert GEMMs the forward's one copy of the counts
     (models.moe.recomputed_static_shapes), so a recomputing step reads what a plain step reads (the eager dispatch
     read the routing back in every recomputed MoE layer), beside the CPU-only GDN reference scan, which a recomputed
     GDN layer runs again; the same bits."""
-    from megatron.core.tensor_parallel import random as mrandom
-
-    reran = []
-    backward = mrandom.CheckpointFunction.backward
-    monkeypatch.setattr(
-        mrandom.CheckpointFunction, "backward", staticmethod(lambda ctx, *g: reran.append(1) or backward(ctx, *g))
-    )
     layers = MODELS[model][0]
-    plain_out: list = []
-    plain = _step_reads(tmp_path / "plain", model, layers, results=plain_out)
-    assert not reran
+    plain, plain_out, plain_reran = plain_step(model, layers)
+    assert plain_reran == 0
     recomputing_out: list = []
-    recomputing = _step_reads(tmp_path / recompute, model, layers, RECOMPUTE[recompute], recomputing_out)
+    with _checkpoint_reruns() as reran:
+        recomputing = _step_reads(tmp_path / recompute, model, layers, RECOMPUTE[recompute], recomputing_out)
     assert reran  # the backward reran checkpointed layers
     for passes, got in recomputing.items():
         print(f"{model} {recompute}, {passes} micro-batches: {sum(got.values())} reads {got}")
