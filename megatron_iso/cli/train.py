@@ -77,10 +77,14 @@ def _train(cfg: DictConfig) -> int:
             file=sys.stderr,
         )
         metrics = {k: last[k] for k in SUMMARY_KEYS if k in last}
-        print({"step": last.get("step"), **metrics, "run_dir": summary["run_dir"]} if metrics else "no metrics logged")
+        print(
+            json.dumps({"step": last.get("step"), **metrics, "run_dir": str(summary["run_dir"])}) if metrics else "{}"
+        )
         return EXIT_OK
     last = summary["history"][-1] if summary["history"] else {}
-    print({k: last.get(k) for k in SUMMARY_KEYS} | {"run_dir": summary["run_dir"], "dashboard": summary["dashboard"]})
+    # The run's last metrics as one JSON line on stdout (scripts read it; the progress went to stderr).
+    final = {"step": summary.get("last_step")} | {k: last.get(k) for k in SUMMARY_KEYS}
+    print(json.dumps(final | {"run_dir": str(summary["run_dir"]), "dashboard": str(summary["dashboard"])}))
     return EXIT_OK
 
 

@@ -182,7 +182,7 @@ def train(cfg: Mapping[str, Any]) -> dict[str, Any]:
         finally:
             log.close()
         return {"run_dir": str(run_dir), "steps_run": len(history), "history": history, "dashboard": str(dashboard),
-                "validation": final}  # fmt: skip
+                "validation": final, "last_step": start + len(history) - 1 if history else None}  # fmt: skip
 
 
 def _progress(steps: range, show: bool) -> Any:
