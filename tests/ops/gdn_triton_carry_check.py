@@ -7,7 +7,7 @@ entering with the exit of the one before, gives every row the uncut plain rule's
 a prefill leaves in a state cache's ``entry`` (the same chain), and a sequence that closes no chunk exits with its
 entry. Backward (scan and chunk form, Dk != Dv): deterministic, the same bits whether the forward kept its state pass,
 and within 1e-5 (relative) of fp64 autograd of the reference carry for q, k, v, g, beta and the entry, with a
-gradient on the exit; the cut calls' gradients within 1e-5 of one uncut call's.
+gradient on the exit; the cut calls' gradients bitwise one uncut call's (chunk form).
 """
 
 # ruff: noqa: E402
@@ -100,9 +100,11 @@ def check_backward() -> None:
     first, exits = gcar.gated_delta_rule_carry(*(t[:24] for t in cut), cu([5, 19]), torch.zeros(2, HV1, D, D), **kw)
     second, _ = gcar.gated_delta_rule_carry(*(t[21:] for t in cut), cu([11]), exits[1:], **kw)
     (torch.cat([first[:21], second]) * w).sum().backward()
+    # bitwise in the chunk form: the cut chain hands over the uncut chain's fp32 dE at the boundary, and the rows the
+    # first call ran past the cut get exact zeros from it (their outputs are dropped). The scan form's backward runs
+    # the chunk form's chain from the scan form's exit, so there the entry differs in the last bits (GPU test).
     for name, a, b in zip("qkvgb", cut, leaves, strict=True):
-        e = float((a.grad - b.grad).abs().max() / b.grad.abs().max())
-        assert e < 1e-5, f"cut calls' grad {name} vs one call's: {e:.2e}"
+        assert same_bits(a.grad, b.grad), f"cut calls' grad {name} vs one call's: {(a.grad - b.grad).abs().max():.2e}"
     print("carry cut backward ok", round(time.time() - t_start, 1))
 
 

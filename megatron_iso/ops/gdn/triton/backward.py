@@ -125,7 +125,7 @@ def _bwd_chain_kernel(
         do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
         w = tl.load(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
         ds = dot(tl.trans(qd), do, tl.load(egc_ptr + base) * ds, PREC) - dot(tl.trans(w), du, None, PREC)
-        if CARRY:
+        if CARRY:  # noqa: SIM102  (the constexpr branch alone is compiled out without CARRY)
             if jj == 0:  # the last chunk: an open one's entry state is the exit
                 ds = tl.where(last_open == 1, ds + d_exit, ds)
     if CARRY:
