@@ -13,9 +13,9 @@ correctness profile), so every TP size computes the same expression.
 
 Context parallelism (``IsoBatch.cp``): every part runs on the rank's own rows, the recurrence's state and the conv's
 history passed rank to rank in sequence order (``models.gdn_context``), where the rule carries a state
-(``ops.gdn.carries_state``: the CPU reference). Elsewhere (the Triton kernels take no gradient through a state, the
-native chunk loop is not aligned at sequence chunk boundaries) the conv and the rule run over the whole pack on every
-CP rank, its rows gathered in packed order (:meth:`IsoGatedDeltaNet._mix_whole_pack`).
+(``ops.gdn.carries_state``: the correctness profile's CPU reference and GPU kernels). Elsewhere (the performance
+profile: its native chunk loop is not aligned at sequence chunk boundaries) the conv and the rule run over the whole
+pack on every CP rank, its rows gathered in packed order (:meth:`IsoGatedDeltaNet._mix_whole_pack`).
 """
 
 from __future__ import annotations

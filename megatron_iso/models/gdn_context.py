@@ -144,9 +144,8 @@ def _chunk_forward(layer, x: torch.Tensor, params, work: ChunkWork, run: _Run) -
         n - (run.entry_in is not None), layer.hv, layer.dk, layer.dv, dtype=torch.float32, device=x.device
     )
     entry = zeros if run.entry_in is None else torch.cat([run.entry_in[None], zeros])
-    opts = {key: val for key, val in layer.rule_options().items() if key != "backward_states"}
     rule_cu = torch.tensor(work.rule_cu, dtype=torch.int32, device=x.device)
-    out, exits = gated_delta_rule_carry(q, k, v, g, beta, rule_cu, entry, **opts)
+    out, exits = gated_delta_rule_carry(q, k, v, g, beta, rule_cu, entry, **layer.rule_options())
     run.out = out[work.lo - work.rule_lo :]
     if work.outgoing is not None:
         run.exit_out = exits[-1]

@@ -139,6 +139,9 @@ def test_carry_cut_at_a_chunk_boundary_equals_one_call():
     with pytest.raises(ValueError, match=r"entry is torch.float32 \(1, 4, 8, 8\); it must be float32 \[sequences=2"):
         gated_delta_rule_carry(*x, _cu([5, 27]), zeros[:1], chunk=8)
     assert carries_state("cpu", "correctness") and not carries_state("cpu", "performance")
+    # the GPU kernels carry in both forms (ops.gdn.triton.carry; tests/gpu/test_gdn_triton_carry.py), native never
+    assert carries_state("cuda", "correctness", "chunk", "bf16") and carries_state("cuda", "correctness")
+    assert not carries_state("cuda", "performance")
     with pytest.raises(ValueError, match="no implementation on cpu with profile 'performance'"):
         gated_delta_rule_carry(*x, _cu([5, 27]), zeros, chunk=8, profile="performance")
 

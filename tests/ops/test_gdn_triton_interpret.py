@@ -18,9 +18,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from megatron_iso.testing.triton_interpret import run_interpreted_concurrently
+from megatron_iso.testing.triton_interpret import run_interpreted, run_interpreted_concurrently
 
 SCRIPT = Path(__file__).with_name("gdn_triton_interpret_check.py")
+CARRY_SCRIPT = Path(__file__).with_name("gdn_triton_carry_check.py")
 GROUPS = (("scan",), ("chunk",), ("bf16_storage", "conv", "gates", "grads"))
 
 
@@ -29,6 +30,13 @@ def test_gdn_triton_kernels_under_interpreter():
     for parts, res in zip(GROUPS, results, strict=True):
         want = "parts ok: " + " ".join(parts)
         assert res.returncode == 0 and want in res.stdout, f"parts {parts}:\n" + (res.stdout + res.stderr)[-4000:]
+
+
+def test_gdn_triton_carry_under_interpreter():
+    """The carried rule (``ops.gdn.triton.carry``): cut calls == one call bitwise per form, exits == the state cache's
+    entry, gradients (the entry's included) vs the reference carry (gdn_triton_carry_check.py's docstring)."""
+    res = run_interpreted(script=CARRY_SCRIPT, timeout=600, env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0 and "carry parts ok" in res.stdout, (res.stdout + res.stderr)[-4000:]
 
 
 def test_every_part_of_the_check_is_run():

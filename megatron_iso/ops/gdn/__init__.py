@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_iso.ops.common.dispatch import device_class_of, runs_triton, select
+from megatron_iso.ops.common.dispatch import device_class_of, import_triton_module, runs_triton, select
 from megatron_iso.ops.gdn import native, reference  # noqa: F401  (imports register the implementations)
 from megatron_iso.ops.gdn.backend import CausalConv1d, GatedDeltaRule, Gates, L2Norm
 from megatron_iso.ops.gdn.reference import DEFAULT_CHUNK, L2NORM_EPS
@@ -133,16 +133,26 @@ def gated_delta_rule(
     return fn(q, k, v, g, beta, cu_seqlens, scale=scale, chunk=chunk, state=state, slots=slots, starts=starts, **kw)
 
 
+def _triton_carry(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPU kernels' carried rule (``triton.carry``), imported on first use as the rest of the Triton module."""
+    module = import_triton_module(TRITON_MODULE, "gated_delta_rule_carry on cuda with profile=correctness")
+    return module.carry.gated_delta_rule_carry(*args, **kwargs)
+
+
 # The rule's implementations that also run as :func:`gated_delta_rule_carry` (a differentiable entry state in, the
-# last chunk boundary's state out), by registered impl_id. The Triton kernels take no gradient through a state and the
-# native chunk loop is aligned at its call's first row, not at the sequence's chunk boundaries: neither is here.
-_CARRY = {"gated_delta_rule.reference": reference.gated_delta_rule_carry}
+# last chunk boundary's state out), by registered impl_id: the CPU reference and the GPU kernels (both forms, every
+# dot precision the plain rule takes). Not the native chunk loop, which is aligned at its call's first row, not at the
+# sequence's chunk boundaries.
+_CARRY = {"gated_delta_rule.reference": reference.gated_delta_rule_carry, "gated_delta_rule.triton": _triton_carry}
+TRITON_RULE_ID = "gated_delta_rule.triton"  # the Triton module's registered impl_id (registered when it is imported)
 
 
 def carries_state(device_class: str, profile: str, form: str = "scan", dot_precision: str | None = None) -> bool:
     """Whether the rule that runs on ``device_class`` under ``profile`` (with this form and dot precision) has a
     :func:`gated_delta_rule_carry`: context parallelism passes GDN state rank to rank only where it has."""
-    if runs_triton(device_class, profile) or (form, dot_precision) != ("scan", None):
+    if runs_triton(device_class, profile):  # the GPU kernels, not imported here: they may not be loaded yet
+        return TRITON_RULE_ID in _CARRY
+    if (form, dot_precision) != ("scan", None):
         return False
     return lookup("gated_delta_rule", device_class, profile).impl_id in _CARRY
 
@@ -161,18 +171,24 @@ def gated_delta_rule_carry(
     profile: str = Profile.CORRECTNESS,
     form: str = "scan",
     dot_precision: str | None = None,
+    backward_states: str = "keep",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gated_delta_rule` over sequences that each begin on one of their chunk boundaries with a given entry
     state: ``(out, exit)``, differentiable in ``entry`` too (``reference.gated_delta_rule_carry``: the same bits as
-    the plain rule over the uncut sequences). Only where :func:`carries_state` holds; elsewhere a ValueError."""
+    the plain rule over the uncut sequences, with the same ``form`` and ``dot_precision``). Only where
+    :func:`carries_state` holds; elsewhere a ValueError. ``backward_states`` as :func:`gated_delta_rule`'s."""
+    check_backward_states(backward_states, "gated_delta_rule_carry: backward_states (rl.gdn_backward_states)")
     device_class = device_class_of(q)
     if not carries_state(device_class, profile, form, dot_precision):
         raise ValueError(
             f"gated_delta_rule_carry: no implementation on {device_class} with profile {str(profile)!r}, form={form!r}, "
             f"dot_precision={dot_precision!r} takes and returns a differentiable state (ops.gdn.carries_state)"
         )
+    select("gated_delta_rule", q, profile, TRITON_MODULE)  # on the GPU kernels: imports (so registers) them
     impl = _CARRY[lookup("gated_delta_rule", device_class, profile).impl_id]
-    return impl(q, k, v, g, beta, cu_seqlens, entry, scale=scale, chunk=chunk)
+    gpu = runs_triton(device_class, profile)
+    kw = {"form": form, "dot_precision": dot_precision, "keep_states": backward_states == "keep"} if gpu else {}
+    return impl(q, k, v, g, beta, cu_seqlens, entry, scale=scale, chunk=chunk, **kw)
 
 
 __all__ = [

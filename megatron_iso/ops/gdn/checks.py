@@ -76,6 +76,15 @@ def check_rule_args(
         raise ValueError(f"gated_delta_rule: state cache chunk {state.chunk} != chunk {chunk}")
 
 
+def check_entry(entry: torch.Tensor, n: int, hv: int, dk: int, dv: int) -> None:
+    """A carried call's entry states: float32 ``[sequences, value heads, key dim, value dim]``."""
+    if tuple(entry.shape) != (n, hv, dk, dv) or entry.dtype != torch.float32:
+        raise ValueError(
+            f"gated_delta_rule_carry: entry is {entry.dtype} {tuple(entry.shape)}; it must be float32 "
+            f"[sequences={n}, value heads={hv}, key dim={dk}, value dim={dv}]"
+        )
+
+
 def check_conv_args(x: torch.Tensor, weight: torch.Tensor) -> None:
     """``x [T, Cd]`` and a depthwise ``weight [Cd, K]``."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:

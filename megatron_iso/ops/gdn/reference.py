@@ -20,6 +20,7 @@ from megatron_iso.ops.common.tensor_keyed_cache import TensorKeyedCache
 from megatron_iso.ops.common.tree import tree_sum_dim
 from megatron_iso.ops.gdn.checks import (
     check_conv_args,
+    check_entry,
     check_nonempty,
     check_rule_args,
     check_starts,
@@ -275,11 +276,7 @@ def gated_delta_rule_carry(
     check_nonempty(cu)
     check_rule_args(q, k, v, g, beta, chunk, None)
     n, (hv, dv), dk = len(cu) - 1, v.shape[1:], k.shape[2]
-    if tuple(entry.shape) != (n, hv, dk, dv) or entry.dtype != torch.float32:
-        raise ValueError(
-            f"gated_delta_rule_carry: entry is {entry.dtype} {tuple(entry.shape)}; it must be float32 "
-            f"[sequences={n}, value heads={hv}, key dim={dk}, value dim={dv}]"
-        )
+    check_entry(entry, n, hv, dk, dv)
     out, _, cur_entry, _, _ = _rule(q, k, v, g, beta, cu, st, entry, entry, scale, chunk, None, None)
     return out, torch.stack(cur_entry)
 

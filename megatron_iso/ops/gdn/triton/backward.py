@@ -78,13 +78,18 @@ def _bwd_local_kernel(
 
 @triton.jit
 def _bwd_chain_kernel(
-    q_ptr, do_ptr, chain_ptr, chunk_ptr, w_ptr, kd_ptr, gcum_ptr, egc_ptr, dvl_ptr, du_ptr, dsx_ptr,
+    q_ptr, do_ptr, chain_ptr, chunk_ptr, w_ptr, kd_ptr, gcum_ptr, egc_ptr, dvl_ptr, du_ptr, dsx_ptr, dxit_ptr, dent_ptr,
     scale, SQ, HK, HV, DK, DV, REP,
-    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr,
 ):  # fmt: skip
     """Per (sequence, value head, Dv block), chunks last to first from ``dE' = 0`` (the final state is not an output
     of a training call): store ``dE'`` (``dsx``) and ``du = dv_local + KD dE'``, then
-    ``dE = e^{G_C} dE' + (q e^G)^T dO - W^T du``, the previous chunk's ``dE'``."""
+    ``dE = e^{G_C} dE' + (q e^G)^T dO - W^T du``, the previous chunk's ``dE'``.
+
+    CARRY (a carried call, ``.carry``: an entry state in, the state at the last chunk boundary out): the exit's
+    gradient (``dxit_ptr`` row of the chain's entry row, chain column 3) is the last chunk's ``dE'`` when that chunk
+    closes, else it adds to the open chunk's ``dE`` (the exit is that chunk's entry state); the ``dE`` of the first
+    chunk is the entry state's gradient, stored into ``dent_ptr``'s row. Without CARRY neither pointer is touched."""
     sid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -99,6 +104,11 @@ def _bwd_chain_kernel(
     st = (h * DK + ok[:, None]) * DV + ov[None, :]
     hsz = HV * DK * DV
     ds = tl.zeros([BK, BV], dtype=tl.float32)
+    if CARRY:
+        erow = tl.load(chain_ptr + sid * 6 + 3).to(tl.int64)
+        last_open = tl.load(chain_ptr + sid * 6 + 5)
+        d_exit = tl.load(dxit_ptr + erow * hsz + st, mask=m2, other=0.0)
+        ds = tl.where(last_open == 0, d_exit, ds)
     for jj in range(nc):
         cid = c0 + nc - 1 - jj
         base = cid * HV + h
@@ -115,6 +125,11 @@ def _bwd_chain_kernel(
         do = _row_tile(do_ptr, rows, present, HV * DV, h * DV, ov, DV)
         w = tl.load(w_ptr + (base * C + ot[:, None]) * BK + ok[None, :])
         ds = dot(tl.trans(qd), do, tl.load(egc_ptr + base) * ds, PREC) - dot(tl.trans(w), du, None, PREC)
+        if CARRY:  # noqa: SIM102  (the constexpr branch alone is compiled out without CARRY)
+            if jj == 0:  # the last chunk: an open one's entry state is the exit
+                ds = tl.where(last_open == 1, ds + d_exit, ds)
+    if CARRY:
+        tl.store(dent_ptr + erow * hsz + st, ds, mask=m2)
 
 
 @triton.jit
@@ -282,12 +297,15 @@ def rule_backward(
     states: tuple[torch.Tensor, ...],
     cfg,
     scale: float,
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of q, k, v, g, beta from ``d_out`` ``[T, Hv, Dv]``: fp32, except dv, in v's kernel dtype.
 
     ``rows``: q, k, v, g, beta as ``rule._rows`` returns them (tensor, row stride); ``shapes``: (Hk, Dk, Hv, Dv);
     ``plan``: the call's chunk-form plan; ``states``: its chunk-form state pass, ``(u, W, KD, e^{G_C}, G, T^{-1},
-    E)`` (:func:`.state_pass.state_pass` and the entry states it fills); ``cfg``: the forward's ``GDNConfig``."""
+    E)`` (:func:`.state_pass.state_pass` and the entry states it fills); ``cfg``: the forward's ``GDNConfig``.
+    ``carry``: a carried call's ``(d_exit, d_entry)``, fp32 contiguous ``[n, Hv, Dk, Dv]``: the exit state's gradient
+    in, the entry state's written (the plan a carried one, ``plan._plan(carry=True)``)."""
     (qf, sq), (kf, sk), (vf, sv), (_gf, _sg), (bf, sb) = rows
     hk, dk, hv, dv = shapes
     u, w, kd, egc, gcum, tinv, ex = states
@@ -316,9 +334,10 @@ def rule_backward(
         qf, kf, d_out, plan.chunks, gcum, dvl, scale, sq, sk, hk, hv, dk, dv, rep, **dims, num_warps=BWD_WARPS,
         **maxnreg(BWD_MAXNREG),
     )  # fmt: skip
+    d_exit, d_entry = carry if carry is not None else (dvl, dvl)  # never read or written without CARRY
     _bwd_chain_kernel[(plan.nchains, hv, triton.cdiv(dv, chain_bv))](
-        qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, scale, sq, hk, hv, dk, dv, rep,
-        **dims, BV=chain_bv, num_warps=BWD_CHAIN_WARPS, num_stages=BWD_CHAIN_STAGES, **maxnreg(BWD_CHAIN_MAXNREG),
+        qf, d_out, plan.chains, plan.chunks, w, kd, gcum, egc, dvl, du, dsx, d_exit, d_entry, scale, sq, hk, hv, dk,
+        dv, rep, **dims, BV=chain_bv, CARRY=carry is not None, num_warps=BWD_CHAIN_WARPS, num_stages=BWD_CHAIN_STAGES, **maxnreg(BWD_CHAIN_MAXNREG),
     )  # fmt: skip
     _bwd_output_kernel[(n, hv)](
         qf, kf, d_out, plan.chunks, u, du, ex, dsx, gcum, egc, dq, dkk, dgp, dwm, scale, sq, sk, hk, hv, dk, dv, rep, t,

@@ -53,10 +53,10 @@ def _host_lists(cu: torch.Tensor, starts: torch.Tensor | None, slots: torch.Tens
     return cu_l, st, sl
 
 
-def cached_plan(cu, starts, slots, chunk, has_state, dev, slot_count, form) -> Plan:
+def cached_plan(cu, starts, slots, chunk, has_state, dev, slot_count, form, carry: bool = False) -> Plan:
     """:func:`_plan`, shared by the layers of a forward; the slot count is part of the key because the plan's bounds
     check depends on it."""
-    extra = (chunk, has_state, dev, slot_count, form)
+    extra = (chunk, has_state, dev, slot_count, form, carry)
     return _PLAN_CACHE.get((cu, starts, slots), extra, lambda: _plan(cu, starts, slots, *extra))
 
 
@@ -130,10 +130,17 @@ def _plan(
     dev: torch.device,
     slot_count: int,
     form: str = tuning.FORM,
+    carry: bool = False,
 ) -> Plan:
     """Segments (with the buffer rows of a chunk left open), chunks and chains of a call, as int32 tables on ``dev``.
     Scan form: the chunk table holds the chunks the call closes (the state pass); chunk form: every chunk the call
-    has tokens in, open ones included (each gets output tiles)."""
+    has tokens in, open ones included (each gets output tiles).
+
+    ``carry`` (no state cache; ``.carry``): sequence i enters from row i of a given entry tensor (chain entry kind 1,
+    scan start kind 1, both from row i) and its chain writes the state at its last chunk boundary back to that row
+    (the exit); a sequence with no chunk to close has no chain (its exit is its entry). Nothing is buffered."""
+    if carry and (has_state or starts is not None or slots is not None):
+        raise ValueError("gated_delta_rule: a carried call takes no state cache, starts or slots")
     cu_l, st, sl = _HOST_LISTS.get((cu, starts, slots), (), lambda: _host_lists(cu, starts, slots))
     n = len(cu_l) - 1
     check_nonempty(cu_l)
@@ -146,7 +153,7 @@ def _plan(
     multi = False
     for i in range(n):
         a, pos, end = cu_l[i], st[i], cu_l[i + 1]
-        slot = sl[i] if has_state else 0
+        slot = sl[i] if has_state else i if carry else 0
         first_chunk = len(chunks)
         prev_chunk = -1
         mine = []
@@ -156,7 +163,7 @@ def _plan(
             closes = o + b - a == chunk
             # scan start: the running state (or zeros) for the call's first segment, else the exit state
             # of the chunk the previous segment closed
-            init = (2, prev_chunk) if prev_chunk >= 0 else (1, slot) if pos > 0 else (0, 0)
+            init = (2, prev_chunk) if prev_chunk >= 0 else (1, slot) if pos > 0 or carry else (0, 0)
             cidx = -1
             if closes or form == "chunk":
                 cidx = len(chunks)
@@ -170,7 +177,9 @@ def _plan(
             multi = True
         nc = len(chunks) - first_chunk
         last_open = int(form == "chunk" and not mine[-1][7])
-        if nc or (has_state and st[i] == 0):
+        if carry and nc:  # entry row i; the exit written back unless the only chunk stays open
+            chains.append((first_chunk, nc, 1, slot, int(nc > last_open), last_open))
+        elif nc or (has_state and st[i] == 0):
             # write back: the open chunk's entry state for the next call (unchanged if no chunk closed and the
             # sequence did not start here)
             wb = has_state and (nc > last_open or st[i] == 0)
