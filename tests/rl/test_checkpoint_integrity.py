@@ -89,7 +89,9 @@ def test_resume_of_a_finished_run_says_so_with_its_last_metrics(run, capsys, mon
         f"iso-train: out_dir={run} already finished at step 1 (rl.steps=2): nothing to run; rl.steps counts every "
         "step of the run, so to train further raise it (e.g. rl.steps=4 resume=true)"
     )
-    assert f"'reward/mean': {last['reward/mean']!r}" in out and "None" not in out
+    summary = json.loads(out.strip().splitlines()[-1])  # one JSON line on stdout
+    assert summary["reward/mean"] == last["reward/mean"] and summary["step"] == 1
+    assert None not in summary.values()
     assert sorted(p.name for p in run.iterdir()) == before  # no config.resumed_*.yaml, nothing written
     # Under torchrun only rank 0 prints the summary.
     monkeypatch.setenv("RANK", "1")
