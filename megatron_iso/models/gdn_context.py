@@ -131,11 +131,17 @@ class _Run:
     halo_out: torch.Tensor | None = None
 
 
-def _chunk_forward(layer, x: torch.Tensor, params, work: ChunkWork, run: _Run) -> None:
+def _device_cu(shard: ContextShard, cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``cu`` as an int32 tensor on ``device``, one per shard: every GDN layer of the pack reuses it (no copy per layer,
+    and the Triton rule's plan, keyed by the tensor, is made once)."""
+    return shard.memo(("gdn_chain_cu", cu, device), lambda: torch.tensor(cu, dtype=torch.int32, device=device))
+
+
+def _chunk_forward(layer, x: torch.Tensor, params, work: ChunkWork, run: _Run, shard: ContextShard) -> None:
     """Conv, gates and the carried rule over one chunk's extended rows (the received halo, then ``x``, its rows)."""
     ext = x if run.halo_in is None else torch.cat([run.halo_in, x])
     qkv, b, a = torch.split(ext, [layer.conv_dim, layer.hv, layer.hv], dim=-1)
-    conv_cu = torch.tensor(work.conv_cu, dtype=torch.int32, device=x.device)
+    conv_cu = _device_cu(shard, work.conv_cu, x.device)
     feats = layer.features(qkv, b, a, conv_cu, params)
     skip = work.rule_lo - work.ext_lo  # conv history rows: inputs of the halo, not rows the rule runs
     q, k, v, g, beta = (f[skip:] for f in feats)
@@ -144,7 +150,7 @@ def _chunk_forward(layer, x: torch.Tensor, params, work: ChunkWork, run: _Run) -
         n - (run.entry_in is not None), layer.hv, layer.dk, layer.dv, dtype=torch.float32, device=x.device
     )
     entry = zeros if run.entry_in is None else torch.cat([run.entry_in[None], zeros])
-    rule_cu = torch.tensor(work.rule_cu, dtype=torch.int32, device=x.device)
+    rule_cu = _device_cu(shard, work.rule_cu, x.device)
     out, exits = gated_delta_rule_carry(q, k, v, g, beta, rule_cu, entry, **layer.rule_options())
     run.out = out[work.lo - work.rule_lo :]
     if work.outgoing is not None:
@@ -169,7 +175,7 @@ def _forward_chain(layer, x: torch.Tensor, params, shard: ContextShard, works, l
             else:
                 msg = recv_from(_message_like(layer, x, work.incoming), shard, work.prev_peer, x.device)
             run.entry_in, run.halo_in = (t.requires_grad_(leaves) for t in msg)
-        _chunk_forward(layer, x[work.rows], params, work, run)
+        _chunk_forward(layer, x[work.rows], params, work, run, shard)
         if work.outgoing is not None:
             msg = [run.exit_out.detach(), run.halo_out.detach()]
             if work.next_peer is None:
@@ -232,7 +238,11 @@ def mix_chained(layer, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, shar
     """The mixer outputs of ``layer`` (an ``IsoGatedDeltaNet``), fp32 ``[n, Hv, Dv]``, of this CP rank's rows
     (``qkv, b, a``, local order), the recurrence's state and the conv's history passed rank to rank (module
     docstring)."""
-    works = chain_plan(shard.bounds, shard.size, shard.rank, layer.chunk, layer.conv1d.weight.shape[-1])
+    kernel = layer.conv1d.weight.shape[-1]
+    works = shard.memo(
+        ("gdn_chain", layer.chunk, kernel),
+        lambda: chain_plan(shard.bounds, shard.size, shard.rank, layer.chunk, kernel),
+    )
     x = torch.cat([qkv, b, a], dim=-1)
     weight, A_log, dt_bias = layer.parameters_of_rule()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, A_log, dt_bias)):

@@ -19,8 +19,10 @@ parallel ranks (1 / (DP * CP)), while the CP ranks' gradients are parts of one s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,6 +92,15 @@ class ContextShard:
     runs: QueryRuns
     packed_cu: torch.Tensor
     bounds: tuple[int, ...]
+    # Values derived from the shard that every layer of the pack's forward reads (the GDN state chain's plan and its
+    # device cu_seqlens): built once per pack, not once per layer.
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: object, build: Callable[[], Any]) -> Any:
+        """``build()`` once per shard and ``key`` (the key names everything the value depends on besides the shard)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     @classmethod
     def build(cls, bounds: list[int], real: int, group, size: int, rank: int, device) -> ContextShard:
