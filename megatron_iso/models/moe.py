@@ -60,7 +60,7 @@ from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
-from megatron_iso.ops.moe import combine_routed, combine_slots, route, route_weights, scattered_route, slot_order
+from megatron_iso.ops.moe import combine_slots, route, route_weights, scattered_route, slot_order
 from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import Profile
@@ -401,10 +401,9 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
         return all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 routed sum ``[..., H]`` (not rounded: the layer adds the shared expert first)."""
-        n = self.weights.shape[0]
-        per_slot = hidden_states[self.inverse].reshape(n, self.topk, -1)
-        return combine_routed(per_slot, self.weights).reshape(self.hidden_shape)
+        """fp32 routed sum ``[..., H]`` (not rounded: the layer adds the shared expert first); Megatron's hook, which
+        :class:`IsoMoELayer` replaces by :meth:`combine_with_shared`. The same combine, kept in fp32."""
+        return combine_slots(hidden_states, self.inverse, self.weights, None, torch.float32).reshape(self.hidden_shape)
 
     def combine_with_shared(self, hidden_states: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
         """The layer's output: the routed sum plus the shared expert's fp32 output, rounded once to the input dtype
