@@ -393,6 +393,19 @@ def check_conv() -> None:
         xc[4:5], torch.ones(12, 4), cu([1]), conv_state=cs, slots=torch.tensor([0]), starts=torch.tensor([4])
     )
     assert same_bits(cs[0], xc[2:5].t()), "conv state of a short call"
+    # read in place: x a column slice of a wider projection row (the model's qkv), empty sequences in the pack (the
+    # kernel finds each row's sequence by bisection over cu_seqlens)
+    wide = torch.randn(14, 20, generator=gen)
+    xs, wt = wide[:, 3:15], torch.randn(12, 4, generator=gen)
+    assert xs.stride(0) == 20 and not xs.is_contiguous()
+    assert same_bits(cg.causal_conv1d(xs, wt, cu([6, 8])), cg.causal_conv1d(xs.contiguous(), wt, cu([6, 8]))), "strided"
+    gaps = torch.tensor([0, 0, 6, 6, 6, 14, 14], dtype=torch.int32)  # sequences of 0, 6, 0, 0, 8, 0 rows
+    assert same_bits(cg.causal_conv1d(xs, wt, gaps), cg.causal_conv1d(xs, wt, cu([6, 8]))), "empty sequences"
+    cs_a, cs_b = torch.zeros(3, 12, 3), torch.zeros(3, 12, 3)
+    kw = {"slots": torch.tensor([2, 0]), "starts": torch.tensor([0, 0])}
+    ya = cg.causal_conv1d(xs[:5], wt, cu([2, 3]), conv_state=cs_a, **kw)
+    yb = cg.causal_conv1d(xs[:5].contiguous(), wt, cu([2, 3]), conv_state=cs_b, **kw)
+    assert same_bits(ya, yb) and same_bits(cs_a, cs_b), "strided with a conv state"
     print("conv ok")
 
 
@@ -409,6 +422,15 @@ def check_gates() -> None:
     rg, rb = ref.gdn_gates(a, b, al, dt)
     assert float(((g - rg).abs() / rg.abs()).max()) < 1e-6 and float((beta - rb).abs().max()) < 1e-6
     assert float((nrm - ref.l2norm(xn)).abs().max()) < 1e-6
+    # read in place: a, b and the l2norm input as column slices of one wider row (the model's projection)
+    wide = torch.randn(33, 2 * HV + 77, generator=gen)
+    sa, sb = wide[:, 5 : 5 + HV], wide[:, 40 : 40 + HV]
+    gs, bs = cg.gdn_gates(sa, sb, al, dt)
+    gc, bc = cg.gdn_gates(sa.contiguous(), sb.contiguous(), al, dt)
+    assert same_bits(gs, gc) and same_bits(bs, bc), "gates of strided a, b"
+    heads = wide[:, 2 : 2 + 72].reshape(33, 3, 24)
+    assert heads.stride() == (wide.shape[1], 24, 1)
+    assert same_bits(cg.l2norm(heads), cg.l2norm(heads.contiguous())), "l2norm of a strided [T, H, D] view"
     print("gates ok", round(time.time() - t_start, 1))
 
 

@@ -31,6 +31,12 @@ SCRIPT = textwrap.dedent(
     z = torch.randn(4, 48)
     g = gated_rms_norm_triton(x, z, w, zero_centered=True)
     assert torch.equal(b(gated_rms_norm_triton(x[2:3], z[2:3], w, zero_centered=True)[0]), b(g[2]))
+    # the gate read in place: [T, H, D] heads of a column slice of a wider row (the GDN layer's z)
+    wide = torch.randn(4, 3 * 16 + 11)
+    zh = wide[:, 7 : 7 + 48].reshape(4, 3, 16)
+    xh, wh = torch.randn(4, 3, 16), torch.randn(16)
+    assert zh.stride() == (59, 16, 1)
+    assert torch.equal(b(gated_rms_norm_triton(xh, zh, wh)), b(gated_rms_norm_triton(xh, zh.contiguous(), wh)))
     print("ok")
     """
 )

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_iso.ops.common.rows import strided_rows
 from megatron_iso.registry import OpImpl, Profile, register
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -26,9 +27,11 @@ def _block_and_warps(hidden: int) -> tuple[int, int]:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, g_ptr, w_ptr, y_ptr, H, stride_x, stride_g, stride_y, eps,
+    x_ptr, g_ptr, w_ptr, y_ptr, H, stride_x, g_heads, g_stride_token, g_stride_head, stride_y, eps,
     ZERO_CENTERED: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """One row; the gate's row ``r`` is head ``r % g_heads`` of token ``r // g_heads`` at the gate's own strides (the
+    GDN layer's z is a column slice of its input projection, read in place)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -36,7 +39,8 @@ def _rms_norm_kernel(
     if GATED:
         # The gate's read and silu ahead of the row reduction: they overlap x's read and the reduction's barriers
         # instead of starting after them (the same operations on the same values).
-        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        g_row = (row // g_heads) * g_stride_token + (row % g_heads) * g_stride_head
+        g = tl.load(g_ptr + g_row + offs, mask=mask, other=0.0).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
     ms = tl.math.div_rn(tl.sum(x * x, axis=0), H.to(tl.float32))
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
@@ -62,13 +66,16 @@ def _run(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: 
     x2 = x.reshape(-1, H)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    g2 = x2 if gate is None else gate.reshape(-1, H).contiguous()
+    if gate is None:
+        g2, g_heads, g_token, g_head = x2, 1, x2.stride(0), 0
+    else:
+        g2, g_heads, g_token, g_head = strided_rows(gate if gate.dim() in (2, 3) else gate.reshape(-1, H))
     y = torch.empty((x2.shape[0], H), device=x.device, dtype=x.dtype)
     if x2.shape[0] == 0:
         return y.reshape(x.shape)
     block, warps = _block_and_warps(H)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, g2, weight.contiguous(), y, H, x2.stride(0), g2.stride(0), y.stride(0), float(eps),
+        x2, g2, weight.contiguous(), y, H, x2.stride(0), g_heads, g_token, g_head, y.stride(0), float(eps),
         ZERO_CENTERED=zero_centered, GATED=gate is not None, BLOCK=block, num_warps=warps,
     )  # fmt: skip
     return y.reshape(x.shape)

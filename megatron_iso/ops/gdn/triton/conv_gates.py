@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from megatron_iso.ops.common.autograd import with_fused_backward, with_plain_backward
+from megatron_iso.ops.common.rows import strided_rows
 from megatron_iso.ops.gdn import native
 from megatron_iso.ops.gdn.checks import check_conv_args, check_state_slots
 from megatron_iso.ops.gdn.reference import L2NORM_EPS
@@ -21,15 +22,31 @@ from megatron_iso.ops.norm.norm_backward_triton import l2norm_backward
 
 
 @triton.jit
+def _sequence_of_row(cu_ptr, r, N):
+    """The sequence holding packed row ``r``: the largest ``s < N`` with ``cu[s] <= r`` (an empty sequence shares
+    its start with the next one, which wins), by bisection over ``cu`` (no per-row index tensor to build)."""
+    lo = 0
+    hi = N - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_ptr + mid).to(tl.int64) <= r:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
 def _conv_kernel(
-    x_ptr, w_ptr, y_ptr, sid_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD,
+    x_ptr, w_ptr, y_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD, SX, N,
     K: tl.constexpr, HAS_STATE: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    """One packed row, BC channels: silu(sum_j w[:, j] x[t-K+1+j]); history from the conv state."""
+    """One packed row, BC channels: silu(sum_j w[:, j] x[t-K+1+j]); history from the conv state. ``x`` rows are SX
+    elements apart (a column slice of the input projection reads in place)."""
     r = tl.program_id(0).to(tl.int64)
     oc = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = oc < CD
-    sid = tl.load(sid_ptr + r)
+    sid = _sequence_of_row(cu_ptr, r, N)
     a = tl.load(cu_ptr + sid).to(tl.int64)
     p = r - a  # position inside this call's rows of the sequence
     if HAS_STATE:
@@ -41,7 +58,7 @@ def _conv_kernel(
     acc = tl.zeros([BC], dtype=tl.float32)
     for j in tl.static_range(K):
         src = p - (K - 1) + j
-        xr = tl.load(x_ptr + (r - (K - 1) + j) * CD + oc, mask=mc & (src >= 0), other=0.0).to(tl.float32)
+        xr = tl.load(x_ptr + (r - (K - 1) + j) * SX + oc, mask=mc & (src >= 0), other=0.0).to(tl.float32)
         hs = tl.load(cs_ptr + (slot * CD + oc) * (K - 1) + (K - 1) + src, mask=mc & (src < 0) & warm, other=0.0)
         xv = tl.where(src >= 0, xr, hs.to(tl.float32))
         wj = tl.load(w_ptr + oc * K + j, mask=mc, other=0.0).to(tl.float32)
@@ -52,7 +69,7 @@ def _conv_kernel(
 
 @triton.jit
 def _conv_state_kernel(
-    x_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD,
+    x_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD, SX,
     K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """conv_state[slot] = the sequence's last K-1 inputs (older ones from the state or zeros)."""
@@ -67,7 +84,7 @@ def _conv_state_kernel(
     mj = jj < K - 1
     idx = n - (K - 1) + jj  # row inside the call (< 0: from the old state, column K-1+idx)
     m = mc[:, None] & mj[None, :]
-    xr = tl.load(x_ptr + (a + idx[None, :]) * CD + oc[:, None], mask=m & (idx[None, :] >= 0), other=0.0)
+    xr = tl.load(x_ptr + (a + idx[None, :]) * SX + oc[:, None], mask=m & (idx[None, :] >= 0), other=0.0)
     old = tl.load(
         cs_ptr + (slot * CD + oc[:, None]) * (K - 1) + (K - 1) + idx[None, :],
         mask=m & (idx[None, :] < 0) & warm,
@@ -78,22 +95,27 @@ def _conv_state_kernel(
 
 
 @triton.jit
-def _l2norm_kernel(x_ptr, y_ptr, D, eps, BD: tl.constexpr):
+def _l2norm_kernel(x_ptr, y_ptr, D, HPT, S_TOKEN, S_HEAD, eps, BD: tl.constexpr):
+    """Row ``r`` = head ``r % HPT`` of token ``r // HPT``, read at ``x``'s strides (q and k are column slices of the
+    conv output); ``y`` contiguous."""
     r = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BD)
-    x = tl.load(x_ptr + r * D + o, mask=o < D, other=0.0).to(tl.float32)
+    src = (r // HPT) * S_TOKEN + (r % HPT) * S_HEAD
+    x = tl.load(x_ptr + src + o, mask=o < D, other=0.0).to(tl.float32)
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) + eps))
     tl.store(y_ptr + r * D + o, x * inv, mask=o < D)
 
 
 @triton.jit
-def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: tl.constexpr):
+def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, SA, SB, BLOCK: tl.constexpr):
     """g in float64 (libdevice exp/log), rounded once: softplus(x) = max(x, 0) + log1p(exp(-|x|)) with
-    log1p(y) = log(u) * y / (u - 1), u = 1 + y, accurate for tiny y; beta = 1 / (1 + exp(-b)) in fp32."""
+    log1p(y) = log(u) * y / (u - 1), u = 1 + y, accurate for tiny y; beta = 1 / (1 + exp(-b)) in fp32. ``a`` and
+    ``b`` rows are SA / SB elements apart (column slices of the input projection)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     h = i % H
-    x = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float64) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float64)
+    tok = i // H
+    x = tl.load(a_ptr + tok * SA + h, mask=m, other=0.0).to(tl.float64) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float64)
     y = tl.exp(-tl.abs(x))
     uu = 1.0 + y
     d = uu - 1.0
@@ -101,7 +123,7 @@ def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, BLOCK: 
     sp = tl.maximum(x, 0.0) + l1p
     al = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float64)
     tl.store(g_ptr + i, (-(tl.exp(al) * sp)).to(tl.float32), mask=m)
-    b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + tok * SB + h, mask=m, other=0.0).to(tl.float32)
     tl.store(beta_ptr + i, tl.math.div_rn(1.0, 1.0 + tl.exp(-b)), mask=m)
 
 
@@ -211,21 +233,23 @@ def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
         raise ValueError(
             f"causal_conv1d: conv_state must be contiguous [slots, {cd}, {kw - 1}], got {tuple(conv_state.shape)}"
         )
-    x = x.contiguous()
-    y = torch.empty_like(x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((t, cd), dtype=x.dtype, device=x.device)
     if t == 0:
         return y
     cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
-    sid = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True).to(torch.int32)
     st = (starts if starts is not None else torch.zeros(n, dtype=torch.int64)).to(device=x.device, dtype=torch.int64)
     sl = slots.to(device=x.device, dtype=torch.int64) if has else st
     cs = conv_state if has else x
     grid = (t, triton.cdiv(cd, tuning.CONV_BC))
-    _conv_kernel[grid](x, weight.contiguous(), y, sid, cu, st, sl, cs, cd, K=kw, HAS_STATE=has, BC=tuning.CONV_BC)
+    _conv_kernel[grid](
+        x, weight.contiguous(), y, cu, st, sl, cs, cd, x.stride(0), n, K=kw, HAS_STATE=has, BC=tuning.CONV_BC
+    )  # fmt: skip
     if has:
         kp = triton.next_power_of_2(max(kw - 1, 1))
         _conv_state_kernel[(n, triton.cdiv(cd, tuning.CONV_BC))](
-            x, cu, st, sl, conv_state, cd, K=kw, KP=kp, BC=tuning.CONV_BC
+            x, cu, st, sl, conv_state, cd, x.stride(0), K=kw, KP=kp, BC=tuning.CONV_BC
         )
     return y
 
@@ -271,11 +295,11 @@ def causal_conv1d(
 
 def _l2norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
-    xc = x.contiguous()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    rows = xc.numel() // max(d, 1)
+    rows = x.numel() // max(d, 1)
     if rows:
-        _l2norm_kernel[(rows,)](xc, y, d, float(eps), BD=triton.next_power_of_2(d))
+        xs, hpt, s_token, s_head = strided_rows(x)
+        _l2norm_kernel[(rows,)](xs, y, d, hpt, s_token, s_head, float(eps), BD=triton.next_power_of_2(d))
     return y
 
 
@@ -286,14 +310,15 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 
 def _gates_forward(a, b, A_log, dt_bias):
     t, h = a.shape
-    g = torch.empty(t, h, dtype=torch.float32, device=a.device)
-    beta = torch.empty_like(g)
+    out = torch.empty(2, t, h, dtype=torch.float32, device=a.device)  # [g, beta]
     if a.numel():
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        b = b if b.stride(-1) == 1 else b.contiguous()
         _gates_kernel[(triton.cdiv(a.numel(), tuning.ELEM_BLOCK),)](
-            a.contiguous(), b.contiguous(), A_log.contiguous(), dt_bias.contiguous(), g, beta, a.numel(), h,
+            a, b, A_log.contiguous(), dt_bias.contiguous(), out[0], out[1], a.numel(), h, a.stride(0), b.stride(0),
             BLOCK=tuning.ELEM_BLOCK,
         )  # fmt: skip
-    return torch.stack([g, beta])
+    return out
 
 
 def _gates_plain(a, b, A_log, dt_bias):
