@@ -172,12 +172,19 @@ def test_iso_experts_grouped_equal_the_per_expert_loop_on_gpu():
             assert torch.equal(bits(a), bits(b)), (dtype, f"weight grad {i}")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_grouped_backward_kernels_match_per_expert_matmuls(dtype):
-    """The backward's two grouped launches (dgrad, wgrad): each expert's gradients are its own rows' matmuls
-    (fp32 accumulation rounded once: within a 16-bit rounding of an fp32 computation of the same inputs), an
-    expert without rows gets zeros, and a second call gives the same bits (deterministic)."""
+@pytest.mark.parametrize(
+    "dtype,wgrad",
+    [(torch.bfloat16, "triton"), (torch.float16, "triton"), (torch.bfloat16, "grouped_mm"), (torch.bfloat16, "auto")],
+)
+def test_grouped_backward_kernels_match_per_expert_matmuls(dtype, wgrad):
+    """The backward's two grouped launches (dgrad, wgrad; the weight gradient by the Triton kernel or torch's grouped
+    GEMM): each expert's gradients are its own rows' matmuls (fp32 accumulation rounded once: within a 16-bit
+    rounding of an fp32 computation of the same inputs), an expert without rows gets zeros, and a second call gives
+    the same bits (deterministic)."""
     from megatron_iso.ops.gemm.grouped_backward_triton import grouped_linear_backward_triton
+
+    if wgrad == "grouped_mm" and not (hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0)):
+        pytest.skip("torch._grouped_mm needs this torch to have it and a device of compute capability >= 9.0")
 
     k, n = 768, 1536
     ws = [_rand((n, k), dtype, 100 + e) / k**0.5 for e in range(len(COUNTS))]
@@ -185,8 +192,10 @@ def test_grouped_backward_kernels_match_per_expert_matmuls(dtype):
     x = _rand((t, k), dtype, 7)
     g = _rand((t, n), torch.float32, 8)
     counts = torch.tensor(COUNTS, device="cuda")
-    gx, gw = grouped_linear_backward_triton(g, x, ws, counts)
-    gx2, gw2 = grouped_linear_backward_triton(g, x, ws, counts)
+    gw0 = torch.full((len(COUNTS), n, k), float("nan"), dtype=dtype, device="cuda")  # leaves NaN in freed memory
+    del gw0
+    gx, gw = grouped_linear_backward_triton(g, x, ws, counts, wgrad=wgrad)
+    gx2, gw2 = grouped_linear_backward_triton(g, x, ws, counts, wgrad=wgrad)
     assert torch.equal(bits(gx), bits(gx2)) and torch.equal(bits(gw), bits(gw2))
     g16 = g.to(dtype).float()
     start = 0

@@ -53,6 +53,13 @@ SCRIPT = textwrap.dedent(
     assert torch.equal(b(gx), b(gx2)) and torch.equal(b(gw), b(gw2))
     only_w = grouped_linear_backward_triton(g, x, ws, counts, need_x=False)
     assert only_w[0] is None and torch.equal(b(only_w[1]), b(gw))
+    from megatron_iso.ops.gemm.grouped_backward_triton import wgrad_backend
+    assert wgrad_backend(x) == "triton"  # torch's grouped GEMM only on a CUDA device of capability >= 9.0
+    try:
+        grouped_linear_backward_triton(g, x, ws, counts, wgrad="cublas")
+        raise AssertionError("wgrad='cublas' was accepted")
+    except ValueError as exc:
+        assert "wgrad='cublas'" in str(exc) and "grouped_mm" in str(exc), exc
     print("ok")
     """
 )

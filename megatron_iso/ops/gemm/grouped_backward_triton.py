@@ -132,9 +132,14 @@ def grouped_linear_backward_triton(
     need_x: bool = True,
     need_w: bool = True,
     tiles: BackwardTiles | None = None,
+    wgrad: str = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_x [T, K] in x's dtype, grad_w [E, N, K] in the weights' dtype)`` of ``y[rows of e] = x[rows of e] @
-    ws[e].T``; either is None when not needed. ``grad_out`` [T, N] (any float dtype: cast once to the operands')."""
+    ws[e].T``; either is None when not needed. ``grad_out`` [T, N] (any float dtype: cast once to the operands').
+    ``wgrad``: ``"triton"`` (the kernel below), ``"grouped_mm"`` (torch's CUTLASS grouped GEMM) or ``"auto"``
+    (:func:`wgrad_backend`)."""
+    if wgrad not in WGRAD_BACKENDS:
+        raise ValueError(f"grouped_linear_backward_triton: wgrad={wgrad!r}; allowed: {sorted(WGRAD_BACKENDS)}")
     tiles = tiles or (INTERPRET_TILES if _INTERPRET else TILES)
     t, k = x.shape
     n = ws[0].shape[0]
@@ -158,7 +163,9 @@ def grouped_linear_backward_triton(
                 CAST_F32=cast, E_POW2=e_pow2, W_ALIGN=16 // ws[0].element_size() if aligned else 1,
                 num_warps=tiles.dgrad_warps,
             )  # fmt: skip
-    if need_w:
+    if need_w and (wgrad_backend(x) if wgrad == "auto" else wgrad) == "grouped_mm":
+        grad_w = grouped_mm_wgrad(g, x, counts, e)
+    elif need_w:
         grad_w = torch.empty((e, n, k), device=x.device, dtype=ws[0].dtype)
         if n and k:
             k_tiles = triton.cdiv(k, tiles.wgrad_k)
@@ -174,10 +181,35 @@ def grouped_linear_backward_triton(
     return grad_x, grad_w
 
 
+WGRAD_BACKENDS = frozenset({"auto", "triton", "grouped_mm"})
+
+
+def wgrad_backend(x: torch.Tensor) -> str:
+    """The weight gradient's kernel for operands like ``x``: torch's grouped GEMM (``torch._grouped_mm``: CUTLASS,
+    one launch over all experts, no split-K, so deterministic) where this torch has it for ``x`` (bf16 on a CUDA
+    device of compute capability 9.0 or newer), else the Triton kernel. Both sum each expert's rows in a fixed
+    order with fp32 accumulation; their bits differ from each other (the backward is outside the invariance
+    contract: deterministic is what it owes)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")) or _INTERPRET:
+        return "triton"
+    return "grouped_mm" if torch.cuda.get_device_capability(x.device) >= (9, 0) else "triton"
+
+
+def grouped_mm_wgrad(g: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:
+    """``grad_w[e] = g[rows of e].T @ x[rows of e]`` ``[E, N, K]`` by ``torch._grouped_mm`` over the row groups
+    (offsets: the counts' prefix sums, on the device). An expert without rows gets zeros whatever the library
+    leaves in its output block."""
+    offs = counts.to(torch.int32).cumsum(0, dtype=torch.int32)
+    grad_w = torch._grouped_mm(g.t(), x, offs=offs)
+    return grad_w.masked_fill_((counts == 0).view(experts, 1, 1), 0)
+
+
 __all__ = [
     "INTERPRET_TILES",
     "TILES",
     "BackwardTiles",
     "grouped_backward_supported",
     "grouped_linear_backward_triton",
+    "grouped_mm_wgrad",
+    "wgrad_backend",
 ]
