@@ -57,6 +57,9 @@
 #                   cuBLAS and bits against the shipped tile
 #   rl8b4k   420    bench_rl_step iso + native, Qwen3-8B widths with 8 layers, 32 x (512 + 3584) tokens, trainer
 #                   micro-batches of 2 (RL-length row; both profiles fit one 80 GB card)
+#   rl8b4kleaf1 300 rl8b4k's workload, iso only, with profile.leaves=1 profile.tp_domain=[1] (exact between a
+#                   trainer and a rollout of the same layout, not across TP sizes): what the TP-invariant leaves cost
+#                   at 4096 tokens
 #   rl8b8k   540    the same at 16 x (1024 + 7168), micro-batches of 1
 #   rlhybrid4k 540  bench_rl_step iso + native, qwen3p5_small_hybrid_moe, 32 x (512 + 3584), micro-batches of 4
 #   rlhybrid8k 560  bench_rl_step iso + native, qwen3p5_small_hybrid_moe, 16 x (1024 + 7168), micro-batches of 1
@@ -86,7 +89,7 @@ if [ -z "$out" ]; then
   echo "no output folder: pass -o DIR or set OUT" >&2
   exit 2
 fi
-steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl study rlppo rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b8k rlhybrid4k rlhybrid8k rlhybrid4kmem rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
+steps="gputests gdntests gdn gdnprof flaprof gdndot gdnbwd rl study rlppo rlhybrid rl8b rl8bwhole rl8bleaf1 rl8b4k rl8b4kleaf1 rl8b8k rlhybrid4k rlhybrid8k rlhybrid4kmem rlmoe moebwd opsites decode decoderoof decode8b decode8bfull decodemoe decodemoeeager decodeeager kvpaged kvstaged moe attnbwd gemmsweep nccl rltp2 rlcp2"
 for s in "$@"; do
   case " $steps " in *" $s "*) ;; *) echo "unknown step '$s'; allowed: $steps" >&2; exit 2 ;; esac
 done
@@ -185,6 +188,9 @@ for s in "$@"; do
     rl8b4k) step rl8b4k 420 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 2 --prompts 8 --group 4 \
       --prompt-len 512 --new-tokens 3584 --kv-cache-mb 16384 --train-micro-batch-seqs 2 \
       --out "$OUT/rl_step_qwen3_8b_l8_4k.json" model.num_layers=8 ;;
+    rl8b4kleaf1) step rl8b4kleaf1 300 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 2 --prompts 8 --group 4 \
+      --prompt-len 512 --new-tokens 3584 --kv-cache-mb 16384 --train-micro-batch-seqs 2 --profiles correctness \
+      --out "$OUT/rl_step_qwen3_8b_l8_4k_leaf1.json" model.num_layers=8 profile.leaves=1 "profile.tp_domain=[1]" ;;
     rl8b8k) step rl8b8k 540 8 python3 tools/bench_rl_step.py --model qwen3_8b --steps 2 --prompts 4 --group 4 \
       --prompt-len 1024 --new-tokens 7168 --kv-cache-mb 16384 --train-micro-batch-seqs 1 \
       --out "$OUT/rl_step_qwen3_8b_l8_8k.json" model.num_layers=8 ;;
