@@ -223,9 +223,9 @@ class IsoGatedDeltaNet(MegatronModule):
         weight, A_log, dt_bias = params
         kd, vd = self.hk * self.dk, self.hv * self.dv
         qkv = causal_conv1d(qkv, weight[:, 0], cu_seqlens, profile=self.profile, **conv_kw)
-        q, k, v = torch.split(qkv, [kd, kd, vd], dim=-1)
-        q = l2norm(q.reshape(t, self.hk, self.dk), profile=self.profile)
-        k = l2norm(k.reshape(t, self.hk, self.dk), profile=self.profile)
+        qk, v = torch.split(qkv, [2 * kd, vd], dim=-1)
+        # q's and k's heads side by side: one row-wise l2norm call for both (the rule reads the halves where they lie)
+        q, k = l2norm(qk.reshape(t, 2 * self.hk, self.dk), profile=self.profile).split(self.hk, dim=1)
         g, beta = gdn_gates(a, b, A_log, dt_bias, profile=self.profile)
         return q, k, v.reshape(t, self.hv, self.dv), g, beta
 

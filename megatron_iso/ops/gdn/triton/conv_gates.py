@@ -39,10 +39,12 @@ def _sequence_of_row(cu_ptr, r, N):
 @triton.jit
 def _conv_kernel(
     x_ptr, w_ptr, y_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD, SX, N,
-    K: tl.constexpr, HAS_STATE: tl.constexpr, BC: tl.constexpr,
+    K: tl.constexpr, HAS_STATE: tl.constexpr, STATE_WRITE: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """One packed row, BC channels: silu(sum_j w[:, j] x[t-K+1+j]); history from the conv state. ``x`` rows are SX
-    elements apart (a column slice of the input projection reads in place)."""
+    elements apart (a column slice of the input projection reads in place). ``STATE_WRITE`` (every sequence one row:
+    a decode step) also shifts the row's conv state by one, its new last column the row's input: what
+    ``_conv_state_kernel`` writes, without a second launch (no other program reads this state: one row each)."""
     r = tl.program_id(0).to(tl.int64)
     oc = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = oc < CD
@@ -65,6 +67,16 @@ def _conv_kernel(
         acc = acc + wj * xv
     y = tl.math.div_rn(acc, 1.0 + tl.exp(-acc))
     tl.store(y_ptr + r * CD + oc, y.to(y_ptr.dtype.element_ty), mask=mc)
+    if STATE_WRITE:
+        # Column jj of the new window holds input idx = jj - (K - 2) relative to this row: the row itself for the
+        # last column, older inputs from the old state's column K - 1 + idx (zeros for a fresh sequence). Column jj
+        # is written after column jj + 1 is read, never before.
+        for jj in tl.static_range(K - 1):
+            if jj == K - 2:
+                val = tl.load(x_ptr + r * SX + oc, mask=mc, other=0.0).to(cs_ptr.dtype.element_ty)
+            else:
+                val = tl.load(cs_ptr + (slot * CD + oc) * (K - 1) + jj + 1, mask=mc & warm, other=0.0)
+            tl.store(cs_ptr + (slot * CD + oc) * (K - 1) + jj, val, mask=mc)
 
 
 @triton.jit
@@ -243,10 +255,13 @@ def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
     sl = slots.to(device=x.device, dtype=torch.int64) if has else st
     cs = conv_state if has else x
     grid = (t, triton.cdiv(cd, tuning.CONV_BC))
+    # One row per sequence (n == t: a decode step, the rule's own criterion) shifts the state in the same launch.
+    one_row_each = has and n == t
     _conv_kernel[grid](
-        x, weight.contiguous(), y, cu, st, sl, cs, cd, x.stride(0), n, K=kw, HAS_STATE=has, BC=tuning.CONV_BC
+        x, weight.contiguous(), y, cu, st, sl, cs, cd, x.stride(0), n,
+        K=kw, HAS_STATE=has, STATE_WRITE=one_row_each, BC=tuning.CONV_BC,
     )  # fmt: skip
-    if has:
+    if has and not one_row_each:
         kp = triton.next_power_of_2(max(kw - 1, 1))
         _conv_state_kernel[(n, triton.cdiv(cd, tuning.CONV_BC))](
             x, cu, st, sl, conv_state, cd, x.stride(0), K=kw, KP=kp, BC=tuning.CONV_BC
