@@ -1,8 +1,9 @@
 """The rollout's MoE routing, recorded for routing replay (``rl.routing_replay``, ``models.routing``).
 
 Where it lives: beside the keys, in the paged KV cache (``PagedKVCache.routes``, ``[blocks, block_size, layers,
-k]``). Each MoE layer of a prefill or decode step writes its top-k experts at the rows the step's keys go to
-(``PagedStepView.write_idx``), on the device: no host read, and a captured decode step records inside its graph.
+k]``). Each MoE layer of a prefill or decode step hands its top-k experts to the step (``StepState.record_routing``),
+which writes them all at its end at the rows the step's keys go to (``PagedStepView.write_idx``), on the device: no
+host read, and a captured decode step records inside its graph.
 So a token's routing follows its keys everywhere they go: a prompt prefilled once and forked into ``n`` samples,
 a prefix-cache hit on another request's blocks, a shared partial block copied on write. When a sample finishes,
 :func:`sequence_routing` gathers the routing of every position it ran through the model (prompt and response but
@@ -46,6 +47,28 @@ def record_step_routing(routes: torch.Tensor, write_idx: torch.Tensor, layer: in
             "(sequence parallelism is not supported)"
         )
     routes.view(-1, *routes.shape[2:])[write_idx, layer] = experts.to(routes.dtype)
+
+
+def record_step_routing_all(routes: torch.Tensor, write_idx: torch.Tensor, experts: dict[int, torch.Tensor]) -> None:
+    """Every MoE layer's experts of one step (``{layer: [T, k]}``), written at the end of the step: layers that
+    form one contiguous run in one stacked write (a decode step records all its layers in three launches, not two
+    per layer), any others one by one."""
+    layers = sorted(experts)
+    if not layers:
+        return
+    first, count = layers[0], len(layers)
+    if layers == list(range(first, first + count)) and len({e.shape for e in experts.values()}) == 1:
+        rows = experts[first].shape[0]
+        if rows != write_idx.numel():
+            raise ValueError(
+                f"routing record: the router routed {rows} rows, the step writes {write_idx.numel()} keys "
+                "(sequence parallelism is not supported)"
+            )
+        block = torch.stack([experts[i] for i in layers], dim=1).to(routes.dtype)  # [T, layers, k]
+        routes.view(-1, *routes.shape[2:])[write_idx, first : first + count] = block
+        return
+    for layer in layers:
+        record_step_routing(routes, write_idx, layer, experts[layer])
 
 
 def sequence_routing(kv: PagedKVCache, seq_id: int, length: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from megatron_iso.inference.routing_record import record_step_routing
+from megatron_iso.inference.routing_record import record_step_routing_all
 
 
 @runtime_checkable
@@ -77,6 +77,7 @@ class StepState:
     def __init__(self, views: dict[str, Any], *, paged: bool = True) -> None:
         self.views = views
         self.paged = paged  # attention may read the KV pool in place (EngineConfig.paged_kv_reads)
+        self._routing: dict[int, torch.Tensor] = {}  # this step's MoE experts per layer, written at finish()
 
     def layer(self, index: int) -> Any:
         return self.views["attention_kv"].layer(index)
@@ -92,13 +93,18 @@ class StepState:
 
     def record_routing(self, layer: int, experts: torch.Tensor) -> None:
         """An MoE layer's top-k ``experts [T, k]`` of the step's rows, kept beside their keys when the KV cache
-        records routing (``inference.routing_record``); a no-op otherwise."""
+        records routing (``inference.routing_record``); a no-op otherwise. Written at :meth:`finish`, all layers
+        at once (a layer run again, as after a forward that raised, replaces its entry)."""
         view = self.views.get("attention_kv")
         if view is not None and view.cache.routes is not None:
-            record_step_routing(view.cache.routes, view.write_idx, layer, experts)
+            self._routing[layer] = experts
 
     def finish(self) -> None:
-        """Write back whatever the views staged (called once after the forward)."""
+        """Write back whatever the views staged, and the step's recorded routing (called once after the forward)."""
+        routing, self._routing = self._routing, {}
+        if routing:
+            view = self.views["attention_kv"]
+            record_step_routing_all(view.cache.routes, view.write_idx, routing)
         for view in self.views.values():
             done = getattr(view, "finish", None)
             if done is not None:

@@ -258,3 +258,24 @@ def test_expert_parallel_replay_runs_the_rollouts_experts(tmp_path):
     assert 0 < agree < compared, off  # without: some pairs ran other experts
     # moe/routing_agreement compares the routers' own top-k with the record, replay or not: below 1 both times
     assert off["meter"] == on["meter"] and 0 < off["meter"]["moe/routing_agreement"] < 1
+
+
+def test_one_write_for_all_layers_equals_one_write_per_layer():
+    """``record_step_routing_all`` (what a step's finish() writes): a contiguous run of layers in one stacked write,
+    other layers one by one; either way the pool holds what per-layer writes leave, and rows the step does not
+    write keep their old values."""
+    from megatron_iso.inference.routing_record import record_step_routing, record_step_routing_all
+
+    gen = torch.Generator().manual_seed(3)
+    write_idx = torch.tensor([5, 0, 9, 2])
+    for layers in ([0, 1, 2, 3], [1, 2], [0, 2, 3]):
+        experts = {i: torch.randint(0, 60, (4, 2), generator=gen) for i in layers}
+        one, each = torch.full((3, 4, 4, 2), -1, dtype=torch.int16), torch.full((3, 4, 4, 2), -1, dtype=torch.int16)
+        record_step_routing_all(one, write_idx, experts)
+        for i in layers:
+            record_step_routing(each, write_idx, i, experts[i])
+        assert torch.equal(one, each), layers
+        flat = one.view(-1, 4, 2)
+        assert (flat[[1, 3, 4]] == -1).all() and torch.equal(flat[5, layers[0]].long(), experts[layers[0]][0])
+    with pytest.raises(ValueError, match="routed 3 rows"):
+        record_step_routing_all(one, write_idx, {0: torch.zeros(3, 2, dtype=torch.long)})
