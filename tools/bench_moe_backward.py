@@ -32,6 +32,7 @@ from megatron_iso.testing.bits import same_bits
 SHAPES = (("fc1", MOE_H, 2 * MOE_F), ("fc2", MOE_F, MOE_H))
 TOKENS = (512, 2048, 8192)
 WHOLE = ("loop", "triton", "shipped", "grouped_mm")  # dgrad + wgrad; the other paths time one of the two
+PATHS = (*WHOLE, "triton_dgrad", "triton_wgrad", "grouped_mm_wgrad")
 
 
 def _paths(ws: list[torch.Tensor], stacked: torch.Tensor, counts: list[int]):
@@ -106,7 +107,7 @@ def bench(tokens_list=TOKENS) -> list[dict[str, Any]]:
                 f"{key} {row[f'{key}_ms'] * 1e3:8.1f} us ({row[f'{key}_tflops']:4.0f} TF/s, det={row[f'{key}_deterministic']})"
                 if f"{key}_ms" in row
                 else f"{key} ERROR"
-                for key in ("loop", "triton", "shipped", "grouped_mm", "triton_dgrad", "triton_wgrad", "grouped_mm_wgrad")
+                for key in PATHS
             )
             print(f"{name} T={tokens:>5} rows={t:>6}: {cells}", flush=True)
         del ws, stacked

@@ -127,7 +127,8 @@ def _gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, N, H, SA, SB,
     m = i < N
     h = i % H
     tok = i // H
-    x = tl.load(a_ptr + tok * SA + h, mask=m, other=0.0).to(tl.float64) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float64)
+    x = tl.load(a_ptr + tok * SA + h, mask=m, other=0.0).to(tl.float64)
+    x = x + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float64)
     y = tl.exp(-tl.abs(x))
     uu = 1.0 + y
     d = uu - 1.0
