@@ -60,7 +60,14 @@ from megatron_iso.ops.activation import swiglu_packed
 from megatron_iso.ops.common.ieee_math import iso_sigmoid
 from megatron_iso.ops.gemm import linear
 from megatron_iso.ops.gemm.grouped import counts_read_once, counts_replayed, grouped_linear
-from megatron_iso.ops.moe import combine_slots, route, route_weights, scattered_route, slot_order
+from megatron_iso.ops.moe import (
+    combine_slots,
+    route,
+    route_weights,
+    scattered_route,
+    slot_order,
+    slot_order_with_sources,
+)
 from megatron_iso.parallel.layer_config import iso_config
 from megatron_iso.parallel.layers import LeafTreeColumnParallelLinear, LeafTreeRowParallelLinear
 from megatron_iso.registry import Profile
@@ -366,7 +373,14 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
                 experts = experts.reshape(n, self.topk)
             self.weights = probs.gather(1, experts).float()
         flat = experts.reshape(-1)
-        self.order, self.inverse = slot_order(flat)
+        # Without a gradient (a serving step) the rows come straight from the tokens, the slots' sources from the
+        # order's launch; under autograd each slot copies its token first, so the backward sums the k copies'
+        # gradients in a fixed order (an index_select's backward would scatter-add them).
+        gather = not (torch.is_grad_enabled() and hidden_states.requires_grad)
+        if gather:
+            self.order, self.inverse, sources = slot_order_with_sources(flat, self.topk)
+        else:
+            self.order, self.inverse = slot_order(flat)
         if static:
             # received[0, l]: rows for local expert l (EP 1: all of them); the all-to-alls pass rows through.
             self.received = routing_map.sum(0).reshape(1, self.num_local_experts)
@@ -377,6 +391,8 @@ class IsoAlltoAllTokenDispatcher(MoETokenDispatcher):
             # received[j, l]: rows for my local expert l coming from EP rank j
             self.received = all_to_all(self.ep_group, counts).reshape(self.ep_size, self.num_local_experts)
             self.output_splits = self.received.sum(1).tolist()
+        if gather:
+            return x.index_select(0, sources), None
         # Each slot gets its own copy of the token row (expand: backward sums the k copies' grads).
         slots = x.unsqueeze(1).expand(n, self.topk, x.shape[1]).reshape(n * self.topk, x.shape[1])
         return slots[self.order], None

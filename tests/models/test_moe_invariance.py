@@ -143,3 +143,29 @@ def test_iso_moe_backward_is_deterministic_and_carries_the_aux_loss():
         assert bool(a[name].abs().sum() > 0), f"{name} got no gradient"
     assert not torch.equal(a["router"], no_aux["router"])  # the load-balancing loss reaches the router
     assert torch.equal(a["expert0_fc1"], no_aux["expert0_fc1"])  # experts see only the routing weights' values
+
+
+def _serving_and_training_dispatch():
+    """The first MoE layer on the same rows without autograd (the dispatch gathers each slot's row from its token,
+    the sources from the slot order's launch) and with it (each slot copies its token first, for a fixed-order
+    gradient sum): outputs, and the input gradient of the second."""
+    from megatron_iso.models.gpt import build_model
+    from megatron_iso.models.transformer_config import transformer_config
+    from megatron_iso.models.weights import random_hf_state_dict
+    from megatron_iso.settings.compose import load_config
+
+    tc = transformer_config(load_config([*MOE, "model.params_dtype=bf16"]))
+    moe = build_model(tc, random_hf_state_dict(tc, seed=7, std=0.2)).decoder.layers[0].mlp
+    x = torch.randn(23, 1, tc.hidden_size, generator=torch.Generator().manual_seed(5)).to(tc.params_dtype)
+    with torch.no_grad():
+        serving = moe(x)[0]
+    xg = x.clone().requires_grad_(True)
+    training = moe(xg)[0]
+    training.float().sum().backward()
+    return serving, training.detach(), xg.grad
+
+
+def test_serving_gather_and_training_copies_give_the_same_bits():
+    serving, training, grad = run_on_ranks(_serving_and_training_dispatch, 1)[0]
+    assert torch.equal(bits(serving), bits(training))
+    assert grad is not None and bool(grad.abs().sum() > 0)

@@ -29,6 +29,10 @@ SCRIPT = textwrap.dedent(
         want = torch.sort(flat, stable=True).indices
         assert torch.equal(order, want), (s, e)
         assert torch.equal(inverse[order], torch.arange(s)), (s, e)
+        for topk in (1, 2, 4):  # the sources: the token each expert-major row copies, from the same launch
+            o2, i2, source = slots_triton.slot_order_triton(flat, topk)
+            assert torch.equal(o2, order) and torch.equal(i2, inverse) and torch.equal(source, want // topk), topk
+            assert all(torch.equal(a, b) for a, b in zip(moe.slot_order_with_sources(flat, topk), (o2, i2, source)))
 
     checked = 0
     for n, k, h in ((5, 4, 300), (3, 1, 64), (4, 8, 33), (2, 2, 512)):

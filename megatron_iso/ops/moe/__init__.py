@@ -101,6 +101,19 @@ def slot_order(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, inverse
 
 
+def slot_order_with_sources(flat: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`slot_order`'s ``(order, inverse)`` and ``order // topk``: the token whose row each expert-major
+    position takes (slot ``i`` belongs to token ``i // topk``), for a dispatch that gathers the rows straight from
+    the tokens. On CUDA from the order's own launch."""
+    if flat.is_cuda or INTERPRET:
+        from megatron_iso.ops.moe import slots_triton
+
+        if slots_triton.serves_order(flat):
+            return slots_triton.slot_order_triton(flat, topk)
+    order, inverse = slot_order(flat)
+    return order, inverse, order // topk
+
+
 def combine_slots(
     expert_out: torch.Tensor,
     inverse: torch.Tensor,

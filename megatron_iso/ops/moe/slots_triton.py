@@ -61,7 +61,11 @@ def serves_combine(expert_out: torch.Tensor, weights: torch.Tensor, shared: torc
 
 
 @triton.jit
-def _slot_order_kernel(flat_ptr, order_ptr, inverse_ptr, n_slots, BLOCK: tl.constexpr):
+def _slot_order_kernel(
+    flat_ptr, order_ptr, inverse_ptr, source_ptr, n_slots, TOPK, WRITE_SOURCE: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Each slot's rank among all slots (lower id, or the same id earlier); ``WRITE_SOURCE``: also the token each
+    position of the order copies (slot ``i`` is token ``i // TOPK``'s)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n_slots
     mine = tl.load(flat_ptr + i, mask=live, other=0)
@@ -74,18 +78,24 @@ def _slot_order_kernel(flat_ptr, order_ptr, inverse_ptr, n_slots, BLOCK: tl.cons
         rank += tl.sum(((lower | tie_before) & (j[None, :] < n_slots)).to(tl.int32), axis=1)
     tl.store(inverse_ptr + i, rank.to(tl.int64), mask=live)
     tl.store(order_ptr + rank, i.to(tl.int64), mask=live)
+    if WRITE_SOURCE:
+        tl.store(source_ptr + rank, (i // TOPK).to(tl.int64), mask=live)
 
 
-def slot_order_triton(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_order_triton(flat: torch.Tensor, topk: int | None = None) -> tuple[torch.Tensor, ...]:
     """``(order, inverse)`` of the slots' expert ids ``flat [S]``: ``torch.sort(flat, stable=True).indices`` and
-    the permutation with ``inverse[order] = arange(S)``."""
+    the permutation with ``inverse[order] = arange(S)``; with ``topk``, also ``order // topk`` (the token each
+    expert-major row copies), from the same launch."""
     if not serves_order(flat):
         raise ValueError(f"slot_order_triton: 1-D int64 ids on CUDA, 1 .. {MAX_SLOTS} of them; got {tuple(flat.shape)}")
     flat = flat.contiguous()
     order, inverse = torch.empty_like(flat), torch.empty_like(flat)
+    source = torch.empty_like(flat) if topk else order
     s = flat.numel()
-    _slot_order_kernel[(triton.cdiv(s, _SLOT_BLOCK),)](flat, order, inverse, s, BLOCK=_SLOT_BLOCK, num_warps=4)
-    return order, inverse
+    _slot_order_kernel[(triton.cdiv(s, _SLOT_BLOCK),)](
+        flat, order, inverse, source, s, topk or 1, WRITE_SOURCE=bool(topk), BLOCK=_SLOT_BLOCK, num_warps=4
+    )  # fmt: skip
+    return (order, inverse, source) if topk else (order, inverse)
 
 
 @triton.jit
