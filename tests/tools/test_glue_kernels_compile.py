@@ -75,3 +75,12 @@ def test_slot_order_with_sources_compiles() -> None:
         lambda: slots_triton._slot_order_kernel[(1,)](flat, *out, 128, 4, WRITE_SOURCE=True, BLOCK=128, num_warps=4)
     )
     assert found["_slot_order_kernel"].registers > 0
+
+
+def test_kv_write_compiles_on_qkv_views() -> None:
+    from megatron_iso.ops.attention.attention_triton import write_cache
+
+    qkv = torch.randn(64, 32 + 8 + 8, 128, dtype=torch.bfloat16)  # Qwen3-8B heads: the fused projection's views
+    kc = torch.zeros(4096, 8, 128, dtype=torch.bfloat16)
+    found = _compiled(lambda: write_cache(qkv[:, 32:40], qkv[:, 40:], kc, kc.clone(), [], [], [], dst=torch.arange(64)))
+    assert found["_write_kv_kernel"].registers > 0

@@ -21,6 +21,7 @@ from itertools import pairwise
 
 import torch
 import triton
+import triton.language as tl
 
 from megatron_iso.ops.attention.forward_launch_triton import (
     CONFIGS,
@@ -92,6 +93,24 @@ def write_index(
     return dst.to(device, non_blocking=True)
 
 
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, dst_ptr, H, D, SK_T, SK_H, SV_T, SV_H, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Token ``t``'s k and v rows (``[H, D]`` at their own strides: views of the QKV projection) copied to cache row
+    ``dst[t]`` of both stores, BLOCK elements per program."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = e < H * D
+    h, d = e // D, e % D
+    row = tl.load(dst_ptr + t).to(tl.int64) * (H * D)
+    tl.store(kc_ptr + row + e, tl.load(k_ptr + t * SK_T + h * SK_H + d, mask=m), mask=m)
+    tl.store(vc_ptr + row + e, tl.load(v_ptr + t * SV_T + h * SV_H + d, mask=m), mask=m)
+
+
+_WRITE_KV_BLOCK = 1024
+
+
 def write_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -102,13 +121,20 @@ def write_cache(
     slot_ids: list[int],
     dst: torch.Tensor | None = None,
 ) -> None:
-    """Append each sequence's new k/v at ``starts[i]..`` of cache row ``slot_ids[i]`` (one scatter, exact copy).
+    """Append each sequence's new k/v at ``starts[i]..`` of cache row ``slot_ids[i]`` (exact copies): one launch for
+    both stores, reading k and v where they lie.
 
     ``dst``: :func:`write_index` of these lists, if the caller already has it."""
     if dst is None:
         dst = write_index(cu, starts, slot_ids, k_cache.shape[1], k.device)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, dst, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dst, v)
+    t, h, d = k.shape
+    if not t:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _write_kv_kernel[(t, triton.cdiv(h * d, _WRITE_KV_BLOCK))](
+        k, v, k_cache, v_cache, dst, h, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), BLOCK=_WRITE_KV_BLOCK
+    )  # fmt: skip
 
 
 def _check_kv_store(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, what: str, rows: str) -> None:
@@ -369,7 +395,7 @@ register(
         device_class="cuda",
         profile=Profile.CORRECTNESS,
         fn=attention_with_kv_cache,
-        constants={**_constants(), "cache_write": "before attention (index_copy_); cache dtype == k dtype"},
+        constants={**_constants(), "cache_write": "before attention, exact copies of k and v; cache dtype == k dtype"},
         cases=("prefill", "decode"),
         equivalence_note=_NOTE,
         probe=_probe_kvcache,
