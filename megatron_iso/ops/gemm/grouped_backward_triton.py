@@ -200,7 +200,8 @@ def grouped_mm_wgrad(g: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, exp
     (offsets: the counts' prefix sums, on the device). An expert without rows gets zeros whatever the library
     leaves in its output block."""
     offs = counts.to(torch.int32).cumsum(0, dtype=torch.int32)
-    grad_w = torch._grouped_mm(g.t(), x, offs=offs)
+    # The library takes a column-major [N, T] and a row-major [T, K] operand (no-ops for the usual dense rows).
+    grad_w = torch._grouped_mm(g.contiguous().t(), x.contiguous(), offs=offs)
     return grad_w.masked_fill_((counts == 0).view(experts, 1, 1), 0)
 
 
