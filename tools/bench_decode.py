@@ -67,8 +67,6 @@ class Cell:
     graphs: str = ""  # the decoder's CUDA graphs: replays/captures of the timed run, or why they were off
     roofline_tokens_per_s: float | None = None  # decode tok/s if every step only read its bytes at copy bandwidth
     roofline_fraction: float | None = None  # decode_tokens_per_s / roofline_tokens_per_s
-    step_ms: float | None = None  # wall time per decode step of the timed run (after the last prefill)
-    replay_ms: float | None = None  # the full-batch decode graph replayed back to back: the device's share of a step
     note: str = ""
 
 
@@ -171,9 +169,7 @@ class EngineRunner:
     def run(self, prompts: list[list[int]], new_tokens: int, max_seconds: float, on_prefilled=None) -> Run:
         from megatron_iso.inference import Request, SamplingParams
 
-        self.last_engine = None  # the previous run's engine (its KV cache) goes before this one is built
         engine = self._engine(len(prompts), len(prompts[0]) + new_tokens)
-        self.last_engine = engine  # for replay_ms after the run
         params = SamplingParams(temperature=self.args.temperature, max_new_tokens=new_tokens, seed=self.args.seed)
         for i, p in enumerate(prompts):
             engine.add_request(Request(i, p, params))
@@ -324,9 +320,6 @@ def run_cell(name: str, runner, batch: int, args: argparse.Namespace) -> Cell:
     cell.tokens_per_s = run.generated / run.wall_s
     if run.ttft_s is not None and run.wall_s > run.ttft_s and run.generated > batch:
         cell.decode_tokens_per_s = (run.generated - batch) / (run.wall_s - run.ttft_s)
-        cell.step_ms = (run.wall_s - run.ttft_s) / ((run.generated - batch) / batch) * 1e3
-        cell.replay_ms = replay_ms(getattr(runner, "last_engine", None), batch, args.prompt_len + args.new_tokens)
-    runner.last_engine = None
     if run.partial:
         cell.note = f"partial: stopped at --max-seconds {args.max_seconds:g}"
     model = getattr(runner, "model", None)
@@ -337,29 +330,6 @@ def run_cell(name: str, runner, batch: int, args: argparse.Namespace) -> Cell:
         cell.roofline_tokens_per_s = batch * args.copy_bw / need
         cell.roofline_fraction = cell.decode_tokens_per_s / cell.roofline_tokens_per_s
     return cell
-
-
-def replay_ms(engine, batch: int, total_len: int, reps: int = 50) -> float | None:
-    """Median milliseconds of one replay of the decode graph that served ``batch`` rows, replayed back to back with
-    no engine work between (CUDA events): the device time of a step, launch gaps inside the graph included. Beside
-    the timed run's wall time per step it splits a step into the device's part and the host's (scheduling,
-    sampling read-back, graph launch). After the run: the replays rewrite the last step's KV rows and GDN slots,
-    which no running sequence holds any more. None without a captured graph."""
-    graphs = getattr(engine, "decode_graphs", None)
-    if graphs is None or not torch.cuda.is_available():
-        return None
-    bucket = graphs._buckets.get(graphs._key(batch, total_len))
-    if bucket is None or bucket.graph is None:
-        return None
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        bucket.graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def profile_step(name: str, runner, args: argparse.Namespace, warm: bool = True) -> dict:
@@ -414,8 +384,8 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 TABLE_HEADER = (
-    "\n| engine | batch | prompt | new | wall s | tok/s | decode tok/s | roofline tok/s | of roofline | step ms "
-    "| graph replay ms | TTFT s | warm-up s | peak GB | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "\n| engine | batch | prompt | new | wall s | tok/s | decode tok/s | roofline tok/s | of roofline | TTFT s "
+    "| warm-up s | peak GB | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -423,8 +393,7 @@ def print_row(c: Cell) -> None:
     print(
         f"| {c.engine} | {c.batch} | {c.prompt_len} | {c.new_tokens} | {_fmt(c.wall_s, '.3f')} | "
         f"{_fmt(c.tokens_per_s, '.1f')} | {_fmt(c.decode_tokens_per_s, '.1f')} | "
-        f"{_fmt(c.roofline_tokens_per_s, '.0f')} | {_fmt(c.roofline_fraction, '.1%')} | {_fmt(c.step_ms, '.2f')} | "
-        f"{_fmt(c.replay_ms, '.2f')} | {_fmt(c.ttft_s, '.3f')} | "
+        f"{_fmt(c.roofline_tokens_per_s, '.0f')} | {_fmt(c.roofline_fraction, '.1%')} | {_fmt(c.ttft_s, '.3f')} | "
         f"{_fmt(c.warmup_s, '.2f')} | {_fmt(c.peak_gb, '.2f')} | {'; '.join(x for x in (c.graphs, c.note) if x)} |",
         flush=True,
     )
