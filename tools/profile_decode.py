@@ -10,8 +10,13 @@ inside it (``PagedStepView``), the sampler and the rest of the engine's host wor
 ``--graph-split`` (CUDA, decode graphs on): a decode step's wall time in the engine against its bucket's graph
 replayed alone (the difference is host work left on the critical path), then the kernels of one step of that
 bucket run eagerly, by total device time.
+``--host-only`` (any machine): the engine's own host work per decode step, with the model's forward and the draw
+stubbed out (preallocated logits and tokens) and decode steps served from the bucket buffers as on a GPU
+(``enable_decode_graphs(capture=False)``: the decode-graph host code, nothing replayed). What a step costs the host
+at a GPU workload's batch and context, measured without the GPU.
 
 python tools/profile_decode.py --graph-split --model qwen3_0p6b --prompts 64 --group 1 --prompt-len 512
+python tools/profile_decode.py --host-only --model qwen3p5_small_hybrid_moe --prompts 32 --group 1 --prompt-len 4096
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="--split: uninstrumented runs (best is reported)")
     parser.add_argument("--graph-split", action="store_true", help="decode step vs its graph replayed alone (CUDA)")
     parser.add_argument("--steps", type=int, default=50, help="--graph-split: decode steps timed")
+    parser.add_argument("--host-only", action="store_true", help="host ms per decode step, forward and draw stubbed")
     args = parser.parse_args(argv)
 
     from megatron_iso.inference.engine import EngineConfig, RolloutEngine
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.graph_split:
             return _graph_split(engine, prompts, args)
+        if args.host_only:
+            return _host_only(engine, run, args)
         with torch.no_grad():
             run("warm")
             if args.split:
@@ -148,6 +156,43 @@ def _split(engine, run, args) -> int:
     if args.rows:
         stats.sort_stats("tottime").print_stats(args.rows)
     _op_counts(run, nsteps)
+    return 0
+
+
+def _host_only(engine, run, args) -> int:
+    """Host milliseconds per engine step with the forward and the draw costing nothing: the forward returns a view of
+    one zero row (a long prefill allocates nothing), the draw preallocated token 0 (no request stops early)."""
+    model, rows = engine.model, args.prompts * args.group
+    vocab = int(getattr(model.config, "padded_vocab_size", 0) or model.config.vocab_size)
+    zero_row = torch.zeros(1, vocab)
+
+    def forward(ids: torch.Tensor, _batch: object) -> torch.Tensor:
+        return zero_row.expand(ids.numel(), vocab)
+
+    model.forward_packed = engine.forward_fn = forward
+    graphs = engine.enable_decode_graphs(capture=False)
+    tokens, logprobs = torch.zeros(rows, dtype=torch.long), torch.zeros(rows)
+    engine.drawer.plain = lambda logits, *_: (tokens[: logits.shape[0]], logprobs[: logits.shape[0]])
+    step = engine.step
+    decode: list[float] = []  # engine steps that launched a decode step from the bucket buffers (no prefill)
+
+    def timed_step():
+        served, t0 = graphs.steps, time.perf_counter()
+        out = step()
+        if graphs.steps > served and engine.stats.prefill_tokens == prefilled[0]:
+            decode.append((time.perf_counter() - t0) * 1e3)
+        prefilled[0] = engine.stats.prefill_tokens
+        return out
+
+    prefilled = [engine.stats.prefill_tokens]
+    engine.step = timed_step
+    run("host_")
+    decode.sort()
+    print(
+        f"model={args.model} profile={args.profile} rows={rows} prompt={args.prompt_len} new={args.new_tokens}: "
+        f"host {decode[len(decode) // 2]:.3f} ms per decode step (median of {len(decode)}, "
+        f"p90 {decode[int(len(decode) * 0.9)]:.3f}); {graphs.steps} steps from the bucket buffers"
+    )
     return 0
 
 
