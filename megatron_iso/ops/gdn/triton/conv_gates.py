@@ -39,12 +39,12 @@ def _sequence_of_row(cu_ptr, r, N):
 @triton.jit
 def _conv_kernel(
     x_ptr, w_ptr, y_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD, SX, N,
-    K: tl.constexpr, HAS_STATE: tl.constexpr, STATE_WRITE: tl.constexpr, BC: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_STATE: tl.constexpr, STATE_WRITE: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """One packed row, BC channels: silu(sum_j w[:, j] x[t-K+1+j]); history from the conv state. ``x`` rows are SX
     elements apart (a column slice of the input projection reads in place). ``STATE_WRITE`` (every sequence one row:
-    a decode step) also shifts the row's conv state by one, its new last column the row's input: what
-    ``_conv_state_kernel`` writes, without a second launch (no other program reads this state: one row each)."""
+    a decode step) also writes the row's conv state (:func:`_write_conv_state` with one row), without
+    ``_conv_state_kernel``'s second launch (no other program reads this state: one row each)."""
     r = tl.program_id(0).to(tl.int64)
     oc = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = oc < CD
@@ -68,30 +68,14 @@ def _conv_kernel(
     y = tl.math.div_rn(acc, 1.0 + tl.exp(-acc))
     tl.store(y_ptr + r * CD + oc, y.to(y_ptr.dtype.element_ty), mask=mc)
     if STATE_WRITE:
-        # Column jj of the new window holds input idx = jj - (K - 2) relative to this row: the row itself for the
-        # last column, older inputs from the old state's column K - 1 + idx (zeros for a fresh sequence). Column jj
-        # is written after column jj + 1 is read, never before.
-        for jj in tl.static_range(K - 1):
-            if jj == K - 2:
-                val = tl.load(x_ptr + r * SX + oc, mask=mc, other=0.0).to(cs_ptr.dtype.element_ty)
-            else:
-                val = tl.load(cs_ptr + (slot * CD + oc) * (K - 1) + jj + 1, mask=mc & warm, other=0.0)
-            tl.store(cs_ptr + (slot * CD + oc) * (K - 1) + jj, val, mask=mc)
+        _write_conv_state(x_ptr, cs_ptr, r, 1, warm, slot, oc, mc, CD, SX, K, KP)
 
 
 @triton.jit
-def _conv_state_kernel(
-    x_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD, SX,
-    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
-):  # fmt: skip
-    """conv_state[slot] = the sequence's last K-1 inputs (older ones from the state or zeros)."""
-    i = tl.program_id(0)
-    oc = tl.program_id(1) * BC + tl.arange(0, BC)
-    mc = oc < CD
-    a = tl.load(cu_ptr + i).to(tl.int64)
-    n = tl.load(cu_ptr + i + 1).to(tl.int64) - a
-    warm = tl.load(starts_ptr + i) > 0
-    slot = tl.load(slots_ptr + i).to(tl.int64)
+def _write_conv_state(x_ptr, cs_ptr, a, n, warm, slot, oc, mc, CD, SX, K: tl.constexpr, KP: tl.constexpr):
+    """conv_state[slot] (channels ``oc``) = the last K-1 inputs of the sequence whose ``n`` rows of this call start
+    at row ``a``: rows of the call, older ones from the old state (zeros unless ``warm``). Every value is loaded
+    before the one store, so a state this program also read is replaced only after."""
     jj = tl.arange(0, KP)
     mj = jj < K - 1
     idx = n - (K - 1) + jj  # row inside the call (< 0: from the old state, column K-1+idx)
@@ -104,6 +88,21 @@ def _conv_state_kernel(
     )
     val = tl.where(idx[None, :] >= 0, xr.to(cs_ptr.dtype.element_ty), old)
     tl.store(cs_ptr + (slot * CD + oc[:, None]) * (K - 1) + jj[None, :], val, mask=m)
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr, cu_ptr, starts_ptr, slots_ptr, cs_ptr, CD, SX,
+    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """conv_state[slot] = the sequence's last K-1 inputs (older ones from the state or zeros)."""
+    i = tl.program_id(0)
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    a = tl.load(cu_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1).to(tl.int64) - a
+    warm = tl.load(starts_ptr + i) > 0
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    _write_conv_state(x_ptr, cs_ptr, a, n, warm, slot, oc, oc < CD, CD, SX, K, KP)
 
 
 @triton.jit
@@ -258,12 +257,12 @@ def _conv_forward(x, weight, cu_seqlens, conv_state, slots, starts):
     grid = (t, triton.cdiv(cd, tuning.CONV_BC))
     # One row per sequence (n == t: a decode step, the rule's own criterion) shifts the state in the same launch.
     one_row_each = has and n == t
+    kp = triton.next_power_of_2(max(kw - 1, 1))
     _conv_kernel[grid](
         x, weight.contiguous(), y, cu, st, sl, cs, cd, x.stride(0), n,
-        K=kw, HAS_STATE=has, STATE_WRITE=one_row_each, BC=tuning.CONV_BC,
+        K=kw, KP=kp, HAS_STATE=has, STATE_WRITE=one_row_each, BC=tuning.CONV_BC,
     )  # fmt: skip
     if has and not one_row_each:
-        kp = triton.next_power_of_2(max(kw - 1, 1))
         _conv_state_kernel[(n, triton.cdiv(cd, tuning.CONV_BC))](
             x, cu, st, sl, conv_state, cd, x.stride(0), K=kw, KP=kp, BC=tuning.CONV_BC
         )
