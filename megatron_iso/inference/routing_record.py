@@ -39,13 +39,17 @@ def enable_routing_record(kv: PagedKVCache, config) -> None:
     kv.routes = torch.full(shape, -1, dtype=dtype, device=device)
 
 
-def record_step_routing(routes: torch.Tensor, write_idx: torch.Tensor, layer: int, experts: torch.Tensor) -> None:
-    """Layer ``layer``'s experts ``[T, k]`` of a step's ``T`` rows, written at the rows their keys go to."""
+def _check_rows(experts: torch.Tensor, write_idx: torch.Tensor) -> None:
     if experts.shape[0] != write_idx.numel():
         raise ValueError(
             f"routing record: the router routed {experts.shape[0]} rows, the step writes {write_idx.numel()} keys "
             "(sequence parallelism is not supported)"
         )
+
+
+def record_step_routing(routes: torch.Tensor, write_idx: torch.Tensor, layer: int, experts: torch.Tensor) -> None:
+    """Layer ``layer``'s experts ``[T, k]`` of a step's ``T`` rows, written at the rows their keys go to."""
+    _check_rows(experts, write_idx)
     routes.view(-1, *routes.shape[2:])[write_idx, layer] = experts.to(routes.dtype)
 
 
@@ -54,18 +58,11 @@ def record_step_routing_all(routes: torch.Tensor, write_idx: torch.Tensor, exper
     form one contiguous run in one stacked write (a decode step records all its layers in three launches, not two
     per layer), any others one by one."""
     layers = sorted(experts)
-    if not layers:
-        return
-    first, count = layers[0], len(layers)
-    if layers == list(range(first, first + count)) and len({e.shape for e in experts.values()}) == 1:
-        rows = experts[first].shape[0]
-        if rows != write_idx.numel():
-            raise ValueError(
-                f"routing record: the router routed {rows} rows, the step writes {write_idx.numel()} keys "
-                "(sequence parallelism is not supported)"
-            )
+    for layer in layers:
+        _check_rows(experts[layer], write_idx)
+    if layers and layers == list(range(layers[0], layers[0] + len(layers))):
         block = torch.stack([experts[i] for i in layers], dim=1).to(routes.dtype)  # [T, layers, k]
-        routes.view(-1, *routes.shape[2:])[write_idx, first : first + count] = block
+        routes.view(-1, *routes.shape[2:])[write_idx, layers[0] : layers[-1] + 1] = block
         return
     for layer in layers:
         record_step_routing(routes, write_idx, layer, experts[layer])
