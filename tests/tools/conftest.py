@@ -1,12 +1,11 @@
 """Fixtures of the tools' tests: the bench scripts are files under tools/, not package modules."""
 
 import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from tests.tools.tool_module import TOOLS
 
 
 @pytest.fixture

@@ -4,12 +4,11 @@ Python; it does not type-check loop-carried values, constexpr branches or the la
 argument equal to 1 becomes a constant), which the GPU compile does. Each wrapper is called as the model calls it:
 strided projection slices, a decode step (one row per sequence, one sequence: N specialised to 1), a prefill."""
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.tools.tool_module import load_tool
 
 pytest.importorskip("triton")
 
@@ -18,12 +17,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "kernel_resources", Path(__file__).parents[2] / "tools" / "kernel_resources.py"
-)
-kr = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = kr
-_spec.loader.exec_module(kr)
+kr = load_tool("kernel_resources")
 
 
 def _compiled(call) -> dict:

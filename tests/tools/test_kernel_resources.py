@@ -3,24 +3,19 @@ bundled ptxas and cuobjdump) through the launch's own binding. The parked tile i
 loop without spills; if a compiler change brings spills back into its loop, this fails here rather than only in a
 GPU timing."""
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.tools.tool_module import load_tool
 
 pytest.importorskip("triton")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the GPU: not under TRITON_INTERPRET=1", allow_module_level=True)
 
-_spec = importlib.util.spec_from_file_location(
-    "kernel_resources", Path(__file__).parents[2] / "tools" / "kernel_resources.py"
-)
-kr = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = kr  # its dataclass looks its module up there
-_spec.loader.exec_module(kr)
+kr = load_tool("kernel_resources")
 
 
 def test_parked_prefill_tile_has_no_spill_in_its_key_loop() -> None:

@@ -2,17 +2,11 @@
 stubbed, every decode step is served from the bucket buffers (the decode-graph host code), and the line reports
 host milliseconds per decode step."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "profile_decode", Path(__file__).parents[2] / "tools" / "profile_decode.py"
-)
-tool = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tool
-_spec.loader.exec_module(tool)
+from tests.tools.tool_module import load_tool
+
+tool = load_tool("profile_decode")
 
 
 def test_host_only_times_the_engine_without_its_forward(capsys) -> None:
